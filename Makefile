@@ -1,0 +1,32 @@
+# Two commands: `make demo` and `make test`. Both bootstrap from nothing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.meshscope-installed
+
+.PHONY: demo test system-deps bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned, so pip takes the CPU wheel on this machine's disk and not a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,ui]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/meshscope run --config configs/demo.toml
+
+system-deps:
+	scripts/install-system-deps.sh
+
+test: $(STAMP) system-deps
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/comm_breakdown.py
+
+clean:
+	rm -rf $(VENV) runs .stack

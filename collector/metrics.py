@@ -1,0 +1,121 @@
+"""Every Prometheus family meshscope exports, declared once: the source of truth of the catalogue.
+
+Topology (run, rank, node) comes from target labels in `targets.json`, never from metric labels;
+labels here are intrinsic and bounded (phase, kind, layer, expert, detector, type, peer).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from collector.schema import StepRecord
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PHASES = ("forward", "backward", "optimizer", "comm_exposed", "data")
+FAULT_KINDS = ("dead_rank", "hang", "nonfinite", "injected")
+ANOMALY_TYPES = ("straggler", "comm", "expert_imbalance", "loss_spike", "nan", "memory", "multivariate")
+
+
+class MeshscopeMetrics:
+    """The metric families of one process, registered on `registry`."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        r = registry
+        self.step_duration = Histogram(
+            "meshscope_step_duration_seconds", "Wall time of one training step on this rank.",
+            buckets=STEP_BUCKETS, registry=r)
+        self.step_phase = Gauge(
+            "meshscope_step_phase_seconds", "Last step's time per phase.", ["phase"], registry=r)
+        self.steps = Counter("meshscope_steps", "Training steps completed.", registry=r)
+        self.tokens = Counter("meshscope_tokens", "Tokens processed; tokens/s = rate().", registry=r)
+        self.comm_ratio = Gauge(
+            "meshscope_comm_ratio", "Exposed communication time / step time (0..1).", registry=r)
+        self.comm_seconds = Counter(
+            "meshscope_comm_seconds", "Gradient communication time; kind=total|exposed.", ["kind"],
+            registry=r)
+        self.comm_bytes = Counter(
+            "meshscope_comm_bytes",
+            "Gradient bytes: raw before compression, wire as sent by this rank.", ["kind"], registry=r)
+        self.loss = Gauge("meshscope_loss", "Last step's training loss.", registry=r)
+        self.grad_norm = Gauge("meshscope_grad_norm", "Last step's global gradient norm.", registry=r)
+        self.memory = Gauge(
+            "meshscope_memory_bytes", "Memory; kind=allocated|reserved (device), rss (host).",
+            ["kind"], registry=r)
+        self.expert_tokens = Counter(
+            "meshscope_expert_tokens", "Tokens routed to an expert, summed over ranks.",
+            ["layer", "expert"], registry=r)
+        self.expert_load = Gauge(
+            "meshscope_expert_load_ratio",
+            "Expert's share of the layer's tokens times the number of experts (1 = balanced).",
+            ["layer", "expert"], registry=r)
+        self.expert_imbalance = Gauge(
+            "meshscope_expert_imbalance_ratio", "Max / mean expert load of a layer.", ["layer"],
+            registry=r)
+        self.heartbeat_age = Gauge(
+            "meshscope_heartbeat_age_seconds", "Seconds since a peer's last heartbeat.", ["peer"],
+            registry=r)
+        self.faults = Counter("meshscope_faults", "Faults seen, by kind.", ["kind"], registry=r)
+        self.restarts = Counter("meshscope_restarts", "Elastic restarts of this job.", registry=r)
+        self.recovery = Gauge(
+            "meshscope_recovery_seconds", "Time of the last recovery, failure to first step.",
+            registry=r)
+        self.anomaly_score = Gauge(
+            "meshscope_anomaly_score", "Latest anomaly score (higher = more anomalous).",
+            ["detector"], registry=r)
+        self.anomalies = Counter("meshscope_anomalies", "Anomalies opened, by type.", ["type"],
+                                 registry=r)
+        self.run_info = Info("meshscope_run", "What this run is.", registry=r)
+        self._touch_known_children()
+
+    def _touch_known_children(self) -> None:
+        """Create bounded label sets up front so every series exists from the first scrape."""
+        for phase in PHASES:
+            self.step_phase.labels(phase=phase)
+        for kind in ("total", "exposed"):
+            self.comm_seconds.labels(kind=kind)
+        for kind in ("raw", "wire"):
+            self.comm_bytes.labels(kind=kind)
+        for kind in ("allocated", "reserved", "rss"):
+            self.memory.labels(kind=kind)
+        for kind in FAULT_KINDS:
+            self.faults.labels(kind=kind)
+        for kind in ANOMALY_TYPES:
+            self.anomalies.labels(type=kind)
+
+    def describe_run(self, *, device: str, backend: str, world_size: int, compression: str,
+                     version: str) -> None:
+        self.run_info.info({"device": device, "backend": backend, "world_size": str(world_size),
+                            "compression": compression, "version": version})
+
+    def observe_step(self, rec: StepRecord) -> None:
+        self.step_duration.observe(rec.step_s)
+        for phase, value in (("forward", rec.forward_s), ("backward", rec.backward_s),
+                             ("optimizer", rec.optimizer_s), ("comm_exposed", rec.comm_exposed_s),
+                             ("data", rec.data_s)):
+            self.step_phase.labels(phase=phase).set(value)
+        self.steps.inc()
+        self.tokens.inc(rec.tokens)
+        self.comm_ratio.set(rec.comm_ratio)
+        self.comm_seconds.labels(kind="total").inc(rec.comm_total_s)
+        self.comm_seconds.labels(kind="exposed").inc(rec.comm_exposed_s)
+        self.comm_bytes.labels(kind="raw").inc(rec.bytes_raw)
+        self.comm_bytes.labels(kind="wire").inc(rec.bytes_wire)
+        self.loss.set(rec.loss)
+        self.grad_norm.set(rec.grad_norm)
+        self.memory.labels(kind="allocated").set(rec.mem_allocated)
+        self.memory.labels(kind="reserved").set(rec.mem_reserved)
+        self.memory.labels(kind="rss").set(rec.mem_rss)
+
+    def observe_experts(self, added: Sequence[Sequence[float]]) -> None:
+        """Export one window of expert tokens, `added[layer][expert]`, already summed over ranks."""
+        for layer, row in enumerate(added):
+            total = float(sum(row))
+            n = len(row)
+            for expert, tokens in enumerate(row):
+                labels = {"layer": str(layer), "expert": str(expert)}
+                self.expert_tokens.labels(**labels).inc(float(tokens))
+                share = (float(tokens) / total * n) if total > 0 else 0.0
+                self.expert_load.labels(**labels).set(share)
+            if total > 0:
+                self.expert_imbalance.labels(layer=str(layer)).set(max(row) / (total / n))

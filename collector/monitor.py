@@ -1,0 +1,291 @@
+"""`Monitor`: what a user adds to any torchrun training loop to get meshscope's metrics.
+
+No host-device sync is forced per step: phase times are probe marks and logged scalars are kept
+as tensors until the Monitor materialises records, every step on the host and every
+`sync_every` steps on an accelerator. Every sync point is marked "# sync point".
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+
+from collector.comm import CommMeter, CommWindow, Hook, WireBytes, allreduce_wire_bytes, instrument_hook
+from collector.env import DistEnv
+from collector.exporter import port_for, serve_metrics, write_targets
+from collector.metrics import MeshscopeMetrics
+from collector.moe import find_moe_layers
+from collector.probe import DeviceProbe, HostProbe
+from collector.schema import Event, StepRecord
+from collector.store import RunStore
+
+log = logging.getLogger("meshscope.monitor")
+VERSION = "0.1.0"
+
+
+@dataclass(kw_only=True)
+class MonitorConfig:
+    """How a Monitor records. Built once at the edge and handed down."""
+
+    run_dir: Path
+    """Folder of this run: store.sqlite and targets.json live here."""
+    run_id: str = ""
+    """Run identifier; defaults to the run directory's name."""
+    metrics_port: int | None = 9400
+    """Base port of the per-rank /metrics exporter (port = base + local rank); None = no exporter."""
+    metrics_host: str = "127.0.0.1"
+    """Address the exporter binds to and the one written into targets.json."""
+    expert_every: int = 10
+    """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
+    sync_every: int = 10
+    """On accelerators, materialise records every this many steps (host: every step)."""
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        if not self.run_id:
+            self.run_id = self.run_dir.name
+        if self.expert_every < 1:
+            raise ValueError(f"MonitorConfig.expert_every must be >= 1, got {self.expert_every}")
+        if self.sync_every < 1:
+            raise ValueError(f"MonitorConfig.sync_every must be >= 1, got {self.sync_every}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"MonitorConfig.metrics_port must be a TCP port, got {self.metrics_port}")
+
+
+@dataclass
+class _Pending:
+    """A finished step whose numbers may still live on the device."""
+
+    step: int
+    tokens: int
+    wall_time: float
+    bounds: tuple[Any, Any]
+    phases: dict[str, tuple[Any, Any]]
+    comm: CommWindow
+    scalars: dict[str, Any] = field(default_factory=dict)
+
+
+class StepScope:
+    """Handed out by `Monitor.step()`: time named phases and log scalars."""
+
+    def __init__(self, probe: DeviceProbe) -> None:
+        self._probe = probe
+        self.phases: dict[str, tuple[Any, Any]] = {}
+        self.scalars: dict[str, Any] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self._probe.mark()
+        try:
+            yield
+        finally:
+            self.phases[name] = (start, self._probe.mark())
+
+    def log(self, **scalars: Any) -> None:
+        """Record loss, grad_norm, ...: tensors are kept as they are and read later."""
+        for key, value in scalars.items():
+            self.scalars[key] = value.detach() if isinstance(value, torch.Tensor) else value
+
+
+class Monitor:
+    """Per-process measurement: StepRecords to the store and to /metrics, expert load, events."""
+
+    def __init__(self, config: MonitorConfig, *, env: DistEnv | None = None,
+                 probe: DeviceProbe | None = None, registry: CollectorRegistry | None = None,
+                 store: RunStore | None = None, process_group: Any = None) -> None:
+        self.config = config
+        self.env = env or DistEnv()
+        self.probe = probe or HostProbe()
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = MeshscopeMetrics(self.registry)
+        self.store = store or RunStore(config.run_dir)
+        self.meter = CommMeter(self.probe)
+        self.process_group = process_group
+        self._pending: list[_Pending] = []
+        self._moe_layers: list[torch.nn.Module] = []
+        self._expert_acc: torch.Tensor | None = None
+        self._step = -1
+        self._server = None
+        self._closed = False
+        self._logged_keys: set[str] = set()
+        self._loss_was_finite = True
+        if config.metrics_port is not None:
+            self._start_exporter()
+
+    @classmethod
+    def from_env(cls, run_dir: str | Path, **kwargs: Any) -> "Monitor":
+        """Build a Monitor for this torchrun worker; keyword arguments go to MonitorConfig,
+        except `probe`, `registry` and `store`."""
+        extra = {k: kwargs.pop(k) for k in ("probe", "registry", "store", "process_group") if k in kwargs}
+        return cls(MonitorConfig(run_dir=Path(run_dir), **kwargs), env=DistEnv.from_environ(), **extra)
+
+    # --- set-up -------------------------------------------------------------------------
+    def _start_exporter(self) -> None:
+        port = port_for(self.config.metrics_port, self.env.local_rank)
+        self._server = serve_metrics(self.registry, port, self.config.metrics_host)
+        if self.env.local_rank == 0:
+            ports = {r: port_for(self.config.metrics_port, i)
+                     for i, r in enumerate(self.env.local_ranks())}
+            write_targets(self.config.run_dir, run_id=self.config.run_id,
+                          host=self.config.metrics_host, ports_by_rank=ports, node=self.env.node)
+
+    def describe_run(self, *, device: str, backend: str, compression: str) -> None:
+        """Fill `meshscope_run_info` and write a run_start event."""
+        self.metrics.describe_run(device=device, backend=backend, world_size=self.env.world_size,
+                                  compression=compression, version=VERSION)
+        if self.env.rank == 0:
+            self.event("run_start", detail={"device": device, "backend": backend,
+                                            "world_size": self.env.world_size,
+                                            "compression": compression})
+
+    def watch(self, model: torch.nn.Module, *, comm_hook: Hook | None = None,
+              hook_state: Any = None, wire_bytes: WireBytes | None = None) -> torch.nn.Module:
+        """Instrument a (DDP) model: time its gradient communication and read its MoE layers.
+
+        A DDP model gets `comm_hook` (default: plain all-reduce) wrapped with timing and byte
+        counting; register compression through here, not on the model. Returns the model.
+        """
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if comm_hook is None:
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+                comm_hook, wire_bytes = default_hooks.allreduce_hook, allreduce_wire_bytes
+            wire = wire_bytes or allreduce_wire_bytes
+            model.register_comm_hook(
+                hook_state, instrument_hook(comm_hook, self.meter, wire, self.env.world_size))
+        self._moe_layers = find_moe_layers(model)
+        for module in self._moe_layers:
+            module.register_forward_hook(self._count_experts)
+        return model
+
+    def _count_experts(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        counts = module.expert_token_counts.detach().to(torch.float64)
+        layer = self._moe_layers.index(module)
+        if self._expert_acc is None:
+            self._expert_acc = torch.zeros(len(self._moe_layers), counts.numel(),
+                                           dtype=torch.float64, device=counts.device)
+        self._expert_acc[layer] += counts  # stays on the device: no sync
+
+    # --- the step -------------------------------------------------------------------------
+    @contextmanager
+    def step(self, tokens: int = 0, step: int | None = None) -> Iterator[StepScope]:
+        """Measure one training step. `step` defaults to the previous one plus one."""
+        self._step = self._step + 1 if step is None else step
+        self.meter.take()  # communication outside a step (e.g. DDP's init broadcast) is not ours
+        scope = StepScope(self.probe)
+        wall, start = time.time(), self.probe.mark()
+        yield scope
+        pending = _Pending(step=self._step, tokens=tokens, wall_time=wall,
+                           bounds=(start, self.probe.mark()), phases=scope.phases,
+                           comm=self.meter.take(), scalars=scope.scalars)
+        self._pending.append(pending)
+        if self.should_sync_experts(self._step):
+            self._sync_experts(self._step)
+        if not self.probe.asynchronous or len(self._pending) >= self.config.sync_every:
+            self._materialise()
+
+    def should_sync_experts(self, step: int) -> bool:
+        return bool(self._moe_layers) and (step + 1) % self.config.expert_every == 0
+
+    def _sync_experts(self, step: int) -> None:
+        acc = self._expert_acc
+        if acc is None:
+            return
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(acc, group=self.process_group)  # the one collective the Monitor adds
+        table = acc.cpu().tolist()  # sync point: expert counts every `expert_every` steps
+        acc.zero_()
+        if self.env.rank == 0:  # summed over ranks: one rank exports (layer x expert series)
+            self.metrics.observe_experts(table)
+            self.store.add_expert_load(step, table)
+
+    def _materialise(self) -> None:
+        for p in self._pending:
+            self._emit(self._record(p))
+        self._pending.clear()
+
+    def _record(self, p: _Pending) -> StepRecord:
+        sec = self.probe.seconds  # sync point: reads device timers of finished steps
+        step_s = sec(*p.bounds)
+        phases = {name: sec(*span) for name, span in p.phases.items()}
+        comm_total, comm_exposed = self._comm_seconds(p)
+        scalars = {k: float(v) for k, v in p.scalars.items()}  # sync point: logged tensors
+        self._logged_keys = set(scalars)
+        mem = self.probe.memory()
+        return StepRecord(
+            run_id=self.config.run_id, rank=self.env.rank, world_size=self.env.world_size,
+            step=p.step, time=p.wall_time, step_s=step_s,
+            forward_s=phases.get("forward", 0.0), backward_s=phases.get("backward", 0.0),
+            optimizer_s=phases.get("optimizer", 0.0), data_s=phases.get("data", 0.0),
+            comm_total_s=comm_total, comm_exposed_s=comm_exposed,
+            comm_ratio=min(1.0, comm_exposed / step_s) if step_s > 0 else 0.0,
+            bytes_raw=p.comm.bytes_raw, bytes_wire=p.comm.bytes_wire,
+            loss=scalars.get("loss", math.nan), grad_norm=scalars.get("grad_norm", math.nan),
+            tokens=p.tokens, tokens_per_s=p.tokens / step_s if step_s > 0 else 0.0,
+            mem_allocated=mem.get("allocated", 0), mem_reserved=mem.get("reserved", 0),
+            mem_rss=mem.get("rss", 0))
+
+    def _comm_seconds(self, p: _Pending) -> tuple[float, float]:
+        """Total bucket communication time, and the part the step waited for after compute.
+
+        The last bucket's launch marks the end of backward compute; what remains of the
+        communication after it, up to the end of the backward phase, was exposed.
+        """
+        spans = [(a, b) for a, b in p.comm.spans if b is not None]
+        if not spans:
+            return 0.0, 0.0
+        sec = self.probe.seconds
+        total = sum(sec(a, b) for a, b in spans)
+        last_done = max((b for _, b in spans), key=lambda b: sec(p.bounds[0], b))
+        exposed = sec(p.comm.last_launch, last_done)
+        if "backward" in p.phases:
+            exposed = min(exposed, sec(p.comm.last_launch, p.phases["backward"][1]))
+        return total, exposed
+
+    def _emit(self, rec: StepRecord) -> None:
+        self.metrics.observe_step(rec)
+        self.store.add_step(rec)
+        finite = math.isfinite(rec.loss) or "loss" not in self._logged_keys
+        if not finite and self._loss_was_finite:  # one event when the loss turns non-finite
+            self.metrics.faults.labels(kind="nonfinite").inc()
+            self.event("nan", severity="critical", step=rec.step,
+                       detail={"what": "loss", "value": str(rec.loss)})
+        self._loss_was_finite = finite
+
+    # --- events and shutdown ----------------------------------------------------------------
+    def event(self, kind: str, *, severity: str = "info", step: int | None = None,
+              detail: dict[str, Any] | None = None) -> Event:
+        ev = Event(kind=kind, run_id=self.config.run_id, severity=severity, rank=self.env.rank,
+                   step=self._step if step is None else step, detail=detail or {})
+        self.store.add_event(ev)
+        return ev
+
+    def flush(self) -> None:
+        self._materialise()
+        self.store.flush()
+
+    def close(self) -> None:
+        """Materialise what is pending, commit the store and stop the exporter."""
+        if self._closed:
+            return
+        self._closed = True
+        self._materialise()
+        self.store.close()
+        if self._server is not None:
+            server, _thread = self._server
+            server.shutdown()
+            server.server_close()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,54 @@
+"""How the Monitor reads time and memory without knowing the device.
+
+The trainer's device layer supplies an accelerator probe (CUDA/NPU events); the host probe
+here serves CPUs and any loop that does not say otherwise.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Protocol
+
+
+class DeviceProbe(Protocol):
+    """Time points on the device's timeline and memory figures.
+
+    `mark()` must not block. `seconds(a, b)` may wait for the device (a sync point), so the
+    Monitor calls it only when it materialises records. `asynchronous` says whether marks
+    need such a wait at all.
+    """
+
+    asynchronous: bool
+
+    def mark(self) -> Any: ...
+
+    def seconds(self, start: Any, end: Any) -> float: ...
+
+    def memory(self) -> dict[str, int]: ...
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def host_rss_bytes() -> int:
+    """Resident set size of this process; 0 where /proc is not there."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class HostProbe:
+    """perf_counter timing and RSS: exact and free on the CPU."""
+
+    asynchronous = False
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return max(0.0, end - start)
+
+    def memory(self) -> dict[str, int]:
+        return {"allocated": 0, "reserved": 0, "rss": host_rss_bytes()}

@@ -1,0 +1,40 @@
+"""A run's headline figures, computed from the store's DataFrames (pure functions)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+
+def expert_imbalance(expert_load: pd.DataFrame) -> pd.DataFrame:
+    """Per (step, layer): max / mean expert tokens (1 = balanced)."""
+    if expert_load.empty:
+        return pd.DataFrame(columns=["step", "layer", "imbalance"])
+    g = expert_load.groupby(["step", "layer"])["tokens"]
+    out = (g.max() / g.mean()).rename("imbalance").reset_index()
+    return out
+
+
+def summarize(steps: pd.DataFrame, expert_load: pd.DataFrame | None = None) -> dict[str, float]:
+    """Throughput, step-time mean/p99, comm ratio, compression ratio and expert imbalance."""
+    if steps.empty:
+        return {}
+    span = steps["time"].max() - steps["time"].min()
+    last_step_s = steps.loc[steps["time"].idxmax(), "step_s"]
+    wall = span + last_step_s
+    wire = steps["bytes_wire"].sum()
+    out = {
+        "steps": float(steps["step"].nunique()),
+        "ranks": float(steps["rank"].nunique()),
+        "tokens_per_s": float(steps["tokens"].sum() / wall) if wall > 0 else math.nan,
+        "step_s_mean": float(steps["step_s"].mean()),
+        "step_s_p99": float(steps["step_s"].quantile(0.99)),
+        "comm_ratio_mean": float(steps["comm_ratio"].mean()),
+        "compression_ratio": float(steps["bytes_raw"].sum() / wire) if wire > 0 else math.nan,
+        "loss_first": float(steps.sort_values("step")["loss"].iloc[0]),
+        "loss_last": float(steps.sort_values("step")["loss"].iloc[-1]),
+    }
+    imb = expert_imbalance(expert_load if expert_load is not None else pd.DataFrame())
+    out["expert_imbalance_max"] = float(imb["imbalance"].max()) if not imb.empty else math.nan
+    out["expert_imbalance_mean"] = float(imb["imbalance"].mean()) if not imb.empty else math.nan
+    return out

@@ -1,0 +1,70 @@
+"""StepRecord and Event: the two records every meshscope component speaks."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+EVENT_KINDS = frozenset(
+    {"anomaly", "fault", "restart", "resume", "hang", "nan", "snapshot", "suggestion",
+     "injected", "run_start", "run_end", "checkpoint", "info"}
+)
+SEVERITIES = ("info", "warning", "critical")
+
+
+@dataclass(slots=True, kw_only=True)
+class StepRecord:
+    """One training step on one rank. Times in seconds, sizes in bytes."""
+
+    run_id: str
+    rank: int
+    world_size: int
+    step: int
+    time: float
+    step_s: float
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    data_s: float = 0.0
+    comm_total_s: float = 0.0
+    comm_exposed_s: float = 0.0
+    comm_ratio: float = 0.0
+    bytes_raw: int = 0
+    bytes_wire: int = 0
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    mem_allocated: int = 0
+    mem_reserved: int = 0
+    mem_rss: int = 0
+
+    def as_row(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+STEP_COLUMNS = tuple(f.name for f in dataclasses.fields(StepRecord))
+
+
+@dataclass(slots=True, kw_only=True)
+class Event:
+    """Something that happened: a fault, a restart, an anomaly, a snapshot...
+
+    `detail` is free-form JSON; each producer documents the keys it writes.
+    """
+
+    kind: str
+    run_id: str
+    severity: str = "info"
+    rank: int | None = None
+    step: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"Event.kind: {self.kind!r} is not one of {sorted(EVENT_KINDS)}")
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"Event.severity: {self.severity!r} is not one of {SEVERITIES}")

@@ -1,0 +1,197 @@
+"""The run store: one SQLite file per run (WAL), written by every rank while readers read.
+
+Writers queue records and a background thread commits them in batches, so the training loop
+never waits on the disk. Each batch is one transaction: a killed process loses at most the
+batch in flight, never the file.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from collector.schema import STEP_COLUMNS, Event, StepRecord
+
+STORE_NAME = "store.sqlite"
+
+_STEP_TYPES = {"run_id": "TEXT", "rank": "INTEGER", "world_size": "INTEGER", "step": "INTEGER"}
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS steps (
+  {", ".join(f"{c} {_STEP_TYPES.get(c, 'REAL')}" for c in STEP_COLUMNS)},
+  PRIMARY KEY (rank, step)
+);
+CREATE TABLE IF NOT EXISTS expert_load (
+  step INTEGER NOT NULL, layer INTEGER NOT NULL, expert INTEGER NOT NULL, tokens REAL NOT NULL,
+  PRIMARY KEY (step, layer, expert)
+);
+CREATE TABLE IF NOT EXISTS events (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, run_id TEXT NOT NULL,
+  kind TEXT NOT NULL, severity TEXT NOT NULL, rank INTEGER, step INTEGER, detail TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_kind ON events (kind, step);
+"""
+
+
+def store_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / STORE_NAME
+
+
+def _connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
+    if readonly:
+        if not path.exists():
+            raise FileNotFoundError(f"no run store at {path}")
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    else:
+        conn = sqlite3.connect(path, timeout=30, check_same_thread=False)
+    conn.execute("PRAGMA busy_timeout=30000")
+    return conn
+
+
+def open_store(run_dir: str | Path) -> sqlite3.Connection:
+    """Create the schema if needed (safe when all ranks do it at once) and return a connection."""
+    path = store_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = _connect(path)
+    for attempt in range(50):
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(_SCHEMA)
+            return conn
+        except sqlite3.OperationalError as err:  # another rank holds the lock while creating
+            if "locked" not in str(err) or attempt == 49:
+                raise
+            time.sleep(0.05)
+    return conn
+
+
+class RunStore:
+    """Batched, thread-backed writer for one process. `close()` flushes everything queued."""
+
+    def __init__(self, run_dir: str | Path, *, flush_interval_s: float = 0.5) -> None:
+        self.run_dir = Path(run_dir)
+        self._conn = open_store(self.run_dir)
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._flush_interval_s = flush_interval_s
+        self._flushed = threading.Event()
+        self._thread = threading.Thread(target=self._writer, name="meshscope-store", daemon=True)
+        self._thread.start()
+
+    def add_step(self, rec: StepRecord) -> None:
+        self._queue.put(("step", rec))
+
+    def add_event(self, event: Event) -> None:
+        self._queue.put(("event", event))
+
+    def add_expert_load(self, step: int, tokens: list[list[float]]) -> None:
+        self._queue.put(("experts", (step, tokens)))
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Block until everything queued so far is committed."""
+        done = threading.Event()
+        self._queue.put(("barrier", done))
+        done.wait(timeout)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+        self._conn.close()
+
+    def _writer(self) -> None:
+        stop = False
+        while not stop:
+            items: list[tuple[str, Any]] = []
+            deadline = time.monotonic() + self._flush_interval_s
+            while time.monotonic() < deadline:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                items.append(item)
+                if item[0] == "barrier":
+                    break
+            if items:
+                self._commit(items)
+
+    def _commit(self, items: list[tuple[str, Any]]) -> None:
+        steps, events, experts, barriers = [], [], [], []
+        for kind, payload in items:
+            if kind == "step":
+                steps.append(tuple(getattr(payload, c) for c in STEP_COLUMNS))
+            elif kind == "event":
+                events.append((payload.time, payload.run_id, payload.kind, payload.severity,
+                               payload.rank, payload.step, json.dumps(payload.detail, default=str)))
+            elif kind == "experts":
+                step, table = payload
+                experts.extend((step, layer, expert, float(tok))
+                               for layer, row in enumerate(table) for expert, tok in enumerate(row))
+            else:
+                barriers.append(payload)
+        with self._conn:  # one transaction per batch
+            if steps:
+                marks = ",".join("?" * len(STEP_COLUMNS))
+                self._conn.executemany(
+                    f"INSERT OR REPLACE INTO steps ({','.join(STEP_COLUMNS)}) VALUES ({marks})", steps)
+            if events:
+                self._conn.executemany(
+                    "INSERT INTO events (time, run_id, kind, severity, rank, step, detail) "
+                    "VALUES (?,?,?,?,?,?,?)", events)
+            if experts:
+                self._conn.executemany(
+                    "INSERT OR REPLACE INTO expert_load (step, layer, expert, tokens) "
+                    "VALUES (?,?,?,?)", experts)
+        for done in barriers:
+            done.set()
+
+
+def _read(run_dir: str | Path, sql: str, params: tuple = ()) -> pd.DataFrame:
+    conn = _connect(store_path(run_dir), readonly=True)
+    try:
+        return pd.read_sql_query(sql, conn, params=params)
+    finally:
+        conn.close()
+
+
+def load_steps(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
+    """All StepRecords of a run, ordered by step then rank."""
+    return _read(run_dir, "SELECT * FROM steps WHERE step > ? ORDER BY step, rank", (since_step,))
+
+
+def load_expert_load(run_dir: str | Path) -> pd.DataFrame:
+    """Expert tokens per (step, layer, expert), summed over ranks over the window ending at step."""
+    return _read(run_dir, "SELECT * FROM expert_load ORDER BY step, layer, expert")
+
+
+def load_events(run_dir: str | Path, kind: str | None = None) -> pd.DataFrame:
+    """Events, with `detail` decoded from JSON."""
+    if kind is None:
+        df = _read(run_dir, "SELECT * FROM events ORDER BY id")
+    else:
+        df = _read(run_dir, "SELECT * FROM events WHERE kind = ? ORDER BY id", (kind,))
+    df["detail"] = [json.loads(d) for d in df["detail"]]
+    return df
+
+
+def latest_step(run_dir: str | Path, rank: int = 0) -> int:
+    """Highest step recorded by `rank`, -1 when none (cheap enough to poll)."""
+    path = store_path(run_dir)
+    if not path.exists():
+        return -1
+    conn = _connect(path, readonly=True)
+    try:
+        row = conn.execute("SELECT MAX(step) FROM steps WHERE rank = ?", (rank,)).fetchone()
+    except sqlite3.OperationalError:  # schema not created yet
+        return -1
+    finally:
+        conn.close()
+    return -1 if row is None or row[0] is None else int(row[0])

@@ -1,0 +1,1 @@
+"""detectors: see DESIGN.md."""

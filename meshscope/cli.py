@@ -1,0 +1,118 @@
+"""`meshscope` command line: parse, build, run, close. The work lives in the packages."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from collector.exporter import PortInUseError
+from collector.report import summarize
+from collector.store import load_expert_load, load_steps, store_path
+from meshscope import launcher
+from trainer.config import ConfigError, RunConfig, load_config
+from trainer.device import DeviceUnavailable
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Observability and debugging for distributed (MoE) training.")
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+def _overrides(**flags: Any) -> dict[str, Any]:
+    """Flags that were given, as a nested dict over the config ("train.steps" -> train/steps)."""
+    out: dict[str, Any] = {}
+    for dotted, value in flags.items():
+        if value is None:
+            continue
+        node = out
+        *parents, leaf = dotted.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+@app.callback()
+def main() -> None:
+    """meshscope: instrumented training, detectors, tracer and boards."""
+
+
+@app.command()
+def run(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file"),
+    steps: Optional[int] = typer.Option(None, help="optimizer steps"),
+    nproc: Optional[int] = typer.Option(None, help="worker processes (default 4)"),
+    compression: Optional[str] = typer.Option(None, help="none | fp16 | powersgd | onebit"),
+    no_overlap: bool = typer.Option(False, "--no-overlap", help="all-reduce after backward"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | npu"),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="runs are created under this folder"),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="name of the run (default: timestamp)"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="base port; rank r = base + r"),
+    linger: Optional[float] = typer.Option(None, help="keep /metrics up N s after the last step"),
+) -> None:
+    """Train the reference MoE model under torchrun with meshscope watching."""
+    try:
+        cfg = load_config(config, _overrides(
+            train__steps=steps, nproc=nproc, train__compression=compression,
+            train__overlap=False if no_overlap else None, device=device, runs_root=run_dir,
+            run_id=run_id, metrics_port=metrics_port, linger_s=linger))
+        cfg = launcher.prepare_run(cfg)
+    except (ConfigError, DeviceUnavailable, PortInUseError) as err:
+        fail(str(err))
+    console.print(f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device}, "
+                  f"compression={cfg.train.compression}, overlap={cfg.train.overlap}")
+    console.print(f"  store    {store_path(cfg.run_dir)}")
+    console.print(f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
+                  f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})")
+    code = _train_with_progress(cfg)
+    if code != 0:
+        err_console.print(launcher.tail_log(cfg))
+        fail(f"training failed (exit {code}); logs in {cfg.run_dir / 'logs'}", code=1)
+    _print_summary(cfg)
+
+
+def _train_with_progress(cfg: RunConfig) -> int:
+    columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[stats]}"))
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("train", total=cfg.train.steps, stats="starting torchrun...")
+
+        def on_progress(done: int, last: dict) -> None:
+            stats = (f"loss {last.get('loss', math.nan):.3f}  "
+                     f"{last.get('tokens_per_s', 0) * cfg.nproc:,.0f} tok/s  "
+                     f"comm {last.get('comm_ratio', 0):.0%}") if last else ""
+            progress.update(task, completed=done, stats=stats)
+
+        return launcher.follow(cfg, launcher.launch(cfg), on_progress)
+
+
+def _print_summary(cfg: RunConfig) -> None:
+    s = summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
+    table = Table(title=f"run {cfg.run_id}", show_header=False)
+    rows = [
+        ("steps x ranks", f"{s['steps']:.0f} x {s['ranks']:.0f}"),
+        ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
+        ("step time mean / p99", f"{s['step_s_mean'] * 1e3:.1f} / {s['step_s_p99'] * 1e3:.1f} ms"),
+        ("comm ratio (exposed)", f"{s['comm_ratio_mean']:.1%}"),
+        ("compression ratio (raw / wire)", f"{s['compression_ratio']:.1f}x"),
+        ("loss first -> last", f"{s['loss_first']:.3f} -> {s['loss_last']:.3f}"),
+        ("expert imbalance max / mean", f"{s['expert_imbalance_max']:.2f} / {s['expert_imbalance_mean']:.2f}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    console.print(f"store: {store_path(cfg.run_dir)}")
+
+
+if __name__ == "__main__":
+    app()

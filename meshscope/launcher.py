@@ -1,0 +1,84 @@
+"""Launch the reference trainer under torchrun and follow it through the run store."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from collector.exporter import ensure_ports_free
+from collector.store import latest_step, load_steps
+from trainer.config import RunConfig
+from trainer.device import backend_environment, resolve_device
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + f"{os.getpid() % 10000:04d}"
+
+
+def prepare_run(cfg: RunConfig) -> RunConfig:
+    """Check device and ports, create the run directory, write the resolved config.
+
+    Raises DeviceUnavailable or PortInUseError with a message for the user.
+    """
+    resolve_device(cfg.device)
+    ensure_ports_free("127.0.0.1", [cfg.metrics_port + r for r in range(cfg.nproc)])
+    if not cfg.run_id:
+        cfg = cfg.model_copy(update={"run_id": new_run_id()})
+    cfg = cfg.model_copy(update={"runs_root": cfg.runs_root.resolve()})
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "logs").mkdir(exist_ok=True)
+    (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    return cfg
+
+
+def torchrun_command(cfg: RunConfig) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={cfg.nproc}", "--log-dir", str(cfg.run_dir / "logs" / "torchrun"),
+            "--redirects", "3", "-m", "trainer.worker", "--config", str(cfg.run_dir / "config.json")]
+
+
+def worker_environment(cfg: RunConfig) -> dict[str, str]:
+    kind = resolve_device(cfg.device).kind
+    env = dict(os.environ)
+    env.update(backend_environment(kind))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def launch(cfg: RunConfig) -> subprocess.Popen:
+    log = open(cfg.run_dir / "logs" / "launcher.log", "wb")
+    return subprocess.Popen(torchrun_command(cfg), env=worker_environment(cfg), stdout=log,
+                            stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+
+
+def follow(cfg: RunConfig, proc: subprocess.Popen,
+           on_progress: Callable[[int, dict], None], poll_s: float = 0.5) -> int:
+    """Poll the store until the workers exit; report (steps done, last rank-0 record)."""
+    seen = -1
+    while True:
+        done = proc.poll() is not None
+        step = latest_step(cfg.run_dir, rank=0)
+        if step > seen:
+            rows = load_steps(cfg.run_dir, since_step=step - 1)
+            last = rows[rows["rank"] == 0].iloc[-1].to_dict() if not rows.empty else {}
+            on_progress(step + 1, last)
+            seen = step
+        if done:
+            return proc.returncode
+        time.sleep(poll_s)
+
+
+def tail_log(cfg: RunConfig, lines: int = 30) -> str:
+    """The last lines of the workers' output, for an error message."""
+    parts = []
+    for path in sorted((cfg.run_dir / "logs").rglob("*.log")):
+        text = path.read_text(errors="replace").strip().splitlines()
+        if text:
+            parts.append(f"--- {path.relative_to(cfg.run_dir)}\n" + "\n".join(text[-lines:]))
+    return "\n".join(parts)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the e2e tests need, only when a binary is missing.
+set -euo pipefail
+need=()
+command -v prometheus >/dev/null || need+=(prometheus)
+command -v promtool >/dev/null || need+=(prometheus)
+command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
+command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
+if [ ${#need[@]} -eq 0 ]; then exit 0; fi
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+echo "installing Debian packages: ${need[*]}"
+$SUDO apt-get update -q
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${need[@]}"

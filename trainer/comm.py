@@ -1,0 +1,72 @@
+"""Gradient communication hooks: none, fp16, powersgd (torch's) and onebit (ours).
+
+Each is a `HookSpec`: the hook, its state, and how many bytes it puts on the wire per bucket,
+counted the same way for all (see collector.comm). The Monitor wraps the hook with timing.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from collector.comm import allreduce_sent_bytes, allreduce_wire_bytes, bucket_bytes
+from trainer.onebit import OneBitState, onebit_hook, onebit_wire_bytes
+
+# With one bucket as large as the model, communication starts only when backward is done:
+# the all-reduce-after-backward baseline, through the same DDP and hooks.
+NO_OVERLAP_BUCKET_MB = 1 << 16
+
+
+@dataclass
+class HookSpec:
+    name: str
+    hook: Callable[..., Any]
+    state: Any
+    wire_bytes: Callable[[Any, Any, int], int]
+
+
+def fp16_wire_bytes(state: Any, bucket: "dist.GradBucket", world_size: int) -> int:
+    return allreduce_sent_bytes(bucket_bytes(bucket) // 2, world_size)
+
+
+def powersgd_wire_bytes(state: powersgd.PowerSGDState, bucket: "dist.GradBucket",
+                        world_size: int) -> int:
+    """Mirror torch's PowerSGD: plain all-reduce while warming up; then P and Q all-reduces for
+    the matrices worth compressing, and one all-reduce of everything else."""
+    if state.iter < state.start_powerSGD_iter:
+        return allreduce_sent_bytes(bucket_bytes(bucket), world_size)
+    rank = state.matrix_approximation_rank
+    payload = 0
+    for grad in bucket.gradients():
+        size = grad.element_size()
+        if grad.ndim <= 1:
+            payload += grad.numel() * size
+            continue
+        rows, cols = grad.shape[0], grad.numel() // grad.shape[0]
+        compress, uncompressed, compressed = powersgd._should_compress(
+            rows, cols, rank, state.min_compression_rate)
+        payload += (compressed if compress else uncompressed) * size
+    return allreduce_sent_bytes(payload, world_size)
+
+
+def build_hook(name: str, *, process_group: Any = None, powersgd_rank: int = 4,
+               seed: int = 0) -> HookSpec:
+    """The communication hook called `name` (the `train.compression` values)."""
+    if name == "none":
+        return HookSpec(name, default_hooks.allreduce_hook, process_group, allreduce_wire_bytes)
+    if name == "fp16":
+        return HookSpec(name, default_hooks.fp16_compress_hook, process_group, fp16_wire_bytes)
+    if name == "powersgd":
+        state = powersgd.PowerSGDState(
+            process_group=process_group, matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True,
+            warm_start=True, random_seed=seed)
+        return HookSpec(name, powersgd.powerSGD_hook, state, powersgd_wire_bytes)
+    if name == "onebit":
+        return HookSpec(name, onebit_hook, OneBitState(process_group=process_group),
+                        onebit_wire_bytes)
+    raise ValueError(f"train.compression: unknown hook {name!r} (none, fp16, powersgd, onebit)")

@@ -1,0 +1,126 @@
+"""Typed configuration of a training run: TOML file, then flags, validated once.
+
+A bad value raises `ConfigError` whose message names the field (e.g. `train.steps`).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+Compression = Literal["none", "fp16", "powersgd", "onebit"]
+DeviceKind = Literal["auto", "cpu", "cuda", "npu"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """The MoE transformer language model."""
+
+    vocab_size: int = Field(128, gt=1, description="tokens in the vocabulary")
+    seq_len: int = Field(32, gt=1, description="tokens per sequence")
+    layers: int = Field(2, gt=0, description="transformer blocks, each with an MoE feed-forward")
+    d_model: int = Field(64, gt=0, description="hidden size")
+    heads: int = Field(4, gt=0, description="attention heads; must divide d_model")
+    experts: int = Field(4, gt=0, description="experts per MoE layer")
+    top_k: int = Field(2, gt=0, description="experts each token is routed to")
+    capacity_factor: float = Field(1.25, gt=0, description="expert capacity = factor x fair share")
+    ffn_mult: int = Field(2, gt=0, description="expert hidden size = ffn_mult x d_model")
+    aux_loss_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss")
+    z_loss_coef: float = Field(0.001, ge=0, description="weight of the router z-loss")
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "ModelConfig":
+        if self.d_model % self.heads:
+            raise ValueError(f"model.heads: {self.heads} does not divide d_model={self.d_model}")
+        if self.top_k > self.experts:
+            raise ValueError(f"model.top_k: {self.top_k} exceeds experts={self.experts}")
+        return self
+
+
+class TrainConfig(_Strict):
+    """The optimisation and its communication."""
+
+    steps: int = Field(50, gt=0, description="optimizer steps")
+    batch_size: int = Field(8, gt=0, description="sequences per rank per step")
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
+    seed: int = Field(0, ge=0, description="seed of model init and data")
+    compression: Compression = Field("none", description="gradient compression hook")
+    powersgd_rank: int = Field(4, gt=0, description="matrix approximation rank of PowerSGD")
+    overlap: bool = Field(True, description="bucketed all-reduce overlapping backward")
+    bucket_cap_mb: float = Field(1.0, gt=0, description="DDP bucket size when overlapping")
+    grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
+
+
+class RunConfig(_Strict):
+    """Everything `meshscope run` needs."""
+
+    run_id: str = Field("", description="defaults to a timestamp")
+    runs_root: Path = Field(Path("runs"), description="runs are created under this folder")
+    device: DeviceKind = Field("auto", description="auto = npu, else cuda, else cpu")
+    nproc: int = Field(4, gt=0, description="worker processes on this node")
+    metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
+    expert_every: int = Field(5, gt=0, description="sum expert load over ranks every N steps")
+    linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_root / self.run_id
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not str(p).startswith("function-after"))
+
+
+def _raise_config_error(err: ValidationError, source: str) -> None:
+    first = err.errors()[0]
+    msg = first["msg"].removeprefix("Value error, ")
+    field = _field_path(first["loc"])
+    raise ConfigError(f"{source}: {field + ': ' if field else ''}{msg}") from None
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read a TOML (or JSON) file, apply flag overrides, validate; ConfigError names the field."""
+    data: dict[str, Any] = {}
+    source = "flags"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
+        try:
+            data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+            raise ConfigError(f"{path}: not valid TOML/JSON: {err}") from None
+    try:
+        return RunConfig.model_validate(_merge(data, overrides or {}))
+    except ValidationError as err:
+        _raise_config_error(err, source)
+        raise  # unreachable

@@ -1,0 +1,138 @@
+"""The device layer: the one place that knows npu/cuda/cpu, their backends, timing and memory.
+
+`npu` (Ascend, torch_npu, hccl) when torch_npu imports and a device is there, else `cuda`
+(nccl), else `cpu` (gloo). Everything else in the trainer asks this module.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from collector.probe import HostProbe, host_rss_bytes
+
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+
+
+class DeviceUnavailable(RuntimeError):
+    """The requested device cannot be used here; the message says why."""
+
+
+def _torch_npu() -> Any | None:
+    """Import torch_npu if it works. It raises RuntimeError, not only ImportError, without CANN."""
+    try:
+        return importlib.import_module("torch_npu")
+    except (ImportError, RuntimeError, OSError):
+        return None
+
+
+def npu_count() -> int:
+    if _torch_npu() is None:
+        return 0
+    npu = getattr(torch, "npu", None)
+    return int(npu.device_count()) if npu is not None and npu.is_available() else 0
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str
+    index: int = 0
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.kind]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, self.index)
+
+    def activate(self) -> None:
+        """Bind this process to its device (before building the model or the process group)."""
+        if self.kind == "cuda":
+            torch.cuda.set_device(self.index)
+        elif self.kind == "npu":
+            torch.npu.set_device(self.index)  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        """Wait for the device: the only explicit sync in the trainer (checkpoints, benchmarks)."""
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.index)
+        elif self.kind == "npu":
+            torch.npu.synchronize(self.index)  # type: ignore[attr-defined]
+
+    def probe(self) -> Any:
+        """Timing and memory for the Monitor: events on accelerators, perf_counter on the host."""
+        return HostProbe() if self.kind == "cpu" else AcceleratorProbe(self)
+
+
+class AcceleratorProbe:
+    """Device events as time marks: recording is asynchronous, reading waits (a sync point)."""
+
+    asynchronous = True
+
+    def __init__(self, device: Device) -> None:
+        self._module = torch.cuda if device.kind == "cuda" else getattr(torch, "npu")
+        self._index = device.index
+
+    def mark(self) -> Any:
+        event = self._module.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        end.synchronize()  # sync point: only when the Monitor materialises finished steps
+        return max(0.0, start.elapsed_time(end) / 1000.0)
+
+    def memory(self) -> dict[str, int]:
+        return {"allocated": int(self._module.memory_allocated(self._index)),
+                "reserved": int(self._module.memory_reserved(self._index)),
+                "rss": host_rss_bytes()}
+
+
+def available_kinds() -> list[str]:
+    kinds = []
+    if npu_count():
+        kinds.append("npu")
+    if cuda_count():
+        kinds.append("cuda")
+    return kinds + ["cpu"]
+
+
+def resolve_device(requested: str = "auto", local_rank: int = 0) -> Device:
+    """Pick the device for this worker; an unavailable explicit request is a clear error."""
+    if requested == "auto":
+        requested = available_kinds()[0]
+    if requested == "cpu":
+        return Device("cpu")
+    if requested == "npu":
+        if _torch_npu() is None:
+            raise DeviceUnavailable(
+                "--device npu: torch_npu is not importable here (install torch_npu with Ascend's "
+                "CANN toolkit, or use --device cpu / cuda)")
+        count = npu_count()
+    elif requested == "cuda":
+        count = cuda_count()
+    else:
+        raise DeviceUnavailable(f"--device {requested}: unknown device (npu, cuda, cpu or auto)")
+    if count == 0:
+        raise DeviceUnavailable(f"--device {requested}: no {requested} device is visible")
+    return Device(requested, local_rank % count)
+
+
+def backend_environment(kind: str, *, timeout_s: int = 600) -> dict[str, str]:
+    """Environment the launcher gives workers for this device's collective library."""
+    env = {"OMP_NUM_THREADS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    if kind == "cpu":
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    elif kind == "npu":
+        env["HCCL_CONNECT_TIMEOUT"] = str(timeout_s)
+        env["HCCL_EXEC_TIMEOUT"] = str(timeout_s)
+    elif kind == "cuda":
+        env["TORCH_NCCL_BLOCKING_WAIT"] = "0"
+    return env

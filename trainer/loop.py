@@ -1,0 +1,71 @@
+"""The training loop. It reads like the algorithm; measurement goes through the Monitor."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from collector import Monitor
+from trainer.comm import NO_OVERLAP_BUCKET_MB, build_hook
+from trainer.config import RunConfig
+from trainer.data import SyntheticTokens
+from trainer.device import Device
+from trainer.model import MoELM
+
+
+@dataclass
+class TrainState:
+    model: torch.nn.Module
+    ddp: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    data: SyntheticTokens
+    hook_state: Any
+    step: int = 0
+
+
+def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size: int) -> TrainState:
+    """Model, DDP with the chosen hook (registered through the Monitor), optimizer and data."""
+    torch.manual_seed(cfg.train.seed)  # same init on every rank; DDP also broadcasts it
+    model = MoELM(cfg.model).to(device.torch_device)
+    if world_size > 1:
+        bucket_mb = cfg.train.bucket_cap_mb if cfg.train.overlap else NO_OVERLAP_BUCKET_MB
+        ddp = DDP(model, device_ids=None if device.kind == "cpu" else [device.index],
+                  bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+        spec = build_hook(cfg.train.compression, powersgd_rank=cfg.train.powersgd_rank,
+                          seed=cfg.train.seed)
+        mon.watch(ddp, comm_hook=spec.hook, hook_state=spec.state, wire_bytes=spec.wire_bytes)
+        hook_state = spec.state
+    else:
+        ddp, hook_state = model, None
+        mon.watch(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+    data = SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len,
+                           batch_size=cfg.train.batch_size, seed=cfg.train.seed, rank=rank,
+                           world_size=world_size)
+    return TrainState(model=model, ddp=ddp, optimizer=optimizer, data=data, hook_state=hook_state)
+
+
+def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device) -> None:
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    with mon.step(tokens=tokens, step=state.step) as s:
+        with s.phase("data"):
+            inputs, targets = state.data.batch(state.step)
+            inputs, targets = inputs.to(device.torch_device), targets.to(device.torch_device)
+        with s.phase("forward"):
+            logits = state.ddp(inputs)
+            loss, lm_loss = state.model.loss(logits, targets)
+        with s.phase("backward"):
+            loss.backward()
+        with s.phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)
+            state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=False)
+        s.log(loss=lm_loss, grad_norm=grad_norm)
+    state.step += 1
+
+
+def train(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device) -> None:
+    while state.step < cfg.train.steps:
+        train_step(state, mon, cfg, device)

@@ -1,0 +1,161 @@
+"""1-bit gradient compression with error feedback, as a two-phase compressed all-reduce.
+
+Phase 1 (scatter): each rank adds its error to the bucket, keeps sign bits plus one scale per
+destination chunk (mean |value|), remembers what it lost, and all-to-alls the packed chunks.
+Phase 2 (gather): each rank averages the W decoded copies of its own chunk, compresses that
+again with a second error-feedback buffer, and all-gathers it. Every rank sends about
+2 (W-1)/W x N/8 bytes against 2 (W-1)/W x 4N for an fp32 ring all-reduce: 1/32.
+The pure functions (`compress`, `decompress`, `pack_signs`, ...) carry the algorithm; the hook
+is the thin distributed shell around them.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from collector.comm import allgather_sent_bytes, alltoall_sent_bytes
+
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+_SCALE_BYTES = 4
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """1 bit per element (1 = non-negative); x.numel() must be a multiple of 8."""
+    bits = (x >= 0).to(torch.uint8).reshape(-1, 8)
+    return (bits * _BIT_WEIGHTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of pack_signs: +1 / -1 per element."""
+    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)).ne(0)
+    return bits.reshape(-1).to(dtype) * 2 - 1
+
+
+def compress(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [chunks * n] -> (packed signs [chunks, n/8], scales [chunks], decoded approximation)."""
+    view = x.reshape(chunks, -1)
+    scales = view.abs().mean(dim=1)
+    decoded = torch.where(view >= 0, 1.0, -1.0).to(x.dtype) * scales.unsqueeze(1)
+    return pack_signs(view).reshape(chunks, -1), scales, decoded.reshape(-1)
+
+
+def decompress(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """packed [c, n/8], scales [c] -> [c * n]."""
+    signs = unpack_signs(packed.reshape(-1), scales.dtype).reshape(scales.numel(), -1)
+    return (signs * scales.unsqueeze(1)).reshape(-1)
+
+
+def padded_length(n: int, world_size: int) -> int:
+    step = 8 * world_size
+    return (n + step - 1) // step * step
+
+
+def _to_message(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per chunk: sign bytes then the fp32 scale's bytes, as one uint8 row."""
+    scale_bytes = scales.to(torch.float32).contiguous().view(torch.uint8).reshape(-1, _SCALE_BYTES)
+    return torch.cat([packed, scale_bytes], dim=1).contiguous()
+
+
+def _from_message(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = msg[:, :-_SCALE_BYTES].contiguous()
+    scales = msg[:, -_SCALE_BYTES:].contiguous().view(torch.float32).reshape(-1)
+    return packed, scales
+
+
+@dataclass
+class OneBitState:
+    """Error-feedback buffers per bucket: `worker` (full bucket) and `server` (own chunk)."""
+
+    process_group: Any = None
+    error_feedback: bool = True
+    worker_error: dict[int, torch.Tensor] = field(default_factory=dict)
+    server_error: dict[int, torch.Tensor] = field(default_factory=dict)
+    _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    def executor(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit")
+        return self._executor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"worker": dict(self.worker_error), "server": dict(self.server_error)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.worker_error = dict(sd["worker"])
+        self.server_error = dict(sd["server"])
+
+
+def _with_error(state: OneBitState, store: dict[int, torch.Tensor], key: int,
+                x: torch.Tensor) -> torch.Tensor:
+    if not state.error_feedback:
+        return x
+    err = store.get(key)
+    if err is None or err.shape != x.shape:
+        err = store[key] = torch.zeros_like(x)
+    return x + err
+
+
+def _keep_error(state: OneBitState, store: dict[int, torch.Tensor], key: int,
+                corrected: torch.Tensor, decoded: torch.Tensor) -> None:
+    if state.error_feedback:
+        store[key] = corrected - decoded
+
+
+def onebit_allreduce(state: OneBitState, grad: torch.Tensor, key: int) -> torch.Tensor:
+    """Average `grad` over the group in place, 1 bit per element each way; returns grad."""
+    group = state.process_group
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    n = grad.numel()
+    padded = torch.zeros(padded_length(n, world), dtype=torch.float32, device=grad.device)
+    padded[:n] = grad.reshape(-1).to(torch.float32)
+    # Phase 1: compress the whole bucket, each rank receives every rank's copy of its chunk.
+    corrected = _with_error(state, state.worker_error, key, padded)
+    packed, scales, decoded = compress(corrected, world)
+    _keep_error(state, state.worker_error, key, corrected, decoded)
+    outgoing = _to_message(packed, scales)
+    incoming = torch.empty_like(outgoing)
+    dist.all_to_all_single(incoming, outgoing, group=group)
+    # Phase 2: average our chunk, compress it again, and share it with everyone.
+    mean_chunk = decompress(*_from_message(incoming)).reshape(world, -1).mean(dim=0)
+    corrected_chunk = _with_error(state, state.server_error, key, mean_chunk)
+    p2, s2, d2 = compress(corrected_chunk, 1)
+    _keep_error(state, state.server_error, key, corrected_chunk, d2)
+    mine = _to_message(p2, s2)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    chunks = [decompress(*_from_message(r)) for r in rows]
+    chunks[me] = d2
+    grad.copy_(torch.cat(chunks)[:n].reshape(grad.shape).to(grad.dtype))
+    return grad
+
+
+def onebit_hook(state: OneBitState, bucket: "dist.GradBucket") -> torch.futures.Future:
+    """DDP comm hook: runs `onebit_allreduce` on the state's single comm thread.
+
+    One thread issues every collective of this hook in bucket order, the order DDP launches
+    buckets on every rank, so the two phases of different buckets can never cross between
+    ranks, while backward goes on computing the next buckets.
+    """
+    fut: torch.futures.Future = torch.futures.Future()
+    grad, key = bucket.buffer(), bucket.index()
+
+    def run() -> None:
+        try:
+            fut.set_result(onebit_allreduce(state, grad, key))
+        except Exception as err:  # surfaces in DDP's wait instead of hanging the step
+            fut.set_exception(err)
+
+    state.executor().submit(run)
+    return fut
+
+
+def onebit_wire_bytes(state: OneBitState, bucket: "dist.GradBucket", world_size: int) -> int:
+    """Bytes this rank sends for one bucket: the all-to-all of packed chunks, then the gather."""
+    n = padded_length(bucket.buffer().numel(), world_size)
+    row = n // world_size // 8 + _SCALE_BYTES
+    return alltoall_sent_bytes(row * world_size, world_size) + allgather_sent_bytes(row, world_size)
