@@ -8,7 +8,7 @@ again with a second error-feedback buffer, and all-gathers it. Every rank sends 
 The pure functions (`compress`, `decompress`, `pack_signs`, ...) carry the algorithm; the hook
 is the thin distributed shell around them.
 """
-from __future__ import annotations
+
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -62,7 +62,7 @@ def _to_message(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def _from_message(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = msg[:, :-_SCALE_BYTES].contiguous()
-    scales = msg[:, -_SCALE_BYTES:].contiguous().view(torch.float32).reshape(-1)
+    scales = msg[:, -_SCALE_BYTES:].reshape(-1).clone().view(torch.float32)  # clone: aligned
     return packed, scales
 
 
@@ -134,14 +134,14 @@ def onebit_allreduce(state: OneBitState, grad: torch.Tensor, key: int) -> torch.
     return grad
 
 
-def onebit_hook(state: OneBitState, bucket: "dist.GradBucket") -> torch.futures.Future:
+def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: runs `onebit_allreduce` on the state's single comm thread.
 
     One thread issues every collective of this hook in bucket order, the order DDP launches
     buckets on every rank, so the two phases of different buckets can never cross between
     ranks, while backward goes on computing the next buckets.
     """
-    fut: torch.futures.Future = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     grad, key = bucket.buffer(), bucket.index()
 
     def run() -> None:
@@ -154,7 +154,7 @@ def onebit_hook(state: OneBitState, bucket: "dist.GradBucket") -> torch.futures.
     return fut
 
 
-def onebit_wire_bytes(state: OneBitState, bucket: "dist.GradBucket", world_size: int) -> int:
+def onebit_wire_bytes(state: OneBitState, bucket: dist.GradBucket, world_size: int) -> int:
     """Bytes this rank sends for one bucket: the all-to-all of packed chunks, then the gather."""
     n = padded_length(bucket.buffer().numel(), world_size)
     row = n // world_size // 8 + _SCALE_BYTES

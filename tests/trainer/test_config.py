@@ -1,0 +1,34 @@
+import pytest
+
+from trainer.config import ConfigError, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('nproc = 2\n[train]\nsteps = 7\ncompression = "fp16"\n')
+    cfg = load_config(path, {"train": {"steps": 9}})
+    assert (cfg.nproc, cfg.train.steps, cfg.train.compression) == (2, 9, "fp16")
+
+
+@pytest.mark.parametrize("text, field", [
+    ("[train]\nsteps = 0\n", "train.steps"),
+    ('[train]\ncompression = "zip"\n', "train.compression"),
+    ("[model]\nexperts = 2\ntop_k = 3\n", "model.top_k"),
+    ("[model]\nd_model = 30\nheads = 4\n", "model.heads"),
+    ("[model]\nlayerz = 3\n", "model.layerz"),
+    ("metrics_port = 70000\n", "metrics_port"),
+])
+def test_bad_value_names_the_field(tmp_path, text, field):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(path)
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
