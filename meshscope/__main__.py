@@ -1,0 +1,3 @@
+from meshscope.cli import app
+
+app()

@@ -1,0 +1,109 @@
+import json
+import math
+import socket
+
+import pytest
+import requests
+import torch
+from prometheus_client import CollectorRegistry
+
+from collector import Monitor, MonitorConfig
+from collector.env import DistEnv
+from collector.exporter import PortInUseError
+from collector.store import load_events, load_expert_load, load_steps
+from tests.helpers.ports import free_port_range
+
+
+class ToyMoE(torch.nn.Module):
+    """A user's own MoE layer: speaks the protocol with one attribute."""
+
+    def __init__(self, counts):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.counts = counts
+        self.expert_token_counts = torch.zeros(len(counts))
+
+    def forward(self, x):
+        self.expert_token_counts = torch.tensor(self.counts, dtype=torch.float32)
+        return self.lin(x)
+
+
+def make_monitor(tmp_path, **kw):
+    cfg = MonitorConfig(run_dir=tmp_path / "run", metrics_port=kw.pop("metrics_port", None), **kw)
+    return Monitor(cfg, registry=CollectorRegistry())
+
+
+def test_step_records_phases_scalars_and_lazy_tensors(tmp_path):
+    mon = make_monitor(tmp_path)
+    model = mon.watch(torch.nn.Sequential(ToyMoE([3, 1]), ToyMoE([2, 2])))
+    for step in range(4):
+        with mon.step(tokens=32) as s:
+            with s.phase("forward"):
+                out = model(torch.randn(2, 4)).sum()
+            with s.phase("backward"):
+                out.backward()
+            s.log(loss=torch.tensor(1.0 / (step + 1)), grad_norm=0.5)
+    mon.close()
+    steps = load_steps(tmp_path / "run")
+    assert steps["step"].tolist() == [0, 1, 2, 3]
+    assert (steps["step_s"] >= steps["forward_s"] + steps["backward_s"]).all()
+    assert steps["loss"].tolist() == pytest.approx([1, 0.5, 1 / 3, 0.25])
+    assert (steps["tokens"] == 32).all() and (steps["tokens_per_s"] > 0).all()
+    assert mon.registry.get_sample_value("meshscope_steps_total") == 4
+
+
+def test_expert_counts_are_summed_every_k_steps(tmp_path):
+    mon = make_monitor(tmp_path, expert_every=2)
+    model = mon.watch(torch.nn.Sequential(ToyMoE([3, 1]), ToyMoE([2, 2])))
+    for _ in range(4):
+        with mon.step(tokens=4):
+            model(torch.randn(1, 4))
+    mon.close()
+    df = load_expert_load(tmp_path / "run")
+    assert sorted(df["step"].unique()) == [1, 3]
+    at1 = df[df["step"] == 1].sort_values(["layer", "expert"])["tokens"].tolist()
+    assert at1 == [6, 2, 4, 4]  # two steps of counts, per layer and expert
+    get = mon.registry.get_sample_value
+    assert get("meshscope_expert_tokens_total", {"layer": "0", "expert": "0"}) == 12
+    assert get("meshscope_expert_imbalance_ratio", {"layer": "0"}) == 1.5
+
+
+def test_non_finite_loss_is_one_event_and_a_fault(tmp_path):
+    mon = make_monitor(tmp_path)
+    for step, loss in enumerate([1.0, math.nan, math.inf, 1.0, math.nan]):
+        with mon.step() as s:
+            s.log(loss=torch.tensor(loss))
+    mon.close()
+    events = load_events(tmp_path / "run", kind="nan")
+    assert events["step"].tolist() == [1, 4]
+    assert mon.registry.get_sample_value("meshscope_faults_total", {"kind": "nonfinite"}) == 2
+
+
+def test_exporter_serves_metrics_and_writes_targets(tmp_path):
+    port = free_port_range(2)
+    env = DistEnv(rank=2, world_size=4, local_rank=0, local_world_size=2, node="n1")
+    mon = Monitor(MonitorConfig(run_dir=tmp_path / "run", run_id="abc", metrics_port=port),
+                  env=env, registry=CollectorRegistry())
+    with mon.step(tokens=8):
+        pass
+    body = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    assert "meshscope_steps_total 1.0" in body
+    targets = json.loads((tmp_path / "run" / "targets.json").read_text())
+    assert [t["targets"] for t in targets] == [[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]
+    assert [t["labels"]["rank"] for t in targets] == ["2", "3"]
+    assert targets[0]["labels"] == {"job": "meshscope", "run": "abc", "rank": "2", "node": "n1"}
+    mon.close()
+
+
+def test_busy_port_is_a_clear_error(tmp_path):
+    port = free_port_range(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        with pytest.raises(PortInUseError, match=f"metrics port {port}.*--metrics-port"):
+            make_monitor(tmp_path, metrics_port=port)
+
+
+def test_bad_monitor_config_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match="expert_every"):
+        MonitorConfig(run_dir=tmp_path, expert_every=0)

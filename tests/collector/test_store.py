@@ -1,0 +1,77 @@
+import multiprocessing as mp
+import os
+import signal
+import sqlite3
+import time
+
+from collector.schema import Event, StepRecord
+from collector.store import RunStore, latest_step, load_events, load_expert_load, load_steps, store_path
+
+
+def rec(rank, step, **kw):
+    return StepRecord(run_id="r", rank=rank, world_size=3, step=step, time=time.time(),
+                      step_s=0.1, loss=1.0 / (step + 1), **kw)
+
+
+def _writer(run_dir, rank, steps, pause):
+    store = RunStore(run_dir, flush_interval_s=0.05)
+    for step in range(steps):
+        store.add_step(rec(rank, step))
+        if pause:
+            time.sleep(pause)
+    store.add_event(Event(kind="info", run_id="r", rank=rank, detail={"done": rank}))
+    store.close()
+
+
+def test_all_ranks_write_while_a_reader_reads(tmp_path):
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(tmp_path, r, 200, 0.001)) for r in range(3)]
+    for p in procs:
+        p.start()
+    seen = []
+    while any(p.is_alive() for p in procs):
+        if store_path(tmp_path).exists():
+            seen.append(len(load_steps(tmp_path)))
+        time.sleep(0.05)
+    for p in procs:
+        assert p.exitcode == 0
+    steps = load_steps(tmp_path)
+    assert len(steps) == 600
+    assert steps.groupby("rank")["step"].nunique().tolist() == [200, 200, 200]
+    assert seen and seen == sorted(seen)  # readers saw a growing, consistent table
+    events = load_events(tmp_path)
+    assert sorted(d["done"] for d in events["detail"]) == [0, 1, 2]
+
+
+def test_killed_writer_leaves_a_consistent_store(tmp_path):
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=_writer, args=(tmp_path, 0, 100000, 0.0))
+    p.start()
+    deadline = time.time() + 20
+    while latest_step(tmp_path) < 500 and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    conn = sqlite3.connect(store_path(tmp_path))
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+    steps = load_steps(tmp_path)
+    assert len(steps) >= 500
+    assert steps["step"].tolist() == list(range(len(steps)))  # a prefix: no holes, no halves
+
+
+def test_expert_load_round_trip(tmp_path):
+    store = RunStore(tmp_path)
+    store.add_expert_load(9, [[1.0, 2.0], [3.0, 4.0]])
+    store.close()
+    df = load_expert_load(tmp_path)
+    assert df[["step", "layer", "expert", "tokens"]].values.tolist() == [
+        [9, 0, 0, 1.0], [9, 0, 1, 2.0], [9, 1, 0, 3.0], [9, 1, 1, 4.0]]
+
+
+def test_flush_makes_queued_records_visible(tmp_path):
+    store = RunStore(tmp_path, flush_interval_s=60)
+    store.add_step(rec(0, 0))
+    store.flush()
+    assert len(load_steps(tmp_path)) == 1
+    store.close()

@@ -1,0 +1,100 @@
+"""`meshscope run` end to end on 2 gloo ranks, and its answers to bad input."""
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from collector.store import load_events, load_expert_load, load_steps
+from meshscope.cli import app
+from tests.helpers.ports import free_port_range
+from tests.helpers.runs import sample, scrape, start_run, wait_for
+
+FAMILIES = [
+    "meshscope_step_duration_seconds", "meshscope_step_phase_seconds", "meshscope_steps",
+    "meshscope_tokens", "meshscope_comm_ratio", "meshscope_comm_seconds", "meshscope_comm_bytes",
+    "meshscope_loss", "meshscope_grad_norm", "meshscope_memory_bytes", "meshscope_expert_tokens",
+    "meshscope_expert_load_ratio", "meshscope_expert_imbalance_ratio",
+    "meshscope_heartbeat_age_seconds", "meshscope_faults", "meshscope_restarts",
+    "meshscope_recovery_seconds", "meshscope_anomaly_score", "meshscope_anomalies",
+    "meshscope_run_info",
+]
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    port = free_port_range(2)
+    proc = start_run(root, "it", port, "--linger", "5", "--compression", "fp16")
+
+    def finished_on_both():
+        scraped = [scrape(port + r) for r in range(2)]
+        if all(s and sample(s, "meshscope_steps", "_total") == 20 for s in scraped):
+            return scraped
+        return None
+
+    scraped = wait_for(finished_on_both, timeout=120)
+    out, _ = proc.communicate(timeout=120)
+    return {"dir": root / "it", "scraped": scraped, "rc": proc.returncode, "out": out}
+
+
+def test_run_succeeds_with_a_summary(live_run):
+    assert live_run["rc"] == 0, live_run["out"]
+    assert "compression ratio" in live_run["out"] and "store.sqlite" in live_run["out"]
+
+
+def test_every_rank_exports_every_family(live_run):
+    assert live_run["scraped"], "the ranks' /metrics never reported 20 steps"
+    for rank, families in enumerate(live_run["scraped"]):
+        missing = [f for f in FAMILIES if f not in families]
+        assert not missing, f"rank {rank} lacks {missing}"
+        assert sample(families, "meshscope_step_duration_seconds", "_count") == 20
+        assert sample(families, "meshscope_comm_bytes", "_total", kind="wire") > 0
+        assert sample(families, "meshscope_run_info", compression="fp16") == 1
+    rank0, rank1 = live_run["scraped"]
+    # expert load is summed over ranks and exported by rank 0 only
+    assert sample(rank0, "meshscope_expert_load_ratio", layer="1", expert="3") is not None
+    assert not rank1["meshscope_expert_load_ratio"].samples
+
+
+def test_store_has_one_row_per_rank_per_step_and_loss_falls(live_run):
+    steps = load_steps(live_run["dir"])
+    assert len(steps) == 40
+    assert steps.groupby("rank")["step"].apply(list).tolist() == [list(range(20))] * 2
+    loss = steps[steps["rank"] == 0]["loss"].tolist()
+    assert sum(loss[-5:]) / 5 < loss[0] - 0.3
+    assert (steps["comm_total_s"] > 0).all() and (steps["bytes_wire"] < steps["bytes_raw"]).all()
+    experts = load_expert_load(live_run["dir"])
+    assert sorted(experts["step"].unique()) == [4, 9, 14, 19]
+    per_window = experts.groupby(["step", "layer"])["tokens"].sum().unique()
+    assert per_window.tolist() == [5 * 2 * 8 * 16 * 2]  # steps x ranks x batch x seq x top_k
+    assert {"run_start", "run_end"} <= set(load_events(live_run["dir"])["kind"])
+    assert (live_run["dir"] / "targets.json").exists()
+
+
+runner = CliRunner()
+
+
+def test_bad_config_value_exits_2_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nsteps = -1\n")
+    result = runner.invoke(app, ["run", "--config", str(bad), "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "train.steps" in result.output
+    result = runner.invoke(app, ["run", "--compression", "zip", "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "train.compression" in result.output
+
+
+def test_busy_metrics_port_is_a_clear_message(tmp_path):
+    port = free_port_range(2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port + 1))
+        s.listen()
+        result = runner.invoke(app, ["run", "--nproc", "2", "--metrics-port", str(port),
+                                     "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert f"metrics port {port + 1}" in result.output and "already in use" in result.output
+
+
+def test_npu_without_torch_npu_is_a_clear_message(tmp_path):
+    result = runner.invoke(app, ["run", "--device", "npu", "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "torch_npu" in result.output
