@@ -43,16 +43,31 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1
         raise
 
 
+TARGETS_INDEX = "_targets"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # Prometheus never reads half a file
+
+
 def write_targets(run_dir: Path, *, run_id: str, host: str, ports_by_rank: dict[int, int],
                   node: str) -> Path:
-    """Write `<run_dir>/targets.json` (file_sd) atomically: Prometheus never reads half a file."""
+    """Write `<run_dir>/targets.json` (file_sd), and the same into `<runs root>/_targets/<run_id>.json`.
+
+    The copy exists because file_sd globs only the last path segment: one pattern,
+    `<runs root>/_targets/*.json`, then finds every run.
+    """
     groups = [
         {"targets": [f"{host}:{port}"],
          "labels": {"job": "meshscope", "run": run_id, "rank": str(rank), "node": node}}
         for rank, port in sorted(ports_by_rank.items())
     ]
+    text = json.dumps(groups, indent=2)
     path = Path(run_dir) / "targets.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(groups, indent=2))
-    os.replace(tmp, path)
+    _atomic_write(path, text)
+    index = Path(run_dir).resolve().parent / TARGETS_INDEX
+    index.mkdir(exist_ok=True)
+    _atomic_write(index / f"{run_id}.json", text)
     return path

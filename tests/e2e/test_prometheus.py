@@ -1,0 +1,44 @@
+"""Debian's Prometheus scrapes a live run through the run's file_sd targets."""
+import subprocess
+
+import pytest
+import requests
+
+from dashboards.prometheus import write_prometheus_config
+from tests.conftest import require_binary
+from tests.helpers.ports import free_port_range
+from tests.helpers.runs import start_run, wait_for
+from tests.helpers.servers import Prometheus
+
+pytestmark = pytest.mark.e2e
+
+
+def test_prometheus_scrapes_a_live_run(tmp_path):
+    prometheus_bin = require_binary("prometheus")
+    promtool = require_binary("promtool")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    config = write_prometheus_config(tmp_path / "prometheus.yml", runs, scrape_interval_s=1)
+    check = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    port = free_port_range(2)
+    with Prometheus(prometheus_bin, config, tmp_path) as prom:
+        run = start_run(runs, "e2e", port, "--steps", "40", "--linger", "15")
+        try:
+            def both_ranks(promql):
+                return lambda: (len(r := prom.query(promql)) == 2) and r
+
+            step_time = wait_for(both_ranks('meshscope_step_duration_seconds_count{run="e2e"} > 0'), 60)
+            assert step_time, "no step-time series for both ranks"
+            assert {s["metric"]["rank"] for s in step_time} == {"0", "1"}
+            assert all(s["metric"]["job"] == "meshscope" for s in step_time)
+            assert wait_for(both_ranks('meshscope_comm_ratio{run="e2e"}'), 30)
+            experts = wait_for(lambda: prom.query('meshscope_expert_load_ratio{run="e2e"}'), 30)
+            assert experts and {s["metric"]["rank"] for s in experts} == {"0"}
+            assert len(experts) == 2 * 4  # layer x expert, from rank 0 only
+            body = requests.get(f"http://127.0.0.1:{port + 1}/metrics", timeout=5).content
+            lint = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True)
+            assert lint.returncode == 0 and lint.stdout + lint.stderr == b""
+        finally:
+            out, _ = run.communicate(timeout=120)
+        assert run.returncode == 0, out
