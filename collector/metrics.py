@@ -70,14 +70,13 @@ class MeshscopeMetrics:
 
     def _touch_known_children(self) -> None:
         """Create bounded label sets up front so every series exists from the first scrape."""
-        for phase in PHASES:
-            self.step_phase.labels(phase=phase)
-        for kind in ("total", "exposed"):
-            self.comm_seconds.labels(kind=kind)
+        self._children = {phase: self.step_phase.labels(phase=phase) for phase in PHASES}
+        self._children["comm_total"] = self.comm_seconds.labels(kind="total")
+        self._children["comm_exposed_total"] = self.comm_seconds.labels(kind="exposed")
         for kind in ("raw", "wire"):
-            self.comm_bytes.labels(kind=kind)
+            self._children[f"bytes_{kind}"] = self.comm_bytes.labels(kind=kind)
         for kind in ("allocated", "reserved", "rss"):
-            self.memory.labels(kind=kind)
+            self._children[kind] = self.memory.labels(kind=kind)
         for kind in FAULT_KINDS:
             self.faults.labels(kind=kind)
         for kind in ANOMALY_TYPES:
@@ -89,23 +88,25 @@ class MeshscopeMetrics:
                             "compression": compression, "version": version})
 
     def observe_step(self, rec: StepRecord) -> None:
+        c = self._children  # labelled children resolved once: this runs every step
         self.step_duration.observe(rec.step_s)
-        for phase, value in (("forward", rec.forward_s), ("backward", rec.backward_s),
-                             ("optimizer", rec.optimizer_s), ("comm_exposed", rec.comm_exposed_s),
-                             ("data", rec.data_s)):
-            self.step_phase.labels(phase=phase).set(value)
+        c["forward"].set(rec.forward_s)
+        c["backward"].set(rec.backward_s)
+        c["optimizer"].set(rec.optimizer_s)
+        c["comm_exposed"].set(rec.comm_exposed_s)
+        c["data"].set(rec.data_s)
         self.steps.inc()
         self.tokens.inc(rec.tokens)
         self.comm_ratio.set(rec.comm_ratio)
-        self.comm_seconds.labels(kind="total").inc(rec.comm_total_s)
-        self.comm_seconds.labels(kind="exposed").inc(rec.comm_exposed_s)
-        self.comm_bytes.labels(kind="raw").inc(rec.bytes_raw)
-        self.comm_bytes.labels(kind="wire").inc(rec.bytes_wire)
+        c["comm_total"].inc(rec.comm_total_s)
+        c["comm_exposed_total"].inc(rec.comm_exposed_s)
+        c["bytes_raw"].inc(rec.bytes_raw)
+        c["bytes_wire"].inc(rec.bytes_wire)
         self.loss.set(rec.loss)
         self.grad_norm.set(rec.grad_norm)
-        self.memory.labels(kind="allocated").set(rec.mem_allocated)
-        self.memory.labels(kind="reserved").set(rec.mem_reserved)
-        self.memory.labels(kind="rss").set(rec.mem_rss)
+        c["allocated"].set(rec.mem_allocated)
+        c["reserved"].set(rec.mem_reserved)
+        c["rss"].set(rec.mem_rss)
 
     def observe_experts(self, added: Sequence[Sequence[float]]) -> None:
         """Export one window of expert tokens, `added[layer][expert]`, already summed over ranks."""

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
-from collector.comm import CommMeter, CommWindow, Hook, WireBytes, allreduce_wire_bytes, instrument_hook
+from collector.comm import (CommMeter, CommWindow, Hook, WireBytes, allreduce_wire_bytes,
+                             instrument_hook, timed_allreduce_hook)
 from collector.env import DistEnv
 from collector.exporter import port_for, serve_metrics, write_targets
 from collector.metrics import MeshscopeMetrics
@@ -112,6 +113,7 @@ class Monitor:
         self.process_group = process_group
         self._pending: list[_Pending] = []
         self._moe_layers: list[torch.nn.Module] = []
+        self._layer_index: dict[int, int] = {}
         self._expert_acc: torch.Tensor | None = None
         self._step = -1
         self._server = None
@@ -151,24 +153,27 @@ class Monitor:
               hook_state: Any = None, wire_bytes: WireBytes | None = None) -> torch.nn.Module:
         """Instrument a (DDP) model: time its gradient communication and read its MoE layers.
 
-        A DDP model gets `comm_hook` (default: plain all-reduce) wrapped with timing and byte
-        counting; register compression through here, not on the model. Returns the model.
+        A DDP model gets `comm_hook` wrapped with timing and byte counting, or, without one, a
+        timed plain all-reduce (`hook_state` is then the process group). Register compression
+        through here, not on the model. Returns the model.
         """
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            world = self.env.world_size
             if comm_hook is None:
-                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-                comm_hook, wire_bytes = default_hooks.allreduce_hook, allreduce_wire_bytes
-            wire = wire_bytes or allreduce_wire_bytes
-            model.register_comm_hook(
-                hook_state, instrument_hook(comm_hook, self.meter, wire, self.env.world_size))
+                model.register_comm_hook(None, timed_allreduce_hook(self.meter, world, hook_state))
+            else:
+                wire = wire_bytes or allreduce_wire_bytes
+                model.register_comm_hook(hook_state,
+                                         instrument_hook(comm_hook, self.meter, wire, world))
         self._moe_layers = find_moe_layers(model)
+        self._layer_index = {id(m): i for i, m in enumerate(self._moe_layers)}
         for module in self._moe_layers:
             module.register_forward_hook(self._count_experts)
         return model
 
     def _count_experts(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        counts = module.expert_token_counts.detach().to(torch.float64)
-        layer = self._moe_layers.index(module)
+        counts = module.expert_token_counts.detach()
+        layer = self._layer_index[id(module)]
         if self._expert_acc is None:
             self._expert_acc = torch.zeros(len(self._moe_layers), counts.numel(),
                                            dtype=torch.float64, device=counts.device)

@@ -30,11 +30,17 @@ class DeviceProbe(Protocol):
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+_statm: dict[int, int] = {}  # pid -> open fd of /proc/self/statm (kept open: read every step)
+
+
 def host_rss_bytes() -> int:
     """Resident set size of this process; 0 where /proc is not there."""
+    pid = os.getpid()
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+        fd = _statm.get(pid)
+        if fd is None:
+            fd = _statm[pid] = os.open("/proc/self/statm", os.O_RDONLY)
+        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
 

@@ -42,6 +42,8 @@ def run_worker(cfg: RunConfig, env: DistEnv) -> None:
         state = build(cfg, device, mon, rank=env.rank, world_size=env.world_size)
         train(state, mon, cfg, device)
         mon.flush()
+        if dist.is_initialized():
+            dist.barrier()  # a clean shutdown: no rank tears down gloo while a peer still talks
         if env.rank == 0:
             mon.event("run_end", detail={"steps": state.step})
         time.sleep(cfg.linger_s)  # lets Prometheus take a last scrape of short runs

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -16,10 +17,12 @@ from tests.helpers.ports import free_port_range
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, kwargs: dict) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
         result = fn(rank=rank, world_size=world, **kwargs)
+        dist.barrier()  # on success nobody tears down gloo while a peer still talks
         Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
     finally:
         dist.destroy_process_group()
