@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from collector.comm import allreduce_sent_bytes, allreduce_wire_bytes, bucket_bytes
+from trainer.serial import serial_hook, wait_for
 from trainer.onebit import OneBitState, onebit_hook, onebit_wire_bytes
 
 # With one bucket as large as the model, communication starts only when backward is done:
@@ -65,7 +66,8 @@ def build_hook(name: str, *, process_group: Any = None, powersgd_rank: int = 4,
             process_group=process_group, matrix_approximation_rank=powersgd_rank,
             start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True,
             warm_start=True, random_seed=seed)
-        return HookSpec(name, powersgd.powerSGD_hook, state, powersgd_wire_bytes)
+        hook = serial_hook(wait_for(powersgd.powerSGD_hook), "powersgd")  # see trainer/serial.py
+        return HookSpec(name, hook, state, powersgd_wire_bytes)
     if name == "onebit":
         return HookSpec(name, onebit_hook, OneBitState(process_group=process_group),
                         onebit_wire_bytes)

@@ -73,7 +73,7 @@ def hook_agreement(rank: int, world_size: int, run_dir: str, steps: int = 48) ->
     return out
 
 
-def convex_problem(rank: int, world_size: int, steps: int = 300, lr: float = 0.05) -> dict:
+def convex_problem(rank: int, world_size: int, steps: int = 600, lr: float = 0.05) -> dict:
     """Least squares, full-batch per rank: final global loss for SGD with each hook."""
     gen = torch.Generator().manual_seed(7)
     w_true = torch.randn(64, 1, generator=gen)
