@@ -113,7 +113,9 @@ def summarize(run_dir: Path, skip: int) -> dict[str, float]:
     final = last[last["step"] >= last["step"].max() - 4]["loss"].mean()
     return {"step_s": med["step_s"], "comm_s": med["comm_total_s"],
             "exposed_s": med["comm_exposed_s"], "backward_s": med["backward_s"],
-            "wire_per_step": df["bytes_wire"].mean(), "raw_per_step": df["bytes_raw"].mean(),
+            # bytes after any compression warm-up: the last steps
+            "wire_per_step": last[last["step"] >= last["step"].max() - 9]["bytes_wire"].mean(),
+            "raw_per_step": df["bytes_raw"].mean(),
             "final_loss": final}
 
 

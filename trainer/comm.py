@@ -55,7 +55,7 @@ def powersgd_wire_bytes(state: powersgd.PowerSGDState, bucket: "dist.GradBucket"
 
 
 def build_hook(name: str, *, process_group: Any = None, powersgd_rank: int = 4,
-               seed: int = 0) -> HookSpec:
+               seed: int = 0, warmup_steps: int = 0) -> HookSpec:
     """The communication hook called `name` (the `train.compression` values)."""
     if name == "none":  # the Monitor's own timed all-reduce: the cheapest way to time it
         return HookSpec(name, None, process_group, allreduce_wire_bytes)
@@ -64,11 +64,11 @@ def build_hook(name: str, *, process_group: Any = None, powersgd_rank: int = 4,
     if name == "powersgd":
         state = powersgd.PowerSGDState(
             process_group=process_group, matrix_approximation_rank=powersgd_rank,
-            start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True,
+            start_powerSGD_iter=max(2, warmup_steps), min_compression_rate=2, use_error_feedback=True,
             warm_start=True, random_seed=seed)
         hook = serial_hook(wait_for(powersgd.powerSGD_hook), "powersgd")  # see trainer/serial.py
         return HookSpec(name, hook, state, powersgd_wire_bytes)
     if name == "onebit":
-        return HookSpec(name, onebit_hook, OneBitState(process_group=process_group),
-                        onebit_wire_bytes)
+        state = OneBitState(process_group=process_group, warmup_steps=warmup_steps)
+        return HookSpec(name, onebit_hook, state, onebit_wire_bytes)
     raise ValueError(f"train.compression: unknown hook {name!r} (none, fp16, powersgd, onebit)")

@@ -61,6 +61,8 @@ class TrainConfig(_Strict):
     seed: int = Field(0, ge=0, description="seed of model init and data")
     compression: Compression = Field("none", description="gradient compression hook")
     powersgd_rank: int = Field(4, gt=0, description="matrix approximation rank of PowerSGD")
+    compression_warmup: int = Field(
+        0, ge=0, description="steps of plain all-reduce before powersgd/onebit compress")
     overlap: bool = Field(True, description="bucketed all-reduce overlapping backward")
     bucket_cap_mb: float = Field(1.0, gt=0, description="DDP bucket size when overlapping")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")

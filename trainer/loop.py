@@ -34,7 +34,7 @@ def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size
         ddp = DDP(model, device_ids=None if device.kind == "cpu" else [device.index],
                   bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
         spec = build_hook(cfg.train.compression, powersgd_rank=cfg.train.powersgd_rank,
-                          seed=cfg.train.seed)
+                          seed=cfg.train.seed, warmup_steps=cfg.train.compression_warmup)
         mon.watch(ddp, comm_hook=spec.hook, hook_state=spec.state, wire_bytes=spec.wire_bytes)
         hook_state = spec.state
     else:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from collector.comm import allgather_sent_bytes, alltoall_sent_bytes
+from collector.comm import allgather_sent_bytes, allreduce_sent_bytes, alltoall_sent_bytes
 from trainer.serial import serial_hook
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
@@ -91,15 +91,21 @@ class OneBitState:
     error_feedback: bool = True
     block_size: int = 256
     """Elements per fp32 scale; a multiple of 8. 256 adds 1/256 to the 1/32 of the signs."""
+    warmup_steps: int = 0
+    """Plain all-reduce for the first steps, while gradients and Adam's moments settle
+    (1-bit Adam's warm-up stage)."""
+    iter: int = 0
     worker_error: dict[int, torch.Tensor] = field(default_factory=dict)
     server_error: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"worker": dict(self.worker_error), "server": dict(self.server_error)}
+        return {"worker": dict(self.worker_error), "server": dict(self.server_error),
+                "iter": self.iter}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.worker_error = dict(sd["worker"])
         self.server_error = dict(sd["server"])
+        self.iter = int(sd["iter"])
 
 
 def _with_error(state: OneBitState, store: dict[int, torch.Tensor], key: int,
@@ -149,7 +155,15 @@ def onebit_allreduce(state: OneBitState, grad: torch.Tensor, key: int) -> torch.
 
 
 def onebit_bucket(state: OneBitState, bucket: dist.GradBucket) -> torch.Tensor:
-    return onebit_allreduce(state, bucket.buffer(), bucket.index())
+    grad = bucket.buffer()
+    if state.iter < state.warmup_steps:
+        dist.all_reduce(grad, group=state.process_group)
+        grad.div_(dist.get_world_size(state.process_group))
+    else:
+        onebit_allreduce(state, grad, bucket.index())
+    if bucket.is_last():
+        state.iter += 1
+    return grad
 
 
 # The DDP comm hook: both phases of each bucket on one thread, buckets in DDP's order.
@@ -158,6 +172,9 @@ onebit_hook = serial_hook(onebit_bucket, "onebit")
 
 def onebit_wire_bytes(state: OneBitState, bucket: dist.GradBucket, world_size: int) -> int:
     """Bytes this rank sends for one bucket: the all-to-all of packed chunks, then the gather."""
+    if state is not None and state.iter < state.warmup_steps:
+        return allreduce_sent_bytes(bucket.buffer().numel() * bucket.buffer().element_size(),
+                                    world_size)
     block = state.block_size if state is not None else OneBitState.block_size
     chunk = padded_length(bucket.buffer().numel(), world_size, block) // world_size
     row = message_bytes(chunk, block)
