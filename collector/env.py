@@ -20,6 +20,8 @@ class DistEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     node: str = "localhost"
+    torchrun: bool = False
+    """Started by a torchrun agent (its store is there even when world_size is 1)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
@@ -44,6 +46,7 @@ class DistEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=num("MASTER_PORT", 29500),
             node=socket.gethostname(),
+            torchrun="TORCHELASTIC_RUN_ID" in env,
         )
 
     @property

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -47,7 +48,7 @@ TARGETS_INDEX = "_targets"
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)  # Prometheus never reads half a file
 
@@ -59,15 +60,24 @@ def write_targets(run_dir: Path, *, run_id: str, host: str, ports_by_rank: dict[
     The copy exists because file_sd globs only the last path segment: one pattern,
     `<runs root>/_targets/*.json`, then finds every run.
     """
-    groups = [
+    mine = [
         {"targets": [f"{host}:{port}"],
          "labels": {"job": "meshscope", "run": run_id, "rank": str(rank), "node": node}}
         for rank, port in sorted(ports_by_rank.items())
     ]
-    text = json.dumps(groups, indent=2)
     path = Path(run_dir) / "targets.json"
-    _atomic_write(path, text)
-    index = Path(run_dir).resolve().parent / TARGETS_INDEX
-    index.mkdir(exist_ok=True)
-    _atomic_write(index / f"{run_id}.json", text)
+    # Several nodes may share a run directory: merge under a lock, keeping the others' ranks.
+    with open(path.with_name("targets.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            others = [g for g in json.loads(path.read_text())
+                      if int(g["labels"]["rank"]) not in ports_by_rank]
+        except (OSError, ValueError, KeyError):
+            others = []
+        groups = sorted(others + mine, key=lambda g: int(g["labels"]["rank"]))
+        text = json.dumps(groups, indent=2)
+        _atomic_write(path, text)
+        index = Path(run_dir).resolve().parent / TARGETS_INDEX
+        index.mkdir(exist_ok=True)
+        _atomic_write(index / f"{run_id}.json", text)
     return path

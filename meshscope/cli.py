@@ -12,7 +12,7 @@ from rich.table import Table
 
 from collector.exporter import PortInUseError
 from collector.report import summarize
-from collector.store import load_expert_load, load_steps, store_path
+from collector.store import load_events, load_expert_load, load_steps, store_path
 from meshscope import launcher
 from trainer.config import ConfigError, RunConfig, load_config
 from trainer.device import DeviceUnavailable
@@ -59,13 +59,24 @@ def run(
     run_id: Optional[str] = typer.Option(None, "--run-id", help="name of the run (default: timestamp)"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="base port; rank r = base + r"),
     linger: Optional[float] = typer.Option(None, help="keep /metrics up N s after the last step"),
+    inject: Optional[list[str]] = typer.Option(
+        None, help="fault to inject, repeatable: KIND@step=S,rank=R[,steps=N][,k=v]"),
+    checkpoint_every: Optional[int] = typer.Option(None, help="checkpoint every N steps"),
+    max_restarts: Optional[int] = typer.Option(None, help="torchrun restarts after a failure"),
+    nnodes: Optional[str] = typer.Option(None, help="agents MIN[:MAX] (elastic membership)"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, help="c10d rendezvous host:port"),
+    rdzv_external: bool = typer.Option(False, "--rdzv-external",
+                                       help="the rendezvous store runs apart (meshscope rendezvous)"),
 ) -> None:
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
         cfg = load_config(config, _overrides(
             train__steps=steps, nproc=nproc, train__compression=compression,
             train__overlap=False if no_overlap else None, device=device, runs_root=run_dir,
-            run_id=run_id, metrics_port=metrics_port, linger_s=linger))
+            run_id=run_id, metrics_port=metrics_port, linger_s=linger, inject=inject or None,
+            elastic__checkpoint_every=checkpoint_every, elastic__max_restarts=max_restarts,
+            elastic__nnodes=nnodes, elastic__rdzv_endpoint=rdzv_endpoint,
+            elastic__rdzv_external=True if rdzv_external else None))
         cfg = launcher.prepare_run(cfg)
     except (ConfigError, DeviceUnavailable, PortInUseError) as err:
         fail(str(err))
@@ -76,7 +87,7 @@ def run(
                   f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})")
     code = _train_with_progress(cfg)
     if code != 0:
-        err_console.print(launcher.tail_log(cfg))
+        err_console.print(launcher.tail_log(cfg), markup=False, highlight=False)
         fail(f"training failed (exit {code}); logs in {cfg.run_dir / 'logs'}", code=1)
     _print_summary(cfg)
 
@@ -98,6 +109,7 @@ def _train_with_progress(cfg: RunConfig) -> int:
 
 def _print_summary(cfg: RunConfig) -> None:
     s = summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
+    kinds = load_events(cfg.run_dir)["kind"].value_counts()
     table = Table(title=f"run {cfg.run_id}", show_header=False)
     rows = [
         ("steps x ranks", f"{s['steps']:.0f} x {s['ranks']:.0f}"),
@@ -107,11 +119,22 @@ def _print_summary(cfg: RunConfig) -> None:
         ("compression ratio (raw / wire)", f"{s['compression_ratio']:.1f}x"),
         ("loss first -> last", f"{s['loss_first']:.3f} -> {s['loss_last']:.3f}"),
         ("expert imbalance max / mean", f"{s['expert_imbalance_max']:.2f} / {s['expert_imbalance_mean']:.2f}"),
+        ("injected / faults / restarts / resumes", " / ".join(
+            str(int(kinds.get(k, 0))) for k in ("injected", "fault", "restart", "resume"))),
     ]
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
     console.print(f"store: {store_path(cfg.run_dir)}")
+
+
+@app.command()
+def rendezvous(
+    port: int = typer.Option(29400, help="port of the c10d rendezvous store"),
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+) -> None:
+    """Host a c10d rendezvous store apart from the agents, so a job survives losing any agent."""
+    launcher.host_rendezvous(host, port)
 
 
 if __name__ == "__main__":

@@ -34,13 +34,31 @@ def prepare_run(cfg: RunConfig) -> RunConfig:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "logs").mkdir(exist_ok=True)
     (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    # Agents sharing a run directory (elastic membership) differ in ports: each its own copy.
+    agent_config(cfg).parent.mkdir(exist_ok=True)
+    agent_config(cfg).write_text(cfg.model_dump_json(indent=2))
     return cfg
 
 
+def agent_config(cfg: RunConfig) -> Path:
+    return cfg.run_dir / "agents" / f"{os.getpid()}.json"
+
+
 def torchrun_command(cfg: RunConfig) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={cfg.nproc}", "--log-dir", str(cfg.run_dir / "logs" / "torchrun"),
-            "--redirects", "3", "-m", "trainer.worker", "--config", str(cfg.run_dir / "config.json")]
+    """torchrun: standalone for one agent; c10d rendezvous when agents join (--nnodes MIN:MAX)."""
+    e = cfg.elastic
+    if e.nnodes == "1" and not e.rdzv_endpoint:
+        topology = ["--standalone"]
+    else:
+        topology = [f"--nnodes={e.nnodes}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={e.rdzv_endpoint or '127.0.0.1:29400'}",
+                    f"--rdzv-id={e.rdzv_id or cfg.run_id}"]
+        if e.rdzv_external:
+            topology.append("--rdzv-conf=is_host=false")
+    return [sys.executable, "-m", "torch.distributed.run", *topology,
+            f"--nproc-per-node={cfg.nproc}", f"--max-restarts={e.max_restarts}",
+            "--log-dir", str(cfg.run_dir / "logs" / "torchrun"), "--redirects", "3",
+            "-m", "trainer.worker", "--config", str(agent_config(cfg))]
 
 
 def worker_environment(cfg: RunConfig) -> dict[str, str]:
@@ -52,7 +70,7 @@ def worker_environment(cfg: RunConfig) -> dict[str, str]:
 
 
 def launch(cfg: RunConfig) -> subprocess.Popen:
-    log = open(cfg.run_dir / "logs" / "launcher.log", "wb")
+    log = open(cfg.run_dir / "logs" / f"launcher-{os.getpid()}.log", "wb")
     return subprocess.Popen(torchrun_command(cfg), env=worker_environment(cfg), stdout=log,
                             stderr=subprocess.STDOUT, cwd=REPO_ROOT)
 
@@ -82,3 +100,18 @@ def tail_log(cfg: RunConfig, lines: int = 30) -> str:
         if text:
             parts.append(f"--- {path.relative_to(cfg.run_dir)}\n" + "\n".join(text[-lines:]))
     return "\n".join(parts)
+
+
+def host_rendezvous(host: str, port: int) -> None:
+    """Serve a TCPStore for torchrun's c10d rendezvous until interrupted."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    print(f"rendezvous store on {host}:{port}; agents: --rdzv-endpoint {host}:{port} "
+          f"--rdzv-external", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    del store

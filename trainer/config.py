@@ -68,6 +68,22 @@ class TrainConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
 
 
+class ElasticConfig(_Strict):
+    """Surviving failures: checkpoints, restarts, heartbeats, membership."""
+
+    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = never)")
+    keep: int = Field(3, gt=0, description="checkpoints kept")
+    async_checkpoint: bool = Field(True, description="write checkpoints in the background")
+    max_restarts: int = Field(0, ge=0, description="torchrun restarts after a failure")
+    heartbeat_s: float = Field(1.0, gt=0, description="heartbeat interval")
+    nnodes: str = Field("1", pattern=r"^\d+(:\d+)?$", description="torchrun --nnodes, MIN[:MAX]")
+    rdzv_endpoint: str = Field("", description="c10d rendezvous host:port for several agents")
+    rdzv_id: str = Field("", description="rendezvous id shared by the agents (default: run id)")
+    rdzv_external: bool = Field(
+        False, description="the rendezvous store is hosted elsewhere (`meshscope rendezvous`), "
+                           "so the job outlives any one agent")
+
+
 class RunConfig(_Strict):
     """Everything `meshscope run` needs."""
 
@@ -78,8 +94,21 @@ class RunConfig(_Strict):
     metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
     expert_every: int = Field(5, gt=0, description="sum expert load over ranks every N steps")
     linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
+    inject: list[str] = Field(default_factory=list,
+                              description="faults to inject: KIND@step=S,rank=R[,steps=N][,k=v]")
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+
+    @model_validator(mode="after")
+    def _injections(self) -> "RunConfig":
+        from trainer.inject import InjectionError, parse_injection
+        for spec in self.inject:
+            try:
+                parse_injection(spec)
+            except InjectionError as err:
+                raise ValueError(f"inject: {err}") from None
+        return self
 
     @property
     def run_dir(self) -> Path:

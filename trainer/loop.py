@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import time
+
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from collector import Monitor
@@ -12,6 +15,8 @@ from trainer.comm import NO_OVERLAP_BUCKET_MB, build_hook
 from trainer.config import RunConfig
 from trainer.data import SyntheticTokens
 from trainer.device import Device
+from trainer.elastic import ElasticRun
+from trainer.inject import Injector, delayed_hook
 from trainer.model import MoELM
 
 
@@ -25,7 +30,8 @@ class TrainState:
     step: int = 0
 
 
-def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size: int) -> TrainState:
+def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size: int,
+          injector: Injector | None = None) -> TrainState:
     """Model, DDP with the chosen hook (registered through the Monitor), optimizer and data."""
     torch.manual_seed(cfg.train.seed)  # same init on every rank; DDP also broadcasts it
     model = MoELM(cfg.model).to(device.torch_device)
@@ -35,7 +41,10 @@ def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size
                   bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
         spec = build_hook(cfg.train.compression, powersgd_rank=cfg.train.powersgd_rank,
                           seed=cfg.train.seed, warmup_steps=cfg.train.compression_warmup)
-        mon.watch(ddp, comm_hook=spec.hook, hook_state=spec.state, wire_bytes=spec.wire_bytes)
+        hook = spec.hook
+        if injector is not None and any(i.kind == "comm_delay" for i in injector.mine):
+            hook = delayed_hook(hook or default_hooks.allreduce_hook, injector)
+        mon.watch(ddp, comm_hook=hook, hook_state=spec.state, wire_bytes=spec.wire_bytes)
         hook_state = spec.state
     else:
         ddp, hook_state = model, None
@@ -47,25 +56,50 @@ def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size
     return TrainState(model=model, ddp=ddp, optimizer=optimizer, data=data, hook_state=hook_state)
 
 
-def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device) -> None:
+def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
+               injector: Injector) -> None:
     tokens = cfg.train.batch_size * cfg.model.seq_len
+    injector.before_step(state.step, state.model)
+    started = time.perf_counter()
     with mon.step(tokens=tokens, step=state.step) as s:
         with s.phase("data"):
             inputs, targets = state.data.batch(state.step)
             inputs, targets = inputs.to(device.torch_device), targets.to(device.torch_device)
         with s.phase("forward"):
+            injector.slow_down(state.step)
             logits = state.ddp(inputs)
             loss, lm_loss = state.model.loss(logits, targets)
+            loss = injector.poison_loss(loss, state.step)
+            lm_loss = injector.poison_loss(lm_loss, state.step)
         with s.phase("backward"):
             loss.backward()
         with s.phase("optimizer"):
             grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)
-            state.optimizer.step()
+            if should_apply(grad_norm):
+                state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=False)
         s.log(loss=lm_loss, grad_norm=grad_norm)
+    injector.step_took(state.step, time.perf_counter() - started)
     state.step += 1
 
 
-def train(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device) -> None:
+def should_apply(grad_norm: torch.Tensor) -> bool:
+    """Skip the update when gradients are not finite: one NaN must not poison the weights.
+    # sync point: reads the norm (free on the CPU; one per step on accelerators)"""
+    return bool(torch.isfinite(grad_norm))
+
+
+def train(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
+          elastic: ElasticRun | None = None, injector: Injector | None = None) -> str:
+    """Run to `train.steps`; returns "done", or "sigterm" when asked to stop."""
+    injector = injector or Injector([], 0, lambda inj, step: None)
     while state.step < cfg.train.steps:
-        train_step(state, mon, cfg, device)
+        train_step(state, mon, cfg, device, injector)
+        if elastic is None:
+            continue
+        elastic.after_step(state)
+        if elastic.agreed_stop():
+            return "sigterm"
+        if elastic.should_checkpoint(state.step):
+            elastic.checkpoint(state)
+    return "done"

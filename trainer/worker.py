@@ -12,8 +12,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from collector import DistEnv, Monitor, MonitorConfig
+from collector.store import load_events
 from trainer.config import RunConfig, load_config
 from trainer.device import resolve_device
+from trainer.elastic import ElasticRun, attempt_id
+from trainer.inject import Injection, Injector, parse_injection
 from trainer.loop import build, train
 
 
@@ -24,9 +27,29 @@ def init_process_group(env: DistEnv, backend: str) -> None:
         return
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
                           timeout=timedelta(seconds=120))
-    prefixed = dist.PrefixStore(f"attempt_{env.restart_count}", store)
-    dist.init_process_group(backend, store=prefixed, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=600))
+    prefix = f"attempt_{attempt_id(env)}_w{env.world_size}"
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=env.rank,
+                            world_size=env.world_size, timeout=timedelta(seconds=600))
+
+
+def fired_injections(cfg: RunConfig) -> set[str]:
+    """Injections earlier attempts already fired (a resumed run is not killed twice)."""
+    try:
+        events = load_events(cfg.run_dir, kind="injected")
+    except FileNotFoundError:
+        return set()
+    return {d["key"] for d in events["detail"]}
+
+
+def make_injector(cfg: RunConfig, env: DistEnv, mon: Monitor) -> Injector:
+    def report(inj: Injection, step: int) -> None:
+        mon.metrics.faults.labels(kind="injected").inc()
+        mon.event("injected", severity="warning", step=step, detail={
+            "key": inj.key, "kind": inj.kind, "rank": inj.rank, "start_step": inj.step,
+            "steps": inj.steps, "params": inj.params})
+
+    return Injector([parse_injection(s) for s in cfg.inject], env.rank, report,
+                    already_fired=fired_injections(cfg), flush=mon.flush)
 
 
 def run_worker(cfg: RunConfig, env: DistEnv) -> None:
@@ -36,17 +59,28 @@ def run_worker(cfg: RunConfig, env: DistEnv) -> None:
     mon = Monitor(MonitorConfig(run_dir=cfg.run_dir, run_id=cfg.run_id,
                                 metrics_port=cfg.metrics_port, expert_every=cfg.expert_every),
                   env=env, probe=device.probe())
+    elastic = ElasticRun(cfg, env, mon)
     try:
         mon.describe_run(device=device.kind, backend=device.backend,
                          compression=cfg.train.compression)
-        state = build(cfg, device, mon, rank=env.rank, world_size=env.world_size)
-        train(state, mon, cfg, device)
+        elastic.start()
+        injector = make_injector(cfg, env, mon)
+        state = build(cfg, device, mon, rank=env.rank, world_size=env.world_size,
+                      injector=injector)
+        elastic.resume(state)
+        try:
+            reason = train(state, mon, cfg, device, elastic, injector)
+        except Exception as err:
+            elastic.mark_failed(err)  # we failed, we did not vanish: not the culprit
+            raise
         mon.flush()
-        if dist.is_initialized():
-            dist.barrier()  # a clean shutdown: no rank tears down gloo while a peer still talks
-        if env.rank == 0:
-            mon.event("run_end", detail={"steps": state.step})
-        time.sleep(cfg.linger_s)  # lets Prometheus take a last scrape of short runs
+        elastic.finish(state, reason)
+        if reason == "done":
+            if dist.is_initialized():
+                dist.barrier()  # a clean shutdown: no rank tears down gloo while a peer talks
+            if env.rank == 0:
+                mon.event("run_end", detail={"steps": state.step})
+            time.sleep(cfg.linger_s)  # lets Prometheus take a last scrape of short runs
     finally:
         mon.close()
         if dist.is_initialized():

@@ -1,0 +1,182 @@
+"""Checkpoints that lose nothing: torch.distributed.checkpoint, visible only when complete.
+
+Layout: `<run>/checkpoints/step_00000040/` holds DCP's files (model and optimizer, saved once
+for the replicated DDP state), `local_rank<r>.pt` per rank (RNG, compression error feedback), and
+`manifest.json` (step, world size, sha256 of every file). A checkpoint is written under
+`.step_N.partial/` and renamed by rank 0 after every rank finished and the manifest is on disk,
+so a kill at any moment leaves either the old set or the new one. Loading verifies the
+checksums; a bad checkpoint is refused with the reason and the previous one is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger("meshscope.checkpoint")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete or corrupt; the message says which and why."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of a complete, intact checkpoint; CheckpointError otherwise."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointError(f"checkpoint {path.name}: no {MANIFEST} (incomplete write)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint {path.name}: unreadable manifest ({err})") from None
+    for name, digest in manifest["files"].items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"checkpoint {path.name}: {name} is missing")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"checkpoint {path.name}: {name} fails its checksum (corrupt)")
+    return manifest
+
+
+@dataclass
+class Restored:
+    step: int
+    path: Path
+    world_size: int
+
+
+class CheckpointManager:
+    """Save every N steps (asynchronously on a process group of its own), keep the last K."""
+
+    def __init__(self, root: Path, *, rank: int, world_size: int, keep: int = 3,
+                 async_save: bool = True) -> None:
+        self.root = Path(root)
+        self.rank, self.world_size, self.keep = rank, world_size, keep
+        self.async_save = async_save and dist.is_initialized()
+        # Checkpoint collectives run on their own group: they may overlap training's.
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._pending: threading.Thread | None = None
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # --- saving -------------------------------------------------------------------------
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             local: dict[str, Any]) -> None:
+        """Checkpoint the state after `step` steps. Returns once the state is staged."""
+        self.wait()
+        partial = self.root / f".step_{step:08d}.partial"
+        if self.rank == 0 and partial.exists():
+            shutil.rmtree(partial)
+        self._barrier()
+        partial.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        torch.save(local, partial / f"local_rank{self.rank}.pt")
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+            self._pending = threading.Thread(target=self._finish, args=(step, partial, future),
+                                             name="meshscope-ckpt", daemon=True)
+            self._pending.start()
+        else:
+            dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
+            self._finish(step, partial, None)
+
+    def _finish(self, step: int, partial: Path, future: Any) -> None:
+        if future is not None:
+            future.result()
+        self._barrier()  # every rank's files are written
+        if self.rank == 0:
+            files = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+            manifest = {"step": step, "world_size": self.world_size, "files": files}
+            (partial / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            for p in partial.iterdir():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+            final = self.root / f"step_{step:08d}"
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(partial, final)  # the moment the checkpoint becomes visible
+            _fsync_dir(self.root)
+            self._prune()
+        self._barrier()
+
+    def wait(self) -> None:
+        """Block until an asynchronous save has become visible."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+
+    def _prune(self) -> None:
+        for old in self.checkpoints()[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    # --- loading ------------------------------------------------------------------------
+    def checkpoints(self) -> list[Path]:
+        return sorted(p for p in self.root.glob("step_*") if p.is_dir())
+
+    def newest_valid(self) -> tuple[Path | None, list[str]]:
+        """The newest checkpoint that verifies, and the reasons the newer ones were refused."""
+        refused = []
+        for path in reversed(self.checkpoints()):
+            try:
+                verify(path)
+                return path, refused
+            except CheckpointError as err:
+                log.warning("%s; falling back to the previous checkpoint", err)
+                refused.append(str(err))
+        return None, refused
+
+    def restore(self, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer) -> tuple[Restored | None, list[str]]:
+        """Load the newest valid checkpoint into model and optimizer.
+
+        Returns (what was restored or None, reasons newer checkpoints were refused)."""
+        path, refused = self.newest_valid()
+        if path is None:
+            return None, refused
+        manifest = verify(path)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        return Restored(step=manifest["step"], path=path,
+                        world_size=manifest["world_size"]), refused
+
+    def local_state(self, restored: Restored) -> dict[str, Any] | None:
+        """This rank's local state, when the checkpoint was written at the same world size."""
+        f = restored.path / f"local_rank{self.rank}.pt"
+        if restored.world_size != self.world_size or not f.exists():
+            return None
+        return torch.load(f, weights_only=False)

@@ -1,0 +1,158 @@
+"""One worker's part in surviving failures: resume, checkpoints, heartbeats, restart accounting.
+
+Events written here: `restart` (a new torchrun attempt), `fault` (the rank of the previous
+attempt that died, or a peer found dead by heartbeats), `resume` (from which checkpoint, steps
+lost), `checkpoint` (refused ones, with the reason).
+"""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from collector import DistEnv, Monitor
+from collector.store import load_steps
+from trainer.checkpoint import CheckpointManager
+from trainer.config import RunConfig
+from trainer.heartbeat import Heartbeat, connect_store, exit_marks, previous_attempt_failures
+
+
+def attempt_id(env: DistEnv) -> int:
+    """torchrun's restart count: it names this attempt in the store's keys."""
+    return env.restart_count
+
+
+class ElasticRun:
+    def __init__(self, cfg: RunConfig, env: DistEnv, mon: Monitor) -> None:
+        self.cfg, self.env, self.mon = cfg, env, mon
+        self.stop_requested = False
+        self.store = connect_store(env.master_addr, env.master_port) if env.torchrun else None
+        every = cfg.elastic.checkpoint_every
+        self.ckpt = CheckpointManager(cfg.run_dir / "checkpoints", rank=env.rank,
+                                      world_size=env.world_size, keep=cfg.elastic.keep,
+                                      async_save=cfg.elastic.async_checkpoint) if every else None
+        self.heartbeat: Heartbeat | None = None
+        self._fault_time: float | None = None
+        self._resumed_at: int | None = None
+
+    # --- start --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Account for the previous attempt, then start beating and listen for SIGTERM."""
+        if self.store is not None:
+            self._report_previous_attempt()
+            self.heartbeat = Heartbeat(
+                self.store, rank=self.env.rank, world_size=self.env.world_size,
+                attempt=attempt_id(self.env), interval_s=self.cfg.elastic.heartbeat_s,
+                on_dead=self._peer_dead, on_age=self._peer_age).start()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _report_previous_attempt(self) -> None:
+        attempt = attempt_id(self.env)
+        if attempt == 0:
+            return
+        self.mon.metrics.restarts.inc(attempt)
+        failures = previous_attempt_failures(self.store, attempt)
+        marks = exit_marks(self.store, attempt - 1, self.env.world_size)
+        self._fault_time = min(marks.values()) if marks else time.time()
+        if self.env.rank == 0:
+            self.mon.event("restart", severity="warning", detail={
+                "attempt": attempt, "world_size": self.env.world_size})
+            for f in failures:
+                self.mon.metrics.faults.labels(kind="dead_rank").inc()
+                self.mon.event("fault", severity="critical", step=f.last_step, detail={
+                    "type": "dead_rank", "rank": f.rank, "attempt": attempt - 1,
+                    "last_seen": f.last_seen, "detected_at": self._fault_time,
+                    "how": "no exit mark: the process died without being stopped"})
+
+    def _peer_dead(self, peer: int, age: float, step: int) -> None:
+        self.mon.metrics.faults.labels(kind="dead_rank").inc()
+        self.mon.event("fault", severity="critical", step=step, detail={
+            "type": "dead_rank", "rank": peer, "heartbeat_age_s": round(age, 3),
+            "how": "heartbeat stopped"})
+        self.mon.store.flush()
+
+    def _peer_age(self, peer: int, age: float) -> None:
+        self.mon.metrics.heartbeat_age.labels(peer=str(peer)).set(age)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.mark_exit("sigterm")
+        self.stop_requested = True
+
+    # --- resume -------------------------------------------------------------------------
+    def resume(self, state: Any) -> None:
+        """Load the newest valid checkpoint into the train state (model, optimizer, step,
+        RNG, compression error feedback) and say what was lost."""
+        if self.ckpt is None:
+            return
+        restored, refused = self.ckpt.restore(state.model, state.optimizer)
+        if self.env.rank == 0:
+            for reason in refused:
+                self.mon.event("checkpoint", severity="warning", detail={"refused": reason})
+        if restored is None:
+            return
+        local = self.ckpt.local_state(restored)
+        if local is not None:
+            torch.set_rng_state(local["rng"])
+            if local.get("hook") is not None and hasattr(state.hook_state, "load_state_dict"):
+                state.hook_state.load_state_dict(local["hook"])
+        state.step = restored.step
+        self._resumed_at = restored.step
+        if self.env.rank == 0:
+            recorded = self._last_recorded_step()
+            self.mon.event("resume", severity="warning", step=restored.step, detail={
+                "checkpoint": restored.path.name, "from_step": restored.step,
+                "steps_lost": max(0, recorded + 1 - restored.step),
+                "world_size_then": restored.world_size, "world_size_now": self.env.world_size})
+
+    def _last_recorded_step(self) -> int:
+        try:
+            steps = load_steps(self.cfg.run_dir)
+        except FileNotFoundError:
+            return -1
+        return int(steps["step"].max()) if not steps.empty else -1
+
+    # --- during training ------------------------------------------------------------------
+    def should_checkpoint(self, step: int) -> bool:
+        every = self.cfg.elastic.checkpoint_every
+        return self.ckpt is not None and step > 0 and step % every == 0
+
+    def checkpoint(self, state: Any) -> None:
+        hook = state.hook_state.state_dict() if hasattr(state.hook_state, "state_dict") else None
+        local = {"rng": torch.get_rng_state(), "hook": hook, "step": state.step}
+        self.ckpt.save(state.step, state.model, state.optimizer, local)
+
+    def after_step(self, state: Any) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.step = state.step
+        if self._fault_time is not None and self._resumed_at is not None \
+                and state.step == self._resumed_at + 1:
+            self.mon.metrics.recovery.set(time.time() - self._fault_time)
+
+    def agreed_stop(self) -> bool:
+        """All ranks learn together that one was asked to stop (one tiny all-reduce per step,
+        only when checkpoints are on), so they checkpoint at the same step."""
+        if self.ckpt is None or not dist.is_initialized():
+            return self.stop_requested
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def mark_failed(self, err: BaseException) -> None:
+        if self.heartbeat is not None:
+            try:
+                self.heartbeat.mark_exit(f"error:{type(err).__name__}")
+            except Exception:  # the store may be gone too
+                pass
+
+    def finish(self, state: Any, reason: str) -> None:
+        if self.ckpt is not None:
+            if reason == "sigterm":
+                self.checkpoint(state)
+            self.ckpt.wait()
+        if self.heartbeat is not None:
+            self.heartbeat.mark_exit(reason)
+            self.heartbeat.stop()

@@ -1,0 +1,164 @@
+"""Fault injection for demos, tests and scoring detectors: `KIND@step=S,rank=R[,steps=N][,k=v]`.
+
+Kinds: kill, hang (seconds=), slow (factor=), comm_delay (ms=), nan, expert_collapse (layer=),
+memory_leak (mb_per_step=). Every injection writes an `injected` event when it starts (the ground
+truth detectors are scored against) and fires once per run, also across restarts.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+KINDS = {
+    "kill": {},
+    "hang": {"seconds": 3600.0},
+    "slow": {"factor": 3.0},
+    "comm_delay": {"ms": 50.0},
+    "nan": {},
+    "expert_collapse": {"layer": 0.0},
+    "memory_leak": {"mb_per_step": 16.0},
+}
+
+
+class InjectionError(ValueError):
+    """A malformed --inject spec; the message quotes it."""
+
+
+@dataclass(frozen=True)
+class Injection:
+    kind: str
+    step: int
+    rank: int
+    steps: int = 1
+    params: dict[str, float] = field(default_factory=dict)
+
+    def active(self, step: int, rank: int) -> bool:
+        return rank == self.rank and self.step <= step < self.step + self.steps
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}@{self.step}/{self.rank}"
+
+    def param(self, name: str) -> float:
+        return self.params.get(name, KINDS[self.kind][name])
+
+
+def parse_injection(spec: str) -> Injection:
+    """`slow@step=20,rank=1,steps=10,factor=3` -> Injection."""
+    kind, sep, rest = spec.partition("@")
+    if not sep or kind not in KINDS:
+        raise InjectionError(f"--inject {spec!r}: expected KIND@step=S,rank=R[,...] with KIND one "
+                             f"of {', '.join(KINDS)}")
+    fields: dict[str, float] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        try:
+            fields[key.strip()] = float(value)
+        except ValueError:
+            raise InjectionError(f"--inject {spec!r}: {item!r} is not key=number") from None
+        if not eq:
+            raise InjectionError(f"--inject {spec!r}: {item!r} is not key=number")
+    for required in ("step", "rank"):
+        if required not in fields:
+            raise InjectionError(f"--inject {spec!r}: {required}= is required")
+    unknown = set(fields) - {"step", "rank", "steps"} - set(KINDS[kind])
+    if unknown:
+        raise InjectionError(f"--inject {spec!r}: unknown parameter(s) {sorted(unknown)} for "
+                             f"{kind} (allowed: steps, {', '.join(KINDS[kind]) or 'none'})")
+    steps = int(fields.pop("steps", 1))
+    if steps < 1 or fields["step"] < 0 or fields["rank"] < 0:
+        raise InjectionError(f"--inject {spec!r}: step, rank must be >= 0 and steps >= 1")
+    step, rank = int(fields.pop("step")), int(fields.pop("rank"))
+    return Injection(kind, step, rank, steps, fields)
+
+
+class Injector:
+    """Applies the injections for one rank at the loop's hook points.
+
+    `report(kind, step, detail)` writes the `injected` event; `already_fired` holds keys fired
+    by earlier attempts (read from the store), so a resumed run is not killed again.
+    """
+
+    def __init__(self, injections: Iterable[Injection], rank: int,
+                 report: Callable[[Injection, int], None], already_fired: set[str] | None = None,
+                 flush: Callable[[], None] = lambda: None) -> None:
+        self.mine = [i for i in injections if i.rank == rank]
+        self.rank = rank
+        self._report, self._flush = report, flush
+        self._fired = set(already_fired or ())
+        self._leak: list[torch.Tensor] = []
+        self._step = -1
+        self.normal_step_s = 0.0
+
+    def _starting(self, step: int) -> list[Injection]:
+        out = []
+        for inj in self.mine:
+            if inj.active(step, self.rank) and inj.key not in self._fired:
+                self._fired.add(inj.key)
+                self._report(inj, step)
+                out.append(inj)
+        return out
+
+    def _active(self, kind: str, step: int) -> Injection | None:
+        return next((i for i in self.mine if i.kind == kind and i.active(step, self.rank)
+                     and (i.key in self._fired)), None)
+
+    def before_step(self, step: int, model: torch.nn.Module) -> None:
+        """Start injections; kill and hang act here, the rest shape the step."""
+        self._step = step
+        for inj in self._starting(step):
+            if inj.kind == "kill":
+                self._flush()  # the ground truth must survive the kill
+                os.kill(os.getpid(), signal.SIGKILL)
+            if inj.kind == "hang":
+                time.sleep(inj.param("seconds"))
+        self._route(step, model)
+        leak = self._active("memory_leak", step)
+        if leak is not None:
+            self._leak.append(torch.ones(int(leak.param("mb_per_step") * (1 << 20) // 4)))
+
+    def _route(self, step: int, model: torch.nn.Module) -> None:
+        collapse = self._active("expert_collapse", step)
+        for layer, moe in enumerate(getattr(model, "moe_layers", lambda: [])()):
+            if collapse is not None and layer == int(collapse.param("layer")):
+                bias = torch.full((len(moe.experts),), -20.0)
+                bias[0] = 20.0  # every token's first choice is expert 0
+                moe.router.logit_bias = bias
+            else:
+                moe.router.logit_bias = None
+
+    def poison_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        return loss * float("nan") if self._active("nan", step) else loss
+
+    def slow_down(self, step: int) -> None:
+        """A slow rank: its compute takes `factor` times as long as its last normal step.
+        Called inside the forward phase, so it looks like slow compute, not slow comm."""
+        slow = self._active("slow", step)
+        if slow is not None and self.normal_step_s:
+            time.sleep(self.normal_step_s * (slow.param("factor") - 1))
+
+    def step_took(self, step: int, seconds: float) -> None:
+        if not any(i.active(step, self.rank) for i in self.mine):
+            self.normal_step_s = seconds
+
+    def comm_delay_s(self) -> float:
+        delay = self._active("comm_delay", self._step)
+        return delay.param("ms") / 1000 if delay is not None else 0.0
+
+
+def delayed_hook(hook: Callable[..., Any], injector: Injector) -> Callable[..., Any]:
+    """Wrap a comm hook so an active comm_delay injection holds each bucket back."""
+
+    def hook_with_delay(state: Any, bucket: Any) -> Any:
+        delay = injector.comm_delay_s()
+        if delay:
+            time.sleep(delay)
+        return hook(state, bucket)
+
+    return hook_with_delay
