@@ -1,0 +1,152 @@
+"""Failures for real: kill -9 and resume bit for bit, shrink to fewer agents, every injection."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from collector.store import latest_step, load_events, load_expert_load, load_steps
+from tests.helpers.ports import free_port_range
+from tests.helpers.runs import REPO, TINY
+from trainer.config import load_config
+from trainer.model import MoELM
+
+
+def meshscope_run(root, run_id, *flags, port=None):
+    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(TINY), "--run-dir", str(root),
+           "--run-id", run_id, "--metrics-port", str(port or free_port_range(2)), *flags]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def final_params(run_dir):
+    cfg = load_config(TINY)
+    state = {"model": MoELM(cfg.model).state_dict()}
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    dcp.load(state, checkpoint_id=str(newest))
+    return newest.name, state["model"]
+
+
+def test_kill9_of_a_worker_resumes_and_ends_bit_identical(tmp_path):
+    flags = ("--steps", "40", "--checkpoint-every", "5", "--max-restarts", "2")
+    clean = meshscope_run(tmp_path, "clean", *flags)
+    out_clean, _ = clean.communicate(timeout=240)
+    killed = meshscope_run(tmp_path, "killed", *flags, "--inject", "kill@step=17,rank=1")
+    out_killed, _ = killed.communicate(timeout=240)
+    assert clean.returncode == 0, out_clean
+    assert killed.returncode == 0, out_killed
+    events = load_events(tmp_path / "killed")
+    kinds = list(events["kind"])
+    for kind in ("injected", "fault", "restart", "resume"):
+        assert kind in kinds, kinds
+    fault = events[events["kind"] == "fault"].iloc[0]["detail"]
+    assert fault["rank"] == 1 and fault["type"] == "dead_rank"
+    resume = events[events["kind"] == "resume"].iloc[0]["detail"]
+    assert resume["from_step"] == 15 and resume["steps_lost"] == 2
+    steps = load_steps(tmp_path / "killed")
+    assert sorted(steps["step"].unique()) == list(range(40))
+    name_a, a = final_params(tmp_path / "clean")
+    name_b, b = final_params(tmp_path / "killed")
+    assert name_a == name_b == "step_00000040"
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def _descendants(pid):
+    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(k) for k in kids] + [d for k in kids for d in _descendants(int(k))]
+
+
+def test_shrink_when_an_agent_dies_for_good(tmp_path):
+    rdzv = free_port_range(1)
+    store = subprocess.Popen([sys.executable, "-m", "meshscope", "rendezvous", "--port", str(rdzv)],
+                             cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "rendezvous store" in store.stdout.readline()
+        flags = ("--nproc", "1", "--steps", "300", "--nnodes", "1:2", "--rdzv-endpoint",
+                 f"127.0.0.1:{rdzv}", "--rdzv-external", "--max-restarts", "3",
+                 "--checkpoint-every", "5")
+        survivor = meshscope_run(tmp_path, "elastic", *flags)
+        time.sleep(0.5)
+        doomed = meshscope_run(tmp_path, "elastic", *flags)
+        deadline = time.monotonic() + 120
+        while latest_step(tmp_path / "elastic") < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in [doomed.pid] + _descendants(doomed.pid):  # the whole node goes, workers too
+            os.kill(pid, signal.SIGKILL)
+        out, _ = survivor.communicate(timeout=240)
+        assert survivor.returncode == 0, out
+    finally:
+        store.kill()
+    steps = load_steps(tmp_path / "elastic")
+    assert set(steps[steps["world_size"] == 2]["rank"]) == {0, 1}
+    after = steps[steps["world_size"] == 1]
+    assert after["step"].max() == 299 and set(after["rank"]) == {0}
+    events = load_events(tmp_path / "elastic")
+    resume = events[events["kind"] == "resume"].iloc[-1]["detail"]
+    assert (resume["world_size_then"], resume["world_size_now"]) == (2, 1)
+    assert "fault" in set(events["kind"])
+
+
+@pytest.fixture(scope="module")
+def injected(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inject")
+    proc = meshscope_run(root, "all", "--steps", "40",
+                         "--inject", "slow@step=5,rank=1,steps=5,factor=3",
+                         "--inject", "comm_delay@step=12,rank=0,steps=3,ms=40",
+                         "--inject", "nan@step=17,rank=1",
+                         "--inject", "expert_collapse@step=20,rank=0,steps=10,layer=0",
+                         "--inject", "memory_leak@step=25,rank=1,steps=10,mb_per_step=8",
+                         "--inject", "hang@step=36,rank=0,seconds=2")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    run = root / "all"
+    steps = load_steps(run)
+    return {"steps": steps, "rank": {r: steps[steps["rank"] == r].set_index("step") for r in (0, 1)},
+            "events": load_events(run), "experts": load_expert_load(run)}
+
+
+def test_every_injection_is_ground_truth_in_the_store(injected):
+    inj = injected["events"][injected["events"]["kind"] == "injected"]
+    got = sorted((d["kind"], d["rank"], d["start_step"]) for d in inj["detail"])
+    assert got == sorted([("slow", 1, 5), ("comm_delay", 0, 12), ("nan", 1, 17),
+                          ("expert_collapse", 0, 20), ("memory_leak", 1, 25), ("hang", 0, 36)])
+
+
+def test_slow_rank_step_time_rises_by_about_its_factor(injected):
+    r1 = injected["rank"][1]["step_s"]
+    before, during = r1.loc[1:4].median(), r1.loc[5:9].median()
+    assert 2.2 < during / before < 4.5
+
+
+def test_comm_delay_shows_as_communication(injected):
+    r0 = injected["rank"][0]
+    assert r0.loc[12:14, "comm_exposed_s"].min() > 0.03 > r0.loc[15:19, "comm_exposed_s"].median()
+
+
+def test_nan_gives_a_non_finite_loss_event_and_training_goes_on(injected):
+    nan_events = injected["events"][injected["events"]["kind"] == "nan"]
+    assert list(zip(nan_events["rank"], nan_events["step"])) == [(1, 17)]
+    r1 = injected["rank"][1]["loss"]
+    assert r1.loc[18:].notna().all() and r1.loc[39] < r1.loc[16]  # the bad step was skipped
+
+
+def test_expert_collapse_moves_the_expert_load(injected):
+    e = injected["experts"]
+    layer0 = e[e["layer"] == 0].pivot(index="step", columns="expert", values="tokens")
+    share = layer0[0] / layer0.sum(axis=1)
+    assert share.loc[[24, 29]].min() > 1.5 * share.loc[[9, 14, 34, 39]].max()
+
+
+def test_memory_leak_grows_rss_by_its_rate(injected):
+    rss = injected["rank"][1]["mem_rss"]
+    growth_mb = (rss.loc[34] - rss.loc[24]) / 2**20
+    assert 70 < growth_mb < 100  # 10 steps x 8 MB
+
+
+def test_hang_stalls_the_peers_collective(injected):
+    assert injected["rank"][1].loc[36, "step_s"] > 1.5

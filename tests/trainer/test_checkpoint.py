@@ -1,0 +1,83 @@
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint import CheckpointError, CheckpointManager, verify
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def small(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()  # Adam has state only after a step
+    return model, opt
+
+
+def test_round_trip_keeps_last_k_and_verifies(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, keep=2, async_save=False)
+    model, opt = small(0)
+    for step in (5, 10, 15):
+        mgr.save(step, model, opt, {"rng": torch.get_rng_state(), "step": step})
+    assert [p.name for p in mgr.checkpoints()] == ["step_00000010", "step_00000015"]
+    assert verify(mgr.checkpoints()[-1])["step"] == 15
+    fresh, fresh_opt = small(1)
+    restored, refused = mgr.restore(fresh, fresh_opt)
+    assert restored.step == 15 and refused == []
+    assert torch.equal(fresh.weight, model.weight)
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"],
+                       opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_corrupt_checkpoint_is_refused_with_the_reason_and_the_previous_used(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, keep=3, async_save=False)
+    model, opt = small(0)
+    mgr.save(5, model, opt, {"step": 5})
+    saved_at_5 = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1)
+    mgr.save(10, model, opt, {"step": 10})
+    newest = mgr.checkpoints()[-1]
+    shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        verify(newest)
+    fresh, fresh_opt = small(1)
+    restored, refused = mgr.restore(fresh, fresh_opt)
+    assert restored.step == 5
+    assert len(refused) == 1 and "step_00000010" in refused[0] and "corrupt" in refused[0]
+    assert torch.equal(fresh.weight, saved_at_5)
+
+
+def test_kill_during_a_write_resumes_from_the_previous_good_checkpoint(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/trainer/checkpoint_writer.py"),
+                             str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    try:
+        assert proc.stdout.readline().startswith("saved 1")
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".step_*.partial/*")) and time.monotonic() < deadline:
+            time.sleep(0.005)  # wait until the next checkpoint is half written
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert list(tmp_path.glob(".step_*.partial")), "the kill should land mid-write"
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=False)
+    path, refused = mgr.newest_valid()
+    assert path is not None and refused == []
+    step = verify(path)["step"]
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])
+    restored, _ = mgr.restore(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert restored.step == step
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(1024, 1024).weight + step  # every save added 1 to every weight
+    assert torch.equal(model[0].weight, expected)

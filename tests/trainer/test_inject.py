@@ -1,0 +1,44 @@
+import pytest
+
+from trainer.inject import InjectionError, Injector, parse_injection
+
+
+def test_parse_full_spec():
+    inj = parse_injection("slow@step=20,rank=1,steps=10,factor=3")
+    assert (inj.kind, inj.step, inj.rank, inj.steps, inj.param("factor")) == ("slow", 20, 1, 10, 3)
+    assert parse_injection("comm_delay@step=1,rank=0").param("ms") == 50  # default
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("explode@step=1,rank=0", "KIND"),
+    ("slow@rank=0", "step= is required"),
+    ("slow@step=1,rank=0,speed=2", "unknown parameter"),
+    ("nan@step=x,rank=0", "not key=number"),
+    ("kill@step=1,rank=0,steps=0", "steps >= 1"),
+])
+def test_bad_specs_say_what_is_wrong(spec, message):
+    with pytest.raises(InjectionError, match=message):
+        parse_injection(spec)
+
+
+def test_fires_once_and_only_on_its_rank_and_steps():
+    reported = []
+    specs = [parse_injection("nan@step=2,rank=1,steps=2"), parse_injection("nan@step=0,rank=0")]
+    inj = Injector(specs, rank=1, report=lambda i, s: reported.append((i.key, s)))
+    import torch
+    model = torch.nn.Linear(1, 1)
+    poisoned = []
+    for step in range(5):
+        inj.before_step(step, model)
+        poisoned.append(bool(torch.isnan(inj.poison_loss(torch.tensor(1.0), step))))
+    assert poisoned == [False, False, True, True, False]
+    assert reported == [("nan@2/1", 2)]
+
+
+def test_already_fired_injections_do_not_fire_again():
+    reported = []
+    inj = Injector([parse_injection("kill@step=3,rank=0")], rank=0,
+                   report=lambda i, s: reported.append(i), already_fired={"kill@3/0"})
+    import torch
+    inj.before_step(3, torch.nn.Linear(1, 1))  # would SIGKILL this test if it fired
+    assert reported == []
