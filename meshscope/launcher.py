@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -58,7 +59,8 @@ def torchrun_command(cfg: RunConfig) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *topology,
             f"--nproc-per-node={cfg.nproc}", f"--max-restarts={e.max_restarts}",
             "--log-dir", str(cfg.run_dir / "logs" / "torchrun"), "--redirects", "3",
-            "-m", "trainer.worker", "--config", str(agent_config(cfg))]
+            "-m", "trainer.spawn" if e.warm_standby else "trainer.worker",
+            "--config", str(agent_config(cfg))]
 
 
 def worker_environment(cfg: RunConfig) -> dict[str, str]:
@@ -69,13 +71,58 @@ def worker_environment(cfg: RunConfig) -> dict[str, str]:
     return env
 
 
-def launch(cfg: RunConfig) -> subprocess.Popen:
-    log = open(cfg.run_dir / "logs" / f"launcher-{os.getpid()}.log", "wb")
-    return subprocess.Popen(torchrun_command(cfg), env=worker_environment(cfg), stdout=log,
-                            stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+def zygote_socket() -> Path:
+    return Path(tempfile.gettempdir()) / f"meshscope-zygote-{os.getpid()}.sock"
 
 
-def follow(cfg: RunConfig, proc: subprocess.Popen,
+def start_zygote(cfg: RunConfig, env: dict[str, str], timeout_s: float = 60) -> subprocess.Popen:
+    """The warm standby (trainer.zygote): ready once its socket exists."""
+    sock = zygote_socket()
+    sock.unlink(missing_ok=True)
+    log = open(cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.zygote", "--socket", str(sock)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    deadline = time.monotonic() + timeout_s
+    while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+class Launch:
+    """torchrun (and the warm standby it forks workers from) for one agent."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        env = worker_environment(cfg)
+        self.zygote = None
+        if cfg.elastic.warm_standby:
+            self.zygote = start_zygote(cfg, env)
+            env["MESHSCOPE_ZYGOTE"] = str(zygote_socket())
+        log = open(cfg.run_dir / "logs" / f"launcher-{os.getpid()}.log", "wb")
+        self.torchrun = subprocess.Popen(torchrun_command(cfg), env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+
+    def poll(self) -> int | None:
+        code = self.torchrun.poll()
+        if code is not None:
+            self.close()
+        return code
+
+    @property
+    def returncode(self) -> int | None:
+        return self.torchrun.returncode
+
+    def close(self) -> None:
+        if self.zygote is not None and self.zygote.poll() is None:
+            self.zygote.terminate()
+            self.zygote.wait(timeout=10)
+        zygote_socket().unlink(missing_ok=True)
+
+
+def launch(cfg: RunConfig) -> Launch:
+    return Launch(cfg)
+
+
+def follow(cfg: RunConfig, proc: Launch,
            on_progress: Callable[[int, dict], None], poll_s: float = 0.5) -> int:
     """Poll the store until the workers exit; report (steps done, last rank-0 record)."""
     seen = -1

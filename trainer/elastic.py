@@ -6,6 +6,7 @@ lost), `checkpoint` (refused ones, with the reason).
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any
@@ -20,13 +21,24 @@ from trainer.config import RunConfig
 from trainer.heartbeat import Heartbeat, connect_store, exit_marks, previous_attempt_failures
 
 
+def process_start_time() -> float:
+    """Wall-clock time this process started (Linux /proc), for recovery accounting."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return float("nan")
+
+
 def attempt_id(env: DistEnv) -> int:
     """torchrun's restart count: it names this attempt in the store's keys."""
     return env.restart_count
 
 
 class ElasticRun:
-    def __init__(self, cfg: RunConfig, env: DistEnv, mon: Monitor) -> None:
+    def __init__(self, cfg: RunConfig, env: DistEnv, mon: Monitor,
+                 started_at: float | None = None) -> None:
         self.cfg, self.env, self.mon = cfg, env, mon
         self.stop_requested = False
         self.store = connect_store(env.master_addr, env.master_port) if env.torchrun else None
@@ -36,6 +48,8 @@ class ElasticRun:
                                       async_save=cfg.elastic.async_checkpoint) if every else None
         self.heartbeat: Heartbeat | None = None
         self._fault_time: float | None = None
+        self.group_ready_at = time.time()  # built after the process group
+        self.started_at = started_at if started_at is not None else process_start_time()
         self._resumed_at: int | None = None
 
     # --- start --------------------------------------------------------------------------
@@ -106,7 +120,10 @@ class ElasticRun:
             self.mon.event("resume", severity="warning", step=restored.step, detail={
                 "checkpoint": restored.path.name, "from_step": restored.step,
                 "steps_lost": max(0, recorded + 1 - restored.step),
-                "world_size_then": restored.world_size, "world_size_now": self.env.world_size})
+                "world_size_then": restored.world_size, "world_size_now": self.env.world_size,
+                # where a recovery's time goes (benchmarks/fault_recovery.py reads these)
+                "detected_at": self._fault_time, "process_started_at": self.started_at,
+                "group_ready_at": self.group_ready_at, "restored_at": time.time()})
 
     def _last_recorded_step(self) -> int:
         try:

@@ -4,20 +4,24 @@ Parse, build, run, close. The launcher (meshscope run) writes the resolved confi
 """
 from __future__ import annotations
 
-import argparse
 import time
-from datetime import timedelta
-from pathlib import Path
 
-import torch.distributed as dist
+STARTED_AT = time.time()  # before the heavy imports: recovery accounting counts them
 
-from collector import DistEnv, Monitor, MonitorConfig
-from collector.store import load_events
-from trainer.config import RunConfig, load_config
-from trainer.device import resolve_device
-from trainer.elastic import ElasticRun, attempt_id
-from trainer.inject import Injection, Injector, parse_injection
-from trainer.loop import build, train
+import argparse  # noqa: E402
+import os  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
+from collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
+from collector.store import load_events  # noqa: E402
+from trainer.config import RunConfig, load_config  # noqa: E402
+from trainer.device import resolve_device  # noqa: E402
+from trainer.elastic import ElasticRun, attempt_id  # noqa: E402
+from trainer.inject import Injection, Injector, parse_injection  # noqa: E402
+from trainer.loop import build, train  # noqa: E402
 
 
 def init_process_group(env: DistEnv, backend: str) -> None:
@@ -52,6 +56,13 @@ def make_injector(cfg: RunConfig, env: DistEnv, mon: Monitor) -> Injector:
                     already_fired=fired_injections(cfg), flush=mon.flush)
 
 
+def write_pid(cfg: RunConfig, env: DistEnv) -> None:
+    """`<run>/pids/rank<r>.pid`: which process is which rank (workers may be forked, not exec'd)."""
+    folder = cfg.run_dir / "pids"
+    folder.mkdir(exist_ok=True)
+    (folder / f"rank{env.rank}.pid").write_text(str(os.getpid()))
+
+
 def run_worker(cfg: RunConfig, env: DistEnv) -> None:
     device = resolve_device(cfg.device, env.local_rank)
     device.activate()
@@ -59,7 +70,8 @@ def run_worker(cfg: RunConfig, env: DistEnv) -> None:
     mon = Monitor(MonitorConfig(run_dir=cfg.run_dir, run_id=cfg.run_id,
                                 metrics_port=cfg.metrics_port, expert_every=cfg.expert_every),
                   env=env, probe=device.probe())
-    elastic = ElasticRun(cfg, env, mon)
+    elastic = ElasticRun(cfg, env, mon, started_at=STARTED_AT)
+    write_pid(cfg, env)
     try:
         mon.describe_run(device=device.kind, backend=device.backend,
                          compression=cfg.train.compression)

@@ -1,0 +1,63 @@
+"""torchrun's worker entry when a warm standby (trainer.zygote) runs: a thin client.
+
+Imports nothing heavy. Hands the zygote this process's environment, arguments and stdio, then
+mirrors the forked worker: signals go to it, and its exit status (or the signal that killed it)
+becomes ours, so torchrun sees exactly what the worker did. Without a reachable zygote it
+becomes the plain worker (`python -m trainer.worker`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+HEADER = struct.Struct("!I")
+SOCKET_ENV = "MESHSCOPE_ZYGOTE"
+
+
+def _recv_int(conn: socket.socket) -> int | None:
+    data = b""
+    while len(data) < HEADER.size:
+        chunk = conn.recv(HEADER.size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return HEADER.unpack(data)[0]
+
+
+def _fallback(argv: list[str], why: str) -> None:
+    print(f"meshscope: warm standby unavailable ({why}); starting a plain worker", file=sys.stderr)
+    os.execv(sys.executable, [sys.executable, "-m", "trainer.worker", *argv])
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    path = os.environ.get(SOCKET_ENV, "")
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError as err:
+        _fallback(argv, f"{path or 'no socket'}: {err.strerror or err}")
+    request = {"env": dict(os.environ), "argv": argv, "cwd": os.getcwd()}
+    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    child = _recv_int(conn)
+    if child is None:
+        _fallback(argv, "zygote closed the connection")
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda s, _f: os.kill(child, s))
+    status = _recv_int(conn)
+    if status is None:  # the zygote died: take the worker down and fail
+        os.kill(child, signal.SIGKILL)
+        sys.exit(1)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    sys.exit(os.WEXITSTATUS(status))
+
+
+if __name__ == "__main__":
+    main()

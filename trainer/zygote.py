@@ -1,0 +1,131 @@
+"""Warm standby: a fork server that has already imported torch and warmed the optimizer.
+
+A restarted worker pays ~3 s to import torch and ~1 s for the first optimizer step (lazy imports
+of torch._dynamo) before it can resume. The zygote pays that once per node, before the job
+starts; torchrun's worker entry (`trainer.spawn`) is a thin client that hands the zygote its
+environment, arguments and stdio, and the zygote forks a ready worker in milliseconds. The
+zygote never touches an accelerator, so forking stays safe for CUDA/NPU: devices are
+initialised in the child.
+
+The client and its worker live and die together: the zygote reports the worker's exit status
+to the client, and kills the worker if the client goes away (torchrun killed it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HEADER = struct.Struct("!I")
+
+
+def warm_up() -> None:
+    """Import what a worker imports and take one optimizer step, so the children don't."""
+    import torch
+
+    import trainer.worker  # noqa: F401  (torch.distributed, DCP, pandas, prometheus_client...)
+
+    layer = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    layer(torch.ones(1, 4)).sum().backward()
+    opt.step()
+
+
+def _run_child(request: dict, fds: list[int]) -> None:
+    """In the forked child: become the worker torchrun asked for, then exit."""
+    for target, fd in enumerate(fds[:3]):
+        os.dup2(fd, target)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.argv = ["trainer.worker", *request["argv"]]
+    code = 0
+    try:
+        import trainer.worker
+        trainer.worker.STARTED_AT = time.time()  # this worker's life starts at the fork
+        trainer.worker.main(request["argv"])
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def serve(path: Path) -> None:
+    """Single-threaded accept/reap loop: no thread is ever alive when we fork."""
+    warm_up()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if path.exists():
+        path.unlink()
+    server.bind(str(path))
+    server.listen(64)
+    clients: dict[int, socket.socket] = {}  # child pid -> client connection
+    by_conn: dict[socket.socket, int] = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        readable, _, _ = select.select([server, *by_conn], [], [], 0.05)
+        for sock in readable:
+            if sock is server:
+                conn, _ = server.accept()
+                msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                request = json.loads(msg)
+                pid = os.fork()
+                if pid == 0:
+                    server.close()
+                    _run_child(request, fds)
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(HEADER.pack(pid))
+                clients[pid], by_conn[conn] = conn, pid
+            elif not sock.recv(1):  # the client died: its worker goes with it
+                pid = by_conn.pop(sock)
+                _kill(pid)
+                sock.close()
+        _reap(clients, by_conn)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _reap(clients: dict[int, socket.socket], by_conn: dict[socket.socket, int]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = clients.pop(pid, None)
+        if conn is not None:
+            by_conn.pop(conn, None)
+            try:
+                conn.sendall(HEADER.pack(status & 0xFFFF))
+            except OSError:
+                pass
+            conn.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--socket", type=Path, required=True)
+    serve(ap.parse_args().socket)
+
+
+if __name__ == "__main__":
+    main()
