@@ -54,8 +54,10 @@ def torchrun_command(cfg: RunConfig) -> list[str]:
         topology = [f"--nnodes={e.nnodes}", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint={e.rdzv_endpoint or '127.0.0.1:29400'}",
                     f"--rdzv-id={e.rdzv_id or cfg.run_id}"]
-        if e.rdzv_external:
-            topology.append("--rdzv-conf=is_host=false")
+        # a dead agent is noticed after 3 missed 1 s keep-alives (torch default: 3 x 5 s)
+        conf = [f"last_call_timeout={e.last_call_s:g}", "keep_alive_interval=1",
+                "keep_alive_max_attempt=3"] + (["is_host=false"] if e.rdzv_external else [])
+        topology.append(f"--rdzv-conf={','.join(conf)}")
     return [sys.executable, "-m", "torch.distributed.run", *topology,
             f"--nproc-per-node={cfg.nproc}", f"--max-restarts={e.max_restarts}",
             "--log-dir", str(cfg.run_dir / "logs" / "torchrun"), "--redirects", "3",

@@ -79,6 +79,8 @@ class ElasticConfig(_Strict):
     nnodes: str = Field("1", pattern=r"^\d+(:\d+)?$", description="torchrun --nnodes, MIN[:MAX]")
     rdzv_endpoint: str = Field("", description="c10d rendezvous host:port for several agents")
     rdzv_id: str = Field("", description="rendezvous id shared by the agents (default: run id)")
+    last_call_s: float = Field(
+        3.0, gt=0, description="after MIN agents joined, wait this long for more (rendezvous)")
     warm_standby: bool = Field(
         True, description="fork workers from a pre-imported zygote: restarts skip ~4 s of imports")
     rdzv_external: bool = Field(

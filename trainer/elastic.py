@@ -31,6 +31,15 @@ def process_start_time() -> float:
         return float("nan")
 
 
+def heartbeat_endpoint(cfg: RunConfig, env: DistEnv) -> tuple[str, int]:
+    """Where beats and exit marks go: the rendezvous store when there is one (it outlives every
+    agent), else the agent's store (it outlives the workers' restarts)."""
+    if cfg.elastic.rdzv_endpoint:
+        host, _, port = cfg.elastic.rdzv_endpoint.rpartition(":")
+        return host, int(port)
+    return env.master_addr, env.master_port
+
+
 def attempt_id(env: DistEnv) -> int:
     """torchrun's restart count: it names this attempt in the store's keys."""
     return env.restart_count
@@ -41,7 +50,7 @@ class ElasticRun:
                  started_at: float | None = None) -> None:
         self.cfg, self.env, self.mon = cfg, env, mon
         self.stop_requested = False
-        self.store = connect_store(env.master_addr, env.master_port) if env.torchrun else None
+        self.store = connect_store(*heartbeat_endpoint(cfg, env)) if env.torchrun else None
         every = cfg.elastic.checkpoint_every
         self.ckpt = CheckpointManager(cfg.run_dir / "checkpoints", rank=env.rank,
                                       world_size=env.world_size, keep=cfg.elastic.keep,
