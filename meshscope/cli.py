@@ -129,6 +129,41 @@ def _print_summary(cfg: RunConfig) -> None:
 
 
 @app.command()
+def detect(
+    run: Path = typer.Option(..., "--run", help="run directory (holds store.sqlite)"),
+    sensitivity: float = typer.Option(1.0, help="> 1 flags more, < 1 flags less"),
+) -> None:
+    """Judge a finished run: anomaly episodes to the store as `anomaly` events, and a table."""
+    from collector.schema import Event
+    from collector.store import RunStore
+    from detectors.engine import DetectionEngine, EngineConfig
+
+    try:
+        steps, experts = load_steps(run), load_expert_load(run)
+        config = EngineConfig(sensitivity=sensitivity)
+    except (FileNotFoundError, ValueError) as err:
+        fail(str(err))
+    episodes = []
+    engine = DetectionEngine(config, on_close=episodes.append)
+    engine.process(steps, experts)
+    engine.finish()
+    store = RunStore(run)
+    run_id = str(steps["run_id"].iloc[0]) if not steps.empty else run.name
+    table = Table(title=f"anomalies in {run}")
+    for col in ("type", "ranks", "layer/expert", "steps", "score", "evidence"):
+        table.add_column(col)
+    for ep in sorted(episodes, key=lambda e: e.start_step):
+        store.add_event(Event(kind="anomaly", run_id=run_id, severity="warning",
+                              step=ep.start_step, detail=ep.detail()))
+        where = f"{ep.layer}/{ep.expert}" if ep.layer is not None else ""
+        table.add_row(ep.type, ",".join(map(str, ep.ranks)), where,
+                      f"{ep.start_step}-{ep.end_step}", f"{ep.score:.2f}", str(ep.evidence)[:60])
+    store.close()
+    console.print(table)
+    console.print(f"{len(episodes)} anomaly episode(s) written to {store_path(run)}")
+
+
+@app.command()
 def rendezvous(
     port: int = typer.Option(29400, help="port of the c10d rendezvous store"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),

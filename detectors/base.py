@@ -1,0 +1,31 @@
+"""The estimator contract every detector follows (scikit-learn's outlier detectors).
+
+`__init__` stores hyperparameters only; `fit(X)` learns state (names ending in `_`) and returns
+self; `score_samples(X)` is higher for more normal rows; `decision_function(X)` is negative for
+anomalies; `predict(X)` returns -1 (anomaly) or +1. Using an unfitted detector raises
+sklearn's NotFittedError.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from sklearn.base import BaseEstimator, OutlierMixin
+from sklearn.utils.validation import check_is_fitted
+
+
+def as_matrix(X: pd.DataFrame | np.ndarray) -> np.ndarray:
+    arr = X.to_numpy(dtype=float) if isinstance(X, pd.DataFrame) else np.asarray(X, dtype=float)
+    return arr.reshape(-1, 1) if arr.ndim == 1 else arr
+
+
+class Detector(OutlierMixin, BaseEstimator):
+    """Base: subclasses implement `fit` and `score_samples`; the rest follows."""
+
+    threshold: float = 0.0
+
+    def decision_function(self, X: pd.DataFrame | np.ndarray) -> np.ndarray:
+        check_is_fitted(self)
+        return self.score_samples(X) + self.threshold
+
+    def predict(self, X: pd.DataFrame | np.ndarray) -> np.ndarray:
+        return np.where(self.decision_function(X) < 0, -1, 1)

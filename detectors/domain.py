@@ -1,0 +1,121 @@
+"""Detectors that know what they look at: stragglers, expert balance, loss and memory health.
+
+Each follows the estimator contract on its own input and can say who is to blame (`culprits`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from detectors.base import Detector, as_matrix
+
+
+class Straggler(Detector):
+    """X: compute seconds, one row per step, one column per rank.
+
+    A rank straggles when its compute time exceeds `ratio` times both the median of the other
+    ranks and its own best recent time: the first separates it from its peers, the second from a
+    step that is slow for everyone.
+    """
+
+    def __init__(self, ratio: float = 1.5, window: int = 50) -> None:
+        self.ratio = ratio
+        self.window = window
+        self.threshold = ratio
+
+    def fit(self, X, y=None) -> "Straggler":
+        self.history_ = as_matrix(X)[-self.window:]
+        return self
+
+    def partial_fit(self, X, y=None) -> "Straggler":
+        self.history_ = np.vstack([self.history_, as_matrix(X)])[-self.window:]
+        return self
+
+    def ratios(self, X) -> np.ndarray:
+        X = as_matrix(X)
+        n = X.shape[1]
+        others = np.stack([np.median(np.delete(X, r, axis=1), axis=1) if n > 1 else X[:, r]
+                           for r in range(n)], axis=1)
+        best = np.percentile(self.history_, 10, axis=0)
+        return np.minimum(X / np.maximum(others, 1e-9), X / np.maximum(best, 1e-9))
+
+    def score_samples(self, X) -> np.ndarray:
+        return -self.ratios(X).max(axis=1)
+
+    def culprits(self, X) -> list[list[int]]:
+        return [list(np.flatnonzero(row > self.ratio)) for row in self.ratios(X)]
+
+
+class ExpertBalance(Detector):
+    """X: one layer's expert shares, one row per window, one column per expert.
+
+    An expert hogs when its share exceeds `hog` times its usual share (learnt on warm-up) and
+    starves below `starve` times it; the score is the worst such factor.
+    """
+
+    def __init__(self, hog: float = 1.6, starve: float = 0.25) -> None:
+        self.hog = hog
+        self.starve = starve
+        self.threshold = 1.0
+
+    def fit(self, X, y=None) -> "ExpertBalance":
+        self.usual_ = np.maximum(np.median(as_matrix(X), axis=0), 1e-6)
+        return self
+
+    def factors(self, X) -> np.ndarray:
+        """Per expert: how far outside its usual band (1 = at the edge), signed up for hogs."""
+        rel = as_matrix(X) / self.usual_
+        return np.maximum(rel / self.hog, self.starve / np.maximum(rel, 1e-9))
+
+    def score_samples(self, X) -> np.ndarray:
+        return -self.factors(X).max(axis=1)
+
+    def culprits(self, X) -> list[list[int]]:
+        return [list(np.flatnonzero(row > 1.0)) for row in self.factors(X)]
+
+
+class NonFinite(Detector):
+    """X: loss per rank. Any NaN/Inf is an anomaly; nothing to learn."""
+
+    def __init__(self) -> None:
+        self.threshold = 0.5
+
+    def fit(self, X, y=None) -> "NonFinite":
+        self.n_features_ = as_matrix(X).shape[1]
+        return self
+
+    def score_samples(self, X) -> np.ndarray:
+        return -(~np.isfinite(as_matrix(X))).any(axis=1).astype(float)
+
+    def culprits(self, X) -> list[list[int]]:
+        return [list(np.flatnonzero(~np.isfinite(row))) for row in as_matrix(X)]
+
+
+class MemoryGrowth(Detector):
+    """X: resident memory per rank, one row per step. Growth faster than `mb_per_step` over the
+    last `window` steps, on any rank, is a leak."""
+
+    def __init__(self, mb_per_step: float = 2.0, window: int = 5) -> None:
+        self.mb_per_step = mb_per_step
+        self.window = window
+        self.threshold = 1.0
+
+    def fit(self, X, y=None) -> "MemoryGrowth":
+        self.history_ = as_matrix(X)[-self.window:]
+        return self
+
+    def partial_fit(self, X, y=None) -> "MemoryGrowth":
+        self.history_ = np.vstack([self.history_, as_matrix(X)])[-self.window:]
+        return self
+
+    def slopes(self, X) -> np.ndarray:
+        """MB per step against the oldest remembered row, per rank."""
+        X = as_matrix(X)
+        base = self.history_[0]
+        steps = len(self.history_)
+        return (X - base) / (1 << 20) / max(steps, 1) / self.mb_per_step
+
+    def score_samples(self, X) -> np.ndarray:
+        return -self.slopes(X).max(axis=1)
+
+    def culprits(self, X) -> list[list[int]]:
+        return [list(np.flatnonzero(row > 1.0)) for row in self.slopes(X)]

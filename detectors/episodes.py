@@ -1,0 +1,59 @@
+"""One ongoing anomaly is one episode: opened at its first flagged step, extended while flagged,
+closed after `gap` quiet steps. Pure bookkeeping, no I/O."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Episode:
+    type: str
+    key: tuple
+    start_step: int
+    end_step: int
+    score: float
+    ranks: list[int] = field(default_factory=list)
+    layer: int | None = None
+    expert: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    gap: int = 3
+
+    def detail(self) -> dict[str, Any]:
+        d = {"type": self.type, "ranks": self.ranks, "score": round(self.score, 4),
+             "start_step": self.start_step, "end_step": self.end_step, "evidence": self.evidence}
+        if self.layer is not None:
+            d["layer"] = self.layer
+        if self.expert is not None:
+            d["expert"] = self.expert
+        return d
+
+
+class EpisodeTracker:
+    def __init__(self, gap: int = 3) -> None:
+        self.gap = gap
+        self.open: dict[tuple, Episode] = {}
+
+    def flag(self, step: int, type: str, score: float, *, ranks: list[int] | None = None,
+             layer: int | None = None, expert: int | None = None,
+             evidence: dict[str, Any] | None = None, gap: int | None = None) -> Episode | None:
+        """Record a flagged step; returns the episode if this opened it."""
+        key = (type, tuple(ranks or ()), layer, expert)
+        ep = self.open.get(key)
+        if ep is None:
+            self.open[key] = ep = Episode(type, key, step, step, score, list(ranks or ()), layer,
+                                          expert, dict(evidence or {}), gap or self.gap)
+            return ep
+        ep.end_step, ep.score = step, max(ep.score, score)
+        return None
+
+    def close_quiet(self, step: int) -> list[Episode]:
+        """Episodes with no flag for their `gap` steps, removed and returned."""
+        done = [ep for ep in self.open.values() if step - ep.end_step >= ep.gap]
+        for ep in done:
+            del self.open[ep.key]
+        return done
+
+    def close_all(self) -> list[Episode]:
+        done, self.open = list(self.open.values()), {}
+        return done

@@ -1,0 +1,56 @@
+"""The engine on synthetic runs with known faults: each is found, named, and is one episode."""
+import numpy as np
+import pandas as pd
+
+from detectors.engine import DetectionEngine, EngineConfig
+
+
+def synthetic_run(steps=120, ranks=4, seed=0, slow=None, leak=None, nan_at=None, wave=False):
+    """StepRecords of a healthy run, plus optional faults: slow=(rank, start, end, factor),
+    leak=(rank, start, mb_per_step), nan_at=(rank, step)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(steps):
+        base = 0.1 * (1 + (0.3 * np.sin(step / 15) if wave else 0))  # a slow wave is no anomaly
+        compute = base * (1 + 0.03 * rng.standard_normal(ranks))
+        if slow and slow[1] <= step < slow[2]:
+            compute[slow[0]] *= slow[3]
+        step_s = compute.max() + 0.01
+        for r in range(ranks):
+            rss = 1e9 + (leak[2] * 2**20 * max(0, step - leak[1]) if leak and r == leak[0] else 0)
+            loss = 4.0 * np.exp(-step / 80) + 0.02 * rng.standard_normal()
+            if nan_at == (r, step):
+                loss = float("nan")
+            rows.append(dict(rank=r, world_size=ranks, step=step, step_s=step_s, data_s=0.0,
+                             comm_exposed_s=step_s - compute[r], comm_ratio=(step_s - compute[r]) / step_s,
+                             bytes_wire=1000, loss=loss, grad_norm=1.0, tokens=256, mem_rss=rss))
+    return pd.DataFrame(rows)
+
+
+def run(df, **cfg):
+    closed, opened = [], []
+    engine = DetectionEngine(EngineConfig(**cfg), on_open=opened.append, on_close=closed.append)
+    for end in range(10, df["step"].max() + 11, 10):  # fed in chunks, as when tailing a store
+        engine.process(df[df["step"] < end])
+    engine.finish()
+    return opened, closed
+
+
+def test_a_healthy_run_with_a_slow_wave_raises_nothing():
+    opened, _ = run(synthetic_run(wave=True))
+    assert opened == []
+
+
+def test_one_straggler_episode_names_the_slow_rank():
+    opened, closed = run(synthetic_run(slow=(2, 60, 75, 3.0)))
+    assert [(e.type, e.ranks) for e in closed] == [("straggler", [2])]
+    ep = closed[0]
+    assert 60 <= ep.start_step <= 62 and 74 <= ep.end_step <= 75
+    assert ep.detail()["evidence"]["ratio"] > 2
+
+
+def test_memory_growth_and_nan_are_found_with_their_ranks():
+    _, closed = run(synthetic_run(leak=(1, 70, 8.0), nan_at=(3, 50)))
+    found = {(e.type, tuple(e.ranks)) for e in closed}
+    assert ("nan", (3,)) in found and ("memory", (1,)) in found
+    assert min(e.start_step for e in closed if e.type == "memory") <= 75
