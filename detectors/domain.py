@@ -52,14 +52,19 @@ class ExpertBalance(Detector):
     starves below `starve` times it; the score is the worst such factor.
     """
 
-    def __init__(self, hog: float = 1.6, starve: float = 0.25) -> None:
+    def __init__(self, hog: float = 1.7, starve: float = 0.25, window: int = 6) -> None:
         self.hog = hog
         self.starve = starve
+        self.window = window
         self.threshold = 1.0
 
     def fit(self, X, y=None) -> "ExpertBalance":
-        self.usual_ = np.maximum(np.median(as_matrix(X), axis=0), 1e-6)
+        self.history_ = as_matrix(X)[-self.window:]
+        self.usual_ = np.maximum(np.median(self.history_, axis=0), 1e-6)
         return self
+
+    def partial_fit(self, X, y=None) -> "ExpertBalance":
+        return self.fit(np.vstack([self.history_, as_matrix(X)]))
 
     def factors(self, X) -> np.ndarray:
         """Per expert: how far outside its usual band (1 = at the edge), signed up for hogs."""

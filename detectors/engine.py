@@ -132,13 +132,13 @@ class DetectionEngine:
         slow = self.straggler.culprits(x)[0]
         if slow:
             normal = False
-            self._flag(step, "straggler", ratio, ranks=[ranks[i] for i in slow],
+            self._flag(step, "straggler", ratio, ranks=[ranks[i] for i in slow], confirm=3,
                        evidence={"compute_s": {str(r): round(float(v), 4) for r, v in zip(ranks, x[0])},
                                  "ratio": round(ratio, 2)})
         elif self.comm.predict(feats[["comm_ratio"]])[0] < 0:
             normal = False
             self._flag(step, "comm", -float(self.comm.score_samples(feats[["comm_ratio"]])[0]),
-                       ranks=ranks, evidence={"comm_ratio": round(float(feats["comm_ratio"].iloc[0]), 4)})
+                       ranks=ranks, confirm=2, evidence={"comm_ratio": round(float(feats["comm_ratio"].iloc[0]), 4)})
         if np.isfinite(feats["loss_delta"].iloc[0]) and self.loss.predict(feats[["loss_delta"]])[0] < 0:
             normal = False
             self._flag(step, "loss_spike", -float(self.loss.score_samples(feats[["loss_delta"]])[0]),
@@ -147,7 +147,7 @@ class DetectionEngine:
         if leak:
             normal = False
             self._flag(step, "memory", -float(self.memory.score_samples(rss.to_numpy())[0]),
-                       ranks=[ranks[i] for i in leak],
+                       ranks=[ranks[i] for i in leak], confirm=2,
                        evidence={"mb_per_step": round(float(self.memory.slopes(rss.to_numpy())[0].max()
                                                             * self.memory.mb_per_step), 2)})
         score = float(self.forest.score_samples(feats[MULTIVARIATE])[0])
@@ -155,7 +155,7 @@ class DetectionEngine:
         trusted = len(self.forest.buffer_) >= 50  # too few rows make IQRs, and so alarms, noisy
         if normal and trusted and self.forest.predict(feats[MULTIVARIATE])[0] < 0:
             normal = False
-            self._flag(step, "multivariate", -score, evidence={
+            self._flag(step, "multivariate", -score, confirm=2, evidence={
                 "drivers": self.forest.explain(feats[MULTIVARIATE], MULTIVARIATE)[0]})
         return normal
 
@@ -167,13 +167,16 @@ class DetectionEngine:
                 tokens = grp.sort_values("expert")["tokens"].to_numpy(dtype=float)
                 share = (tokens / max(tokens.sum(), 1e-9)).reshape(1, -1)
                 det = self.experts.get(layer)
-                if det is None:
+                if det is None or step < self.config.warmup:
                     warm = self._warm_experts.setdefault(layer, [])
                     warm.append(share)
-                    if len(warm) >= 3:
+                    if step >= self.config.warmup - 1 or det is not None:
                         self.experts[layer] = ExpertBalance().fit(np.vstack(warm))
                     continue
-                for e in det.culprits(share)[0]:
+                hot = det.culprits(share)[0]
+                if not hot:
+                    det.partial_fit(share)  # routing drifts as the router learns: follow it
+                for e in hot:
                     self._flag(int(step), "expert_imbalance", float(det.factors(share)[0][e]),
                                layer=int(layer), expert=int(e), gap=2 * self._expert_spacing,
                                evidence={"share": round(float(share[0][e]), 4),

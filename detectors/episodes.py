@@ -18,6 +18,12 @@ class Episode:
     expert: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
     gap: int = 3
+    confirm: int = 1
+    count: int = 1
+
+    @property
+    def confirmed(self) -> bool:
+        return self.count >= self.confirm
 
     def detail(self) -> dict[str, Any]:
         d = {"type": self.type, "ranks": self.ranks, "score": round(self.score, 4),
@@ -36,24 +42,26 @@ class EpisodeTracker:
 
     def flag(self, step: int, type: str, score: float, *, ranks: list[int] | None = None,
              layer: int | None = None, expert: int | None = None,
-             evidence: dict[str, Any] | None = None, gap: int | None = None) -> Episode | None:
-        """Record a flagged step; returns the episode if this opened it."""
+             evidence: dict[str, Any] | None = None, gap: int | None = None,
+             confirm: int = 1) -> Episode | None:
+        """Record a flagged step; returns the episode when this step confirms it (after
+        `confirm` flagged steps: one noisy step is not an anomaly)."""
         key = (type, tuple(ranks or ()), layer, expert)
         ep = self.open.get(key)
         if ep is None:
             self.open[key] = ep = Episode(type, key, step, step, score, list(ranks or ()), layer,
-                                          expert, dict(evidence or {}), gap or self.gap)
-            return ep
-        ep.end_step, ep.score = step, max(ep.score, score)
-        return None
+                                          expert, dict(evidence or {}), gap or self.gap, confirm)
+            return ep if ep.confirmed else None
+        ep.end_step, ep.score, ep.count = step, max(ep.score, score), ep.count + 1
+        return ep if ep.count == ep.confirm else None
 
     def close_quiet(self, step: int) -> list[Episode]:
         """Episodes with no flag for their `gap` steps, removed and returned."""
         done = [ep for ep in self.open.values() if step - ep.end_step >= ep.gap]
         for ep in done:
             del self.open[ep.key]
-        return done
+        return [ep for ep in done if ep.confirmed]
 
     def close_all(self) -> list[Episode]:
         done, self.open = list(self.open.values()), {}
-        return done
+        return [ep for ep in done if ep.confirmed]

@@ -20,7 +20,7 @@ from trainer.device import DeviceUnavailable
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Observability and debugging for distributed (MoE) training.")
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # messages stay whole for grep
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -85,11 +85,31 @@ def run(
     console.print(f"  store    {store_path(cfg.run_dir)}")
     console.print(f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
                   f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})")
+    detection = _start_detection(cfg)
     code = _train_with_progress(cfg)
+    episodes = detection.stop()
     if code != 0:
         err_console.print(launcher.tail_log(cfg), markup=False, highlight=False)
         fail(f"training failed (exit {code}); logs in {cfg.run_dir / 'logs'}", code=1)
     _print_summary(cfg)
+    if episodes:
+        console.print(f"{len(episodes)} anomaly episode(s): " + "; ".join(
+            f"{e.type} ranks={e.ranks} steps {e.start_step}-{e.end_step}" for e in episodes))
+
+
+def _start_detection(cfg: RunConfig):
+    """The detection engine beside training, exporting on the port after the ranks'."""
+    from collector.exporter import serve_metrics
+    from detectors.live import LiveDetection
+
+    live = LiveDetection(cfg.run_dir, cfg.run_id)
+    port = cfg.metrics_port + cfg.nproc
+    try:
+        serve_metrics(live.registry, port)
+        console.print(f"  detector http://127.0.0.1:{port}/metrics")
+    except PortInUseError as err:
+        err_console.print(f"[yellow]warning:[/] detector metrics not exported: {err}")
+    return live.start()
 
 
 def _train_with_progress(cfg: RunConfig) -> int:
@@ -130,10 +150,40 @@ def _print_summary(cfg: RunConfig) -> None:
 
 @app.command()
 def detect(
-    run: Path = typer.Option(..., "--run", help="run directory (holds store.sqlite)"),
+    csv: Optional[Path] = typer.Argument(None, help="a CSV time series to score"),
+    run: Optional[Path] = typer.Option(None, "--run", help="a run directory to judge"),
+    time_column: str = typer.Option("time", "--time-column", help="CSV: the time column"),
+    value_columns: Optional[str] = typer.Option(None, "--value-columns",
+                                                help="CSV: columns to score, A,B (default: all)"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="CSV: where to write"),
     sensitivity: float = typer.Option(1.0, help="> 1 flags more, < 1 flags less"),
 ) -> None:
-    """Judge a finished run: anomaly episodes to the store as `anomaly` events, and a table."""
+    """Judge a run (anomaly events into its store) or score a CSV (anomaly_score, is_anomaly)."""
+    if (csv is None) == (run is None):
+        fail("give either a CSV file or --run DIR")
+    if csv is not None:
+        _detect_csv(csv, time_column, value_columns, output, sensitivity)
+    else:
+        _detect_run(run, sensitivity)
+
+
+def _detect_csv(path: Path, time_column: str, value_columns: Optional[str],
+                output: Optional[Path], sensitivity: float) -> None:
+    from detectors.series import SeriesError, read_series, score_frame
+
+    try:
+        cols = [c.strip() for c in value_columns.split(",")] if value_columns else None
+        scored = score_frame(read_series(str(path), time_column, cols), time_column,
+                             sensitivity=sensitivity)
+    except SeriesError as err:
+        fail(str(err))
+    output = output or path.with_name(path.stem + ".scored.csv")
+    scored.to_csv(output, index=False)
+    console.print(f"{int(scored['is_anomaly'].sum())} anomalous row(s) of {len(scored)}; "
+                  f"scores written to {output}")
+
+
+def _detect_run(run: Path, sensitivity: float) -> None:
     from collector.schema import Event
     from collector.store import RunStore
     from detectors.engine import DetectionEngine, EngineConfig

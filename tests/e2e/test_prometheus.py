@@ -23,13 +23,13 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
     port = free_port_range(2)
     with Prometheus(prometheus_bin, config, tmp_path) as prom:
-        run = start_run(runs, "e2e", port, "--steps", "40", "--linger", "15")
+        run = start_run(runs, "e2e", port, "--steps", "40", "--linger", "30")
         try:
             def both_ranks(promql):
                 return lambda: (len(r := prom.query(promql)) == 2) and r
 
-            step_time = wait_for(both_ranks('meshscope_step_duration_seconds_count{run="e2e"} > 0'), 60)
-            assert step_time, "no step-time series for both ranks"
+            step_time = wait_for(both_ranks('meshscope_step_duration_seconds_count{run="e2e"} > 0'), 150)
+            assert step_time, f"no step-time series for both ranks; run exit: {run.poll()}"
             assert {s["metric"]["rank"] for s in step_time} == {"0", "1"}
             assert all(s["metric"]["job"] == "meshscope" for s in step_time)
             assert wait_for(both_ranks('meshscope_comm_ratio{run="e2e"}'), 30)

@@ -1,0 +1,70 @@
+"""The engine beside a training run: tails the store, writes anomaly events, exports scores."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from collector.metrics import MeshscopeMetrics
+from collector.schema import Event
+from collector.store import RunStore, load_expert_load, load_steps
+from detectors.engine import DetectionEngine, EngineConfig
+from detectors.episodes import Episode
+
+
+class LiveDetection:
+    """Polls `<run>/store.sqlite` every `poll_s`; anomalies become events when they close, and
+    count in `meshscope_anomalies_total{type}` when they open."""
+
+    def __init__(self, run_dir: Path, run_id: str, config: EngineConfig | None = None,
+                 registry: CollectorRegistry | None = None, poll_s: float = 1.0) -> None:
+        self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
+        self.registry = registry or CollectorRegistry()
+        self.metrics = MeshscopeMetrics(self.registry)
+        self.store: RunStore | None = None
+        self.engine = DetectionEngine(config, on_open=self._opened, on_close=self._closed,
+                                      on_score=self._score)
+        self.closed: list[Episode] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="meshscope-detect", daemon=True)
+
+    def start(self) -> "LiveDetection":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            steps = load_steps(self.run_dir, since_step=self.engine.last_step - 12)
+            experts = load_expert_load(self.run_dir)
+        except FileNotFoundError:
+            return
+        self.engine.process(steps, experts)
+
+    def stop(self) -> list[Episode]:
+        """Judge what is left, close every episode, and return all closed episodes."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self.poll()
+        self.engine.finish()
+        if self.store is not None:
+            self.store.close()
+        return self.closed
+
+    def _opened(self, ep: Episode) -> None:
+        self.metrics.anomalies.labels(type=ep.type).inc()
+
+    def _closed(self, ep: Episode) -> None:
+        if self.store is None:
+            self.store = RunStore(self.run_dir)
+        self.store.add_event(Event(kind="anomaly", run_id=self.run_id, severity="warning",
+                                   step=ep.start_step, detail=ep.detail()))
+        self.closed.append(ep)
+
+    def _score(self, detector: str, score: float) -> None:
+        self.metrics.anomaly_score.labels(detector=detector).set(score)
