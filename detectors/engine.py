@@ -59,6 +59,7 @@ class DetectionEngine:
         self.last_expert_step = -1
         self._fitted = False
         self._warm: list[tuple[pd.DataFrame, ...]] = []
+        self._ranks: list[int] = []
         self._warm_experts: dict[int, list[np.ndarray]] = {}
         self._expert_spacing = 1
 
@@ -88,6 +89,11 @@ class DetectionEngine:
     # --- one step -------------------------------------------------------------------------
     def _step(self, step: int, feats: pd.DataFrame, compute: pd.DataFrame, loss: pd.DataFrame,
               rss: pd.DataFrame) -> None:
+        # per-rank columns only: the pivot keeps ranks that are gone; the world can change
+        present = [r for r in compute.columns if compute[r].notna().all()]
+        compute, loss, rss = compute[present], loss[present], rss[present]
+        if present != self._ranks:  # elastic shrink or grow: per-rank baselines start over
+            self._ranks, self._fitted, self._warm = present, False, []
         if not self._fitted:
             self._warm.append((feats, compute, loss, rss))
             if len(self._warm) >= self.config.warmup:

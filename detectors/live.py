@@ -1,6 +1,7 @@
 """The engine beside a training run: tails the store, writes anomaly events, exports scores."""
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -11,6 +12,10 @@ from collector.schema import Event
 from collector.store import RunStore, load_expert_load, load_steps
 from detectors.engine import DetectionEngine, EngineConfig
 from detectors.episodes import Episode
+from detectors.notify import Alert, Outbox
+
+
+log = logging.getLogger("meshscope.detect")
 
 
 class LiveDetection:
@@ -18,7 +23,8 @@ class LiveDetection:
     count in `meshscope_anomalies_total{type}` when they open."""
 
     def __init__(self, run_dir: Path, run_id: str, config: EngineConfig | None = None,
-                 registry: CollectorRegistry | None = None, poll_s: float = 1.0) -> None:
+                 registry: CollectorRegistry | None = None, poll_s: float = 1.0,
+                 outbox: Outbox | None = None) -> None:
         self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
         self.registry = registry or CollectorRegistry()
         self.metrics = MeshscopeMetrics(self.registry)
@@ -26,6 +32,7 @@ class LiveDetection:
         self.engine = DetectionEngine(config, on_open=self._opened, on_close=self._closed,
                                       on_score=self._score)
         self.closed: list[Episode] = []
+        self.outbox = outbox
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-detect", daemon=True)
 
@@ -38,12 +45,17 @@ class LiveDetection:
             self.poll()
 
     def poll(self) -> None:
+        """One round of judging. Detection never takes training down: errors are logged."""
         try:
             steps = load_steps(self.run_dir, since_step=self.engine.last_step - 12)
             experts = load_expert_load(self.run_dir)
+            self.engine.process(steps, experts)
+            if self.outbox is not None:
+                self.outbox.deliver()
         except FileNotFoundError:
             return
-        self.engine.process(steps, experts)
+        except Exception:
+            log.exception("detection round failed; training goes on")
 
     def stop(self) -> list[Episode]:
         """Judge what is left, close every episode, and return all closed episodes."""
@@ -57,7 +69,10 @@ class LiveDetection:
         return self.closed
 
     def _opened(self, ep: Episode) -> None:
+        """Alert as soon as an anomaly is confirmed; the event follows when it ends."""
         self.metrics.anomalies.labels(type=ep.type).inc()
+        if self.outbox is not None:
+            self.outbox.put(Alert.from_anomaly(self.run_id, ep.detail()))
 
     def _closed(self, ep: Episode) -> None:
         if self.store is None:

@@ -67,6 +67,13 @@ def run(
     rdzv_endpoint: Optional[str] = typer.Option(None, help="c10d rendezvous host:port"),
     rdzv_external: bool = typer.Option(False, "--rdzv-external",
                                        help="the rendezvous store runs apart (meshscope rendezvous)"),
+    slack_webhook_file: Optional[Path] = typer.Option(
+        None, help="file holding a Slack incoming-webhook URL (or env MESHSCOPE_SLACK_WEBHOOK)"),
+    email_to: Optional[str] = typer.Option(None, help="alert recipients, a@x,b@y"),
+    smtp: str = typer.Option("127.0.0.1:25", help="SMTP host:port for email alerts"),
+    smtp_from: str = typer.Option("meshscope@localhost", help="sender of email alerts"),
+    smtp_user: Optional[str] = typer.Option(None, help="SMTP login"),
+    smtp_password_file: Optional[Path] = typer.Option(None, help="file holding the SMTP password"),
 ) -> None:
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
@@ -85,7 +92,9 @@ def run(
     console.print(f"  store    {store_path(cfg.run_dir)}")
     console.print(f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
                   f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})")
-    detection = _start_detection(cfg)
+    outbox = _outbox(cfg, slack_webhook_file, email_to, smtp, smtp_from, smtp_user,
+                     smtp_password_file)
+    detection = _start_detection(cfg, outbox)
     code = _train_with_progress(cfg)
     episodes = detection.stop()
     if code != 0:
@@ -97,12 +106,27 @@ def run(
             f"{e.type} ranks={e.ranks} steps {e.start_step}-{e.end_step}" for e in episodes))
 
 
-def _start_detection(cfg: RunConfig):
+def _outbox(cfg: RunConfig, slack_file, email_to, smtp, smtp_from, smtp_user, password_file):
+    """Alert channels from flags and secrets (files or environment); None when there are none."""
+    from detectors.notify import Email, Outbox, SlackWebhook, read_secret
+
+    channels = []
+    url = read_secret(file=slack_file, env="MESHSCOPE_SLACK_WEBHOOK")
+    if url:
+        channels.append(SlackWebhook(url))
+    if email_to:
+        host, _, port = smtp.rpartition(":")
+        channels.append(Email(host, int(port), smtp_from, email_to.split(","),
+                              username=smtp_user, password=read_secret(file=password_file)))
+    return Outbox(cfg.run_dir / "outbox", channels) if channels else None
+
+
+def _start_detection(cfg: RunConfig, outbox=None):
     """The detection engine beside training, exporting on the port after the ranks'."""
     from collector.exporter import serve_metrics
     from detectors.live import LiveDetection
 
-    live = LiveDetection(cfg.run_dir, cfg.run_id)
+    live = LiveDetection(cfg.run_dir, cfg.run_id, outbox=outbox)
     port = cfg.metrics_port + cfg.nproc
     try:
         serve_metrics(live.registry, port)

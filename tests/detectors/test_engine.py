@@ -54,3 +54,11 @@ def test_memory_growth_and_nan_are_found_with_their_ranks():
     found = {(e.type, tuple(e.ranks)) for e in closed}
     assert ("nan", (3,)) in found and ("memory", (1,)) in found
     assert min(e.start_step for e in closed if e.type == "memory") <= 75
+
+
+def test_a_world_that_shrinks_starts_its_baselines_over():
+    before = synthetic_run(steps=60, ranks=4)
+    after = synthetic_run(steps=120, ranks=2, slow=(1, 100, 110, 3.0))
+    after = after[after["step"] >= 60]
+    _, closed = run(pd.concat([before, after]))
+    assert [(e.type, e.ranks) for e in closed] == [("straggler", [1])]

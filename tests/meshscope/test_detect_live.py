@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 from collector.store import load_events
+from tests.detectors.test_notify import Sink
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import REPO, TINY
 
@@ -12,10 +13,15 @@ def test_live_run_with_a_slow_rank_yields_one_straggler_event(tmp_path):
     config = tmp_path / "live.toml"
     config.write_text(TINY.read_text().replace("d_model = 32", "d_model = 64")
                       .replace("batch_size = 8", "batch_size = 16"))
+    sink = Sink()
+    sink.start()
+    webhook = tmp_path / "webhook"
+    webhook.write_text(f"http://127.0.0.1:{sink.port}/hook")
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshscope", "run", "--config", str(config), "--run-dir",
          str(tmp_path), "--run-id", "live", "--metrics-port", str(free_port_range(3)),
-         "--steps", "60", "--inject", "slow@step=40,rank=1,steps=8,factor=3"],
+         "--steps", "60", "--inject", "slow@step=40,rank=1,steps=8,factor=3",
+         "--slack-webhook-file", str(webhook)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
@@ -25,3 +31,5 @@ def test_live_run_with_a_slow_rank_yields_one_straggler_event(tmp_path):
     assert 40 <= a["start_step"] <= 43 and a["end_step"] >= 46  # found within 3 steps
     assert a["evidence"]["ratio"] > 2
     assert "straggler ranks=[1]" in out
+    sink.stop()
+    assert len(sink.received) == 1 and "straggler in live" in sink.received[0]["text"]
