@@ -46,8 +46,9 @@ class DetectionEngine:
                  on_score: Callable[[str, float], None] = lambda name, score: None) -> None:
         self.config = config or EngineConfig()
         s = self.config.sensitivity
-        self.straggler = Straggler(ratio=1 + 0.5 / s)
-        self.comm = RobustZ(threshold=10.0 / s)
+        self.straggler = Straggler(ratio=1 + 0.8 / s)
+        self.comm = RobustZ(threshold=6.0 / s)
+        self.stall = 10.0 / s  # a step this many times the usual: a stuck collective
         self.loss = RobustZ(threshold=8.0 / s)
         self.memory = MemoryGrowth(mb_per_step=2.0 / s)
         self.nonfinite = NonFinite()
@@ -90,7 +91,7 @@ class DetectionEngine:
     def _step(self, step: int, feats: pd.DataFrame, compute: pd.DataFrame, loss: pd.DataFrame,
               rss: pd.DataFrame) -> None:
         # per-rank columns only: the pivot keeps ranks that are gone; the world can change
-        present = [r for r in compute.columns if compute[r].notna().all()]
+        present = list(compute.columns[compute.notna().all().to_numpy()])
         compute, loss, rss = compute[present], loss[present], rss[present]
         if present != self._ranks:  # elastic shrink or grow: per-rank baselines start over
             self._ranks, self._fitted, self._warm = present, False, []
@@ -132,6 +133,13 @@ class DetectionEngine:
         if rest is None:
             return normal
         feats, compute, rss = rest
+        usual = float(np.median(self.straggler.history_.max(axis=1)))
+        if float(feats["step_s"].iloc[0]) > self.stall * usual:  # no confirmation: it is loud
+            normal = False
+            self._flag(step, "comm", float(feats["step_s"].iloc[0]) / usual, ranks=ranks,
+                       evidence={"stall_s": round(float(feats["step_s"].iloc[0]), 3),
+                                 "usual_step_s": round(usual, 4)})
+            return normal
         x = compute.to_numpy()
         ratio = -float(self.straggler.score_samples(x)[0])
         self.on_score("straggler", ratio)
@@ -144,7 +152,7 @@ class DetectionEngine:
         elif self.comm.predict(feats[["comm_ratio"]])[0] < 0:
             normal = False
             self._flag(step, "comm", -float(self.comm.score_samples(feats[["comm_ratio"]])[0]),
-                       ranks=ranks, confirm=2, evidence={"comm_ratio": round(float(feats["comm_ratio"].iloc[0]), 4)})
+                       ranks=ranks, confirm=3, evidence={"comm_ratio": round(float(feats["comm_ratio"].iloc[0]), 4)})
         if np.isfinite(feats["loss_delta"].iloc[0]) and self.loss.predict(feats[["loss_delta"]])[0] < 0:
             normal = False
             self._flag(step, "loss_spike", -float(self.loss.score_samples(feats[["loss_delta"]])[0]),
@@ -161,7 +169,7 @@ class DetectionEngine:
         trusted = len(self.forest.buffer_) >= 50  # too few rows make IQRs, and so alarms, noisy
         if normal and trusted and self.forest.predict(feats[MULTIVARIATE])[0] < 0:
             normal = False
-            self._flag(step, "multivariate", -score, confirm=2, evidence={
+            self._flag(step, "multivariate", -score, confirm=3, evidence={
                 "drivers": self.forest.explain(feats[MULTIVARIATE], MULTIVARIATE)[0]})
         return normal
 

@@ -1,0 +1,29 @@
+"""Replay the recorded runs of benchmarks/data: every injected fault found with its type and
+rank, and nothing raised on the clean runs (a regression guard on detection quality)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from detection_quality import DATA, EXPECTED, RUNS, ours  # noqa: E402
+
+from collector.store import load_events  # noqa: E402
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n.startswith("clean")])
+def test_clean_runs_raise_nothing(name):
+    assert ours(DATA / name) == []
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if not n.startswith("clean")])
+def test_each_injected_fault_is_found(name):
+    inj = load_events(DATA / name, kind="injected")["detail"].iloc[0]
+    found = [e for e in ours(DATA / name) if e.type in EXPECTED[name]
+             and e.start_step <= inj["start_step"] + inj["steps"] + 5
+             and e.end_step >= inj["start_step"]]
+    assert found, name
+    assert found[0].start_step - inj["start_step"] <= 5
+    if found[0].ranks and name in ("slow", "nan", "memory_leak"):
+        assert found[0].ranks == [inj["rank"]]
