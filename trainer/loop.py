@@ -1,10 +1,9 @@
 """The training loop. It reads like the algorithm; measurement goes through the Monitor."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
-
-import time
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
