@@ -22,6 +22,8 @@ class DistEnv:
     node: str = "localhost"
     torchrun: bool = False
     """Started by a torchrun agent (its store is there even when world_size is 1)."""
+    agent_store: bool = True
+    """MASTER_PORT is the agent's store, which outlives restarts (else rank 0 hosts a fresh one)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
@@ -47,6 +49,7 @@ class DistEnv:
             master_port=num("MASTER_PORT", 29500),
             node=socket.gethostname(),
             torchrun="TORCHELASTIC_RUN_ID" in env,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True",
         )
 
     @property

@@ -167,9 +167,10 @@ def load_steps(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
     return _read(run_dir, "SELECT * FROM steps WHERE step > ? ORDER BY step, rank", (since_step,))
 
 
-def load_expert_load(run_dir: str | Path) -> pd.DataFrame:
+def load_expert_load(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
     """Expert tokens per (step, layer, expert), summed over ranks over the window ending at step."""
-    return _read(run_dir, "SELECT * FROM expert_load ORDER BY step, layer, expert")
+    return _read(run_dir, "SELECT * FROM expert_load WHERE step > ? ORDER BY step, layer, expert",
+                 (since_step,))
 
 
 def load_events(run_dir: str | Path, kind: str | None = None) -> pd.DataFrame:

@@ -1,6 +1,7 @@
 """The engine beside a training run: tails the store, writes anomaly events, exports scores."""
 from __future__ import annotations
 
+import fcntl
 import logging
 import threading
 from pathlib import Path
@@ -33,6 +34,7 @@ class LiveDetection:
                                       on_score=self._score)
         self.closed: list[Episode] = []
         self.outbox = outbox
+        self._lock = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-detect", daemon=True)
 
@@ -44,11 +46,27 @@ class LiveDetection:
         while not self._stop.wait(self.poll_s):
             self.poll()
 
+    def _leader(self) -> bool:
+        """Agents sharing a run directory judge it once: the holder of `detect.lock` does. The
+        lock dies with its process, so a surviving agent takes over."""
+        if self._lock is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(self.run_dir / "detect.lock", "w")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                lock.close()
+                return False
+            self._lock = lock
+        return True
+
     def poll(self) -> None:
         """One round of judging. Detection never takes training down: errors are logged."""
+        if not self._leader():
+            return
         try:
             steps = load_steps(self.run_dir, since_step=self.engine.last_step - 12)
-            experts = load_expert_load(self.run_dir)
+            experts = load_expert_load(self.run_dir, since_step=self.engine.last_expert_step)
             self.engine.process(steps, experts)
             if self.outbox is not None:
                 self.outbox.deliver()
@@ -63,7 +81,8 @@ class LiveDetection:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.poll()
-        self.engine.finish()
+        if self._lock is not None:
+            self.engine.finish()
         if self.store is not None:
             self.store.close()
         return self.closed

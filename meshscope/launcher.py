@@ -69,6 +69,9 @@ def worker_environment(cfg: RunConfig) -> dict[str, str]:
     kind = resolve_device(cfg.device).kind
     env = dict(os.environ)
     env.update(backend_environment(kind))
+    if cfg.elastic.nnodes != "1":
+        # a fresh store per rendezvous round, so agents with different restart counts meet
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     return env
 

@@ -25,15 +25,21 @@ from trainer.loop import build, train  # noqa: E402
 
 
 def init_process_group(env: DistEnv, backend: str) -> None:
-    """One process group per torchrun attempt: a per-attempt prefix keeps restarted workers from
-    reading a dead peer's address out of the agent's store (NOTES: gloo restart pitfall)."""
+    """One process group per torchrun attempt.
+
+    On the agent's store, which outlives restarts, a per-attempt prefix keeps restarted workers
+    from reading a dead peer's address (NOTES: gloo restart pitfall). With several agents the
+    launcher turns store sharing off: every rendezvous round then gets a fresh store hosted by
+    rank 0, and agents whose restart counts differ (a newcomer) still meet."""
     if not env.is_distributed:
         return
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                          is_master=not env.agent_store and env.rank == 0,
                           timeout=timedelta(seconds=120))
-    prefix = f"attempt_{attempt_id(env)}_w{env.world_size}"
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=env.rank,
-                            world_size=env.world_size, timeout=timedelta(seconds=600))
+    if env.agent_store:
+        store = dist.PrefixStore(f"attempt_{attempt_id(env)}_w{env.world_size}", store)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=600))
 
 
 def fired_injections(cfg: RunConfig) -> set[str]:

@@ -167,3 +167,46 @@ def test_detect_finds_the_injected_faults_afterwards(injected):
     collapse = [a for a in anomalies if a["type"] == "expert_imbalance" and a.get("layer") == 0]
     assert collapse and collapse[0]["expert"] == 0 and collapse[0]["start_step"] <= 29
     assert all(set(a) >= {"score", "start_step", "end_step", "evidence"} for a in anomalies)
+
+
+def test_grow_admits_a_returning_agent(tmp_path):
+    rdzv = free_port_range(1)
+    store = subprocess.Popen([sys.executable, "-m", "meshscope", "rendezvous", "--port", str(rdzv)],
+                             cwd=REPO, stdout=subprocess.PIPE, text=True)
+    flags = ("--nproc", "1", "--steps", "5000", "--nnodes", "1:2", "--rdzv-endpoint",
+             f"127.0.0.1:{rdzv}", "--rdzv-external", "--max-restarts", "5",
+             "--checkpoint-every", "10")
+    agents = []
+    run = tmp_path / "grow"
+
+    def steps_at(world):
+        try:
+            s = load_steps(run)
+        except FileNotFoundError:
+            return None
+        return s[s["world_size"] == world]
+
+    try:
+        assert "rendezvous store" in store.stdout.readline()
+        agents.append(meshscope_run(tmp_path, "grow", *flags))
+        deadline = time.monotonic() + 120
+        while (s := steps_at(1)) is None or len(s) < 20:  # alone first: world size 1
+            assert time.monotonic() < deadline, "the first agent never trained alone"
+            time.sleep(0.2)
+        agents.append(meshscope_run(tmp_path, "grow", *flags))  # a node comes (back)
+        deadline = time.monotonic() + 120
+        while (s := steps_at(2)) is None or s["rank"].nunique() < 2 or len(s) < 20:
+            assert time.monotonic() < deadline, "the newcomer was never admitted"
+            time.sleep(0.2)
+    finally:
+        for proc in agents:
+            for pid in [proc.pid] + _descendants(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        store.kill()
+    grown = steps_at(2)
+    assert grown["step"].min() > steps_at(1)["step"].min()  # resumed from a checkpoint, not 0
+    resumes = load_events(run, kind="resume")["detail"].tolist()
+    assert any((r["world_size_then"], r["world_size_now"]) == (1, 2) for r in resumes)
