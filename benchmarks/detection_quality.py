@@ -44,15 +44,18 @@ RUNS = {
     "hang": [f"hang@step={START},rank=0,seconds=2"],
 }
 EXPECTED = {"slow": {"straggler"}, "comm_delay": {"comm", "straggler", "multivariate"},
-            "nan": {"nan"}, "expert_collapse": {"expert_imbalance"}, "memory_leak": {"memory"},
+            "nan": {"nan"}, "expert_collapse": {"expert_imbalance", "loss_spike"},
+            "memory_leak": {"memory"},
             "hang": {"straggler", "comm", "multivariate"}}
 
 
-def record(steps: int = 150) -> None:
+def record(steps: int = 150, only: list[str] | None = None) -> None:
     config = Path(tempfile.mkdtemp()) / "bench.toml"
     config.write_text((REPO / "tests/data/tiny.toml").read_text()
                       .replace("d_model = 32", "d_model = 64").replace("batch_size = 8", "batch_size = 16"))
     for name, injections in RUNS.items():
+        if only and name not in only:
+            continue
         root = Path(tempfile.mkdtemp())
         cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(config), "--run-dir",
                str(root), "--run-id", name, "--steps", str(steps), "--metrics-port", "9870"]
@@ -155,10 +158,11 @@ def cost_per_step(ranks: int = 1024, warmup: int = 20) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--record", action="store_true", help="record the runs again")
+    ap.add_argument("--record", nargs="*", metavar="RUN", default=None,
+                    help="record the runs again (all, or the ones named)")
     args = ap.parse_args()
-    if args.record or not all((DATA / n / "store.sqlite").exists() for n in RUNS):
-        record()
+    if args.record is not None or not all((DATA / n / "store.sqlite").exists() for n in RUNS):
+        record(only=args.record or None)
     print(f"machine: {machine()}")
     names = list(RUNS)
     for label, method in (("ours", ours), ("static threshold", static_threshold),

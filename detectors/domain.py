@@ -55,7 +55,7 @@ class ExpertBalance(Detector):
     starves below `starve` times it; the score is the worst such factor.
     """
 
-    def __init__(self, hog: float = 1.45, starve: float = 0.25, window: int = 6) -> None:
+    def __init__(self, hog: float = 2.0, starve: float = 0.2, window: int = 6) -> None:
         self.hog = hog
         self.starve = starve
         self.window = window

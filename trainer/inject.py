@@ -1,7 +1,8 @@
 """Fault injection for demos, tests and scoring detectors: `KIND@step=S,rank=R[,steps=N][,k=v]`.
 
 Kinds: kill, hang (seconds=), slow (factor=), comm_delay (ms=), nan, expert_collapse (layer=),
-memory_leak (mb_per_step=). Every injection writes an `injected` event when it starts (the ground
+memory_leak (mb_per_step=). An expert collapse acts on every rank (the router is replicated, so a
+real collapse does too); its `rank` only says which rank reports it. Every injection writes an `injected` event when it starts (the ground
 truth detectors are scored against) and fires once per run, also across restarts.
 """
 from __future__ import annotations
@@ -88,7 +89,10 @@ class Injector:
     def __init__(self, injections: Iterable[Injection], rank: int,
                  report: Callable[[Injection, int], None], already_fired: set[str] | None = None,
                  flush: Callable[[], None] = lambda: None) -> None:
+        injections = list(injections)
         self.mine = [i for i in injections if i.rank == rank]
+        # The router is replicated: a collapse happens on every rank at once (reported by one).
+        self.collapses = [i for i in injections if i.kind == "expert_collapse"]
         self.rank = rank
         self._report, self._flush = report, flush
         self._fired = set(already_fired or ())
@@ -124,7 +128,7 @@ class Injector:
             self._leak.append(torch.ones(int(leak.param("mb_per_step") * (1 << 20) // 4)))
 
     def _route(self, step: int, model: torch.nn.Module) -> None:
-        collapse = self._active("expert_collapse", step)
+        collapse = next((i for i in self.collapses if i.step <= step < i.step + i.steps), None)
         for layer, moe in enumerate(getattr(model, "moe_layers", lambda: [])()):
             if collapse is not None and layer == int(collapse.param("layer")):
                 bias = torch.full((len(moe.experts),), -20.0)
