@@ -68,6 +68,7 @@ def record(steps: int = 150, only: list[str] | None = None) -> None:
         src.backup(dst)  # one compact file, WAL folded in
         dst.execute("DELETE FROM events WHERE kind = 'anomaly'")  # replay judges afresh
         dst.commit()
+        dst.execute("PRAGMA journal_mode=DELETE")  # one file in git; readers add no -wal/-shm
         src.close()
         dst.close()
         print(f"recorded {name}")
