@@ -18,7 +18,8 @@ from collector import DistEnv, Monitor
 from collector.store import load_steps
 from trainer.checkpoint import CheckpointManager
 from trainer.config import RunConfig
-from trainer.heartbeat import Heartbeat, connect_store, exit_marks, previous_attempt_failures
+from trainer.heartbeat import (PREFIX, Heartbeat, connect_store, exit_marks,
+                               previous_attempt_failures, world_of)
 
 
 def process_start_time() -> float:
@@ -60,25 +61,40 @@ class ElasticRun:
         self.group_ready_at = time.time()  # built after the process group
         self.started_at = started_at if started_at is not None else process_start_time()
         self._resumed_at: int | None = None
+        self.round = 0
 
     # --- start --------------------------------------------------------------------------
     def start(self) -> None:
         """Account for the previous attempt, then start beating and listen for SIGTERM."""
         if self.store is not None:
+            self.round = self._agree_round()
             self._report_previous_attempt()
             self.heartbeat = Heartbeat(
                 self.store, rank=self.env.rank, world_size=self.env.world_size,
-                attempt=attempt_id(self.env), interval_s=self.cfg.elastic.heartbeat_s,
+                attempt=self.round, interval_s=self.cfg.elastic.heartbeat_s,
                 on_dead=self._peer_dead, on_age=self._peer_age).start()
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
+    def _agree_round(self) -> int:
+        """A number for this group, the same on every rank and new in every round, from a
+        counter in the persistent store. torchrun's restart count will not do: a newcomer
+        starts at 0 while survivors have counted their restarts, and stale keys of an old
+        round with the same count would look like peers that stopped beating."""
+        value = self.store.add(f"{PREFIX}/round", 1) - 1 if self.env.rank == 0 else 0
+        if dist.is_initialized():
+            t = torch.tensor([value], dtype=torch.int64)
+            dist.broadcast(t, src=0)
+            value = int(t.item())
+        return value
+
     def _report_previous_attempt(self) -> None:
-        attempt = attempt_id(self.env)
+        attempt = self.round
         if attempt == 0:
             return
-        self.mon.metrics.restarts.inc(attempt)
+        self.mon.metrics.restarts.inc(max(1, self.env.restart_count))
         failures = previous_attempt_failures(self.store, attempt)
-        marks = exit_marks(self.store, attempt - 1, self.env.world_size)
+        then = world_of(self.store, attempt - 1) or self.env.world_size
+        marks = exit_marks(self.store, attempt - 1, then)
         self._fault_time = min(marks.values()) if marks else time.time()
         if self.env.rank == 0:
             self.mon.event("restart", severity="warning", detail={

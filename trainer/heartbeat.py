@@ -68,6 +68,12 @@ def previous_attempt_failures(store: dist.Store, attempt: int) -> list[PeerFailu
     return failures
 
 
+def world_of(store: dist.Store, attempt: int) -> int | None:
+    """World size of a past attempt, as its rank 0 recorded it."""
+    raw = _get(store, world_key(attempt))
+    return int(raw) if raw is not None else None
+
+
 def exit_marks(store: dist.Store, attempt: int, world_size: int) -> dict[int, float]:
     """rank -> time of the exit mark each survivor of `attempt` wrote."""
     out = {}

@@ -210,3 +210,5 @@ def test_grow_admits_a_returning_agent(tmp_path):
     assert grown["step"].min() > steps_at(1)["step"].min()  # resumed from a checkpoint, not 0
     resumes = load_events(run, kind="resume")["detail"].tolist()
     assert any((r["world_size_then"], r["world_size_now"]) == (1, 2) for r in resumes)
+    # a membership change is no failure: nobody is named dead (stale keys of old rounds ignored)
+    assert load_events(run, kind="fault").empty
