@@ -29,3 +29,22 @@ class Detector(OutlierMixin, BaseEstimator):
 
     def predict(self, X: pd.DataFrame | np.ndarray) -> np.ndarray:
         return np.where(self.decision_function(X) < 0, -1, 1)
+
+
+class WindowedDetector(Detector):
+    """A detector whose state is the last `window` rows it was given (normal ones, by the
+    caller's choice): `fit` starts the window, `partial_fit` slides it, `_learn` derives the
+    rest of the state from `history_`."""
+
+    window: int
+
+    def fit(self, X, y=None):
+        self.history_ = as_matrix(X)[-self.window:]
+        self._learn()
+        return self
+
+    def partial_fit(self, X, y=None):
+        return self.fit(np.vstack([self.history_, as_matrix(X)]))
+
+    def _learn(self) -> None:
+        """Derive learnt state from `history_` (nothing by default)."""

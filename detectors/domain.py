@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from detectors.base import Detector, as_matrix
+from detectors.base import Detector, WindowedDetector, as_matrix
 
 
-class Straggler(Detector):
+class Straggler(WindowedDetector):
     """X: compute seconds, one row per step, one column per rank.
 
     A rank straggles when its compute time exceeds `ratio` times both the median of the other
@@ -21,14 +21,6 @@ class Straggler(Detector):
         self.ratio = ratio
         self.window = window
         self.threshold = ratio
-
-    def fit(self, X, y=None) -> "Straggler":
-        self.history_ = as_matrix(X)[-self.window:]
-        return self
-
-    def partial_fit(self, X, y=None) -> "Straggler":
-        self.history_ = np.vstack([self.history_, as_matrix(X)])[-self.window:]
-        return self
 
     def ratios(self, X) -> np.ndarray:
         X = as_matrix(X)
@@ -48,7 +40,7 @@ class Straggler(Detector):
         return [list(np.flatnonzero(row > self.ratio)) for row in self.ratios(X)]
 
 
-class ExpertBalance(Detector):
+class ExpertBalance(WindowedDetector):
     """X: one layer's expert shares, one row per window, one column per expert.
 
     An expert hogs when its share exceeds `hog` times its usual share (learnt on warm-up) and
@@ -61,13 +53,8 @@ class ExpertBalance(Detector):
         self.window = window
         self.threshold = 1.0
 
-    def fit(self, X, y=None) -> "ExpertBalance":
-        self.history_ = as_matrix(X)[-self.window:]
+    def _learn(self) -> None:
         self.usual_ = np.maximum(np.median(self.history_, axis=0), 1e-6)
-        return self
-
-    def partial_fit(self, X, y=None) -> "ExpertBalance":
-        return self.fit(np.vstack([self.history_, as_matrix(X)]))
 
     def factors(self, X) -> np.ndarray:
         """Per expert: how far outside its usual band (1 = at the edge), signed up for hogs."""
@@ -98,7 +85,7 @@ class NonFinite(Detector):
         return [list(np.flatnonzero(~np.isfinite(row))) for row in as_matrix(X)]
 
 
-class MemoryGrowth(Detector):
+class MemoryGrowth(WindowedDetector):
     """X: resident memory per rank, one row per step. Growth faster than `mb_per_step` over the
     last `window` steps, on any rank, is a leak."""
 
@@ -106,14 +93,6 @@ class MemoryGrowth(Detector):
         self.mb_per_step = mb_per_step
         self.window = window
         self.threshold = 1.0
-
-    def fit(self, X, y=None) -> "MemoryGrowth":
-        self.history_ = as_matrix(X)[-self.window:]
-        return self
-
-    def partial_fit(self, X, y=None) -> "MemoryGrowth":
-        self.history_ = np.vstack([self.history_, as_matrix(X)])[-self.window:]
-        return self
 
     def slopes(self, X) -> np.ndarray:
         """MB per step against the oldest remembered row, per rank."""

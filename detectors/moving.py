@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from detectors.base import Detector, as_matrix
+from detectors.base import Detector, WindowedDetector, as_matrix
 
 MAD_TO_SIGMA = 1.4826
 
 
-class RobustZ(Detector):
+class RobustZ(WindowedDetector):
     """|x - median| / (1.4826 MAD) over a rolling window of normal rows; anomaly above `threshold`."""
 
     def __init__(self, threshold: float = 6.0, window: int = 200, min_scale: float = 1e-9) -> None:
@@ -21,17 +21,7 @@ class RobustZ(Detector):
         self.window = window
         self.min_scale = min_scale
 
-    def fit(self, X, y=None) -> "RobustZ":
-        self.history_ = as_matrix(X)[-self.window:]
-        self._refresh()
-        return self
-
-    def partial_fit(self, X, y=None) -> "RobustZ":
-        self.history_ = np.vstack([self.history_, as_matrix(X)])[-self.window:]
-        self._refresh()
-        return self
-
-    def _refresh(self) -> None:
+    def _learn(self) -> None:
         self.center_ = np.nanmedian(self.history_, axis=0)
         mad = np.nanmedian(np.abs(self.history_ - self.center_), axis=0) * MAD_TO_SIGMA
         # a flat warm-up (MAD 0) must not make every wiggle infinite: floor by 1 % of the level

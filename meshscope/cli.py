@@ -208,31 +208,23 @@ def _detect_csv(path: Path, time_column: str, value_columns: Optional[str],
 
 
 def _detect_run(run: Path, sensitivity: float) -> None:
-    from collector.schema import Event
-    from collector.store import RunStore
-    from detectors.engine import DetectionEngine, EngineConfig
+    from detectors.engine import EngineConfig
+    from detectors.live import LiveDetection
 
     try:
-        steps, experts = load_steps(run), load_expert_load(run)
+        steps = load_steps(run)
         config = EngineConfig(sensitivity=sensitivity)
     except (FileNotFoundError, ValueError) as err:
         fail(str(err))
-    episodes = []
-    engine = DetectionEngine(config, on_close=episodes.append)
-    engine.process(steps, experts)
-    engine.finish()
-    store = RunStore(run)
     run_id = str(steps["run_id"].iloc[0]) if not steps.empty else run.name
+    episodes = LiveDetection(run, run_id, config).stop()  # one pass; events into the store
     table = Table(title=f"anomalies in {run}")
     for col in ("type", "ranks", "layer/expert", "steps", "score", "evidence"):
         table.add_column(col)
     for ep in sorted(episodes, key=lambda e: e.start_step):
-        store.add_event(Event(kind="anomaly", run_id=run_id, severity="warning",
-                              step=ep.start_step, detail=ep.detail()))
         where = f"{ep.layer}/{ep.expert}" if ep.layer is not None else ""
         table.add_row(ep.type, ",".join(map(str, ep.ranks)), where,
                       f"{ep.start_step}-{ep.end_step}", f"{ep.score:.2f}", str(ep.evidence)[:60])
-    store.close()
     console.print(table)
     console.print(f"{len(episodes)} anomaly episode(s) written to {store_path(run)}")
 
