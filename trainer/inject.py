@@ -7,8 +7,10 @@ truth detectors are scored against) and fires once per run, also across restarts
 """
 from __future__ import annotations
 
+import collections
 import os
 import signal
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -98,7 +100,7 @@ class Injector:
         self._fired = set(already_fired or ())
         self._leak: list[torch.Tensor] = []
         self._step = -1
-        self.normal_step_s = 0.0
+        self._normal_steps: collections.deque[float] = collections.deque(maxlen=9)
 
     def _starting(self, step: int) -> list[Injection]:
         out = []
@@ -141,15 +143,16 @@ class Injector:
         return loss * float("nan") if self._active("nan", step) else loss
 
     def slow_down(self, step: int) -> None:
-        """A slow rank: its compute takes `factor` times as long as its last normal step.
+        """A slow rank: its compute takes `factor` times as long as its normal step (the median
+        of recent uninjected steps, so one noisy step does not set the slow-down).
         Called inside the forward phase, so it looks like slow compute, not slow comm."""
         slow = self._active("slow", step)
-        if slow is not None and self.normal_step_s:
-            time.sleep(self.normal_step_s * (slow.param("factor") - 1))
+        if slow is not None and self._normal_steps:
+            time.sleep(statistics.median(self._normal_steps) * (slow.param("factor") - 1))
 
     def step_took(self, step: int, seconds: float) -> None:
         if not any(i.active(step, self.rank) for i in self.mine):
-            self.normal_step_s = seconds
+            self._normal_steps.append(seconds)
 
     def comm_delay_s(self) -> float:
         delay = self._active("comm_delay", self._step)
