@@ -15,13 +15,34 @@ import pandas as pd
 
 from detectors.domain import ExpertBalance, MemoryGrowth, NonFinite, Straggler
 from detectors.episodes import Episode, EpisodeTracker
-from detectors.features import STEP_FEATURES, complete_steps, rank_compute, step_features
+from detectors.features import COLUMN, StepFeaturizer, StepView, step_views
 from detectors.isolation import OnlineIsolationForest
 from detectors.moving import RobustZ
 
 # Relative features only: levels (tokens/s, step time) drift with the run and the machine.
 MULTIVARIATE = ["step_spread", "compute_spread", "comm_ratio", "loss_delta", "grad_norm",
                 "mem_slope"]
+
+
+@dataclass
+class _Row:
+    """One step (or the stacked warm-up) as the detectors take it: 2-D arrays, a row per step."""
+
+    feats: np.ndarray
+    compute: np.ndarray
+    loss: np.ndarray
+    rss: np.ndarray
+    ranks: list[int]
+
+    def col(self, name: str) -> np.ndarray:
+        return self.feats[:, [COLUMN[name]]]
+
+    def value(self, name: str) -> float:
+        return float(self.feats[0, COLUMN[name]])
+
+    @property
+    def multivariate(self) -> np.ndarray:
+        return self.feats[:, [COLUMN[n] for n in MULTIVARIATE]]
 
 
 @dataclass(kw_only=True)
@@ -47,7 +68,9 @@ class DetectionEngine:
         self.config = config or EngineConfig()
         s = self.config.sensitivity
         self.straggler = Straggler(ratio=1 + 0.8 / s)
-        self.comm = RobustZ(threshold=6.0 / s)
+        self.comm = RobustZ(threshold=4.0 / s)
+        self.comm_slowdown = 1 + 0.3 / s  # and the step this much slower than usual: it costs
+        self.step_time = RobustZ(window=200)  # its centre: the usual step time
         self.stall = 10.0 / s  # a step this many times the usual: a stuck collective
         self.loss = RobustZ(threshold=8.0 / s)
         self.memory = MemoryGrowth(mb_per_step=2.0 / s)
@@ -59,7 +82,8 @@ class DetectionEngine:
         self.last_step = -1
         self.last_expert_step = -1
         self._fitted = False
-        self._warm: list[tuple[pd.DataFrame, ...]] = []
+        self.featurizer = StepFeaturizer()
+        self._warm: list[_Row] = []
         self._ranks: list[int] = []
         self._warm_experts: dict[int, list[np.ndarray]] = {}
         self._expert_spacing = 1
@@ -67,16 +91,9 @@ class DetectionEngine:
     # --- feeding --------------------------------------------------------------------------
     def process(self, steps: pd.DataFrame, expert_load: pd.DataFrame | None = None) -> None:
         """Judge the steps after the last one seen (only steps every rank has recorded)."""
-        steps = complete_steps(steps)
-        steps = steps[steps["step"] > self.last_step - 12]  # context for slopes and deltas
-        feats = step_features(steps)
-        compute = rank_compute(steps).pivot(index="step", columns="rank", values="compute_s")
-        loss = steps.pivot(index="step", columns="rank", values="loss")
-        rss = steps.pivot(index="step", columns="rank", values="mem_rss")
-        for step in feats.index[feats.index > self.last_step]:
-            self._step(int(step), feats.loc[[step]], compute.loc[[step]], loss.loc[[step]],
-                       rss.loc[[step]])
-            self.last_step = int(step)
+        for view in step_views(steps, after=self.last_step):
+            self._step(view)
+            self.last_step = view.step
         if expert_load is not None and not expert_load.empty:
             self._experts(expert_load[expert_load["step"] > self.last_expert_step])
 
@@ -88,89 +105,89 @@ class DetectionEngine:
         return done
 
     # --- one step -------------------------------------------------------------------------
-    def _step(self, step: int, feats: pd.DataFrame, compute: pd.DataFrame, loss: pd.DataFrame,
-              rss: pd.DataFrame) -> None:
-        # per-rank columns only: the pivot keeps ranks that are gone; the world can change
-        present = list(compute.columns[compute.notna().all().to_numpy()])
-        compute, loss, rss = compute[present], loss[present], rss[present]
-        if present != self._ranks:  # elastic shrink or grow: per-rank baselines start over
-            self._ranks, self._fitted, self._warm = present, False, []
+    def _step(self, view: StepView) -> None:
+        row = _Row(self.featurizer.row(view).reshape(1, -1), view.compute_s.reshape(1, -1),
+                   view.cols["loss"].reshape(1, -1), view.cols["mem_rss"].reshape(1, -1),
+                   [int(r) for r in view.ranks])
+        if row.ranks != self._ranks:  # elastic shrink or grow: per-rank baselines start over
+            self._ranks, self._fitted, self._warm = row.ranks, False, []
         if not self._fitted:
-            self._warm.append((feats, compute, loss, rss))
+            self._warm.append(row)
             if len(self._warm) >= self.config.warmup:
                 self._fit()
-            self._check(step, loss, None)  # a NaN needs no warm-up
+            self._check_nonfinite(view.step, row)  # a NaN needs no warm-up
             return
-        normal = self._check(step, loss, (feats, compute, rss))
+        normal = self._check(view.step, row)
         if normal:
-            self.straggler.partial_fit(compute.to_numpy())
-            self.comm.partial_fit(feats[["comm_ratio"]])
-            self.loss.partial_fit(feats[["loss_delta"]])
-            self.forest.partial_fit(feats[MULTIVARIATE])
-        self.memory.partial_fit(rss.to_numpy())
-        for ep in self.tracker.close_quiet(step):
+            self.straggler.partial_fit(row.compute)
+            self.comm.partial_fit(row.col("comm_ratio"))
+            self.step_time.partial_fit(row.col("step_s"))
+            self.loss.partial_fit(row.col("loss_delta"))
+            self.forest.partial_fit(row.multivariate)
+        self.memory.partial_fit(row.rss)
+        for ep in self.tracker.close_quiet(view.step):
             self.on_close(ep)
 
     def _fit(self) -> None:
-        feats = pd.concat([w[0] for w in self._warm])
-        self.straggler.fit(np.vstack([w[1].to_numpy() for w in self._warm]))
-        self.comm.fit(feats[["comm_ratio"]])
-        self.loss.fit(feats[["loss_delta"]])
-        self.memory.fit(np.vstack([w[3].to_numpy() for w in self._warm]))
-        self.nonfinite.fit(np.vstack([w[2].to_numpy() for w in self._warm]))
-        self.forest.fit(feats[MULTIVARIATE])
+        warm = _Row(*(np.vstack([getattr(w, f) for w in self._warm])
+                      for f in ("feats", "compute", "loss", "rss")), self._ranks)
+        self.straggler.fit(warm.compute)
+        self.comm.fit(warm.col("comm_ratio"))
+        self.step_time.fit(warm.col("step_s"))
+        self.loss.fit(warm.col("loss_delta"))
+        self.memory.fit(warm.rss)
+        self.nonfinite.fit(warm.loss)
+        self.forest.fit(warm.multivariate)
         self._fitted = True
 
-    def _check(self, step: int, loss: pd.DataFrame, rest) -> bool:
-        """Run every detector on one step; returns whether the step was normal."""
-        normal = True
-        ranks = list(loss.columns)
-        bad = self.nonfinite.culprits(loss.to_numpy())[0]
+    def _check_nonfinite(self, step: int, row: "_Row") -> bool:
+        bad = self.nonfinite.culprits(row.loss)[0]
         if bad:
-            normal = False
-            self._flag(step, "nan", 1.0, ranks=[ranks[i] for i in bad],
-                       evidence={"loss": [str(v) for v in loss.to_numpy()[0]]})
-        if rest is None:
-            return normal
-        feats, compute, rss = rest
+            self._flag(step, "nan", 1.0, ranks=[row.ranks[i] for i in bad],
+                       evidence={"loss": [str(v) for v in row.loss[0]]})
+        return not bad
+
+    def _check(self, step: int, row: "_Row") -> bool:
+        """Run every detector on one step; returns whether the step was normal."""
+        normal = self._check_nonfinite(step, row)
+        ranks, step_s = row.ranks, row.value("step_s")
         usual = float(np.median(self.straggler.history_.max(axis=1)))
-        if float(feats["step_s"].iloc[0]) > self.stall * usual:  # no confirmation: it is loud
-            normal = False
-            self._flag(step, "comm", float(feats["step_s"].iloc[0]) / usual, ranks=ranks,
-                       evidence={"stall_s": round(float(feats["step_s"].iloc[0]), 3),
-                                 "usual_step_s": round(usual, 4)})
-            return normal
-        x = compute.to_numpy()
-        ratio = -float(self.straggler.score_samples(x)[0])
+        if step_s > self.stall * usual:  # no confirmation: it is loud
+            self._flag(step, "comm", step_s / usual, ranks=ranks,
+                       evidence={"stall_s": round(step_s, 3), "usual_step_s": round(usual, 4)})
+            return False
+        ratio = -float(self.straggler.score_samples(row.compute)[0])
         self.on_score("straggler", ratio)
-        slow = self.straggler.culprits(x)[0]
+        slow = self.straggler.culprits(row.compute)[0]
+        comm = row.col("comm_ratio")
         if slow:
             normal = False
             self._flag(step, "straggler", ratio, ranks=[ranks[i] for i in slow], confirm=3,
-                       evidence={"compute_s": {str(r): round(float(v), 4) for r, v in zip(ranks, x[0])},
+                       evidence={"compute_s": {str(r): round(float(v), 4) for r, v in zip(ranks, row.compute[0])},
                                  "ratio": round(ratio, 2)})
-        elif self.comm.predict(feats[["comm_ratio"]])[0] < 0:
+        elif self.comm.predict(comm)[0] < 0 and step_s > self.comm_slowdown * self.step_time.center_[0]:
             normal = False
-            self._flag(step, "comm", -float(self.comm.score_samples(feats[["comm_ratio"]])[0]),
-                       ranks=ranks, confirm=3, evidence={"comm_ratio": round(float(feats["comm_ratio"].iloc[0]), 4)})
-        if np.isfinite(feats["loss_delta"].iloc[0]) and self.loss.predict(feats[["loss_delta"]])[0] < 0:
+            self._flag(step, "comm", -float(self.comm.score_samples(comm)[0]), ranks=ranks,
+                       confirm=3, evidence={"comm_ratio": round(row.value("comm_ratio"), 4)})
+        delta = row.col("loss_delta")
+        if np.isfinite(delta).all() and self.loss.predict(delta)[0] < 0:
             normal = False
-            self._flag(step, "loss_spike", -float(self.loss.score_samples(feats[["loss_delta"]])[0]),
-                       evidence={"loss_delta": round(float(feats["loss_delta"].iloc[0]), 4)})
-        leak = self.memory.culprits(rss.to_numpy())[0]
+            self._flag(step, "loss_spike", -float(self.loss.score_samples(delta)[0]),
+                       evidence={"loss_delta": round(row.value("loss_delta"), 4)})
+        leak = self.memory.culprits(row.rss)[0]
         if leak:
             normal = False
-            self._flag(step, "memory", -float(self.memory.score_samples(rss.to_numpy())[0]),
+            self._flag(step, "memory", -float(self.memory.score_samples(row.rss)[0]),
                        ranks=[ranks[i] for i in leak], confirm=2,
-                       evidence={"mb_per_step": round(float(self.memory.slopes(rss.to_numpy())[0].max()
+                       evidence={"mb_per_step": round(float(self.memory.slopes(row.rss)[0].max()
                                                             * self.memory.mb_per_step), 2)})
-        score = float(self.forest.score_samples(feats[MULTIVARIATE])[0])
+        score = float(self.forest.score_samples(row.multivariate)[0])
         self.on_score("isolation_forest", -score)
         trusted = len(self.forest.buffer_) >= 50  # too few rows make IQRs, and so alarms, noisy
-        if normal and trusted and self.forest.predict(feats[MULTIVARIATE])[0] < 0:
+        if normal and trusted and score < -self.forest.threshold:
             normal = False
             self._flag(step, "multivariate", -score, confirm=3, evidence={
-                "drivers": self.forest.explain(feats[MULTIVARIATE], MULTIVARIATE)[0]})
+                "drivers": self.forest.explain(row.multivariate, MULTIVARIATE)[0]})
         return normal
 
     def _experts(self, expert_load: pd.DataFrame) -> None:

@@ -65,7 +65,7 @@ class LiveDetection:
         if not self._leader():
             return
         try:
-            steps = load_steps(self.run_dir, since_step=self.engine.last_step - 12)
+            steps = load_steps(self.run_dir, since_step=self.engine.last_step)
             experts = load_expert_load(self.run_dir, since_step=self.engine.last_expert_step)
             self.engine.process(steps, experts)
             if self.outbox is not None:

@@ -7,23 +7,27 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-from detection_quality import DATA, EXPECTED, RUNS, ours  # noqa: E402
+from detection_quality import DATA, EXPECTED, HELD_OUT, RUNS, ours  # noqa: E402
 
 from collector.store import load_events  # noqa: E402
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if n.startswith("clean")])
+ALL = [*RUNS, *HELD_OUT]
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n.startswith("clean")])
 def test_clean_runs_raise_nothing(name):
     assert ours(DATA / name) == []
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if not n.startswith("clean")])
+@pytest.mark.parametrize("name", [n for n in ALL if not n.startswith("clean")])
 def test_each_injected_fault_is_found(name):
+    kind = name.removesuffix("-2")
     inj = load_events(DATA / name, kind="injected")["detail"].iloc[0]
-    found = [e for e in ours(DATA / name) if e.type in EXPECTED[name]
+    found = [e for e in ours(DATA / name) if e.type in EXPECTED[kind]
              and e.start_step <= inj["start_step"] + inj["steps"] + 5
              and e.end_step >= inj["start_step"]]
     assert found, name
     assert found[0].start_step - inj["start_step"] <= 5
-    if found[0].ranks and name in ("slow", "nan", "memory_leak"):
+    if found[0].ranks and kind in ("slow", "nan", "memory_leak"):
         assert found[0].ranks == [inj["rank"]]
