@@ -53,6 +53,9 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)  # Prometheus never reads half a file
 
 
+RANK_JOB, DETECTOR_JOB = "meshscope", "meshscope_detector"
+
+
 def write_targets(run_dir: Path, *, run_id: str, host: str, ports_by_rank: dict[int, int],
                   node: str) -> Path:
     """Write `<run_dir>/targets.json` (file_sd), and the same into `<runs root>/_targets/<run_id>.json`.
@@ -60,21 +63,46 @@ def write_targets(run_dir: Path, *, run_id: str, host: str, ports_by_rank: dict[
     The copy exists because file_sd globs only the last path segment: one pattern,
     `<runs root>/_targets/*.json`, then finds every run.
     """
-    mine = [
+    return _merge_targets(run_dir, run_id, [
         {"targets": [f"{host}:{port}"],
-         "labels": {"job": "meshscope", "run": run_id, "rank": str(rank), "node": node}}
-        for rank, port in sorted(ports_by_rank.items())
-    ]
+         "labels": {"job": RANK_JOB, "run": run_id, "rank": str(rank), "node": node}}
+        for rank, port in sorted(ports_by_rank.items())])
+
+
+def write_detector_target(run_dir: Path, *, run_id: str, host: str, port: int, node: str) -> Path:
+    """Add the detection engine's endpoint (job `meshscope_detector`, no rank) to the run's targets."""
+    return _merge_targets(run_dir, run_id, [
+        {"targets": [f"{host}:{port}"], "labels": {"job": DETECTOR_JOB, "run": run_id, "node": node}}])
+
+
+def remove_from_index(run_dir: Path, run_id: str) -> None:
+    """A run that ended cleanly leaves Prometheus' view (its own targets.json stays, as a record);
+    a run that died stays there, so RankDown and RecoveryFailed can fire."""
+    (Path(run_dir).resolve().parent / TARGETS_INDEX / f"{run_id}.json").unlink(missing_ok=True)
+
+
+def _target_key(group: dict) -> tuple[str, str]:
+    """A rank's endpoint is one per rank; a detector's, one per node (each agent runs one)."""
+    labels = group["labels"]
+    return labels.get("job", RANK_JOB), labels.get("rank") or labels.get("node", "")
+
+
+def _order(group: dict) -> tuple[str, int, str]:
+    labels = group["labels"]
+    return labels.get("job", RANK_JOB), int(labels.get("rank", -1)), labels.get("node", "")
+
+
+def _merge_targets(run_dir: Path, run_id: str, mine: list[dict]) -> Path:
     path = Path(run_dir) / "targets.json"
-    # Several nodes may share a run directory: merge under a lock, keeping the others' ranks.
+    replaced = {_target_key(g) for g in mine}
+    # Several nodes (and the detector) share a run directory: merge under a lock, keeping the rest.
     with open(path.with_name("targets.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            others = [g for g in json.loads(path.read_text())
-                      if int(g["labels"]["rank"]) not in ports_by_rank]
+            others = [g for g in json.loads(path.read_text()) if _target_key(g) not in replaced]
         except (OSError, ValueError, KeyError):
             others = []
-        groups = sorted(others + mine, key=lambda g: int(g["labels"]["rank"]))
+        groups = sorted(others + mine, key=_order)
         text = json.dumps(groups, indent=2)
         _atomic_write(path, text)
         index = Path(run_dir).resolve().parent / TARGETS_INDEX

@@ -60,11 +60,6 @@ class MeshscopeMetrics:
         self.recovery = Gauge(
             "meshscope_recovery_seconds", "Time of the last recovery, failure to first step.",
             registry=r)
-        self.anomaly_score = Gauge(
-            "meshscope_anomaly_score", "Latest anomaly score (higher = more anomalous).",
-            ["detector"], registry=r)
-        self.anomalies = Counter("meshscope_anomalies", "Anomalies opened, by type.", ["type"],
-                                 registry=r)
         self.run_info = Info("meshscope_run", "What this run is.", registry=r)
         self._touch_known_children()
 
@@ -79,8 +74,6 @@ class MeshscopeMetrics:
             self._children[kind] = self.memory.labels(kind=kind)
         for kind in FAULT_KINDS:
             self.faults.labels(kind=kind)
-        for kind in ANOMALY_TYPES:
-            self.anomalies.labels(type=kind)
 
     def describe_run(self, *, device: str, backend: str, world_size: int, compression: str,
                      version: str) -> None:
@@ -120,3 +113,17 @@ class MeshscopeMetrics:
                 self.expert_load.labels(**labels).set(share)
             if total > 0:
                 self.expert_imbalance.labels(layer=str(layer)).set(max(row) / (total / n))
+
+
+class DetectorMetrics:
+    """What the detection engine beside a run exports (its own endpoint, job
+    `meshscope_detector`): kept apart so per-rank queries never see a detector's series."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.anomaly_score = Gauge(
+            "meshscope_anomaly_score", "Latest anomaly score (higher = more anomalous).",
+            ["detector"], registry=registry)
+        self.anomalies = Counter("meshscope_anomalies", "Anomalies opened, by type.", ["type"],
+                                 registry=registry)
+        for kind in ANOMALY_TYPES:  # from 0, so increase() sees the first anomaly
+            self.anomalies.labels(type=kind)

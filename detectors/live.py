@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from collector.metrics import MeshscopeMetrics
+from collector.metrics import DetectorMetrics
 from collector.schema import Event
 from collector.store import RunStore, load_expert_load, load_steps
 from detectors.engine import DetectionEngine, EngineConfig
@@ -28,7 +28,7 @@ class LiveDetection:
                  outbox: Outbox | None = None) -> None:
         self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
         self.registry = registry or CollectorRegistry()
-        self.metrics = MeshscopeMetrics(self.registry)
+        self.metrics = DetectorMetrics(self.registry)
         self.store: RunStore | None = None
         self.engine = DetectionEngine(config, on_open=self._opened, on_close=self._closed,
                                       on_score=self._score)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import socket
 from pathlib import Path
 from typing import Any, Optional
 
@@ -10,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from collector.exporter import PortInUseError
+from collector.exporter import PortInUseError, remove_from_index
 from collector.report import summarize
 from collector.store import load_events, load_expert_load, load_steps, store_path
 from meshscope import launcher
@@ -97,6 +98,8 @@ def run(
     detection = _start_detection(cfg, outbox)
     code = _train_with_progress(cfg)
     episodes = detection.stop()
+    if code == 0:
+        remove_from_index(cfg.run_dir, cfg.run_id)
     if code != 0:
         err_console.print(launcher.tail_log(cfg), markup=False, highlight=False)
         fail(f"training failed (exit {code}); logs in {cfg.run_dir / 'logs'}", code=1)
@@ -123,13 +126,15 @@ def _outbox(cfg: RunConfig, slack_file, email_to, smtp, smtp_from, smtp_user, pa
 
 def _start_detection(cfg: RunConfig, outbox=None):
     """The detection engine beside training, exporting on the port after the ranks'."""
-    from collector.exporter import serve_metrics
+    from collector.exporter import serve_metrics, write_detector_target
     from detectors.live import LiveDetection
 
     live = LiveDetection(cfg.run_dir, cfg.run_id, outbox=outbox)
     port = cfg.metrics_port + cfg.nproc
     try:
-        serve_metrics(live.registry, port)
+        serve_metrics(live.registry, port, host="127.0.0.1")
+        write_detector_target(cfg.run_dir, run_id=cfg.run_id, host="127.0.0.1", port=port,
+                              node=socket.gethostname())
         console.print(f"  detector http://127.0.0.1:{port}/metrics")
     except PortInUseError as err:
         err_console.print(f"[yellow]warning:[/] detector metrics not exported: {err}")

@@ -3,7 +3,7 @@ import subprocess
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from collector.metrics import MeshscopeMetrics
+from collector.metrics import DetectorMetrics, MeshscopeMetrics
 from collector.schema import StepRecord
 from tests.conftest import require_binary
 
@@ -59,7 +59,7 @@ def test_promtool_check_metrics_is_clean():
     m.observe_step(record())
     m.observe_experts([[3, 1], [2, 2]])
     m.heartbeat_age.labels(peer="1").set(0.5)
-    m.anomaly_score.labels(detector="isolation_forest").set(0.1)
+    DetectorMetrics(reg).anomaly_score.labels(detector="isolation_forest").set(0.1)
     out = subprocess.run([promtool, "check", "metrics"], input=generate_latest(reg),
                          capture_output=True, timeout=30)
     assert out.returncode == 0 and out.stdout + out.stderr == b"", out.stdout + out.stderr

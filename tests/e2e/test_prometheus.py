@@ -21,7 +21,7 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
     config = write_prometheus_config(tmp_path / "prometheus.yml", runs, scrape_interval_s=1)
     check = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    port = free_port_range(2)
+    port = free_port_range(3)
     with Prometheus(prometheus_bin, config, tmp_path) as prom:
         run = start_run(runs, "e2e", port, "--steps", "40", "--linger", "30")
         try:

@@ -18,7 +18,7 @@ from trainer.model import MoELM
 
 def meshscope_run(root, run_id, *flags, port=None):
     cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(TINY), "--run-dir", str(root),
-           "--run-id", run_id, "--metrics-port", str(port or free_port_range(2)), *flags]
+           "--run-id", run_id, "--metrics-port", str(port or free_port_range(3)), *flags]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 

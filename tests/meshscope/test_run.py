@@ -1,4 +1,5 @@
 """`meshscope run` end to end on 2 gloo ranks, and its answers to bad input."""
+import json
 import socket
 
 import pytest
@@ -15,15 +16,15 @@ FAMILIES = [
     "meshscope_loss", "meshscope_grad_norm", "meshscope_memory_bytes", "meshscope_expert_tokens",
     "meshscope_expert_load_ratio", "meshscope_expert_imbalance_ratio",
     "meshscope_heartbeat_age_seconds", "meshscope_faults", "meshscope_restarts",
-    "meshscope_recovery_seconds", "meshscope_anomaly_score", "meshscope_anomalies",
-    "meshscope_run_info",
+    "meshscope_recovery_seconds", "meshscope_run_info",
 ]
+DETECTOR_FAMILIES = ["meshscope_anomaly_score", "meshscope_anomalies"]
 
 
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    port = free_port_range(2)
+    port = free_port_range(3)  # two ranks, then the detector
     proc = start_run(root, "it", port, "--linger", "5", "--compression", "fp16")
 
     def finished_on_both():
@@ -33,8 +34,11 @@ def live_run(tmp_path_factory):
         return None
 
     scraped = wait_for(finished_on_both, timeout=120)
+    detector = scrape(port + 2)
+    targets = json.loads((root / "it" / "targets.json").read_text())
     out, _ = proc.communicate(timeout=120)
-    return {"dir": root / "it", "scraped": scraped, "rc": proc.returncode, "out": out}
+    return {"dir": root / "it", "scraped": scraped, "detector": detector, "targets": targets,
+            "rc": proc.returncode, "out": out, "root": root}
 
 
 def test_run_succeeds_with_a_summary(live_run):
@@ -54,6 +58,19 @@ def test_every_rank_exports_every_family(live_run):
     # expert load is summed over ranks and exported by rank 0 only
     assert sample(rank0, "meshscope_expert_load_ratio", layer="1", expert="3") is not None
     assert not rank1["meshscope_expert_load_ratio"].samples
+
+
+def test_the_detector_exports_its_own_families_only(live_run):
+    detector = live_run["detector"]
+    assert detector and all(f in detector for f in DETECTOR_FAMILIES)
+    assert sample(detector, "meshscope_anomalies", "_total", type="straggler") == 0  # from zero
+    assert "meshscope_comm_ratio" not in detector  # per-rank queries never see the detector
+
+
+def test_targets_name_ranks_and_detector_and_leave_prometheus_when_the_run_ends(live_run):
+    jobs = [(t["labels"]["job"], t["labels"].get("rank")) for t in live_run["targets"]]
+    assert jobs == [("meshscope", "0"), ("meshscope", "1"), ("meshscope_detector", None)]
+    assert not (live_run["root"] / "_targets" / "it.json").exists()  # a clean end
 
 
 def test_store_has_one_row_per_rank_per_step_and_loss_falls(live_run):
