@@ -7,6 +7,8 @@ from typing import Any
 
 from collector.exporter import TARGETS_INDEX
 
+RULES = Path(__file__).parent / "rules" / "rules.yml"
+
 
 def prometheus_config(runs_root: Path, *, scrape_interval_s: float = 5.0,
                       rule_files: list[str] | None = None,

@@ -1,0 +1,176 @@
+"""`meshscope stack`: Prometheus and Alertmanager from the installed binaries, on 127.0.0.1,
+pointed at a runs folder, with their configs, data, logs and pid files under one folder of ours.
+
+The processes outlive the command that started them (their own session); `down` stops them
+through the pid files, and a pid is only trusted while its command line is still that binary.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from collector.exporter import ensure_ports_free
+from dashboards.alertmanager import AlertRouting, write_alertmanager_config
+from dashboards.prometheus import RULES, write_prometheus_config
+
+BINARIES = {"prometheus": ("prometheus",),
+            "alertmanager": ("prometheus-alertmanager", "alertmanager")}  # Debian's name, upstream's
+INSTALL_HINT = "apt-get install prometheus prometheus-alertmanager (Debian), or put the binaries on PATH"
+
+
+class StackError(RuntimeError):
+    """The stack could not be started or reached; the message says which part and why."""
+
+
+@dataclass(kw_only=True)
+class StackConfig:
+    runs_root: Path
+    home: Path
+    prometheus_port: int = 9090
+    alertmanager_port: int = 9093
+    scrape_interval_s: float = 5.0
+    routing: AlertRouting = field(default_factory=AlertRouting)
+
+
+@dataclass
+class Component:
+    name: str
+    pid: int
+    port: int
+    url: str
+    log: str
+    running: bool = False
+    ready: bool = False
+
+
+def find_binary(component: str) -> str:
+    for name in BINARIES[component]:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise StackError(f"{component}: none of {', '.join(BINARIES[component])} is installed; {INSTALL_HINT}")
+
+
+def _commands(cfg: StackConfig) -> dict[str, list[str]]:
+    home = cfg.home.resolve()
+    am = f"127.0.0.1:{cfg.alertmanager_port}"
+    rules = home / "rules.yml"
+    shutil.copy(RULES, rules)
+    prom_config = write_prometheus_config(home / "prometheus.yml", cfg.runs_root,
+                                          scrape_interval_s=cfg.scrape_interval_s,
+                                          rule_files=[str(rules)], alertmanager=am)
+    am_config = write_alertmanager_config(home / "alertmanager", cfg.routing)
+    return {
+        "prometheus": [find_binary("prometheus"), f"--config.file={prom_config}",
+                       f"--storage.tsdb.path={home / 'prometheus-data'}",
+                       f"--web.listen-address=127.0.0.1:{cfg.prometheus_port}",
+                       "--web.enable-lifecycle"],
+        "alertmanager": [find_binary("alertmanager"), f"--config.file={am_config}",
+                         f"--storage.path={home / 'alertmanager-data'}",
+                         f"--web.listen-address={am}",
+                         "--cluster.listen-address="],  # no gossip port on 0.0.0.0:9094
+    }
+
+
+def _ready(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/-/ready", timeout=1).ok
+    except requests.RequestException:
+        return False
+
+
+def _alive(pid: int, binary: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return False
+    return Path(cmdline).name == Path(binary).name
+
+
+def status(home: Path) -> list[Component]:
+    """What runs where, from the pid files; `running` and `ready` checked now."""
+    out = []
+    for pid_file in sorted(Path(home).glob("*.json")):
+        info = json.loads(pid_file.read_text())
+        comp = Component(**{k: info[k] for k in ("name", "pid", "port", "url", "log")})
+        comp.running = _alive(comp.pid, info["binary"])
+        comp.ready = comp.running and _ready(comp.url)
+        out.append(comp)
+    return out
+
+
+def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
+    """Start what is not already running; wait until both answer /-/ready."""
+    cfg.home.mkdir(parents=True, exist_ok=True)
+    (cfg.home / "logs").mkdir(exist_ok=True)
+    running = {c.name for c in status(cfg.home) if c.running}
+    ports = {"prometheus": cfg.prometheus_port, "alertmanager": cfg.alertmanager_port}
+    todo = [name for name in ports if name not in running]
+    try:
+        ensure_ports_free("127.0.0.1", [ports[n] for n in todo])
+    except Exception as err:  # PortInUseError: say which part wanted the port
+        raise StackError(f"cannot start {', '.join(todo)}: {err}") from err
+    commands = _commands(cfg)
+    for name in todo:
+        log = cfg.home / "logs" / f"{name}.log"
+        proc = subprocess.Popen(commands[name], stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        (cfg.home / f"{name}.json").write_text(json.dumps({
+            "name": name, "pid": proc.pid, "port": ports[name], "binary": commands[name][0],
+            "url": f"http://127.0.0.1:{ports[name]}", "log": str(log), "cmd": commands[name]}))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        comps = status(cfg.home)
+        dead = [c for c in comps if not c.running]
+        if dead:
+            tail = Path(dead[0].log).read_text(errors="replace")[-1500:]
+            down(cfg.home)
+            raise StackError(f"{dead[0].name} exited at start; its log ends:\n{tail}")
+        if all(c.ready for c in comps):
+            return comps
+        time.sleep(0.1)
+    down(cfg.home)
+    raise StackError(f"the stack was not ready within {timeout_s:.0f} s; logs in {cfg.home / 'logs'}")
+
+
+def down(home: Path, timeout_s: float = 10.0) -> list[str]:
+    """Stop every component started from `home`; returns the names stopped."""
+    stopped = []
+    for pid_file in sorted(Path(home).glob("*.json")):
+        info = json.loads(pid_file.read_text())
+        if _alive(info["pid"], info["binary"]):
+            os.kill(info["pid"], signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while _alive(info["pid"], info["binary"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _alive(info["pid"], info["binary"]):
+                os.kill(info["pid"], signal.SIGKILL)
+            stopped.append(info["name"])
+        pid_file.unlink()
+    return stopped
+
+
+def targets_by_run(prometheus_url: str) -> dict[str, dict[str, int]]:
+    """Per run: how many of its scrape targets are up and down (what `status` reports)."""
+    active = requests.get(f"{prometheus_url}/api/v1/targets", params={"state": "active"},
+                          timeout=5).json()["data"]["activeTargets"]
+    out: dict[str, dict[str, int]] = {}
+    for t in active:
+        run = t["labels"].get("run", "?")
+        counts = out.setdefault(run, {"up": 0, "down": 0})
+        counts["up" if t["health"] == "up" else "down"] += 1
+    return out
+
+
+def firing_alerts(prometheus_url: str) -> list[dict[str, Any]]:
+    alerts = requests.get(f"{prometheus_url}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+    return [a for a in alerts if a["state"] == "firing"]
