@@ -29,4 +29,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/comm_breakdown.py
 
 clean:
-	rm -rf $(VENV) runs .stack
+	rm -rf $(VENV) runs .meshscope

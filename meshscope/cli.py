@@ -330,5 +330,43 @@ def stack_status(home: Path = typer.Option(Path(".meshscope/stack"), help=HOME_H
         raise typer.Exit(1)
 
 
+boards_app = typer.Typer(no_args_is_help=True, help="Grafana boards generated as code.")
+app.add_typer(boards_app, name="dashboards")
+
+
+@boards_app.command("build")
+def dashboards_build(
+    check: bool = typer.Option(False, help="exit 1 if the committed JSON is not up to date"),
+) -> None:
+    """Write the boards' JSON under dashboards/grafana/dashboards (or check it is current)."""
+    from dashboards.boards import OUT, build_all, render, write_all
+
+    if check:
+        stale = [n for n, b in build_all().items()
+                 if not (OUT / f"{n}.json").exists() or (OUT / f"{n}.json").read_text() != render(b)]
+        if stale:
+            fail(f"boards out of date: {', '.join(stale)}; run `meshscope dashboards build`", code=1)
+        console.print("boards up to date")
+        return
+    for path in write_all():
+        console.print(str(path))
+
+
+@boards_app.command("publish")
+def dashboards_publish(
+    url: str = typer.Option(..., help="Grafana base URL, e.g. http://127.0.0.1:3000"),
+    token_file: Path = typer.Option(..., help="file holding a Grafana service-account token"),
+) -> None:
+    """Upload every board into Grafana's `meshscope` folder (overwriting older versions)."""
+    from dashboards.publish import PublishError, publish, read_token
+
+    try:
+        done = publish(url, read_token(token_file))
+    except PublishError as err:
+        fail(str(err), code=1)
+    for board in done:
+        console.print(f"{board.name:9} {board.url}  (version {board.version})")
+
+
 if __name__ == "__main__":
     app()

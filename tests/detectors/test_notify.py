@@ -1,45 +1,14 @@
 """Alerts against a local Slack-style webhook sink and a local SMTP server (aiosmtpd)."""
-import json
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from aiosmtpd.controller import Controller
 
 from detectors.notify import Alert, Email, Outbox, OutboxConfig, SlackWebhook, read_secret
 from tests.helpers.ports import free_port_range
+from tests.helpers.sinks import Sink
 
 DETAIL = {"type": "straggler", "ranks": [1], "score": 2.9, "start_step": 40, "end_step": 47}
-
-
-class Sink:
-    """A webhook receiver on 127.0.0.1 that can be started late (the endpoint 'comes back')."""
-
-    def __init__(self):
-        self.port = free_port_range(1)
-        self.received: list[dict] = []
-        self.server = None
-
-    def start(self):
-        received = self.received
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = HTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self):
-        if self.server:
-            self.server.shutdown()
-            self.server.server_close()
 
 
 class Clock:

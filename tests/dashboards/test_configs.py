@@ -1,0 +1,133 @@
+"""The generated Prometheus and Alertmanager configs pass their own tools; the rules pass their
+unit tests (promtool test rules); the boards are current and query only what we export."""
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from collector.metrics import DetectorMetrics, MeshscopeMetrics
+from dashboards.alertmanager import AlertRouting, alertmanager_config, write_alertmanager_config
+from dashboards.boards import OUT, build_all, board_queries, render
+from dashboards.prometheus import RULES, write_prometheus_config
+from tests.conftest import require_binary
+
+ALERTS = {"TrainingStalled", "RankDown", "StragglerRank", "CommRatioHigh", "ExpertImbalance",
+          "LossNotFinite", "AnomalyDetected", "RecoveryFailed"}
+
+
+def _run(*cmd):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_promtool_checks_the_config_and_the_rules(tmp_path):
+    promtool = require_binary("promtool")
+    config = write_prometheus_config(tmp_path / "prometheus.yml", tmp_path / "runs",
+                                     rule_files=[str(RULES)], alertmanager="127.0.0.1:9093")
+    _run(promtool, "check", "config", str(config))
+    assert "SUCCESS: 20 rules found" in _run(promtool, "check", "rules", str(RULES))
+
+
+def test_every_alert_has_a_passing_promtool_unit_test():
+    promtool = require_binary("promtool")
+    tests = RULES.with_name("rules_test.yml")
+    _run(promtool, "test", "rules", str(tests))
+    defined = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
+               for r in g["rules"] if "alert" in r}
+    tested = {t["alertname"] for case in yaml.safe_load(tests.read_text())["tests"]
+              for t in case["alert_rule_test"] if t["exp_alerts"]}
+    assert defined == ALERTS and tested == ALERTS
+
+
+def test_a_wrong_expectation_fails_promtool(tmp_path):
+    """The unit tests can fail: a changed expected value is caught."""
+    promtool = require_binary("promtool")
+    broken = tmp_path / "rules_test.yml"
+    broken.write_text(RULES.with_name("rules_test.yml").read_text().replace('value: "1.50"', 'value: "1.40"'))
+    (tmp_path / "rules.yml").write_text(RULES.read_text())
+    assert subprocess.run([promtool, "test", "rules", str(broken)], capture_output=True).returncode != 0
+
+
+@pytest.mark.parametrize("email", [False, True])
+def test_amtool_accepts_the_alertmanager_config(tmp_path, email):
+    amtool = require_binary("amtool")
+    hook, password = tmp_path / "hook", tmp_path / "password"
+    hook.write_text("https://hooks.slack.invalid/T/B/X\n")
+    password.write_text("s3cret-pw\n")
+    routing = AlertRouting(slack_webhook_file=hook, email_to=["oncall@example.org"] if email else [],
+                           smtp_smarthost="127.0.0.1:1025", smtp_username="bot",
+                           smtp_password_file=password if email else None)
+    path = write_alertmanager_config(tmp_path / "am", routing)
+    out = _run(amtool, "check-config", str(path))
+    assert "SUCCESS" in out and "2 inhibit rules" in out
+    text = path.read_text()
+    assert "hooks.slack.invalid" not in text and "s3cret-pw" not in text  # files, not secrets
+
+
+def test_routing_warning_to_slack_critical_to_slack_and_email_inhibition_by_rank():
+    config = alertmanager_config(AlertRouting(email_to=["a@example.org"]), templates=[])
+    assert config["route"]["receiver"] == "slack" and config["route"]["group_by"] == ["alertname", "run"]
+    critical = config["route"]["routes"][0]
+    assert critical["matchers"] == ['severity="critical"'] and critical["receiver"] == "slack-and-email"
+    receivers = {r["name"]: r for r in config["receivers"]}
+    assert "email_configs" in receivers["slack-and-email"] and "email_configs" not in receivers["slack"]
+    rank_down = config["inhibit_rules"][0]
+    assert rank_down["target_matchers"] == ['alertname="StragglerRank"'] and rank_down["equal"] == ["run", "rank"]
+
+
+def test_bad_routing_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match="slack_webhook_file"):
+        AlertRouting(slack_webhook_file=tmp_path / "missing")
+    with pytest.raises(ValueError, match="smtp_smarthost"):
+        AlertRouting(email_to=["a@example.org"], smtp_smarthost="localhost")
+
+
+def test_committed_boards_are_what_the_code_generates():
+    for name, board in build_all().items():
+        assert (OUT / f"{name}.json").read_text() == render(board), \
+            f"{name}.json is stale: run `meshscope dashboards build`"
+
+
+def test_boards_have_the_panels_and_variables_people_need():
+    boards = build_all()
+    assert set(boards) == {"training", "experts", "faults", "debug"}
+    for board in boards.values():
+        names = [v["name"] for v in board["templating"]["list"]]
+        assert "run" in names and board["uid"].startswith("meshscope-")
+    assert "layer" in [v["name"] for v in boards["experts"]["templating"]["list"]]
+    assert any(p["type"] == "heatmap" for p in boards["experts"]["panels"])
+    titles = " ".join(p.get("title", "") for b in boards.values() for p in b["panels"]).lower()
+    for needed in ("p50 / p99", "tokens/s", "comm", "compression", "memory", "imbalance",
+                   "top experts", "restarts", "recovery", "anomaly score", "non-finite", "hung"):
+        assert needed in titles, needed
+
+
+def test_boards_query_only_series_that_exist():
+    """Every metric a panel names is exported by a rank or the detector, or recorded by a rule."""
+    reg = CollectorRegistry()
+    MeshscopeMetrics(reg), DetectorMetrics(reg)
+    exported = set()
+    for fam in reg.collect():
+        exported |= {s.name for s in fam.samples} | {fam.name, f"{fam.name}_total", f"{fam.name}_bucket"}
+    recorded = {r["record"] for g in yaml.safe_load(RULES.read_text())["groups"]
+                for r in g["rules"] if "record" in r}
+    known = exported | recorded | {"up"}
+    for board in build_all().values():
+        for where, expr in board_queries(board):
+            for name in re.findall(r"\b((?:meshscope|run|run_rank|run_layer|run_layer_expert)[:\w]*|up)\b(?=\{|\)|\s|$)", expr):
+                if name.startswith(("meshscope_", "run:", "run_rank:", "run_layer:", "run_layer_expert:")) or name == "up":
+                    assert name in known, f"{where}: {name} is neither exported nor recorded"
+
+
+def test_provisioning_points_at_the_generated_boards():
+    prov = Path(OUT).parent / "provisioning"
+    ds = yaml.safe_load((prov / "datasources" / "meshscope.yml").read_text())["datasources"][0]
+    assert ds["type"] == "prometheus" and ds["isDefault"] is True
+    boards = yaml.safe_load((prov / "dashboards" / "meshscope.yml").read_text())["providers"][0]
+    assert boards["type"] == "file" and boards["options"]["path"].endswith("meshscope")
+    assert all(json.loads(p.read_text())["uid"] for p in OUT.glob("*.json"))
