@@ -120,21 +120,25 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
     except Exception as err:  # PortInUseError: say which part wanted the port
         raise StackError(f"cannot start {', '.join(todo)}: {err}") from err
     commands = _commands(cfg)
+    started: dict[str, subprocess.Popen] = {}
     for name in todo:
         log = cfg.home / "logs" / f"{name}.log"
-        proc = subprocess.Popen(commands[name], stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        started[name] = subprocess.Popen(commands[name], stdout=open(log, "ab"),
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         (cfg.home / f"{name}.json").write_text(json.dumps({
-            "name": name, "pid": proc.pid, "port": ports[name], "binary": commands[name][0],
-            "url": f"http://127.0.0.1:{ports[name]}", "log": str(log), "cmd": commands[name]}))
+            "name": name, "pid": started[name].pid, "port": ports[name],
+            "binary": commands[name][0], "url": f"http://127.0.0.1:{ports[name]}",
+            "log": str(log), "cmd": commands[name]}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        for name, proc in started.items():
+            if proc.poll() is not None:  # ours: its exit status is the truth, not /proc
+                tail = (cfg.home / "logs" / f"{name}.log").read_text(errors="replace")[-1500:]
+                down(cfg.home)
+                raise StackError(f"{name} exited at start (status {proc.returncode}); "
+                                 f"its log ends:\n{tail}")
         comps = status(cfg.home)
-        dead = [c for c in comps if not c.running]
-        if dead:
-            tail = Path(dead[0].log).read_text(errors="replace")[-1500:]
-            down(cfg.home)
-            raise StackError(f"{dead[0].name} exited at start; its log ends:\n{tail}")
         if all(c.ready for c in comps):
             return comps
         time.sleep(0.1)

@@ -1,0 +1,132 @@
+"""The whole monitoring path on real binaries: `meshscope stack up` (Prometheus with our rules,
+Alertmanager with our routing), a real run with injected faults, a Slack-style webhook sink and an
+aiosmtpd mailbox. Every board's PromQL is run against what Prometheus scraped."""
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from dashboards.boards import build_all, board_queries
+from tests.conftest import require_binary
+from tests.helpers.ports import free_port_range
+from tests.helpers.runs import REPO, start_run, wait_for
+from tests.helpers.sinks import Mailbox, Sink
+
+pytestmark = pytest.mark.e2e
+RUN = "e2e"
+
+
+def meshscope(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "meshscope", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    for binary in ("prometheus", "prometheus-alertmanager"):
+        require_binary(binary)
+    tmp = tmp_path_factory.mktemp("stack")
+    sink, mailbox = Sink().start(), Mailbox().start()
+    hook = tmp / "slack-webhook"
+    hook.write_text(sink.url + "\n")
+    prom_port = free_port_range(2)
+    home = tmp / "home"
+    up = meshscope("stack", "up", "--runs", str(tmp / "runs"), "--home", str(home),
+                   "--prometheus-port", str(prom_port), "--alertmanager-port", str(prom_port + 1),
+                   "--scrape-interval", "1", "--slack-webhook-file", str(hook),
+                   "--email-to", "oncall@localhost", "--smtp", f"127.0.0.1:{mailbox.port}",
+                   "--no-smtp-tls", "--fast", "--view-url", "http://view.local:8501")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield {"tmp": tmp, "home": home, "sink": sink, "mailbox": mailbox, "runs": tmp / "runs",
+               "prom": f"http://127.0.0.1:{prom_port}", "am": f"http://127.0.0.1:{prom_port + 1}"}
+    finally:
+        meshscope("stack", "down", "--home", str(home))
+        sink.stop()
+        mailbox.stop()
+
+
+@pytest.fixture(scope="module")
+def faulty_run(stack):
+    """A 2-rank run: rank 1 computes 4x slower for 150 steps, then a NaN loss on rank 1."""
+    port = free_port_range(3)
+    proc = start_run(stack["runs"], RUN, port, "--steps", "320",
+                     "--inject", "slow@step=40,rank=1,steps=150,factor=4",
+                     "--inject", "nan@step=260,rank=1", "--linger", "15")
+    started = time.time()
+    sink, mailbox = stack["sink"], stack["mailbox"]
+
+    def slack(alertname):
+        return [t for t in sink.texts() if alertname in t and "FIRING" in t]
+
+    straggler = wait_for(lambda: slack("StragglerRank"), 150)
+    email = wait_for(lambda: [b for b in mailbox.bodies() if "LossNotFinite" in b], 150)
+    anomaly = wait_for(lambda: [t for t in slack("AnomalyDetected") if "type=straggler" in t], 30)
+    yield {"proc": proc, "started": started, "straggler": straggler, "email": email,
+           "anomaly": anomaly, "slack_nan": slack("LossNotFinite")}
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+
+
+def test_status_says_what_runs_where(stack):
+    out = meshscope("stack", "status", "--home", str(stack["home"]))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"prometheus\s.*" + re.escape(stack["prom"]) + r".*ready", out.stdout)
+    assert re.search(r"alertmanager\s.*" + re.escape(stack["am"]) + r".*ready", out.stdout)
+
+
+def test_a_slow_rank_reaches_slack_naming_run_rank_value_and_link(faulty_run):
+    assert faulty_run["straggler"], "no StragglerRank message reached the webhook sink"
+    text = faulty_run["straggler"][0]
+    assert f"run {RUN}" in text and "rank=1" in text and "value:" in text
+    assert f"http://view.local:8501/?run={RUN}&rank=1" in text
+
+
+def test_a_nan_is_critical_so_it_reaches_email_and_slack(faulty_run, stack):
+    assert faulty_run["email"], "no LossNotFinite email reached the mailbox"
+    body = faulty_run["email"][0]
+    assert "rank=1" in body and f"run={RUN}" in body and "drill down:" in body
+    assert stack["mailbox"].recipients[0] == ["oncall@localhost"]
+    assert faulty_run["slack_nan"]
+
+
+def test_the_detectors_anomaly_also_alerts(faulty_run):
+    assert faulty_run["anomaly"], "the straggler the detectors found never reached Slack"
+
+
+def test_every_panel_query_returns_data_from_the_real_run(faulty_run, stack):
+    end = time.time()
+    failures = []
+    for name, board in build_all().items():
+        for where, expr in board_queries(board):
+            promql = (expr.replace("$run", RUN).replace('layer=~"$layer"', 'layer=~"0|1"')
+                      .replace("$__rate_interval", "20s"))
+            if where.startswith("variable"):
+                promql = re.sub(r"label_values\((.*), \w+\)", r"\1", promql)
+            r = requests.get(f"{stack['prom']}/api/v1/query_range", timeout=10, params={
+                "query": promql, "start": faulty_run["started"], "end": end, "step": "2s"})
+            body = r.json()
+            if r.status_code != 200 or not body["data"]["result"]:
+                failures.append(f"{name}: {where}: {promql} -> {body.get('error') or 'no data'}")
+    assert not failures, "\n".join(failures)
+
+
+def test_rank_down_silences_straggler_for_that_rank_only(stack):
+    """Inhibition, on the real Alertmanager: alerts posted to its API as Prometheus would."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    alerts = [{"labels": {"alertname": name, "run": "inhib", "rank": rank, "severity": sev},
+               "annotations": {"summary": f"{name} {rank}", "value": "1"}, "startsAt": now}
+              for name, rank, sev in [("RankDown", "1", "critical"), ("StragglerRank", "1", "warning"),
+                                      ("StragglerRank", "0", "warning")]]
+    assert requests.post(f"{stack['am']}/api/v2/alerts", json=alerts, timeout=5).ok
+
+    def inhib_messages():
+        return [t for t in stack["sink"].texts() if "run inhib" in t]
+
+    assert wait_for(lambda: len(inhib_messages()) >= 2, 30)
+    time.sleep(3)  # room for a wrongly delivered third message
+    texts = "\n".join(inhib_messages())
+    assert "RankDown" in texts and "StragglerRank 0" in texts and "StragglerRank 1" not in texts
