@@ -28,20 +28,25 @@ class AlertRouting:
     smtp_require_tls: bool = True
     view_url: str = "http://127.0.0.1:8501"
     fast: bool = False
+    check_files: bool = True  # False when the paths are another machine's (a container's secrets)
 
     def __post_init__(self) -> None:
         if self.email_to and ":" not in self.smtp_smarthost:
             raise ValueError(f"AlertRouting.smtp_smarthost must be host:port, got {self.smtp_smarthost!r}")
-        for name in ("slack_webhook_file", "smtp_password_file"):
+        for name in ("slack_webhook_file", "smtp_password_file") if self.check_files else ():
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"AlertRouting.{name}: no such file {path}")
 
 
+def _abs(path: Path, r: AlertRouting) -> Path:
+    return Path(path).resolve() if r.check_files else Path(path)
+
+
 def _slack(r: AlertRouting) -> list[dict[str, Any]]:
     if r.slack_webhook_file is None:
         return []
-    return [{"api_url_file": str(Path(r.slack_webhook_file).resolve()), "send_resolved": True,
+    return [{"api_url_file": str(_abs(r.slack_webhook_file, r)), "send_resolved": True,
              "title": '{{ template "meshscope.title" . }}',
              "text": '{{ template "meshscope.text" . }}'}]
 
@@ -85,17 +90,21 @@ def alertmanager_config(routing: AlertRouting, templates: list[str]) -> dict[str
         if routing.smtp_username:
             smtp["smtp_auth_username"] = routing.smtp_username
         if routing.smtp_password_file:
-            smtp["smtp_auth_password_file"] = str(Path(routing.smtp_password_file).resolve())
+            smtp["smtp_auth_password_file"] = str(_abs(routing.smtp_password_file, routing))
         config["global"] = smtp
     return config
+
+
+def view_url_template(view_url: str) -> str:
+    """The drill-down view's base URL, as the template `meshscope.view_url` the messages link to."""
+    return '{{ define "meshscope.view_url" }}' + view_url.rstrip("/") + "{{ end }}\n"
 
 
 def write_alertmanager_config(folder: Path, routing: AlertRouting) -> Path:
     """Write `alertmanager.yml` and its templates into `folder` (JSON is valid YAML)."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(TEMPLATE, folder / TEMPLATE.name)
-    (folder / "view_url.tmpl").write_text(
-        '{{ define "meshscope.view_url" }}' + routing.view_url.rstrip("/") + "{{ end }}\n")
+    (folder / "view_url.tmpl").write_text(view_url_template(routing.view_url))
     templates = [str((folder / "*.tmpl").resolve())]
     path = folder / "alertmanager.yml"
     path.write_text(json.dumps(alertmanager_config(routing, templates), indent=2))

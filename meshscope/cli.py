@@ -338,17 +338,20 @@ app.add_typer(boards_app, name="dashboards")
 def dashboards_build(
     check: bool = typer.Option(False, help="exit 1 if the committed JSON is not up to date"),
 ) -> None:
-    """Write the boards' JSON under dashboards/grafana/dashboards (or check it is current)."""
+    """Write the boards' JSON (dashboards/grafana/dashboards) and the compose configs
+    (dashboards/compose), or check that the committed ones are current."""
     from dashboards.boards import OUT, build_all, render, write_all
+    from dashboards.compose import FOLDER, compose_configs, write_compose_configs
 
     if check:
-        stale = [n for n, b in build_all().items()
-                 if not (OUT / f"{n}.json").exists() or (OUT / f"{n}.json").read_text() != render(b)]
+        wanted = {OUT / f"{n}.json": render(b) for n, b in build_all().items()}
+        wanted |= {FOLDER / n: text for n, text in compose_configs().items()}
+        stale = [str(p) for p, text in wanted.items() if not p.exists() or p.read_text() != text]
         if stale:
-            fail(f"boards out of date: {', '.join(stale)}; run `meshscope dashboards build`", code=1)
-        console.print("boards up to date")
+            fail(f"out of date: {', '.join(stale)}; run `meshscope dashboards build`", code=1)
+        console.print("boards and compose configs up to date")
         return
-    for path in write_all():
+    for path in write_all() + write_compose_configs():
         console.print(str(path))
 
 

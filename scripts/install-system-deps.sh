@@ -5,6 +5,7 @@ need=()
 command -v prometheus >/dev/null || need+=(prometheus)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
+command -v amtool >/dev/null || need+=(prometheus-alertmanager)
 command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

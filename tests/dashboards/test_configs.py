@@ -131,3 +131,22 @@ def test_provisioning_points_at_the_generated_boards():
     boards = yaml.safe_load((prov / "dashboards" / "meshscope.yml").read_text())["providers"][0]
     assert boards["type"] == "file" and boards["options"]["path"].endswith("meshscope")
     assert all(json.loads(p.read_text())["uid"] for p in OUT.glob("*.json"))
+
+
+def test_compose_configs_are_current_and_valid(tmp_path):
+    from dashboards.compose import FOLDER, compose_configs
+
+    for name, text in compose_configs().items():
+        assert (FOLDER / name).read_text() == text, f"{name} is stale: run `meshscope dashboards build`"
+    amtool = require_binary("amtool")
+    assert "SUCCESS" in _run(amtool, "check-config", str(FOLDER / "alertmanager.yml"))
+    prom = yaml.safe_load((FOLDER / "prometheus.yml").read_text())
+    assert prom["rule_files"] == ["/etc/prometheus/rules.yml"]
+    assert prom["scrape_configs"][0]["file_sd_configs"][0]["files"] == ["/app/runs/_targets/*.json"]
+
+
+def test_compose_grafana_has_no_default_admin_password():
+    compose = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker-compose.yml").read_text())
+    grafana = compose["services"]["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == "${GRAFANA_ADMIN_PASSWORD:?set GRAFANA_ADMIN_PASSWORD}"
+    assert {"trainer", "prometheus", "alertmanager", "grafana"} <= set(compose["services"])
