@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,6 @@ from typing import Any
 
 import requests
 
-from collector.exporter import ensure_ports_free
 from dashboards.alertmanager import AlertRouting, write_alertmanager_config
 from dashboards.prometheus import RULES, write_prometheus_config
 
@@ -81,6 +81,15 @@ def _commands(cfg: StackConfig) -> dict[str, list[str]]:
     }
 
 
+def _ensure_free(name: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise StackError(f"cannot start {name}: port {port} on 127.0.0.1 is already in use "
+                             f"({err.strerror}); choose another with --{name}-port") from None
+
+
 def _ready(url: str) -> bool:
     try:
         return requests.get(f"{url}/-/ready", timeout=1).ok
@@ -115,11 +124,12 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
     running = {c.name for c in status(cfg.home) if c.running}
     ports = {"prometheus": cfg.prometheus_port, "alertmanager": cfg.alertmanager_port}
     todo = [name for name in ports if name not in running]
-    try:
-        ensure_ports_free("127.0.0.1", [ports[n] for n in todo])
-    except Exception as err:  # PortInUseError: say which part wanted the port
-        raise StackError(f"cannot start {', '.join(todo)}: {err}") from err
-    commands = _commands(cfg)
+    commands = _commands(cfg)  # finds the binaries first; rewrites the configs (reloaded below)
+    for name in todo:
+        _ensure_free(name, ports[name])
+    for comp in status(cfg.home):
+        if comp.running and comp.ready:
+            requests.post(f"{comp.url}/-/reload", timeout=5)
     started: dict[str, subprocess.Popen] = {}
     for name in todo:
         log = cfg.home / "logs" / f"{name}.log"
