@@ -22,6 +22,9 @@ class Straggler(WindowedDetector):
         self.window = window
         self.threshold = ratio
 
+    def _learn(self) -> None:
+        self.best_ = np.percentile(self.history_, 10, axis=0)  # each rank's own best recent time
+
     def ratios(self, X) -> np.ndarray:
         X = as_matrix(X)
         n = X.shape[1]
@@ -30,8 +33,7 @@ class Straggler(WindowedDetector):
         else:
             others = np.stack([np.median(np.delete(X, r, axis=1), axis=1) if n > 1 else X[:, r]
                                for r in range(n)], axis=1)
-        best = np.percentile(self.history_, 10, axis=0)
-        return np.minimum(X / np.maximum(others, 1e-9), X / np.maximum(best, 1e-9))
+        return np.minimum(X / np.maximum(others, 1e-9), X / np.maximum(self.best_, 1e-9))
 
     def score_samples(self, X) -> np.ndarray:
         return -self.ratios(X).max(axis=1)

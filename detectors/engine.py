@@ -19,9 +19,14 @@ from detectors.features import COLUMN, StepFeaturizer, StepView, step_views
 from detectors.isolation import OnlineIsolationForest
 from detectors.moving import RobustZ
 
-# Relative features only: levels (tokens/s, step time) drift with the run and the machine.
-MULTIVARIATE = ["step_spread", "compute_spread", "comm_ratio", "loss_delta", "grad_norm",
-                "mem_slope"]
+# Relative features only: levels (tokens/s, step time) drift with the run and the machine. Not
+# the gradient norm either: 3-4x spikes for a step or two are ordinary in LM training (4 in a
+# 15,000-step clean run here) and a spike that matters shows as a loss spike or a NaN.
+MULTIVARIATE = ["step_spread", "compute_spread", "comm_ratio", "loss_delta", "mem_slope"]
+# The smallest change per feature that can matter (the forest's scale floor): 5 % spread or
+# comm ratio, 0.05 in loss, 1 MiB/step of memory. A feature that sat still in the window would
+# otherwise turn the first wiggle into a million IQRs.
+MULTIVARIATE_MIN_SCALE = (0.05, 0.05, 0.05, 0.05, float(1 << 20))
 
 
 @dataclass
@@ -75,7 +80,7 @@ class DetectionEngine:
         self.loss = RobustZ(threshold=8.0 / s)
         self.memory = MemoryGrowth(mb_per_step=2.0 / s)
         self.nonfinite = NonFinite()
-        self.forest = OnlineIsolationForest()
+        self.forest = OnlineIsolationForest(min_scale=MULTIVARIATE_MIN_SCALE)
         self.experts: dict[int, ExpertBalance] = {}
         self.tracker = EpisodeTracker(gap=self.config.gap)
         self.on_open, self.on_close, self.on_score = on_open, on_close, on_score

@@ -65,18 +65,25 @@ class PackedForest:
 
 class OnlineIsolationForest(Detector):
     def __init__(self, n_estimators: int = 100, window: int = 400, refit_every: int = 100,
-                 threshold: float = 0.8, random_state: int = 0) -> None:
+                 threshold: float = 0.8, min_scale: tuple[float, ...] | None = None,
+                 random_state: int = 0) -> None:
         self.n_estimators = n_estimators
         self.window = window
         self.refit_every = refit_every
         self.threshold = threshold
+        self.min_scale = min_scale
         self.random_state = random_state
 
     def fit(self, X, y=None) -> "OnlineIsolationForest":
         X = np.nan_to_num(as_matrix(X))[-self.window:]
         self.center_ = np.median(X, axis=0)
         iqr = np.subtract(*np.percentile(X, [75, 25], axis=0))
-        self.scale_ = np.maximum(iqr, np.maximum(np.abs(self.center_) * 0.05, 1e-9))
+        # A feature that sat still in the window (IQR 0: memory that did not grow) must not turn
+        # the first wiggle into a million IQRs: floor by 5 % of its level and by `min_scale`,
+        # the smallest change per feature that can matter.
+        floor = np.asarray(self.min_scale if self.min_scale is not None else 0.0, dtype=float)
+        self.scale_ = np.maximum.reduce([iqr, np.abs(self.center_) * 0.05,
+                                         np.broadcast_to(floor, iqr.shape), np.full(iqr.shape, 1e-9)])
         self.forest_ = IsolationForest(n_estimators=self.n_estimators,
                                        random_state=self.random_state).fit(self._scaled(X))
         self.packed_ = PackedForest(self.forest_)

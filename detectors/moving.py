@@ -22,8 +22,10 @@ class RobustZ(WindowedDetector):
         self.min_scale = min_scale
 
     def _learn(self) -> None:
-        self.center_ = np.nanmedian(self.history_, axis=0)
-        mad = np.nanmedian(np.abs(self.history_ - self.center_), axis=0) * MAD_TO_SIGMA
+        # np.nanmedian goes through masked arrays for small inputs (~0.25 ms a call, every step)
+        median = np.nanmedian if np.isnan(self.history_).any() else np.median
+        self.center_ = median(self.history_, axis=0)
+        mad = median(np.abs(self.history_ - self.center_), axis=0) * MAD_TO_SIGMA
         # a flat warm-up (MAD 0) must not make every wiggle infinite: floor by 1 % of the level
         self.scale_ = np.maximum(mad, np.maximum(np.abs(self.center_) * 0.01, self.min_scale))
 

@@ -35,3 +35,17 @@ def test_steps_a_rank_has_not_written_are_left_out():
     assert [v.step for v in views] == [1, 2, 4]
     assert all(list(v.ranks) == [0, 1] for v in views)
     assert pd.Series([len(v.cols["loss"]) for v in views]).eq(2).all()
+
+
+def test_a_feature_that_sat_still_does_not_make_the_first_wiggle_an_anomaly():
+    """Memory that did not grow in the window (IQR 0) then grows 4 KB in a step: not anomalous
+    with a floor of 1 MiB/step; without one, the step is a million IQRs out."""
+    from detectors.isolation import OnlineIsolationForest
+
+    rng = np.random.default_rng(0)
+    X = np.column_stack([1 + 0.02 * rng.standard_normal(300), np.zeros(300)])
+    wiggle = [[1.0, 4096.0]]
+    floored = OnlineIsolationForest(min_scale=(0.05, float(1 << 20))).fit(X)
+    bare = OnlineIsolationForest().fit(X)
+    assert floored.predict(wiggle)[0] == 1 and bare.predict(wiggle)[0] == -1
+    assert floored.predict([[1.0, 64.0 * (1 << 20)]])[0] == -1  # a real jump still is
