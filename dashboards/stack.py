@@ -133,9 +133,9 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
     started: dict[str, subprocess.Popen] = {}
     for name in todo:
         log = cfg.home / "logs" / f"{name}.log"
-        started[name] = subprocess.Popen(commands[name], stdout=open(log, "ab"),
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+        with open(log, "ab") as out:  # the child keeps its own descriptor
+            started[name] = subprocess.Popen(commands[name], stdout=out, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
         (cfg.home / f"{name}.json").write_text(json.dumps({
             "name": name, "pid": started[name].pid, "port": ports[name],
             "binary": commands[name][0], "url": f"http://127.0.0.1:{ports[name]}",
