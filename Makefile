@@ -24,9 +24,12 @@ system-deps:
 test: $(STAMP) system-deps
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
-bench: $(STAMP)
+bench: $(STAMP) system-deps
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/comm_breakdown.py
+	$(PY) benchmarks/fault_recovery.py
+	$(PY) benchmarks/detection_quality.py --long-clean 15000
+	$(PY) benchmarks/alert_latency.py --runs 3
 
 clean:
 	rm -rf $(VENV) runs .meshscope
