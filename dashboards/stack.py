@@ -19,6 +19,7 @@ from typing import Any
 
 import requests
 
+from collector.exporter import TARGETS_INDEX
 from dashboards.alertmanager import AlertRouting, write_alertmanager_config
 from dashboards.prometheus import RULES, write_prometheus_config
 
@@ -121,6 +122,7 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
     """Start what is not already running; wait until both answer /-/ready."""
     cfg.home.mkdir(parents=True, exist_ok=True)
     (cfg.home / "logs").mkdir(exist_ok=True)
+    (cfg.runs_root / TARGETS_INDEX).mkdir(parents=True, exist_ok=True)  # file_sd watches it
     running = {c.name for c in status(cfg.home) if c.running}
     ports = {"prometheus": cfg.prometheus_port, "alertmanager": cfg.alertmanager_port}
     todo = [name for name in ports if name not in running]

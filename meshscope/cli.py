@@ -275,7 +275,6 @@ def stack_up(
             smtp_smarthost=smtp, smtp_from=smtp_from, smtp_username=smtp_user,
             smtp_password_file=smtp_password_file, smtp_require_tls=smtp_tls, view_url=view_url,
             fast=fast)
-        runs.mkdir(parents=True, exist_ok=True)
         comps = up(StackConfig(runs_root=runs, home=home, prometheus_port=prometheus_port,
                                alertmanager_port=alertmanager_port,
                                scrape_interval_s=scrape_interval, routing=routing))
