@@ -98,11 +98,10 @@ def run(
     detection = _start_detection(cfg, outbox)
     code = _train_with_progress(cfg)
     episodes = detection.stop()
-    if code == 0:
-        remove_from_index(cfg.run_dir, cfg.run_id)
-    if code != 0:
+    if code != 0:  # a dead run stays in Prometheus' index: RankDown/RecoveryFailed fire
         err_console.print(launcher.tail_log(cfg), markup=False, highlight=False)
         fail(f"training failed (exit {code}); logs in {cfg.run_dir / 'logs'}", code=1)
+    remove_from_index(cfg.run_dir, cfg.run_id)
     _print_summary(cfg)
     if episodes:
         console.print(f"{len(episodes)} anomaly episode(s): " + "; ".join(
