@@ -32,8 +32,7 @@ ALERTS = {"StragglerRank": SLOW_AT, "AnomalyDetected": SLOW_AT, "LossNotFinite":
 
 
 def first_delivery(sink: Sink, run_id: str, alertname: str) -> float | None:
-    for body, at in zip(list(sink.received), list(sink.times)):
-        text = "\n".join(a.get("title", "") + "\n" + a.get("text", "") for a in body.get("attachments", []))
+    for text, at in zip(sink.texts(), list(sink.times)):
         if alertname in text and f"run {run_id}" in text and "FIRING" in text:
             return at
     return None

@@ -75,10 +75,15 @@ def write_detector_target(run_dir: Path, *, run_id: str, host: str, port: int, n
         {"targets": [f"{host}:{port}"], "labels": {"job": DETECTOR_JOB, "run": run_id, "node": node}}])
 
 
+def _index_file(run_dir: Path, run_id: str) -> Path:
+    """The run's copy in `<runs root>/_targets/`, the folder Prometheus' file_sd globs."""
+    return Path(run_dir).resolve().parent / TARGETS_INDEX / f"{run_id}.json"
+
+
 def remove_from_index(run_dir: Path, run_id: str) -> None:
     """A run that ended cleanly leaves Prometheus' view (its own targets.json stays, as a record);
     a run that died stays there, so RankDown and RecoveryFailed can fire."""
-    (Path(run_dir).resolve().parent / TARGETS_INDEX / f"{run_id}.json").unlink(missing_ok=True)
+    _index_file(run_dir, run_id).unlink(missing_ok=True)
 
 
 def _target_key(group: dict) -> tuple[str, str]:
@@ -105,7 +110,7 @@ def _merge_targets(run_dir: Path, run_id: str, mine: list[dict]) -> Path:
         groups = sorted(others + mine, key=_order)
         text = json.dumps(groups, indent=2)
         _atomic_write(path, text)
-        index = Path(run_dir).resolve().parent / TARGETS_INDEX
-        index.mkdir(exist_ok=True)
-        _atomic_write(index / f"{run_id}.json", text)
+        index = _index_file(run_dir, run_id)
+        index.parent.mkdir(exist_ok=True)
+        _atomic_write(index, text)
     return path

@@ -123,14 +123,14 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
     cfg.home.mkdir(parents=True, exist_ok=True)
     (cfg.home / "logs").mkdir(exist_ok=True)
     (cfg.runs_root / TARGETS_INDEX).mkdir(parents=True, exist_ok=True)  # file_sd watches it
-    running = {c.name for c in status(cfg.home) if c.running}
+    before = status(cfg.home)
     ports = {"prometheus": cfg.prometheus_port, "alertmanager": cfg.alertmanager_port}
-    todo = [name for name in ports if name not in running]
+    todo = [name for name in ports if name not in {c.name for c in before if c.running}]
     commands = _commands(cfg)  # finds the binaries first; rewrites the configs (reloaded below)
     for name in todo:
         _ensure_free(name, ports[name])
-    for comp in status(cfg.home):
-        if comp.running and comp.ready:
+    for comp in before:
+        if comp.ready:
             requests.post(f"{comp.url}/-/reload", timeout=5)
     started: dict[str, subprocess.Popen] = {}
     for name in todo:

@@ -75,7 +75,7 @@ class DetectionEngine:
         self.straggler = Straggler(ratio=1 + 0.8 / s)
         self.comm = RobustZ(threshold=4.0 / s)
         self.comm_slowdown = 1 + 0.3 / s  # and the step this much slower than usual: it costs
-        self.step_time = RobustZ(window=200)  # its centre: the usual step time
+        self.step_time = RobustZ(window=200)  # its centre: the usual step time (stall, comm)
         self.stall = 10.0 / s  # a step this many times the usual: a stuck collective
         self.loss = RobustZ(threshold=8.0 / s)
         self.memory = MemoryGrowth(mb_per_step=2.0 / s)
@@ -156,7 +156,7 @@ class DetectionEngine:
         """Run every detector on one step; returns whether the step was normal."""
         normal = self._check_nonfinite(step, row)
         ranks, step_s = row.ranks, row.value("step_s")
-        usual = float(np.median(self.straggler.history_.max(axis=1)))
+        usual = float(self.step_time.center_[0])  # one notion of the usual step, for both gates
         if step_s > self.stall * usual:  # no confirmation: it is loud
             self._flag(step, "comm", step_s / usual, ranks=ranks,
                        evidence={"stall_s": round(step_s, 3), "usual_step_s": round(usual, 4)})
@@ -170,7 +170,7 @@ class DetectionEngine:
             self._flag(step, "straggler", ratio, ranks=[ranks[i] for i in slow], confirm=3,
                        evidence={"compute_s": {str(r): round(float(v), 4) for r, v in zip(ranks, row.compute[0])},
                                  "ratio": round(ratio, 2)})
-        elif self.comm.predict(comm)[0] < 0 and step_s > self.comm_slowdown * self.step_time.center_[0]:
+        elif self.comm.predict(comm)[0] < 0 and step_s > self.comm_slowdown * usual:
             normal = False
             self._flag(step, "comm", -float(self.comm.score_samples(comm)[0]), ranks=ranks,
                        confirm=3, evidence={"comm_ratio": round(row.value("comm_ratio"), 4)})
