@@ -45,7 +45,7 @@ def agent_config(cfg: RunConfig) -> Path:
     return cfg.run_dir / "agents" / f"{os.getpid()}.json"
 
 
-def torchrun_command(cfg: RunConfig) -> list[str]:
+def torchrun_command(cfg: RunConfig, warm: bool) -> list[str]:
     """torchrun: standalone for one agent; c10d rendezvous when agents join (--nnodes MIN:MAX)."""
     e = cfg.elastic
     if e.nnodes == "1" and not e.rdzv_endpoint:
@@ -61,7 +61,7 @@ def torchrun_command(cfg: RunConfig) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *topology,
             f"--nproc-per-node={cfg.nproc}", f"--max-restarts={e.max_restarts}",
             "--log-dir", str(cfg.run_dir / "logs" / "torchrun"), "--redirects", "3",
-            "-m", "trainer.spawn" if e.warm_standby else "trainer.worker",
+            "-m", "trainer.spawn" if warm else "trainer.worker",
             "--config", str(agent_config(cfg))]
 
 
@@ -80,8 +80,11 @@ def zygote_socket() -> Path:
     return Path(tempfile.gettempdir()) / f"meshscope-zygote-{os.getpid()}.sock"
 
 
-def start_zygote(cfg: RunConfig, env: dict[str, str], timeout_s: float = 60) -> subprocess.Popen:
-    """The warm standby (trainer.zygote): ready once its socket exists."""
+def start_zygote(cfg: RunConfig, env: dict[str, str], timeout_s: float = 60) -> subprocess.Popen | None:
+    """The warm standby (trainer.zygote): ready once its socket exists.
+
+    None, after one warning, when it exits without serving (forking would be unsafe on this
+    device, see trainer.forksafe): the workers then start plainly."""
     sock = zygote_socket()
     sock.unlink(missing_ok=True)
     log = open(cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log", "wb")
@@ -90,6 +93,13 @@ def start_zygote(cfg: RunConfig, env: dict[str, str], timeout_s: float = 60) -> 
     deadline = time.monotonic() + timeout_s
     while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    if proc.poll() is not None:
+        log.close()
+        lines = (cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log").read_text(errors="replace")
+        why = lines.strip().splitlines()[-1] if lines.strip() else f"exit {proc.returncode}"
+        print(f"meshscope: warning: warm standby off for this run ({why}); workers start plainly",
+              file=sys.stderr)
+        return None
     return proc
 
 
@@ -98,12 +108,12 @@ class Launch:
 
     def __init__(self, cfg: RunConfig) -> None:
         env = worker_environment(cfg)
-        self.zygote = None
-        if cfg.elastic.warm_standby:
-            self.zygote = start_zygote(cfg, env)
+        self.zygote = start_zygote(cfg, env) if cfg.elastic.warm_standby else None
+        if self.zygote is not None:
             env["MESHSCOPE_ZYGOTE"] = str(zygote_socket())
         log = open(cfg.run_dir / "logs" / f"launcher-{os.getpid()}.log", "wb")
-        self.torchrun = subprocess.Popen(torchrun_command(cfg), env=env, stdout=log,
+        command = torchrun_command(cfg, warm=self.zygote is not None)
+        self.torchrun = subprocess.Popen(command, env=env, stdout=log,
                                          stderr=subprocess.STDOUT, cwd=REPO_ROOT)
 
     def poll(self) -> int | None:

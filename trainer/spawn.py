@@ -11,10 +11,10 @@ import json
 import os
 import signal
 import socket
-import struct
 import sys
 
-HEADER = struct.Struct("!I")
+from trainer.zygote import HEADER, REFUSED  # light: the zygote imports torch only to warm up
+
 SOCKET_ENV = "MESHSCOPE_ZYGOTE"
 
 
@@ -46,6 +46,8 @@ def main() -> None:
     child = _recv_int(conn)
     if child is None:
         _fallback(argv, "zygote closed the connection")
+    if child == REFUSED:
+        _fallback(argv, "the zygote found an accelerator initialised before forking; see its log")
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, _f: os.kill(child, s))
     status = _recv_int(conn)

@@ -24,7 +24,11 @@ import time
 import traceback
 from pathlib import Path
 
+from trainer.forksafe import NVML_CHECK_ENV, AcceleratorTripwire, fork_hazard, probe_fork
+
 HEADER = struct.Struct("!I")
+REFUSED = 0  # sent instead of a pid: forking is unsafe, start a plain worker
+UNSAFE_EXIT = 3  # the zygote's exit code when its warm-up left it unable to fork safely
 
 
 def warm_up() -> None:
@@ -63,9 +67,15 @@ def _run_child(request: dict, fds: list[int]) -> None:
     os._exit(code)
 
 
-def serve(path: Path) -> None:
-    """Single-threaded accept/reap loop: no thread is ever alive when we fork."""
+def serve(path: Path, tripwire: AcceleratorTripwire) -> int:
+    """Single-threaded accept/reap loop: no thread is ever alive when we fork.
+
+    Returns UNSAFE_EXIT, without ever serving, when the warm-up made forking unsafe."""
     warm_up()
+    hazard = fork_hazard(tripwire) or probe_fork()
+    if hazard:
+        print(f"meshscope zygote: not serving, forking is unsafe: {hazard}", file=sys.stderr)
+        return UNSAFE_EXIT
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if path.exists():
         path.unlink()
@@ -81,9 +91,18 @@ def serve(path: Path) -> None:
                 conn, _ = server.accept()
                 msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                 request = json.loads(msg)
+                hazard = fork_hazard(tripwire)
+                if hazard:  # this client starts a plain worker; running workers carry on
+                    print(f"meshscope zygote: refusing to fork: {hazard}", file=sys.stderr)
+                    conn.sendall(HEADER.pack(REFUSED))
+                    conn.close()
+                    for fd in fds:
+                        os.close(fd)
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     server.close()
+                    tripwire.uninstall()  # the worker is meant to use its device
                     _run_child(request, fds)
                 for fd in fds:
                     os.close(fd)
@@ -124,7 +143,13 @@ def _reap(clients: dict[int, socket.socket], by_conn: dict[socket.socket, int]) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--socket", type=Path, required=True)
-    serve(ap.parse_args().socket)
+    ap.add_argument("--strict", action="store_true",
+                    help="raise where the warm-up touches an accelerator (tests)")
+    args = ap.parse_args()
+    # Before torch is imported: availability checks through NVML do not poison later forks.
+    os.environ.setdefault(NVML_CHECK_ENV, "1")
+    tripwire = AcceleratorTripwire(strict=args.strict).install()
+    sys.exit(serve(args.socket, tripwire))
 
 
 if __name__ == "__main__":

@@ -60,3 +60,87 @@ def test_without_a_zygote_the_client_becomes_a_plain_worker(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "warm standby unavailable" in done.stderr
     assert len(load_steps(config.parent)) == 5
+
+
+# --- fork safety: the zygote never initialises an accelerator --------------------------------
+
+PRETEND_GPU = """
+import sys, torch
+from trainer.forksafe import AcceleratorTripwire
+# What warm-up code sees on a GPU machine: a device is available...
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+# ...and every way to reach it (lazy init and the queries that trigger it) is forbidden.
+AcceleratorTripwire(strict=True).install()
+def forbidden(name):
+    def touch(*a, **k):  # one function per name: torch._dynamo refuses shared objects
+        raise RuntimeError(f"warm-up touched the accelerator: torch.cuda.{{name}}")
+    return touch
+for name in ("current_device", "get_device_properties", "get_device_capability", "set_device",
+             "synchronize", "mem_get_info", "memory_allocated", "Stream", "Event"):
+    setattr(torch.cuda, name, forbidden(name))
+import trainer.zygote
+trainer.zygote.warm_up()
+{extra}
+print("clean")
+"""
+
+
+def run_python(code, **env):
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO), **env))
+
+
+def test_the_warm_up_never_touches_an_accelerator_even_when_one_is_there():
+    done = run_python(PRETEND_GPU.format(extra=""))
+    assert done.returncode == 0 and "clean" in done.stdout, done.stderr
+
+
+def test_the_pretend_gpu_harness_catches_a_warm_up_that_touches_the_device():
+    done = run_python(PRETEND_GPU.format(extra="torch.cuda._lazy_init()"))
+    assert done.returncode != 0
+    assert "AcceleratorTouched" in done.stderr and "torch.cuda._lazy_init" in done.stderr
+
+
+TOUCHING_ZYGOTE = """
+import sys, trainer.zygote as z
+plain = z.warm_up
+def warm_up_that_touches():
+    plain()
+    import torch
+    try:
+        torch.cuda.init()  # CPU build: records the touch, then fails to find CUDA
+    except Exception:
+        pass
+z.warm_up = warm_up_that_touches
+sys.argv = ["zygote", "--socket", sys.argv[1]]
+z.main()
+"""
+
+
+def test_a_zygote_that_touched_a_device_refuses_to_serve(tmp_path):
+    sock = tmp_path / "z.sock"
+    done = subprocess.run([sys.executable, "-c", TOUCHING_ZYGOTE, str(sock)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    from trainer.zygote import UNSAFE_EXIT
+    assert done.returncode == UNSAFE_EXIT
+    assert "forking is unsafe" in done.stderr and "torch.cuda.init was called" in done.stderr
+    assert not sock.exists()
+
+
+def test_fork_hazard_asks_every_runtime(monkeypatch):
+    import torch
+
+    from trainer import forksafe
+
+    assert forksafe.fork_hazard() is None
+    assert forksafe.probe_fork() is None
+
+    class StandInNpu:
+        @staticmethod
+        def is_initialized():
+            return True
+
+    monkeypatch.setattr(torch, "npu", StandInNpu, raising=False)
+    assert "torch.npu is initialised" in forksafe.fork_hazard()
