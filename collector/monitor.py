@@ -1,8 +1,11 @@
 """`Monitor`: what a user adds to any torchrun training loop to get meshscope's metrics.
 
-No host-device sync is forced per step: phase times are probe marks and logged scalars are kept
-as tensors until the Monitor materialises records, every step on the host and every
-`sync_every` steps on an accelerator. Every sync point is marked "# sync point".
+Nothing here blocks the host on the device. Phase times are probe marks (device events on an
+accelerator); logged device scalars are gathered into one device buffer per window of
+`sync_every` steps, copied to pinned host memory without blocking, and read once an event says
+the copy landed, normally one window later (`collector.readback`). Records are emitted in step
+order as soon as every event of a step has completed (`query()`, never `synchronize()`); on the
+host that is at once. Only `flush()` and `close()` wait, and say so ("# sync point").
 """
 from __future__ import annotations
 
@@ -19,13 +22,16 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
+from collector.control import ControlPlane
 from collector.comm import (CommMeter, CommWindow, Hook, WireBytes, allreduce_wire_bytes,
                              instrument_hook, timed_allreduce_hook)
 from collector.env import DistEnv
 from collector.exporter import port_for, serve_metrics, write_targets
 from collector.metrics import MeshscopeMetrics
 from collector.moe import find_moe_layers
-from collector.probe import DeviceProbe, HostProbe
+from collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
+from collector import readback
+from collector.readback import Readback, ScalarWindow
 from collector.schema import Event, StepRecord
 from collector.store import RunStore
 
@@ -48,7 +54,7 @@ class MonitorConfig:
     expert_every: int = 10
     """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
     sync_every: int = 10
-    """On accelerators, materialise records every this many steps (host: every step)."""
+    """Device scalars of this many steps share one buffer and one copy to the host."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -72,7 +78,16 @@ class _Pending:
     bounds: tuple[Any, Any]
     phases: dict[str, tuple[Any, Any]]
     comm: CommWindow
-    scalars: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, int]
+    scalars: dict[str, float] = field(default_factory=dict)
+    device_keys: list[str] = field(default_factory=list)
+    window: ScalarWindow | None = None
+    offset: int = 0
+
+    def marks(self) -> list[Any]:
+        """Every device mark this step's record reads."""
+        spans = [self.bounds, *self.phases.values(), *self.comm.spans]
+        return [m for span in spans for m in span if m is not None]
 
 
 class StepScope:
@@ -102,7 +117,7 @@ class Monitor:
 
     def __init__(self, config: MonitorConfig, *, env: DistEnv | None = None,
                  probe: DeviceProbe | None = None, registry: CollectorRegistry | None = None,
-                 store: RunStore | None = None, process_group: Any = None) -> None:
+                 store: RunStore | None = None, control: ControlPlane | None = None) -> None:
         self.config = config
         self.env = env or DistEnv()
         self.probe = probe or HostProbe()
@@ -110,8 +125,12 @@ class Monitor:
         self.metrics = MeshscopeMetrics(self.registry)
         self.store = store or RunStore(config.run_dir)
         self.meter = CommMeter(self.probe)
-        self.process_group = process_group
+        # Built here on every rank (a side group is collective) unless the caller shares one.
+        self.control = control if control is not None else ControlPlane.maybe()
         self._pending: list[_Pending] = []
+        self._window = ScalarWindow()
+        self._window_steps = 0
+        self._expert_reads: list[tuple[int, Readback]] = []
         self._moe_layers: list[torch.nn.Module] = []
         self._layer_index: dict[int, int] = {}
         self._expert_acc: torch.Tensor | None = None
@@ -127,7 +146,7 @@ class Monitor:
     def from_env(cls, run_dir: str | Path, **kwargs: Any) -> "Monitor":
         """Build a Monitor for this torchrun worker; keyword arguments go to MonitorConfig,
         except `probe`, `registry` and `store`."""
-        extra = {k: kwargs.pop(k) for k in ("probe", "registry", "store", "process_group") if k in kwargs}
+        extra = {k: kwargs.pop(k) for k in ("probe", "registry", "store", "control") if k in kwargs}
         return cls(MonitorConfig(run_dir=Path(run_dir), **kwargs), env=DistEnv.from_environ(), **extra)
 
     # --- set-up -------------------------------------------------------------------------
@@ -190,12 +209,27 @@ class Monitor:
         yield scope
         pending = _Pending(step=self._step, tokens=tokens, wall_time=wall,
                            bounds=(start, self.probe.mark()), phases=scope.phases,
-                           comm=self.meter.take(), scalars=scope.scalars)
+                           comm=self.meter.take(), memory=self.probe.memory())
+        self._take_scalars(pending, scope.scalars)
         self._pending.append(pending)
         if self.should_sync_experts(self._step):
             self._sync_experts(self._step)
-        if not self.probe.asynchronous or len(self._pending) >= self.config.sync_every:
-            self._materialise()
+        self._window_steps += 1
+        if self._window_steps >= self.config.sync_every:
+            self._close_window()
+        self._drain(block=False)
+
+    def _take_scalars(self, p: _Pending, scalars: dict[str, Any]) -> None:
+        """Host values are read now; device tensors join the window's buffer."""
+        on_device = {k: v for k, v in scalars.items() if readback.is_device_tensor(v)}
+        p.scalars = {k: float(v) for k, v in scalars.items() if k not in on_device}
+        if on_device:
+            p.device_keys = list(on_device)
+            p.window, p.offset = self._window, self._window.add(list(on_device.values()))
+
+    def _close_window(self) -> None:
+        self._window.close()
+        self._window, self._window_steps = ScalarWindow(), 0
 
     def should_sync_experts(self, step: int) -> bool:
         return bool(self._moe_layers) and (step + 1) % self.config.expert_every == 0
@@ -204,27 +238,54 @@ class Monitor:
         acc = self._expert_acc
         if acc is None:
             return
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(acc, group=self.process_group)  # the one collective the Monitor adds
-        table = acc.cpu().tolist()  # sync point: expert counts every `expert_every` steps
-        acc.zero_()
+        if self.control is not None:
+            self.control.all_reduce(acc)  # the one collective the Monitor adds
+        self._expert_reads.append((step, Readback(acc)))
+        acc.zero_()  # stream-ordered after the copy: the read-back sees this window's counts
+
+    def _drain(self, block: bool) -> None:
+        """Emit finished steps in order; without `block`, stop at the first unfinished one."""
+        while self._pending:
+            p = self._pending[0]
+            if block:
+                self._wait(p)
+            elif not self._finished(p):
+                break
+            self._emit(self._record(p))
+            self._pending.pop(0)
+        while self._expert_reads and (block or self._expert_reads[0][1].ready()):
+            step, read = self._expert_reads.pop(0)
+            if block:
+                read.wait()
+            self._emit_experts(step, read.value().tolist())
+
+    def _finished(self, p: _Pending) -> bool:
+        if p.window is not None and not p.window.ready():
+            return False
+        return all(mark_ready(self.probe, m) for m in p.marks())
+
+    def _wait(self, p: _Pending) -> None:
+        """Block until a step's numbers are on the host: flush and close only."""
+        if p.window is not None:
+            p.window.wait()
+        for m in p.marks():
+            wait_mark(self.probe, m)  # sync point: flush and close only
+
+    def _emit_experts(self, step: int, table: list[list[float]]) -> None:
         if self.env.rank == 0:  # summed over ranks: one rank exports (layer x expert series)
             self.metrics.observe_experts(table)
             self.store.add_expert_load(step, table)
 
-    def _materialise(self) -> None:
-        for p in self._pending:
-            self._emit(self._record(p))
-        self._pending.clear()
-
     def _record(self, p: _Pending) -> StepRecord:
-        sec = self.probe.seconds  # sync point: reads device timers of finished steps
+        sec = self.probe.seconds  # the marks are finished: reading them does not wait
         step_s = sec(*p.bounds)
         phases = {name: sec(*span) for name, span in p.phases.items()}
         comm_total, comm_exposed = self._comm_seconds(p)
-        scalars = {k: float(v) for k, v in p.scalars.items()}  # sync point: logged tensors
+        scalars = dict(p.scalars)
+        if p.window is not None:
+            scalars.update(zip(p.device_keys, p.window.values(p.offset, len(p.device_keys))))
         self._logged_keys = set(scalars)
-        mem = self.probe.memory()
+        mem = p.memory
         return StepRecord(
             run_id=self.config.run_id, rank=self.env.rank, world_size=self.env.world_size,
             step=p.step, time=p.wall_time, step_s=step_s,
@@ -274,7 +335,9 @@ class Monitor:
         return ev
 
     def flush(self) -> None:
-        self._materialise()
+        """Emit every pending step (waits for the device) and commit the store."""
+        self._close_window()
+        self._drain(block=True)
         self.store.flush()
 
     def close(self) -> None:
@@ -282,7 +345,8 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
-        self._materialise()
+        self._close_window()
+        self._drain(block=True)
         self.store.close()
         if self._server is not None:
             server, _thread = self._server

@@ -13,18 +13,36 @@ from typing import Any, Protocol
 class DeviceProbe(Protocol):
     """Time points on the device's timeline and memory figures.
 
-    `mark()` must not block. `seconds(a, b)` may wait for the device (a sync point), so the
-    Monitor calls it only when it materialises records. `asynchronous` says whether marks
-    need such a wait at all.
+    `mark()` must not block. `ready(m)` says, without blocking, whether a mark has been
+    reached; `seconds(a, b)` is called only on ready marks, so it never waits. `wait(m)` blocks
+    (flush and shutdown only). `memory()` must not block either. `asynchronous` says whether
+    marks can be unready at all.
     """
 
     asynchronous: bool
 
     def mark(self) -> Any: ...
 
+    def ready(self, mark: Any) -> bool: ...
+
+    def wait(self, mark: Any) -> None: ...
+
     def seconds(self, start: Any, end: Any) -> float: ...
 
     def memory(self) -> dict[str, int]: ...
+
+
+def mark_ready(probe: Any, mark: Any) -> bool:
+    """`probe.ready(mark)`, for probes written before `ready` existed (host-like: True)."""
+    ready = getattr(probe, "ready", None)
+    return True if ready is None else bool(ready(mark))
+
+
+def wait_mark(probe: Any, mark: Any) -> None:
+    """`probe.wait(mark)` where the probe has it."""
+    wait = getattr(probe, "wait", None)
+    if wait is not None:
+        wait(mark)
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -52,6 +70,12 @@ class HostProbe:
 
     def mark(self) -> float:
         return time.perf_counter()
+
+    def ready(self, mark: float) -> bool:
+        return True
+
+    def wait(self, mark: float) -> None:
+        return None
 
     def seconds(self, start: float, end: float) -> float:
         return max(0.0, end - start)

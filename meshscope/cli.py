@@ -56,6 +56,8 @@ def run(
     compression: Optional[str] = typer.Option(None, help="none | fp16 | powersgd | onebit"),
     no_overlap: bool = typer.Option(False, "--no-overlap", help="all-reduce after backward"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | npu"),
+    backend: Optional[str] = typer.Option(
+        None, help="auto | gloo | nccl | hccl (auto = the device's; gloo shares one device)"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="runs are created under this folder"),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="name of the run (default: timestamp)"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="base port; rank r = base + r"),
@@ -80,7 +82,8 @@ def run(
     try:
         cfg = load_config(config, _overrides(
             train__steps=steps, nproc=nproc, train__compression=compression,
-            train__overlap=False if no_overlap else None, device=device, runs_root=run_dir,
+            train__overlap=False if no_overlap else None, device=device, backend=backend,
+            runs_root=run_dir,
             run_id=run_id, metrics_port=metrics_port, linger_s=linger, inject=inject or None,
             elastic__checkpoint_every=checkpoint_every, elastic__max_restarts=max_restarts,
             elastic__nnodes=nnodes, elastic__rdzv_endpoint=rdzv_endpoint,
@@ -88,7 +91,8 @@ def run(
         cfg = launcher.prepare_run(cfg)
     except (ConfigError, DeviceUnavailable, PortInUseError) as err:
         fail(str(err))
-    console.print(f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device}, "
+    console.print(f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device} "
+                  f"({cfg.backend}), "
                   f"compression={cfg.train.compression}, overlap={cfg.train.overlap}")
     console.print(f"  store    {store_path(cfg.run_dir)}")
     console.print(f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
@@ -155,6 +159,14 @@ def _train_with_progress(cfg: RunConfig) -> int:
         return launcher.follow(cfg, launcher.launch(cfg), on_progress)
 
 
+def _compression_cell(s: dict[str, float]) -> str:
+    """raw / wire bytes, or why there is no ratio (one rank sends no gradients)."""
+    if s["ranks"] <= 1:
+        return "n/a (one rank: no gradient traffic)"
+    ratio = s["compression_ratio"]
+    return f"{ratio:.1f}x" if math.isfinite(ratio) else "n/a (no gradient bytes recorded)"
+
+
 def _print_summary(cfg: RunConfig) -> None:
     s = summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
     kinds = load_events(cfg.run_dir)["kind"].value_counts()
@@ -164,7 +176,7 @@ def _print_summary(cfg: RunConfig) -> None:
         ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
         ("step time mean / p99", f"{s['step_s_mean'] * 1e3:.1f} / {s['step_s_p99'] * 1e3:.1f} ms"),
         ("comm ratio (exposed)", f"{s['comm_ratio_mean']:.1%}"),
-        ("compression ratio (raw / wire)", f"{s['compression_ratio']:.1f}x"),
+        ("compression ratio (raw / wire)", _compression_cell(s)),
         ("loss first -> last", f"{s['loss_first']:.3f} -> {s['loss_last']:.3f}"),
         ("expert imbalance max / mean", f"{s['expert_imbalance_max']:.2f} / {s['expert_imbalance_mean']:.2f}"),
         ("injected / faults / restarts / resumes", " / ".join(

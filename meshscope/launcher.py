@@ -13,7 +13,7 @@ from pathlib import Path
 from collector.exporter import ensure_ports_free
 from collector.store import latest_step, load_steps
 from trainer.config import RunConfig
-from trainer.device import backend_environment, resolve_device
+from trainer.device import backend_environment, check_placement, resolve_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +27,10 @@ def prepare_run(cfg: RunConfig) -> RunConfig:
 
     Raises DeviceUnavailable or PortInUseError with a message for the user.
     """
-    resolve_device(cfg.device)
+    device = resolve_device(cfg.device, backend=cfg.backend)
+    check_placement(device.kind, device.backend, cfg.nproc)
+    # Workers and the summary see what was chosen, not "auto".
+    cfg = cfg.model_copy(update={"device": device.kind, "backend": device.backend})
     ensure_ports_free("127.0.0.1", [cfg.metrics_port + r for r in range(cfg.nproc)])
     if not cfg.run_id:
         cfg = cfg.model_copy(update={"run_id": new_run_id()})
@@ -66,9 +69,9 @@ def torchrun_command(cfg: RunConfig, warm: bool) -> list[str]:
 
 
 def worker_environment(cfg: RunConfig) -> dict[str, str]:
-    kind = resolve_device(cfg.device).kind
+    device = resolve_device(cfg.device, backend=cfg.backend)
     env = dict(os.environ)
-    env.update(backend_environment(kind))
+    env.update(backend_environment(device.kind, device.backend))
     if cfg.elastic.nnodes != "1":
         # a fresh store per rendezvous round, so agents with different restart counts meet
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -18,6 +18,7 @@ else:  # pragma: no cover
 
 Compression = Literal["none", "fp16", "powersgd", "onebit"]
 DeviceKind = Literal["auto", "cpu", "cuda", "npu"]
+BackendKind = Literal["auto", "gloo", "nccl", "hccl"]
 
 
 class ConfigError(ValueError):
@@ -94,6 +95,9 @@ class RunConfig(_Strict):
     run_id: str = Field("", description="defaults to a timestamp")
     runs_root: Path = Field(Path("runs"), description="runs are created under this folder")
     device: DeviceKind = Field("auto", description="auto = npu, else cuda, else cpu")
+    backend: BackendKind = Field(
+        "auto", description="collective backend: auto = the device's (hccl, nccl, gloo); "
+                            "gloo lets several ranks share one accelerator")
     nproc: int = Field(4, gt=0, description="worker processes on this node")
     metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
     expert_every: int = Field(5, gt=0, description="sum expert load over ranks every N steps")

@@ -2,6 +2,10 @@
 
 `npu` (Ascend, torch_npu, hccl) when torch_npu imports and a device is there, else `cuda`
 (nccl), else `cpu` (gloo). Everything else in the trainer asks this module.
+
+The backend defaults to the device's own (hccl, nccl, gloo); gloo may also carry accelerator
+tensors, which is how several ranks share one device (nccl and hccl refuse two ranks on one
+device). Ascend mirrors CUDA here: events, memory, set_device, synchronize through `torch.npu`.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import torch
 from collector.probe import HostProbe, host_rss_bytes
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+# Backends that can carry each device's tensors.
+COMPATIBLE = {"npu": ("hccl", "gloo"), "cuda": ("nccl", "gloo"), "cpu": ("gloo",)}
 
 
 class DeviceUnavailable(RuntimeError):
@@ -41,12 +47,15 @@ def cuda_count() -> int:
 
 @dataclass(frozen=True)
 class Device:
+    """This worker's device and the collective backend its default process group uses."""
+
     kind: str
     index: int = 0
+    backend: str = ""
 
-    @property
-    def backend(self) -> str:
-        return BACKENDS[self.kind]
+    def __post_init__(self) -> None:
+        if not self.backend:
+            object.__setattr__(self, "backend", BACKENDS[self.kind])
 
     @property
     def torch_device(self) -> torch.device:
@@ -58,6 +67,12 @@ class Device:
             torch.cuda.set_device(self.index)
         elif self.kind == "npu":
             torch.npu.set_device(self.index)  # type: ignore[attr-defined]
+
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor onto this device without blocking the host (pinned, non-blocking)."""
+        if self.kind == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.torch_device, non_blocking=True)
 
     def synchronize(self) -> None:
         """Wait for the device: the only explicit sync in the trainer (checkpoints, benchmarks)."""
@@ -72,7 +87,7 @@ class Device:
 
 
 class AcceleratorProbe:
-    """Device events as time marks: recording is asynchronous, reading waits (a sync point)."""
+    """Device events as time marks: recorded without blocking, read once `query()` says done."""
 
     asynchronous = True
 
@@ -85,8 +100,14 @@ class AcceleratorProbe:
         event.record()
         return event
 
+    def ready(self, mark: Any) -> bool:
+        return bool(mark.query())
+
+    def wait(self, mark: Any) -> None:
+        mark.synchronize()  # sync point: the Monitor's flush and close only
+
     def seconds(self, start: Any, end: Any) -> float:
-        end.synchronize()  # sync point: only when the Monitor materialises finished steps
+        """Both marks must be ready (the Monitor checks): elapsed_time then does not wait."""
         return max(0.0, start.elapsed_time(end) / 1000.0)
 
     def memory(self) -> dict[str, int]:
@@ -104,12 +125,40 @@ def available_kinds() -> list[str]:
     return kinds + ["cpu"]
 
 
-def resolve_device(requested: str = "auto", local_rank: int = 0) -> Device:
+def resolve_backend(kind: str, requested: str = "auto") -> str:
+    """The backend for `kind`: its own by default; an incompatible request is a clear error."""
+    if requested == "auto":
+        return BACKENDS[kind]
+    if requested not in COMPATIBLE[kind]:
+        raise DeviceUnavailable(
+            f"--backend {requested}: cannot carry {kind} tensors (use "
+            f"{' or '.join(COMPATIBLE[kind])})")
+    return requested
+
+
+def device_count(kind: str) -> int:
+    """Visible devices of a kind (the host counts as one)."""
+    return {"npu": npu_count, "cuda": cuda_count}.get(kind, lambda: 1)()
+
+
+def check_placement(kind: str, backend: str, nproc: int) -> None:
+    """nccl and hccl need a device per rank on this node; say so before anything starts."""
+    if backend not in ("nccl", "hccl"):
+        return
+    count = device_count(kind)
+    if nproc > count:
+        raise DeviceUnavailable(
+            f"--nproc {nproc} on {backend} needs {nproc} visible {kind} devices, {count} "
+            f"{'is' if count == 1 else 'are'} visible ({backend} refuses two ranks on one "
+            f"device): use --nproc {count}, or --backend gloo to share devices")
+
+
+def resolve_device(requested: str = "auto", local_rank: int = 0, backend: str = "auto") -> Device:
     """Pick the device for this worker; an unavailable explicit request is a clear error."""
     if requested == "auto":
         requested = available_kinds()[0]
     if requested == "cpu":
-        return Device("cpu")
+        return Device("cpu", backend=resolve_backend("cpu", backend))
     if requested == "npu":
         if _torch_npu() is None:
             raise DeviceUnavailable(
@@ -122,13 +171,13 @@ def resolve_device(requested: str = "auto", local_rank: int = 0) -> Device:
         raise DeviceUnavailable(f"--device {requested}: unknown device (npu, cuda, cpu or auto)")
     if count == 0:
         raise DeviceUnavailable(f"--device {requested}: no {requested} device is visible")
-    return Device(requested, local_rank % count)
+    return Device(requested, local_rank % count, resolve_backend(requested, backend))
 
 
-def backend_environment(kind: str, *, timeout_s: int = 600) -> dict[str, str]:
+def backend_environment(kind: str, backend: str = "", *, timeout_s: int = 600) -> dict[str, str]:
     """Environment the launcher gives workers for this device's collective library."""
     env = {"OMP_NUM_THREADS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    if kind == "cpu":
+    if (backend or BACKENDS[kind]) == "gloo":
         env["GLOO_SOCKET_IFNAME"] = "lo"
     elif kind == "npu":
         env["HCCL_CONNECT_TIMEOUT"] = str(timeout_s)

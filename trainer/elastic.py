@@ -12,9 +12,9 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from collector import DistEnv, Monitor
+from collector.control import ControlPlane, LateFlag
 from collector.store import load_steps
 from trainer.checkpoint import CheckpointManager
 from trainer.config import RunConfig
@@ -48,8 +48,10 @@ def attempt_id(env: DistEnv) -> int:
 
 class ElasticRun:
     def __init__(self, cfg: RunConfig, env: DistEnv, mon: Monitor,
-                 started_at: float | None = None) -> None:
+                 started_at: float | None = None, control: ControlPlane | None = None) -> None:
         self.cfg, self.env, self.mon = cfg, env, mon
+        self.control = control
+        self._stop_flag = LateFlag(control) if control is not None else None
         self.stop_requested = False
         self.store = connect_store(*heartbeat_endpoint(cfg, env)) if env.torchrun else None
         every = cfg.elastic.checkpoint_every
@@ -81,11 +83,7 @@ class ElasticRun:
         starts at 0 while survivors have counted their restarts, and stale keys of an old
         round with the same count would look like peers that stopped beating."""
         value = self.store.add(f"{PREFIX}/round", 1) - 1 if self.env.rank == 0 else 0
-        if dist.is_initialized():
-            t = torch.tensor([value], dtype=torch.int64)
-            dist.broadcast(t, src=0)
-            value = int(t.item())
-        return value
+        return self.control.broadcast_int(value) if self.control is not None else value
 
     def _report_previous_attempt(self) -> None:
         attempt = self.round
@@ -175,13 +173,12 @@ class ElasticRun:
             self.mon.metrics.recovery.set(time.time() - self._fault_time)
 
     def agreed_stop(self) -> bool:
-        """All ranks learn together that one was asked to stop (one tiny all-reduce per step,
-        only when checkpoints are on), so they checkpoint at the same step."""
-        if self.ckpt is None or not dist.is_initialized():
+        """All ranks learn together that one was asked to stop, so they checkpoint at the same
+        step. One tiny host all-reduce per step (only when checkpoints are on), read a step
+        late: the step that raises the flag never waits for it, and the device never does."""
+        if self.ckpt is None or self._stop_flag is None:
             return self.stop_requested
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self._stop_flag.exchange(self.stop_requested)
 
     def mark_failed(self, err: BaseException) -> None:
         if self.heartbeat is not None:
@@ -191,6 +188,8 @@ class ElasticRun:
                 pass
 
     def finish(self, state: Any, reason: str) -> None:
+        if self._stop_flag is not None:
+            self._stop_flag.settle()  # no exchange left in flight when the group goes
         if self.ckpt is not None:
             if reason == "sigterm":
                 self.checkpoint(state)

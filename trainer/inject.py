@@ -126,14 +126,16 @@ class Injector:
                 time.sleep(inj.param("seconds"))
         self._route(step, model)
         leak = self._active("memory_leak", step)
-        if leak is not None:
-            self._leak.append(torch.ones(int(leak.param("mb_per_step") * (1 << 20) // 4)))
+        if leak is not None:  # on the model's device: a GPU leak shows in allocated memory
+            device = next(model.parameters()).device
+            self._leak.append(torch.ones(int(leak.param("mb_per_step") * (1 << 20) // 4),
+                                         device=device))
 
     def _route(self, step: int, model: torch.nn.Module) -> None:
         collapse = next((i for i in self.collapses if i.step <= step < i.step + i.steps), None)
         for layer, moe in enumerate(getattr(model, "moe_layers", lambda: [])()):
             if collapse is not None and layer == int(collapse.param("layer")):
-                bias = torch.full((len(moe.experts),), -20.0)
+                bias = torch.full((len(moe.experts),), -20.0, device=moe.router.gate.weight.device)
                 bias[0] = 20.0  # every token's first choice is expert 0
                 moe.router.logit_bias = bias
             else:

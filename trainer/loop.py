@@ -1,4 +1,9 @@
-"""The training loop. It reads like the algorithm; measurement goes through the Monitor."""
+"""The training loop. It reads like the algorithm; measurement goes through the Monitor.
+
+The step never waits for the device: inputs go up from pinned memory without blocking, a
+non-finite update is skipped by the fused optimizer reading a device flag (`found_inf`, as AMP
+does), and the stop agreement is read a step late on the host (`ElasticRun.agreed_stop`).
+"""
 from __future__ import annotations
 
 import time
@@ -17,6 +22,10 @@ from trainer.device import Device
 from trainer.elastic import ElasticRun
 from trainer.inject import Injector, delayed_hook
 from trainer.model import MoELM
+
+# Devices whose AdamW has fused kernels that honour `found_inf`. Ascend is left out until
+# torch_npu's fused AdamW is checked on hardware; it reads the norm instead (a sync point).
+FUSED_DEVICES = ("cuda", "cpu")
 
 
 @dataclass
@@ -48,7 +57,7 @@ def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size
     else:
         ddp, hook_state = model, None
         mon.watch(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+    optimizer = build_optimizer(model, cfg, device)
     data = SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len,
                            batch_size=cfg.train.batch_size, seed=cfg.train.seed, rank=rank,
                            world_size=world_size)
@@ -62,8 +71,7 @@ def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
     started = time.perf_counter()
     with mon.step(tokens=tokens, step=state.step) as s:
         with s.phase("data"):
-            inputs, targets = state.data.batch(state.step)
-            inputs, targets = inputs.to(device.torch_device), targets.to(device.torch_device)
+            inputs, targets = map(device.upload, state.data.batch(state.step))
         with s.phase("forward"):
             injector.slow_down(state.step)
             logits = state.ddp(inputs)
@@ -74,18 +82,31 @@ def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
             loss.backward()
         with s.phase("optimizer"):
             grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)
-            if should_apply(grad_norm):
-                state.optimizer.step()
+            step_if_finite(state.optimizer, grad_norm)
             state.optimizer.zero_grad(set_to_none=False)
         s.log(loss=lm_loss, grad_norm=grad_norm)
     injector.step_took(state.step, time.perf_counter() - started)
     state.step += 1
 
 
-def should_apply(grad_norm: torch.Tensor) -> bool:
-    """Skip the update when gradients are not finite: one NaN must not poison the weights.
-    # sync point: reads the norm (free on the CPU; one per step on accelerators)"""
-    return bool(torch.isfinite(grad_norm))
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device: Device) -> torch.optim.Optimizer:
+    """AdamW, fused where torch has fused kernels for the device: they can skip a step on a
+    device flag, which the plain implementation cannot."""
+    fused = device.kind in FUSED_DEVICES
+    return torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0,
+                             fused=fused or None)
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    """Apply the update unless the gradients are not finite: one NaN must not poison weights.
+
+    Fused AdamW reads `found_inf` on the device and leaves weights, moments and its step count
+    untouched when it is 1: no sync. Elsewhere the norm is read on the host."""
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+        optimizer.step()
+    elif bool(torch.isfinite(grad_norm)):  # sync point: optimizers without device-side skipping
+        optimizer.step()
 
 
 def train(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,

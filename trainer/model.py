@@ -2,6 +2,11 @@
 
 Each `MoEFeedForward` keeps `expert_token_counts` (tokens routed per expert in the last forward,
 before capacity dropping) and its auxiliary losses (Switch load balancing, router z-loss).
+
+Routing never waits for the device: static-capacity dispatch (every expert gets a padded
+[capacity, d] slot table, filled by index arithmetic on one-hot cumulative sums), one batched
+matmul for all experts, counts by one-hot sums. No `nonzero`, boolean indexing, `bincount` or
+`.item()`: shapes depend on configuration only, so the host never reads a device value.
 """
 from __future__ import annotations
 
@@ -39,16 +44,37 @@ class Router(nn.Module):
         return weights.to(x.dtype), chosen, aux, z
 
 
+class GroupedExperts(nn.Module):
+    """E two-layer MLPs held as stacked weights, so one batched matmul runs them all."""
+
+    def __init__(self, experts: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, d_model, hidden))
+        self.b1 = nn.Parameter(torch.empty(experts, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, d_model))
+        self.b2 = nn.Parameter(torch.empty(experts, d_model))
+        with torch.no_grad():  # nn.Linear's initialisation, expert by expert
+            for w, b, fan_in in ((self.w1, self.b1, d_model), (self.w2, self.b2, hidden)):
+                bound = 1 / math.sqrt(fan_in)
+                w.uniform_(-bound, bound)
+                b.uniform_(-bound, bound)
+
+    def __len__(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [E, C, d] (expert e's slot table) -> [E, C, d]."""
+        h = F.gelu(torch.baddbmm(self.b1.unsqueeze(1), x, self.w1))
+        return torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)
+
+
 class MoEFeedForward(nn.Module):
     """Experts with capacity: tokens beyond an expert's capacity skip it (residual carries them)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        hidden = cfg.ffn_mult * cfg.d_model
         self.router = Router(cfg.d_model, cfg.experts, cfg.top_k)
-        self.experts = nn.ModuleList(
-            nn.Sequential(nn.Linear(cfg.d_model, hidden), nn.GELU(), nn.Linear(hidden, cfg.d_model))
-            for _ in range(cfg.experts))
+        self.experts = GroupedExperts(cfg.experts, cfg.d_model, cfg.ffn_mult * cfg.d_model)
         self.capacity_factor = cfg.capacity_factor
         # The Monitor's MoE protocol; a plain attribute (not a buffer) so DDP never syncs it.
         self.expert_token_counts = torch.zeros(cfg.experts)
@@ -62,17 +88,22 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        tokens, d = flat.shape
         weights, chosen, self.aux_loss, self.z_loss = self.router(flat)
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts))
-        self.expert_token_counts = counts.to(self.expert_token_counts.dtype)
-        out = torch.zeros_like(flat)
-        cap = self.capacity(flat.shape[0])
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.nonzero(chosen == e, as_tuple=True)
-            token_idx, slot = token_idx[:cap], slot[:cap]  # capacity: first come, first served
-            # An expert with no tokens still runs on an empty batch, so DDP sees its gradients.
-            y = expert(flat[token_idx]) * weights[token_idx, slot].unsqueeze(-1)
-            out.index_add_(0, token_idx, y)
+        experts, k, cap = len(self.experts), self.router.top_k, self.capacity(tokens)
+        # Assignments in (token, choice) order; an expert serves them first come, first served.
+        assigned = F.one_hot(chosen.reshape(-1), experts)  # [T*k, E]
+        self.expert_token_counts = assigned.sum(dim=0).to(self.expert_token_counts.dtype)
+        queue_pos = ((assigned.cumsum(dim=0) - 1) * assigned).sum(dim=1)
+        kept = queue_pos < cap
+        spare = experts * cap  # one extra row takes every dropped assignment
+        slot = torch.where(kept, chosen.reshape(-1) * cap + queue_pos, spare)
+        source = flat.repeat_interleave(k, dim=0)  # row i = the token of assignment i
+        table = flat.new_zeros(spare + 1, d).index_copy(0, slot, source)
+        y = self.experts(table[:spare].view(experts, cap, d)).reshape(spare, d)
+        y = torch.cat([y, y.new_zeros(1, d)])
+        gate = (weights.reshape(-1) * kept).unsqueeze(-1)  # dropped assignments add nothing
+        out = (y.index_select(0, slot) * gate).view(tokens, k, d).sum(dim=1)
         return out.reshape(shape)
 
 

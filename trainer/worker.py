@@ -16,6 +16,7 @@ from pathlib import Path  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
+from collector.control import ControlPlane  # noqa: E402
 from collector.store import load_events  # noqa: E402
 from trainer.config import RunConfig, load_config  # noqa: E402
 from trainer.device import resolve_device  # noqa: E402
@@ -70,13 +71,14 @@ def write_pid(cfg: RunConfig, env: DistEnv) -> None:
 
 
 def run_worker(cfg: RunConfig, env: DistEnv) -> None:
-    device = resolve_device(cfg.device, env.local_rank)
+    device = resolve_device(cfg.device, env.local_rank, backend=cfg.backend)
     device.activate()
     init_process_group(env, device.backend)
+    control = ControlPlane.maybe()  # every collective meshscope adds goes through it
     mon = Monitor(MonitorConfig(run_dir=cfg.run_dir, run_id=cfg.run_id,
                                 metrics_port=cfg.metrics_port, expert_every=cfg.expert_every),
-                  env=env, probe=device.probe())
-    elastic = ElasticRun(cfg, env, mon, started_at=STARTED_AT)
+                  env=env, probe=device.probe(), control=control)
+    elastic = ElasticRun(cfg, env, mon, started_at=STARTED_AT, control=control)
     write_pid(cfg, env)
     try:
         mon.describe_run(device=device.kind, backend=device.backend,
@@ -94,8 +96,8 @@ def run_worker(cfg: RunConfig, env: DistEnv) -> None:
         mon.flush()
         elastic.finish(state, reason)
         if reason == "done":
-            if dist.is_initialized():
-                dist.barrier()  # a clean shutdown: no rank tears down gloo while a peer talks
+            if control is not None:
+                control.barrier()  # a clean shutdown: no rank tears down gloo while a peer talks
             if env.rank == 0:
                 mon.event("run_end", detail={"steps": state.step})
             time.sleep(cfg.linger_s)  # lets Prometheus take a last scrape of short runs
