@@ -59,6 +59,7 @@ class ScalarWindow:
         self._parts: list[torch.Tensor] = []
         self._size = 0
         self.readback: Readback | None = None
+        self._host: list[float] | None = None
 
     def add(self, values: list[torch.Tensor]) -> int:
         """Queue 0-d device tensors (kept on the device); returns their offset in the window."""
@@ -84,4 +85,6 @@ class ScalarWindow:
 
     def values(self, offset: int, count: int) -> list[float]:
         """Host floats of one step's scalars; the window must be ready."""
-        return self.readback.value()[offset:offset + count].tolist()
+        if self._host is None:
+            self._host = self.readback.value().tolist()  # host memory: already landed
+        return self._host[offset:offset + count]

@@ -44,6 +44,7 @@ def live_run(tmp_path_factory):
 def test_run_succeeds_with_a_summary(live_run):
     assert live_run["rc"] == 0, live_run["out"]
     assert "compression ratio" in live_run["out"] and "store.sqlite" in live_run["out"]
+    assert "2 ranks on cpu (gloo)" in live_run["out"]  # what was chosen, never "auto"
 
 
 def test_every_rank_exports_every_family(live_run):
@@ -115,3 +116,28 @@ def test_busy_metrics_port_is_a_clear_message(tmp_path):
 def test_npu_without_torch_npu_is_a_clear_message(tmp_path):
     result = runner.invoke(app, ["run", "--device", "npu", "--run-dir", str(tmp_path)])
     assert result.exit_code == 2 and "torch_npu" in result.output
+
+
+def test_a_backend_that_cannot_carry_the_device_is_a_clear_message(tmp_path):
+    result = runner.invoke(app, ["run", "--device", "cpu", "--backend", "nccl",
+                                 "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--backend nccl: cannot carry cpu tensors" in result.output
+
+
+def test_more_ranks_than_gpus_on_nccl_exits_2_and_points_at_gloo(tmp_path, monkeypatch):
+    from trainer import device as devmod
+
+    monkeypatch.setattr(devmod, "cuda_count", lambda: 1)
+    result = runner.invoke(app, ["run", "--device", "cuda", "--nproc", "2",
+                                 "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "--nproc 2 on nccl needs 2 visible cuda devices, 1 is visible" in result.output
+    assert "--backend gloo" in result.output
+
+
+def test_the_summary_explains_a_missing_compression_ratio():
+    from meshscope.cli import _compression_cell
+
+    assert _compression_cell({"ranks": 1.0, "compression_ratio": float("nan")}).startswith(
+        "n/a (one rank")
+    assert _compression_cell({"ranks": 2.0, "compression_ratio": 2.0}) == "2.0x"
