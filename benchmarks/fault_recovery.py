@@ -10,7 +10,7 @@ Variants (same invocation): `plain` = torchrun defaults, workers start from a fr
 `warm` = meshscope's warm standby: torchrun's worker entry asks a pre-imported zygote to fork
 the worker (trainer/zygote.py).
 
-    .venv/bin/python benchmarks/fault_recovery.py [--kills 5 --every 25]
+    .venv/bin/python benchmarks/fault_recovery.py [--kills 5 --every 25 --device cpu]
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def run_variant(name: str, root: Path, args: argparse.Namespace) -> list[dict]:
     cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(config),
            "--run-dir", str(root), "--run-id", name, "--steps", str(steps),
            "--checkpoint-every", str(args.checkpoint_every), "--max-restarts", str(args.kills + 1),
-           "--metrics-port", str(args.port)]
+           "--metrics-port", str(args.port), "--device", args.device, "--backend", args.backend]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = root / name
     kills = []
@@ -91,9 +91,12 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=25, help="steps between kills")
     ap.add_argument("--checkpoint-every", type=int, default=5)
     ap.add_argument("--port", type=int, default=9800)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | npu")
+    ap.add_argument("--backend", default="auto",
+                    help="auto | gloo (two ranks on one accelerator need gloo)")
     args = ap.parse_args()
     print(f"machine: {machine()}")
-    print(f"2 ranks, tiny MoE, checkpoint every {args.checkpoint_every} steps, "
+    print(f"2 ranks on {args.device} ({args.backend}), tiny MoE, checkpoint every {args.checkpoint_every} steps, "
           f"{args.kills} kills of rank 1 each")
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("plain", "warm"):

@@ -45,27 +45,42 @@ def allreduce_wire_bytes(state: Any, bucket: "dist.GradBucket", world_size: int)
 
 @dataclass
 class CommWindow:
-    """Communication seen during one step: launches and completions as probe marks."""
+    """Communication seen during one step.
+
+    `wait` spans the moment backward compute ended (the autograd graph finished) to the moment
+    DDP had every bucket reduced: the communication the step waited for, measured every step.
+    `spans` are per-bucket launch/completion marks and `measured_s` DDP's own figure, both
+    on sampled steps only."""
 
     spans: list[tuple[Any, Any]] = field(default_factory=list)
-    last_launch: Any = None
+    wait: list[Any] = field(default_factory=lambda: [None, None])
+    measured_s: float | None = None
+    sampled: bool = False
     bytes_raw: int = 0
     bytes_wire: int = 0
 
 
 class CommMeter:
-    """Collects per-bucket launches/completions; the Monitor swaps windows at step boundaries."""
+    """Collects a step's communication; the Monitor swaps windows at step boundaries.
+
+    Bucket hooks cost a Python call per bucket, so per-bucket marks are taken on sampled steps
+    only (`sampling`); bytes are counted always."""
 
     def __init__(self, probe: DeviceProbe) -> None:
         self.probe = probe
+        self.sampling = True
         self._lock = threading.Lock()  # completions arrive on the backend's threads
-        self._window = CommWindow()
+        self._window = CommWindow(sampled=True)
+
+    def count(self, raw: int, wire: int) -> None:
+        with self._lock:
+            self._window.bytes_raw += raw
+            self._window.bytes_wire += wire
 
     def launched(self, raw: int, wire: int) -> list[Any]:
         mark = self.probe.mark()
         span = [mark, None]
         with self._lock:
-            self._window.last_launch = mark
             self._window.bytes_raw += raw
             self._window.bytes_wire += wire
             self._window.spans.append(span)  # type: ignore[arg-type]
@@ -74,17 +89,29 @@ class CommMeter:
     def completed(self, span: list[Any]) -> None:
         span[1] = self.probe.mark()
 
-    def take(self) -> CommWindow:
+    def compute_done(self) -> None:
+        self._window.wait[0] = self.probe.mark()
+
+    def reduced(self) -> None:
+        self._window.wait[1] = self.probe.mark()
+
+    def take(self, sample_next: bool = True) -> CommWindow:
+        """This step's window; the next one is sampled when `sample_next`."""
         with self._lock:
-            window, self._window = self._window, CommWindow()
+            window, self._window = self._window, CommWindow(sampled=sample_next)
+            self.sampling = sample_next
         return window
 
 
 def instrument_hook(hook: Hook, meter: CommMeter, wire_bytes: WireBytes, world_size: int) -> Hook:
-    """Wrap a DDP comm hook so each bucket's communication is timed and its bytes counted."""
+    """Wrap a DDP comm hook: bytes counted every step, each bucket timed on sampled steps."""
 
     def timed_hook(state: Any, bucket: "dist.GradBucket") -> torch.futures.Future:
-        span = meter.launched(bucket_bytes(bucket), wire_bytes(state, bucket, world_size))
+        raw, wire = bucket_bytes(bucket), wire_bytes(state, bucket, world_size)
+        if not meter.sampling:
+            meter.count(raw, wire)
+            return hook(state, bucket)
+        span = meter.launched(raw, wire)
         fut = hook(state, bucket)
 
         def done(f: torch.futures.Future) -> Any:
@@ -102,29 +129,61 @@ def instrument_hook(hook: Hook, meter: CommMeter, wire_bytes: WireBytes, world_s
     return timed_hook
 
 
-def timed_allreduce_hook(meter: CommMeter, world_size: int, process_group: Any = None) -> Hook:
-    """Plain averaging all-reduce with timing built in: one future and one callback per bucket.
+class BackwardWatch:
+    """Marks when a DDP model's backward compute ends and when its reduction is done.
 
-    This is the Monitor's default when a DDP model has no compression. It calls the process
-    group's C++ method directly; the Python `dist.all_reduce` wrapper plus torch's Python
-    `allreduce_hook` and a timing wrapper around it cost ~100 us per bucket, which a model
-    with many buckets notices.
-    """
-    group = process_group
+    A hook on the model's output fires as backward starts and queues an autograd-engine
+    callback; the engine runs it once the graph is done (compute over), before DDP's own
+    finalizer, which waits for every bucket; that callback queues one more, which runs after
+    the finalizer (all reduced). Two Python calls a step, whatever the number of buckets."""
 
-    def allreduce(state: Any, bucket: "dist.GradBucket") -> torch.futures.Future:
-        pg = group or dist.distributed_c10d._get_default_group()
-        tensor = bucket.buffer()
-        size = tensor.numel() * tensor.element_size()
-        span = meter.launched(size, allreduce_sent_bytes(size, world_size))
-        tensor.div_(world_size)
+    def __init__(self, meter: CommMeter) -> None:
+        self.meter = meter
 
-        def done(f: torch.futures.Future) -> torch.Tensor:
-            meter.completed(span)
-            return f.value()[0]
+    def attach(self, model: torch.nn.Module) -> None:
+        model.register_forward_hook(self._on_forward)
 
-        return pg.allreduce([tensor]).get_future().then(done)
+    def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        leaf = next((t for t in torch.utils._pytree.tree_leaves(output)
+                     if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if leaf is not None:
+            leaf.register_hook(self._on_backward_start)
 
-    allreduce.__annotations__ = {"state": object, "bucket": dist.GradBucket,
-                                 "return": torch.futures.Future[torch.Tensor]}
-    return allreduce
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_graph_done)
+
+    def _on_graph_done(self) -> None:
+        self.meter.compute_done()
+        torch.autograd.Variable._execution_engine.queue_callback(self.meter.reduced)
+
+
+class DDPRuntimeStats:
+    """DDP's own sampled communication time, for models whose reduction runs in C++ (no hook).
+
+    DDP times its all-reduce on sampled iterations (the first 10, then one in `every`); a
+    figure is new when its end time moves, and belongs to the step that first sees it. On accelerators DDP reads its timers at the next
+    sampled forward: one wait per `every` steps, DDP's, not ours."""
+
+    def __init__(self, ddp: torch.nn.Module, every: int) -> None:
+        self.ddp = ddp
+        self._last_end: int | None = None
+        setter = getattr(ddp, "_set_ddp_runtime_logging_sample_rate", None)
+        if setter is not None:
+            setter(every)
+
+    def fresh_seconds(self) -> float | None:
+        """The latest sampled communication span, once; None when nothing new was sampled."""
+        reader = getattr(self.ddp, "_get_ddp_logging_data", None)
+        data = reader() if reader is not None else {}
+        end = data.get("backward_comm_time_end")
+        if end is None or end == self._last_end or "backward_comm_time" not in data:
+            return None
+        self._last_end = end
+        return data["backward_comm_time"] / 1e9
+
+
+def ddp_gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of gradient one DDP reduction carries: every parameter that takes a gradient."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

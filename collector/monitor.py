@@ -23,8 +23,9 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from collector.control import ControlPlane
-from collector.comm import (CommMeter, CommWindow, Hook, WireBytes, allreduce_wire_bytes,
-                             instrument_hook, timed_allreduce_hook)
+from collector.comm import (BackwardWatch, CommMeter, CommWindow, DDPRuntimeStats, Hook,
+                             WireBytes, allreduce_sent_bytes, allreduce_wire_bytes,
+                             ddp_gradient_bytes, instrument_hook)
 from collector.env import DistEnv
 from collector.exporter import port_for, serve_metrics, write_targets
 from collector.metrics import MeshscopeMetrics
@@ -55,6 +56,9 @@ class MonitorConfig:
     """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
     sync_every: int = 10
     """Device scalars of this many steps share one buffer and one copy to the host."""
+    comm_sample_every: int = 10
+    """Time each gradient bucket on one step in this many (the wait for communication, which
+    makes the comm ratio, is measured every step)."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -64,6 +68,9 @@ class MonitorConfig:
             raise ValueError(f"MonitorConfig.expert_every must be >= 1, got {self.expert_every}")
         if self.sync_every < 1:
             raise ValueError(f"MonitorConfig.sync_every must be >= 1, got {self.sync_every}")
+        if self.comm_sample_every < 1:
+            raise ValueError("MonitorConfig.comm_sample_every must be >= 1, "
+                             f"got {self.comm_sample_every}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"MonitorConfig.metrics_port must be a TCP port, got {self.metrics_port}")
 
@@ -86,7 +93,7 @@ class _Pending:
 
     def marks(self) -> list[Any]:
         """Every device mark this step's record reads."""
-        spans = [self.bounds, *self.phases.values(), *self.comm.spans]
+        spans = [self.bounds, *self.phases.values(), *self.comm.spans, self.comm.wait]
         return [m for span in spans for m in span if m is not None]
 
 
@@ -125,6 +132,8 @@ class Monitor:
         self.metrics = MeshscopeMetrics(self.registry)
         self.store = store or RunStore(config.run_dir)
         self.meter = CommMeter(self.probe)
+        self._ddp_stats: DDPRuntimeStats | None = None
+        self._ddp_bytes = (0, 0)  # (raw, wire) per step when DDP reduces in C++ (no hook)
         # Built here on every rank (a side group is collective) unless the caller shares one.
         self.control = control if control is not None else ControlPlane.maybe()
         self._pending: list[_Pending] = []
@@ -172,18 +181,22 @@ class Monitor:
               hook_state: Any = None, wire_bytes: WireBytes | None = None) -> torch.nn.Module:
         """Instrument a (DDP) model: time its gradient communication and read its MoE layers.
 
-        A DDP model gets `comm_hook` wrapped with timing and byte counting, or, without one, a
-        timed plain all-reduce (`hook_state` is then the process group). Register compression
-        through here, not on the model. Returns the model.
+        A DDP model with `comm_hook` gets it wrapped with byte counting and, on sampled steps,
+        per-bucket timing. Without one, DDP keeps its C++ all-reduce (no Python per bucket) and
+        its own sampled timing is read. Either way the wait for communication after backward
+        is measured every step. Register compression through here, not on the model.
         """
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             world = self.env.world_size
             if comm_hook is None:
-                model.register_comm_hook(None, timed_allreduce_hook(self.meter, world, hook_state))
+                self._ddp_stats = DDPRuntimeStats(model, self.config.comm_sample_every)
+                raw = ddp_gradient_bytes(model.module)
+                self._ddp_bytes = (raw, allreduce_sent_bytes(raw, world))
             else:
                 wire = wire_bytes or allreduce_wire_bytes
                 model.register_comm_hook(hook_state,
                                          instrument_hook(comm_hook, self.meter, wire, world))
+            BackwardWatch(self.meter).attach(model)
         self._moe_layers = find_moe_layers(model)
         self._layer_index = {id(m): i for i, m in enumerate(self._moe_layers)}
         for module in self._moe_layers:
@@ -203,13 +216,14 @@ class Monitor:
     def step(self, tokens: int = 0, step: int | None = None) -> Iterator[StepScope]:
         """Measure one training step. `step` defaults to the previous one plus one."""
         self._step = self._step + 1 if step is None else step
-        self.meter.take()  # communication outside a step (e.g. DDP's init broadcast) is not ours
+        # communication outside a step (e.g. DDP's init broadcast) is not ours
+        self.meter.take(sample_next=self._step % self.config.comm_sample_every == 0)
         scope = StepScope(self.probe)
         wall, start = time.time(), self.probe.mark()
         yield scope
         pending = _Pending(step=self._step, tokens=tokens, wall_time=wall,
                            bounds=(start, self.probe.mark()), phases=scope.phases,
-                           comm=self.meter.take(), memory=self.probe.memory())
+                           comm=self._take_comm(), memory=self.probe.memory())
         self._take_scalars(pending, scope.scalars)
         self._pending.append(pending)
         if self.should_sync_experts(self._step):
@@ -218,6 +232,14 @@ class Monitor:
         if self._window_steps >= self.config.sync_every:
             self._close_window()
         self._drain(block=False)
+
+    def _take_comm(self) -> CommWindow:
+        comm = self.meter.take()
+        if self._ddp_stats is not None:
+            if comm.wait[0] is not None:  # a backward ran: DDP reduced every gradient once
+                comm.bytes_raw, comm.bytes_wire = self._ddp_bytes
+            comm.measured_s = self._ddp_stats.fresh_seconds()  # ~10 us: DDP's dict
+        return comm
 
     def _take_scalars(self, p: _Pending, scalars: dict[str, Any]) -> None:
         """Host values are read now; device tensors join the window's buffer."""
@@ -300,24 +322,23 @@ class Monitor:
             mem_rss=mem.get("rss", 0))
 
     def _comm_seconds(self, p: _Pending) -> tuple[float, float]:
-        """Total bucket communication time, and the part the step waited for after compute.
+        """(communication in flight, communication the step waited for after compute).
 
-        The last bucket's launch marks the end of backward compute; what remains of the
-        communication after it, up to the end of the backward phase, was exposed.
-        """
-        spans = [(a, b) for a, b in p.comm.spans if b is not None]
-        if not spans:
-            return 0.0, 0.0
+        The wait is measured every step (`BackwardWatch`). The time in flight, from the first
+        bucket's launch to the last one's completion, only on sampled steps: NaN elsewhere."""
         sec = self.probe.seconds
-        total = sum(sec(a, b) for a, b in spans)
-        last_done = max((b for _, b in spans), key=lambda b: sec(p.bounds[0], b))
-        exposed = sec(p.comm.last_launch, last_done)
-        if "backward" in p.phases:
-            exposed = min(exposed, sec(p.comm.last_launch, p.phases["backward"][1]))
-        return total, exposed
+        exposed = sec(*p.comm.wait) if None not in p.comm.wait else 0.0
+        spans = [(a, b) for a, b in p.comm.spans if b is not None]
+        if spans:
+            first = min((a for a, _ in spans), key=lambda a: sec(p.bounds[0], a))
+            last = max((b for _, b in spans), key=lambda b: sec(p.bounds[0], b))
+            return sec(first, last), exposed
+        if p.comm.measured_s is not None:
+            return p.comm.measured_s, exposed
+        return (math.nan if p.comm.bytes_raw else 0.0), exposed
 
     def _emit(self, rec: StepRecord) -> None:
-        self.metrics.observe_step(rec)
+        self.metrics.observe_step(rec, self.config.comm_sample_every)
         self.store.add_step(rec)
         finite = math.isfinite(rec.loss) or "loss" not in self._logged_keys
         if not finite and self._loss_was_finite:  # one event when the loss turns non-finite

@@ -155,9 +155,16 @@ class RunStore:
 
 
 def _read(run_dir: str | Path, sql: str, params: tuple = ()) -> pd.DataFrame:
-    conn = _connect(store_path(run_dir), readonly=True)
+    path = store_path(run_dir)
+    conn = _connect(path, readonly=True)
     try:
         return pd.read_sql_query(sql, conn, params=params)
+    except (sqlite3.OperationalError, pd.errors.DatabaseError) as err:
+        # A file with no tables yet is a store a rank is creating right now: not there yet.
+        if "no such table" in str(err) and not conn.execute(
+                "SELECT count(*) FROM sqlite_master").fetchone()[0]:
+            raise FileNotFoundError(f"no run store at {path} yet (being created)") from None
+        raise
     finally:
         conn.close()
 

@@ -101,6 +101,9 @@ class RunConfig(_Strict):
     nproc: int = Field(4, gt=0, description="worker processes on this node")
     metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
     expert_every: int = Field(5, gt=0, description="sum expert load over ranks every N steps")
+    comm_sample_every: int = Field(
+        10, gt=0, description="time gradient buckets on one step in N (the wait for "
+                              "communication is measured every step)")
     linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
     inject: list[str] = Field(default_factory=list,
                               description="faults to inject: KIND@step=S,rank=R[,steps=N][,k=v]")

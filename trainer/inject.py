@@ -162,12 +162,19 @@ class Injector:
 
 
 def delayed_hook(hook: Callable[..., Any], injector: Injector) -> Callable[..., Any]:
-    """Wrap a comm hook so an active comm_delay injection holds each bucket back."""
+    """Wrap a comm hook so an active comm_delay injection makes each bucket complete late, as a
+    slow link does: the step waits for it after backward compute, which is what is measured."""
 
     def hook_with_delay(state: Any, bucket: Any) -> Any:
+        fut = hook(state, bucket)
         delay = injector.comm_delay_s()
-        if delay:
+        if not delay:
+            return fut
+
+        def arrive_late(f: Any) -> Any:
             time.sleep(delay)
-        return hook(state, bucket)
+            return f.value()
+
+        return fut.then(arrive_late)
 
     return hook_with_delay

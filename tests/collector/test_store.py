@@ -4,6 +4,8 @@ import signal
 import sqlite3
 import time
 
+import pytest
+
 from collector.schema import Event, StepRecord
 from collector.store import RunStore, latest_step, load_events, load_expert_load, load_steps, store_path
 
@@ -30,8 +32,10 @@ def test_all_ranks_write_while_a_reader_reads(tmp_path):
         p.start()
     seen = []
     while any(p.is_alive() for p in procs):
-        if store_path(tmp_path).exists():
+        try:
             seen.append(len(load_steps(tmp_path)))
+        except FileNotFoundError:  # not there yet, or a writer is creating it
+            pass
         time.sleep(0.05)
     for p in procs:
         assert p.exitcode == 0
@@ -75,3 +79,11 @@ def test_flush_makes_queued_records_visible(tmp_path):
     store.flush()
     assert len(load_steps(tmp_path)) == 1
     store.close()
+
+
+def test_a_store_being_created_reads_as_not_there_yet(tmp_path):
+    import sqlite3
+
+    sqlite3.connect(tmp_path / "store.sqlite").close()  # a rank opened it, no schema yet
+    with pytest.raises(FileNotFoundError, match="being created"):
+        load_steps(tmp_path)

@@ -60,7 +60,8 @@ def hook_agreement(rank: int, world_size: int, run_dir: str, steps: int = 48) ->
             if step + 1 == steps // 4:
                 early = _relative_error([m / (step + 1) for m in mean_grads], ref)
         mon.close()
-        steps_df = load_steps(f"{run_dir}/{name}")
+        steps_df = load_steps(f"{run_dir}/{name}")  # both ranks write here: keep this rank's
+        steps_df = steps_df[steps_df["rank"] == rank].sort_values("step")
         mean_grads = [m / steps for m in mean_grads]
         out[name] = {
             "last_error": errors[-1],
@@ -69,6 +70,7 @@ def hook_agreement(rank: int, world_size: int, run_dir: str, steps: int = 48) ->
             "bytes_raw": steps_df["bytes_raw"].tolist(),
             "bytes_wire": steps_df["bytes_wire"].tolist(),
             "comm_total_s": steps_df["comm_total_s"].tolist(),
+            "comm_exposed_s": steps_df["comm_exposed_s"].tolist(),
         }
     return out
 
