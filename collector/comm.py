@@ -43,7 +43,7 @@ def allreduce_wire_bytes(state: Any, bucket: "dist.GradBucket", world_size: int)
     return allreduce_sent_bytes(bucket_bytes(bucket), world_size)
 
 
-@dataclass
+@dataclass(slots=True)
 class CommWindow:
     """Communication seen during one step.
 
@@ -146,12 +146,14 @@ class BackwardWatch:
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        leaf = next((t for t in torch.utils._pytree.tree_leaves(output)
-                     if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if leaf is not None:
-            leaf.register_hook(self._on_backward_start)
+        leaves = [output] if isinstance(output, torch.Tensor) else \
+            torch.utils._pytree.tree_leaves(output)
+        node = next((t.grad_fn for t in leaves
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if node is not None:  # a pre-hook on the output's node: C++, cheaper than a tensor hook
+            node.register_prehook(self._on_backward_start)
 
-    def _on_backward_start(self, grad: torch.Tensor) -> None:
+    def _on_backward_start(self, grad_outputs: Any) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self._on_graph_done)
 
     def _on_graph_done(self) -> None:
@@ -166,11 +168,11 @@ class DDPRuntimeStats:
     figure is new when its end time moves, and belongs to the step that first sees it. On accelerators DDP reads its timers at the next
     sampled forward: one wait per `every` steps, DDP's, not ours."""
 
-    def __init__(self, ddp: torch.nn.Module, every: int) -> None:
+    def __init__(self, ddp: torch.nn.Module, every: int | None) -> None:
         self.ddp = ddp
         self._last_end: int | None = None
         setter = getattr(ddp, "_set_ddp_runtime_logging_sample_rate", None)
-        if setter is not None:
+        if setter is not None and every is not None:  # None: DDP's default (1 in 100)
             setter(every)
 
     def fresh_seconds(self) -> float | None:

@@ -82,28 +82,38 @@ class MeshscopeMetrics:
                             "compression": compression, "version": version})
 
     def observe_step(self, rec: StepRecord, comm_sample_every: int = 1) -> None:
-        """Export one step. Time in flight is measured on one step in `comm_sample_every`:
-        each measurement counts for the steps it stands for (an estimate; NaN = unmeasured)."""
-        c = self._children  # labelled children resolved once: this runs every step
-        self.step_duration.observe(rec.step_s)
-        c["forward"].set(rec.forward_s)
-        c["backward"].set(rec.backward_s)
-        c["optimizer"].set(rec.optimizer_s)
-        c["comm_exposed"].set(rec.comm_exposed_s)
-        c["data"].set(rec.data_s)
-        self.steps.inc()
-        self.tokens.inc(rec.tokens)
-        self.comm_ratio.set(rec.comm_ratio)
-        if math.isfinite(rec.comm_total_s):
-            c["comm_total"].inc(rec.comm_total_s * comm_sample_every)
-        c["comm_exposed_total"].inc(rec.comm_exposed_s)
-        c["bytes_raw"].inc(rec.bytes_raw)
-        c["bytes_wire"].inc(rec.bytes_wire)
-        self.loss.set(rec.loss)
-        self.grad_norm.set(rec.grad_norm)
-        c["allocated"].set(rec.mem_allocated)
-        c["reserved"].set(rec.mem_reserved)
-        c["rss"].set(rec.mem_rss)
+        """Export one step (see `observe_steps`)."""
+        self.observe_steps([rec], comm_sample_every)
+
+    def observe_steps(self, recs: Sequence[StepRecord], comm_sample_every: int = 1) -> None:
+        """Export finished steps at once: every step into the histogram and the counters, the
+        last one into the gauges (a scrape sees the latest either way). Time in flight is
+        measured on one step in `comm_sample_every`: each measurement counts for the steps it
+        stands for (an estimate; NaN = not measured)."""
+        if not recs:
+            return
+        c = self._children  # labelled children resolved once: this runs every window
+        for rec in recs:
+            self.step_duration.observe(rec.step_s)
+        in_flight = sum(r.comm_total_s for r in recs if math.isfinite(r.comm_total_s))
+        self.steps.inc(len(recs))
+        self.tokens.inc(sum(r.tokens for r in recs))
+        c["comm_total"].inc(in_flight * comm_sample_every)
+        c["comm_exposed_total"].inc(sum(r.comm_exposed_s for r in recs))
+        c["bytes_raw"].inc(sum(r.bytes_raw for r in recs))
+        c["bytes_wire"].inc(sum(r.bytes_wire for r in recs))
+        last = recs[-1]
+        c["forward"].set(last.forward_s)
+        c["backward"].set(last.backward_s)
+        c["optimizer"].set(last.optimizer_s)
+        c["comm_exposed"].set(last.comm_exposed_s)
+        c["data"].set(last.data_s)
+        self.comm_ratio.set(last.comm_ratio)
+        self.loss.set(last.loss)
+        self.grad_norm.set(last.grad_norm)
+        c["allocated"].set(last.mem_allocated)
+        c["reserved"].set(last.mem_reserved)
+        c["rss"].set(last.mem_rss)
 
     def observe_experts(self, added: Sequence[Sequence[float]]) -> None:
         """Export one window of expert tokens, `added[layer][expert]`, already summed over ranks."""

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +53,8 @@ class MonitorConfig:
     expert_every: int = 10
     """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
     sync_every: int = 10
-    """Device scalars of this many steps share one buffer and one copy to the host."""
+    """Steps per window: device scalars of a window share one buffer and one copy to the host,
+    and finished steps go to the store and /metrics once per window (and on flush/close)."""
     comm_sample_every: int = 10
     """Time each gradient bucket on one step in this many (the wait for communication, which
     makes the comm ratio, is measured every step)."""
@@ -97,6 +96,21 @@ class _Pending:
         return [m for span in spans for m in span if m is not None]
 
 
+class _Phase:
+    """A phase's two marks (a plain class: a generator-based context costs more per step)."""
+
+    __slots__ = ("scope", "name", "start")
+
+    def __init__(self, scope: "StepScope", name: str) -> None:
+        self.scope, self.name = scope, name
+
+    def __enter__(self) -> None:
+        self.start = self.scope._probe.mark()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.scope.phases[self.name] = (self.start, self.scope._probe.mark())
+
+
 class StepScope:
     """Handed out by `Monitor.step()`: time named phases and log scalars."""
 
@@ -105,13 +119,9 @@ class StepScope:
         self.phases: dict[str, tuple[Any, Any]] = {}
         self.scalars: dict[str, Any] = {}
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = self._probe.mark()
-        try:
-            yield
-        finally:
-            self.phases[name] = (start, self._probe.mark())
+    def phase(self, name: str) -> "_Phase":
+        """`with s.phase("forward"): ...` times a named part of the step."""
+        return _Phase(self, name)
 
     def log(self, **scalars: Any) -> None:
         """Record loss, grad_norm, ...: tensors are kept as they are and read later."""
@@ -119,8 +129,28 @@ class StepScope:
             self.scalars[key] = value.detach() if isinstance(value, torch.Tensor) else value
 
 
+class _Step:
+    """The context `Monitor.step()` returns (a plain class: cheaper than a generator)."""
+
+    __slots__ = ("mon", "tokens", "step", "scope", "wall", "start")
+
+    def __init__(self, mon: "Monitor", tokens: int, step: int | None) -> None:
+        self.mon, self.tokens, self.step = mon, tokens, step
+
+    def __enter__(self) -> StepScope:
+        self.scope, self.wall, self.start = self.mon._begin(self.tokens, self.step)
+        return self.scope
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:  # a step that raised is not a step
+            self.mon._end(self.scope, self.tokens, self.wall, self.start)
+
+
 class Monitor:
-    """Per-process measurement: StepRecords to the store and to /metrics, expert load, events."""
+    """Per-process measurement: StepRecords to the store and to /metrics, expert load, events.
+
+    Under torch.distributed, build it on every rank at the same point: without a `control`
+    plane given, it builds one, which may create a gloo side group (a collective call)."""
 
     def __init__(self, config: MonitorConfig, *, env: DistEnv | None = None,
                  probe: DeviceProbe | None = None, registry: CollectorRegistry | None = None,
@@ -142,7 +172,7 @@ class Monitor:
         self._expert_reads: list[tuple[int, Readback]] = []
         self._moe_layers: list[torch.nn.Module] = []
         self._layer_index: dict[int, int] = {}
-        self._expert_acc: torch.Tensor | None = None
+        self._expert_acc: list[torch.Tensor | None] = []  # per layer: this window's tokens
         self._step = -1
         self._server = None
         self._closed = False
@@ -189,7 +219,10 @@ class Monitor:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             world = self.env.world_size
             if comm_hook is None:
-                self._ddp_stats = DDPRuntimeStats(model, self.config.comm_sample_every)
+                # DDP reads its timers by waiting on the device: on accelerators keep its own
+                # (rare) sampling instead of adding waits; on the host sampling is free.
+                every = None if self.probe.asynchronous else self.config.comm_sample_every
+                self._ddp_stats = DDPRuntimeStats(model, every)
                 raw = ddp_gradient_bytes(model.module)
                 self._ddp_bytes = (raw, allreduce_sent_bytes(raw, world))
             else:
@@ -199,28 +232,34 @@ class Monitor:
             BackwardWatch(self.meter).attach(model)
         self._moe_layers = find_moe_layers(model)
         self._layer_index = {id(m): i for i, m in enumerate(self._moe_layers)}
+        self._expert_acc = [None] * len(self._moe_layers)
         for module in self._moe_layers:
             module.register_forward_hook(self._count_experts)
         return model
 
     def _count_experts(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        counts = module.expert_token_counts.detach()
+        # Added on the device now (a layer may update its counts in place): no sync.
         layer = self._layer_index[id(module)]
-        if self._expert_acc is None:
-            self._expert_acc = torch.zeros(len(self._moe_layers), counts.numel(),
-                                           dtype=torch.float64, device=counts.device)
-        self._expert_acc[layer] += counts  # stays on the device: no sync
+        acc = self._expert_acc[layer]
+        if acc is None:
+            self._expert_acc[layer] = module.expert_token_counts.detach().to(torch.float64,
+                                                                             copy=True)
+        else:
+            acc.add_(module.expert_token_counts.detach())
 
     # --- the step -------------------------------------------------------------------------
-    @contextmanager
-    def step(self, tokens: int = 0, step: int | None = None) -> Iterator[StepScope]:
-        """Measure one training step. `step` defaults to the previous one plus one."""
+    def step(self, tokens: int = 0, step: int | None = None) -> "_Step":
+        """`with mon.step(tokens=n) as s:` measures one training step; `step` defaults to the
+        previous one plus one."""
+        return _Step(self, tokens, step)
+
+    def _begin(self, tokens: int, step: int | None) -> tuple[StepScope, float, Any]:
         self._step = self._step + 1 if step is None else step
         # communication outside a step (e.g. DDP's init broadcast) is not ours
         self.meter.take(sample_next=self._step % self.config.comm_sample_every == 0)
-        scope = StepScope(self.probe)
-        wall, start = time.time(), self.probe.mark()
-        yield scope
+        return StepScope(self.probe), time.time(), self.probe.mark()
+
+    def _end(self, scope: StepScope, tokens: int, wall: float, start: Any) -> None:
         pending = _Pending(step=self._step, tokens=tokens, wall_time=wall,
                            bounds=(start, self.probe.mark()), phases=scope.phases,
                            comm=self._take_comm(), memory=self.probe.memory())
@@ -231,14 +270,19 @@ class Monitor:
         self._window_steps += 1
         if self._window_steps >= self.config.sync_every:
             self._close_window()
-        self._drain(block=False)
+            self._drain(block=False)
+        elif self.probe.asynchronous and len(self._pending) > self.config.sync_every:
+            self._drain(block=False)  # the previous window, once its events are done
 
     def _take_comm(self) -> CommWindow:
         comm = self.meter.take()
         if self._ddp_stats is not None:
             if comm.wait[0] is not None:  # a backward ran: DDP reduced every gradient once
                 comm.bytes_raw, comm.bytes_wire = self._ddp_bytes
-            comm.measured_s = self._ddp_stats.fresh_seconds()  # ~10 us: DDP's dict
+            if comm.sampled or self._step % self.config.comm_sample_every == 1:
+                # DDP's figure of a sampled step shows up at its next forward: look on the
+                # sampled step and the one after (its dict costs tens of us)
+                comm.measured_s = self._ddp_stats.fresh_seconds()
         return comm
 
     def _take_scalars(self, p: _Pending, scalars: dict[str, Any]) -> None:
@@ -257,24 +301,29 @@ class Monitor:
         return bool(self._moe_layers) and (step + 1) % self.config.expert_every == 0
 
     def _sync_experts(self, step: int) -> None:
-        acc = self._expert_acc
-        if acc is None:
+        layers, self._expert_acc = self._expert_acc, [None] * len(self._expert_acc)
+        like = next((a for a in layers if a is not None), None)
+        if like is None:
             return
+        acc = torch.stack([torch.zeros_like(like) if a is None else a for a in layers])
         if self.control is not None:
             self.control.all_reduce(acc)  # the one collective the Monitor adds
         self._expert_reads.append((step, Readback(acc)))
-        acc.zero_()  # stream-ordered after the copy: the read-back sees this window's counts
 
     def _drain(self, block: bool) -> None:
         """Emit finished steps in order; without `block`, stop at the first unfinished one."""
-        while self._pending:
-            p = self._pending[0]
+        done = 0
+        for p in self._pending:
             if block:
                 self._wait(p)
             elif not self._finished(p):
                 break
-            self._emit(self._record(p))
-            self._pending.pop(0)
+            done += 1
+        finished, self._pending = self._pending[:done], self._pending[done:]
+        records = [self._record(p) for p in finished]
+        self.metrics.observe_steps(records, self.config.comm_sample_every)
+        for rec in records:
+            self._emit(rec)
         while self._expert_reads and (block or self._expert_reads[0][1].ready()):
             step, read = self._expert_reads.pop(0)
             if block:
@@ -284,6 +333,8 @@ class Monitor:
     def _finished(self, p: _Pending) -> bool:
         if p.window is not None and not p.window.ready():
             return False
+        if not self.probe.asynchronous:  # host marks are times already taken
+            return True
         return all(mark_ready(self.probe, m) for m in p.marks())
 
     def _wait(self, p: _Pending) -> None:
@@ -338,7 +389,6 @@ class Monitor:
         return (math.nan if p.comm.bytes_raw else 0.0), exposed
 
     def _emit(self, rec: StepRecord) -> None:
-        self.metrics.observe_step(rec, self.config.comm_sample_every)
         self.store.add_step(rec)
         finite = math.isfinite(rec.loss) or "loss" not in self._logged_keys
         if not finite and self._loss_was_finite:  # one event when the loss turns non-finite

@@ -7,7 +7,7 @@ batch in flight, never the file.
 from __future__ import annotations
 
 import json
-import queue
+import operator
 import sqlite3
 import threading
 import time
@@ -36,6 +36,9 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_kind ON events (kind, step);
 """
+
+
+_STEP_ROW = operator.attrgetter(*STEP_COLUMNS)  # a StepRecord as a row, in one C call
 
 
 def store_path(run_dir: str | Path) -> Path:
@@ -77,57 +80,60 @@ class RunStore:
     def __init__(self, run_dir: str | Path, *, flush_interval_s: float = 0.5) -> None:
         self.run_dir = Path(run_dir)
         self._conn = open_store(self.run_dir)
-        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        # A plain list, swapped by the writer: adding a record never wakes a thread (a wake-up
+        # per step costs a context switch and a GIL hand-off on a busy host).
+        self._items: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # flush and close only
+        self._stopping = False
         self._flush_interval_s = flush_interval_s
-        self._flushed = threading.Event()
         self._thread = threading.Thread(target=self._writer, name="meshscope-store", daemon=True)
         self._thread.start()
 
+    def _put(self, item: tuple[str, Any]) -> None:
+        with self._lock:
+            self._items.append(item)
+
     def add_step(self, rec: StepRecord) -> None:
-        self._queue.put(("step", rec))
+        self._put(("step", rec))
 
     def add_event(self, event: Event) -> None:
-        self._queue.put(("event", event))
+        self._put(("event", event))
 
     def add_expert_load(self, step: int, tokens: list[list[float]]) -> None:
-        self._queue.put(("experts", (step, tokens)))
+        self._put(("experts", (step, tokens)))
 
     def flush(self, timeout: float = 30.0) -> None:
         """Block until everything queued so far is committed."""
         done = threading.Event()
-        self._queue.put(("barrier", done))
+        self._put(("barrier", done))
+        self._wake.set()
         done.wait(timeout)
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._queue.put(None)
+            self._stopping = True
+            self._wake.set()
             self._thread.join(timeout=60)
         self._conn.close()
 
     def _writer(self) -> None:
-        stop = False
-        while not stop:
-            items: list[tuple[str, Any]] = []
-            deadline = time.monotonic() + self._flush_interval_s
-            while time.monotonic() < deadline:
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                items.append(item)
-                if item[0] == "barrier":
-                    break
+        while True:
+            self._wake.wait(self._flush_interval_s)
+            self._wake.clear()
+            stopping = self._stopping  # read before taking the batch: nothing is left behind
+            with self._lock:
+                items, self._items = self._items, []
             if items:
                 self._commit(items)
+            if stopping:
+                return
 
     def _commit(self, items: list[tuple[str, Any]]) -> None:
         steps, events, experts, barriers = [], [], [], []
         for kind, payload in items:
             if kind == "step":
-                steps.append(tuple(getattr(payload, c) for c in STEP_COLUMNS))
+                steps.append(_STEP_ROW(payload))
             elif kind == "event":
                 events.append((payload.time, payload.run_id, payload.kind, payload.severity,
                                payload.rank, payload.step, json.dumps(payload.detail, default=str)))

@@ -38,7 +38,7 @@ def warm_up() -> None:
     import trainer.worker  # noqa: F401  (torch.distributed, DCP, pandas, prometheus_client...)
 
     layer = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)  # as the trainer builds it
     layer(torch.ones(1, 4)).sum().backward()
     opt.step()
 

@@ -86,6 +86,7 @@ def test_exporter_serves_metrics_and_writes_targets(tmp_path):
                   env=env, registry=CollectorRegistry())
     with mon.step(tokens=8):
         pass
+    mon.flush()  # records go out once per window of sync_every steps, or on flush
     body = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     assert "meshscope_steps_total 1.0" in body
     targets = json.loads((tmp_path / "run" / "targets.json").read_text())

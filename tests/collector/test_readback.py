@@ -111,14 +111,17 @@ def test_one_read_back_per_window(tmp_path, stand_in_device):
     mon.close()
 
 
-def test_host_scalars_are_read_at_once(tmp_path):
-    mon = Monitor(MonitorConfig(run_dir=tmp_path / "r", metrics_port=None),
+def test_host_steps_go_out_once_per_window(tmp_path):
+    mon = Monitor(MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=3),
                   registry=CollectorRegistry())
-    with mon.step() as s:
-        s.log(loss=torch.tensor(3.0))
+    for step in range(4):
+        with mon.step() as s:
+            s.log(loss=torch.tensor(float(step)))
     mon.store.flush()
-    assert load_steps(tmp_path / "r")["loss"].tolist() == [3.0]
+    assert load_steps(tmp_path / "r")["loss"].tolist() == [0.0, 1.0, 2.0]  # one window
+    assert mon.metrics.steps._value.get() == 3
     mon.close()
+    assert load_steps(tmp_path / "r")["loss"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_scalar_window_gathers_and_reads_back():

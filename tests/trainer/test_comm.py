@@ -43,9 +43,9 @@ def test_wire_over_raw_matches_each_format(agreement):
     total = r["onebit"]["comm_total_s"]
     assert all(t > 0 for step, t in enumerate(total) if step % 10 == 0)
     assert all(t != t for step, t in enumerate(total) if step % 10)  # NaN: not measured
-    # ...or DDP's own timer (its C++ all-reduce, no Python hook): the first 10, then 1 in 10
+    # ...or DDP's own timer (its C++ all-reduce, no Python hook), read around sampled steps
     measured = [t for t in r["none"]["comm_total_s"] if t == t]
-    assert len(measured) >= 10 + 48 // 10 - 2 and all(t > 0 for t in measured)
+    assert len(measured) >= 48 // 10 and all(t > 0 for t in measured)
     for name in ("none", "onebit"):
         exposed = r[name]["comm_exposed_s"]  # the wait after backward: every step
         assert all(e >= 0 for e in exposed) and sum(e > 0 for e in exposed) > len(exposed) / 2

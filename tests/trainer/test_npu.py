@@ -86,8 +86,8 @@ def test_activate_and_synchronize_go_to_torch_npu(npu):
 def test_monitor_on_npu_events_reads_without_waiting(tmp_path, npu):
     probe = resolve_device("npu").probe()
     assert isinstance(probe, AcceleratorProbe)
-    mon = Monitor(MonitorConfig(run_dir=tmp_path / "r", metrics_port=None), probe=probe,
-                  registry=CollectorRegistry())
+    mon = Monitor(MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=3),
+                  probe=probe, registry=CollectorRegistry())
     for _ in range(3):
         with mon.step(tokens=4) as s:
             with s.phase("forward"):
