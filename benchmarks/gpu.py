@@ -233,8 +233,9 @@ def moe_dispatch(device: Device, steps: int) -> dict:
     return out
 
 
-def meshscope_run(root: Path, run_id: str, *args: str, timeout: int = 240) -> dict:
-    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(REPO / "configs/demo.toml"),
+def meshscope_run(root: Path, run_id: str, *args: str, timeout: int = 240,
+                  config: Path = REPO / "configs/demo.toml") -> dict:
+    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(config),
            "--run-dir", str(root), "--run-id", run_id, *args]
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -284,10 +285,14 @@ def restarts(device: Device, kills: int) -> dict:
 @part("6 wire bytes per compression hook")
 def wire_bytes(device: Device, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "no_warmup.toml"  # compress from the first step
+        config.write_text((REPO / "configs/demo.toml").read_text().replace(
+            "compression_warmup = 30", "compression_warmup = 0"))
         out = {}
         for hook in ("none", "fp16", "powersgd", "onebit"):
             r = meshscope_run(Path(tmp), hook, "--device", device.kind, "--nproc", "2",
-                              "--backend", "gloo", "--steps", str(steps), "--compression", hook)
+                              "--backend", "gloo", "--steps", str(steps), "--compression", hook,
+                              config=config)
             out[hook] = {k: r.get(k) for k in ("rc", "bytes_wire_per_step", "bytes_raw_per_step",
                                                "step_ms")}
         return out
