@@ -17,19 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
-from collector.control import ControlPlane
+from collector import readback
 from collector.comm import (BackwardWatch, CommMeter, CommWindow, DDPRuntimeStats, Hook,
                              WireBytes, allreduce_sent_bytes, allreduce_wire_bytes,
                              ddp_gradient_bytes, instrument_hook)
+from collector.control import ControlPlane
 from collector.env import DistEnv
 from collector.exporter import port_for, serve_metrics, write_targets
 from collector.metrics import MeshscopeMetrics
 from collector.moe import find_moe_layers
 from collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
-from collector import readback
 from collector.readback import Readback, ScalarWindow
 from collector.schema import Event, StepRecord
 from collector.store import RunStore
