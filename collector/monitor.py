@@ -32,9 +32,9 @@ from collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
 from collector.readback import Readback, ScalarWindow
 from collector.schema import Event, StepRecord
 from collector.store import RunStore
+from collector.version import VERSION
 
 log = logging.getLogger("meshscope.monitor")
-VERSION = "0.1.0"
 
 
 @dataclass(kw_only=True)

@@ -13,11 +13,12 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import requests
 
 from collector.exporter import TARGETS_INDEX
 from dashboards.alertmanager import AlertRouting, write_alertmanager_config
@@ -91,10 +92,20 @@ def _ensure_free(name: str, port: int) -> None:
                              f"({err.strerror}); choose another with --{name}-port") from None
 
 
+def _http(url: str, *, method: str = "GET", params: dict[str, str] | None = None,
+          timeout: float = 5) -> bytes:
+    """One HTTP call to a local part, with the standard library: the CLI needs no extra."""
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=timeout) as r:
+        return r.read()
+
+
 def _ready(url: str) -> bool:
     try:
-        return requests.get(f"{url}/-/ready", timeout=1).ok
-    except requests.RequestException:
+        _http(f"{url}/-/ready", timeout=1)
+        return True
+    except OSError:  # refused, timed out, or not 2xx (HTTPError is an OSError too)
         return False
 
 
@@ -131,7 +142,11 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
         _ensure_free(name, ports[name])
     for comp in before:
         if comp.ready:
-            requests.post(f"{comp.url}/-/reload", timeout=5)
+            try:
+                _http(f"{comp.url}/-/reload", method="POST")
+            except OSError as err:
+                raise StackError(f"{comp.name} at {comp.url} did not reload its rewritten "
+                                 f"configuration ({err}); see {cfg.home / 'logs'}") from None
     started: dict[str, subprocess.Popen] = {}
     for name in todo:
         log = cfg.home / "logs" / f"{name}.log"
@@ -177,8 +192,8 @@ def down(home: Path, timeout_s: float = 10.0) -> list[str]:
 
 def targets_by_run(prometheus_url: str) -> dict[str, dict[str, int]]:
     """Per run: how many of its scrape targets are up and down (what `status` reports)."""
-    active = requests.get(f"{prometheus_url}/api/v1/targets", params={"state": "active"},
-                          timeout=5).json()["data"]["activeTargets"]
+    active = json.loads(_http(f"{prometheus_url}/api/v1/targets",
+                              params={"state": "active"}))["data"]["activeTargets"]
     out: dict[str, dict[str, int]] = {}
     for t in active:
         run = t["labels"].get("run", "?")
@@ -188,5 +203,5 @@ def targets_by_run(prometheus_url: str) -> dict[str, dict[str, int]]:
 
 
 def firing_alerts(prometheus_url: str) -> list[dict[str, Any]]:
-    alerts = requests.get(f"{prometheus_url}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+    alerts = json.loads(_http(f"{prometheus_url}/api/v1/alerts"))["data"]["alerts"]
     return [a for a in alerts if a["state"] == "firing"]

@@ -10,13 +10,19 @@ from prometheus_client import CollectorRegistry
 
 from collector.metrics import DetectorMetrics
 from collector.schema import Event
-from collector.store import RunStore, load_expert_load, load_steps
+from collector.store import RunStore, load_events, load_expert_load, load_steps
 from detectors.engine import DetectionEngine, EngineConfig
 from detectors.episodes import Episode
 from detectors.notify import Alert, Outbox
 
 
 log = logging.getLogger("meshscope.detect")
+
+
+def episode_key(detail: dict) -> tuple:
+    """What makes two anomaly events the same episode: judging a run twice writes it once."""
+    return (detail.get("type"), detail.get("start_step"), detail.get("end_step"),
+            tuple(detail.get("ranks") or ()), detail.get("layer"), detail.get("expert"))
 
 
 class LiveDetection:
@@ -34,6 +40,7 @@ class LiveDetection:
                                       on_score=self._score)
         self.closed: list[Episode] = []
         self.outbox = outbox
+        self._written: set[tuple] | None = None  # anomaly events already in the store
         self._lock = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-detect", daemon=True)
@@ -94,11 +101,24 @@ class LiveDetection:
             self.outbox.put(Alert.from_anomaly(self.run_id, ep.detail()))
 
     def _closed(self, ep: Episode) -> None:
+        self.closed.append(ep)
+        key = episode_key(ep.detail())
+        if key in self._already_written():  # judged before (detect --run again, a new leader)
+            return
         if self.store is None:
             self.store = RunStore(self.run_dir)
         self.store.add_event(Event(kind="anomaly", run_id=self.run_id, severity="warning",
                                    step=ep.start_step, detail=ep.detail()))
-        self.closed.append(ep)
+        self._written.add(key)
+
+    def _already_written(self) -> set[tuple]:
+        if self._written is None:
+            try:
+                details = load_events(self.run_dir, kind="anomaly")["detail"]
+            except FileNotFoundError:
+                details = []
+            self._written = {episode_key(d) for d in details}
+        return self._written
 
     def _score(self, detector: str, score: float) -> None:
         self.metrics.anomaly_score.labels(detector=detector).set(score)

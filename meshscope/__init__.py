@@ -1,2 +1,2 @@
 """The composition root: the CLI and the launcher that wire the packages together."""
-__version__ = "0.1.0"
+from collector.version import VERSION as __version__  # noqa: F401  (one source)

@@ -167,6 +167,9 @@ def test_detect_finds_the_injected_faults_afterwards(injected):
     collapse = [a for a in anomalies if a["type"] == "expert_imbalance" and a.get("layer") == 0]
     assert collapse and collapse[0]["expert"] == 0 and collapse[0]["start_step"] <= 29
     assert all(set(a) >= {"score", "start_step", "end_step", "evidence"} for a in anomalies)
+    again = CliRunner().invoke(app, ["detect", "--run", str(injected["dir"])])
+    assert again.exit_code == 0, again.output
+    assert len(load_events(injected["dir"], kind="anomaly")) == len(anomalies)  # idempotent
 
 
 def test_grow_admits_a_returning_agent(tmp_path):

@@ -144,3 +144,12 @@ def test_the_summary_explains_a_missing_compression_ratio():
     assert _compression_cell({"ranks": 1.0, "compression_ratio": float("nan")}).startswith(
         "n/a (one rank")
     assert _compression_cell({"ranks": 2.0, "compression_ratio": 2.0}) == "2.0x"
+
+
+def test_the_version_is_said_once():
+    import importlib.metadata
+
+    import meshscope
+    from collector.version import VERSION
+
+    assert importlib.metadata.version("meshscope") == meshscope.__version__ == VERSION
