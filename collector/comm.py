@@ -132,10 +132,11 @@ def instrument_hook(hook: Hook, meter: CommMeter, wire_bytes: WireBytes, world_s
 class BackwardWatch:
     """Marks when a DDP model's backward compute ends and when its reduction is done.
 
-    A hook on the model's output fires as backward starts and queues an autograd-engine
-    callback; the engine runs it once the graph is done (compute over), before DDP's own
-    finalizer, which waits for every bucket; that callback queues one more, which runs after
-    the finalizer (all reduced). Two Python calls a step, whatever the number of buckets."""
+    A pre-hook on the autograd node of the model's output fires as backward starts and queues
+    an autograd-engine callback; the engine runs it once the graph is done (compute over),
+    before DDP's own finalizer, which waits for every bucket; that callback queues one more,
+    which runs after the finalizer (all reduced). A few Python calls a step, whatever the
+    number of buckets."""
 
     def __init__(self, meter: CommMeter) -> None:
         self.meter = meter
@@ -165,8 +166,9 @@ class DDPRuntimeStats:
     """DDP's own sampled communication time, for models whose reduction runs in C++ (no hook).
 
     DDP times its all-reduce on sampled iterations (the first 10, then one in `every`); a
-    figure is new when its end time moves, and belongs to the step that first sees it. On accelerators DDP reads its timers at the next
-    sampled forward: one wait per `every` steps, DDP's, not ours."""
+    figure is new when its end time moves, and belongs to the step that first sees it. On
+    accelerators DDP reads its timers by waiting at its next sampled forward, so there the
+    Monitor leaves DDP's own rate (1 in 100) alone."""
 
     def __init__(self, ddp: torch.nn.Module, every: int | None) -> None:
         self.ddp = ddp

@@ -172,6 +172,7 @@ class Monitor:
         self._moe_layers: list[torch.nn.Module] = []
         self._layer_index: dict[int, int] = {}
         self._expert_acc: list[torch.Tensor | None] = []  # per layer: this window's tokens
+        self._expert_like: torch.Tensor | None = None
         self._step = -1
         self._server = None
         self._closed = False
@@ -301,9 +302,10 @@ class Monitor:
 
     def _sync_experts(self, step: int) -> None:
         layers, self._expert_acc = self._expert_acc, [None] * len(self._expert_acc)
-        like = next((a for a in layers if a is not None), None)
-        if like is None:
+        like = next((a for a in layers if a is not None), self._expert_like)
+        if like is None:  # no MoE forward yet (on every rank: they step together)
             return
+        self._expert_like = like  # from now on this rank always joins the all-reduce
         acc = torch.stack([torch.zeros_like(like) if a is None else a for a in layers])
         if self.control is not None:
             self.control.all_reduce(acc)  # the one collective the Monitor adds

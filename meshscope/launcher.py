@@ -98,8 +98,10 @@ def start_zygote(cfg: RunConfig, env: dict[str, str], timeout_s: float = 60) -> 
         time.sleep(0.05)
     if proc.poll() is not None:
         log.close()
-        lines = (cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log").read_text(errors="replace")
-        why = lines.strip().splitlines()[-1] if lines.strip() else f"exit {proc.returncode}"
+        text = (cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log").read_text(errors="replace")
+        lines = text.strip().splitlines()
+        why = next((line for line in lines if "meshscope zygote:" in line),
+                   lines[-1] if lines else f"exit {proc.returncode}")
         print(f"meshscope: warning: warm standby off for this run ({why}); workers start plainly",
               file=sys.stderr)
         return None

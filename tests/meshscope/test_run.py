@@ -153,3 +153,21 @@ def test_the_version_is_said_once():
     from collector.version import VERSION
 
     assert importlib.metadata.version("meshscope") == meshscope.__version__ == VERSION
+
+
+def test_a_zygote_that_will_not_serve_means_one_warning_and_plain_workers(tmp_path, monkeypatch,
+                                                                         capsys):
+    from meshscope import launcher
+    from trainer.config import load_config
+
+    fake = tmp_path / "python"  # stands in for the interpreter that would run trainer.zygote
+    fake.write_text("#!/bin/sh\necho 'meshscope zygote: not serving, forking is unsafe: "
+                    "torch.cuda.init was called' >&2\necho '  File x.py, line 1' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    cfg = load_config(None, {"runs_root": str(tmp_path), "run_id": "z"})
+    (cfg.run_dir / "logs").mkdir(parents=True)
+    monkeypatch.setattr(launcher.sys, "executable", str(fake))
+    assert launcher.start_zygote(cfg, {}) is None
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "torch.cuda.init was called" in err
+    assert launcher.torchrun_command(cfg, warm=False)[-3] == "trainer.worker"
