@@ -25,11 +25,31 @@ from typing import Any, Protocol
 log = logging.getLogger("meshscope.notify")
 
 
+class AlertSettingError(ValueError):
+    """An alert flag or secrets file is unusable; the message names the flag."""
+
+
+def parse_host_port(value: str, flag: str = "--smtp") -> tuple[str, int]:
+    """`host:port` -> (host, port); AlertSettingError naming the flag otherwise."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise AlertSettingError(f"{flag} {value!r}: expected HOST:PORT with a port 1-65535")
+    return host, int(port)
+
+
 def read_secret(*, file: str | Path | None = None, env: str | None = None,
-                environ: dict[str, str] | None = None) -> str | None:
-    """A secret from a file (first line) or an environment variable; None when neither is set."""
+                environ: dict[str, str] | None = None, flag: str = "secret file") -> str | None:
+    """A secret from a file (first line) or an environment variable; None when neither is set.
+    An unreadable or empty file is an AlertSettingError naming `flag`."""
     if file:
-        return Path(file).read_text().strip()
+        try:
+            text = Path(file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+            raise AlertSettingError(f"{flag} {file}: cannot read it ({why})") from None
+        if not text:
+            raise AlertSettingError(f"{flag} {file}: the file is empty")
+        return text
     if env:
         return (environ if environ is not None else os.environ).get(env) or None
     return None

@@ -14,6 +14,7 @@ from rich.table import Table
 from collector.exporter import PortInUseError, remove_from_index
 from collector.report import summarize
 from collector.store import load_events, load_expert_load, load_steps, store_path
+from detectors.notify import Outbox
 from meshscope import launcher
 from trainer.config import ConfigError, RunConfig, load_config
 from trainer.device import DeviceUnavailable
@@ -88,8 +89,10 @@ def run(
             elastic__checkpoint_every=checkpoint_every, elastic__max_restarts=max_restarts,
             elastic__nnodes=nnodes, elastic__rdzv_endpoint=rdzv_endpoint,
             elastic__rdzv_external=True if rdzv_external else None))
+        channels = _alert_channels(slack_webhook_file, email_to, smtp, smtp_from, smtp_user,
+                                   smtp_password_file)  # checked before anything is written
         cfg = launcher.prepare_run(cfg)
-    except (ConfigError, DeviceUnavailable, PortInUseError) as err:
+    except (ConfigError, DeviceUnavailable, PortInUseError, ValueError) as err:
         fail(str(err))
     console.print(f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device} "
                   f"({cfg.backend}), "
@@ -97,8 +100,7 @@ def run(
     console.print(f"  store    {store_path(cfg.run_dir)}")
     console.print(f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
                   f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})")
-    outbox = _outbox(cfg, slack_webhook_file, email_to, smtp, smtp_from, smtp_user,
-                     smtp_password_file)
+    outbox = Outbox(cfg.run_dir / "outbox", channels) if channels else None
     detection = _start_detection(cfg, outbox)
     code = _train_with_progress(cfg)
     episodes = detection.stop()
@@ -112,19 +114,21 @@ def run(
             f"{e.type} ranks={e.ranks} steps {e.start_step}-{e.end_step}" for e in episodes))
 
 
-def _outbox(cfg: RunConfig, slack_file, email_to, smtp, smtp_from, smtp_user, password_file):
-    """Alert channels from flags and secrets (files or environment); None when there are none."""
-    from detectors.notify import Email, Outbox, SlackWebhook, read_secret
+def _alert_channels(slack_file, email_to, smtp, smtp_from, smtp_user, password_file) -> list:
+    """Alert channels from flags and secrets (files or environment); AlertSettingError (a
+    ValueError naming the flag) when one is unusable."""
+    from detectors.notify import Email, SlackWebhook, parse_host_port, read_secret
 
     channels = []
-    url = read_secret(file=slack_file, env="MESHSCOPE_SLACK_WEBHOOK")
+    url = read_secret(file=slack_file, env="MESHSCOPE_SLACK_WEBHOOK", flag="--slack-webhook-file")
     if url:
         channels.append(SlackWebhook(url))
     if email_to:
-        host, _, port = smtp.rpartition(":")
-        channels.append(Email(host, int(port), smtp_from, email_to.split(","),
-                              username=smtp_user, password=read_secret(file=password_file)))
-    return Outbox(cfg.run_dir / "outbox", channels) if channels else None
+        host, port = parse_host_port(smtp, "--smtp")
+        channels.append(Email(host, port, smtp_from, email_to.split(","), username=smtp_user,
+                              password=read_secret(file=password_file,
+                                                   flag="--smtp-password-file")))
+    return channels
 
 
 def _start_detection(cfg: RunConfig, outbox=None):

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -87,6 +88,14 @@ class ElasticConfig(_Strict):
     rdzv_external: bool = Field(
         False, description="the rendezvous store is hosted elsewhere (`meshscope rendezvous`), "
                            "so the job outlives any one agent")
+
+    @field_validator("nnodes")
+    @classmethod
+    def _node_range(cls, value: str) -> str:
+        low, _, high = value.partition(":")
+        if int(low) < 1 or (high and int(high) < int(low)):
+            raise ValueError(f"{value!r} needs 1 <= MIN <= MAX")
+        return value
 
 
 class RunConfig(_Strict):

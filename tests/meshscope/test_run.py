@@ -171,3 +171,16 @@ def test_a_zygote_that_will_not_serve_means_one_warning_and_plain_workers(tmp_pa
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "torch.cuda.init was called" in err
     assert launcher.torchrun_command(cfg, warm=False)[-3] == "trainer.worker"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--smtp", "nohost", "--email-to", "a@b"], "--smtp 'nohost': expected HOST:PORT"),
+    (["--smtp", "h:99999", "--email-to", "a@b"], "--smtp 'h:99999': expected HOST:PORT"),
+    (["--nnodes", "2:1"], "elastic.nnodes: '2:1' needs 1 <= MIN <= MAX"),
+    (["--slack-webhook-file", "/nonexistent/hook"], "--slack-webhook-file /nonexistent/hook: "
+                                                    "cannot read it"),
+])
+def test_bad_alert_and_topology_flags_exit_2_and_write_nothing(tmp_path, flags, message):
+    result = runner.invoke(app, ["run", *flags, "--steps", "1", "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "r").exists()  # refused before anything was written
