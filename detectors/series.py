@@ -23,6 +23,9 @@ def read_series(path: str, time_column: str, value_columns: list[str] | None) ->
         df = pd.read_csv(path)
     except pd.errors.EmptyDataError:
         raise SeriesError(f"{path}: the file is empty") from None
+    except UnicodeDecodeError as err:
+        raise SeriesError(f"{path}: not UTF-8 text (found byte {err.object[err.start]:#04x}); "
+                          "save the CSV as UTF-8") from None
     except (OSError, pd.errors.ParserError) as err:
         raise SeriesError(f"{path}: cannot read CSV ({err})") from None
     if df.empty:

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import math
 import socket
+import sqlite3
 from pathlib import Path
 from typing import Any, Optional
 
+import pandas as pd
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -236,6 +238,9 @@ def _detect_run(run: Path, sensitivity: float) -> None:
         config = EngineConfig(sensitivity=sensitivity)
     except (FileNotFoundError, ValueError) as err:
         fail(str(err))
+    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
+        # corrupt, truncated, or a SQLite file that is not a meshscope run store
+        fail(f"{store_path(run)}: not a readable meshscope run store ({err})")
     run_id = str(steps["run_id"].iloc[0]) if not steps.empty else run.name
     episodes = LiveDetection(run, run_id, config).stop()  # one pass; events into the store
     table = Table(title=f"anomalies in {run}")

@@ -163,9 +163,12 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     if path is not None:
         source = str(path)
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as err:
             raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                              f"offset {err.start})") from None
         try:
             data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:

@@ -184,3 +184,26 @@ def test_bad_alert_and_topology_flags_exit_2_and_write_nothing(tmp_path, flags, 
     result = runner.invoke(app, ["run", *flags, "--steps", "1", "--run-dir", str(tmp_path / "r")])
     assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_inputs_that_are_not_what_they_claim_exit_2(tmp_path):
+    import sqlite3
+
+    noise = tmp_path / "noise"
+    noise.mkdir()
+    (noise / "store.sqlite").write_bytes(bytes(range(256)) * 8)  # not a database at all
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    with sqlite3.connect(foreign / "store.sqlite") as conn:  # a database, not a run store
+        conn.execute("CREATE TABLE foo (x)")
+    for run in (noise, foreign):
+        result = runner.invoke(app, ["detect", "--run", str(run)])
+        assert result.exit_code == 2 and "not a readable meshscope run store" in result.output
+    csv = tmp_path / "latin.csv"
+    csv.write_bytes(b"time,value\n1,caf\xe9\n")
+    result = runner.invoke(app, ["detect", str(csv)])
+    assert result.exit_code == 2 and "not UTF-8 text" in result.output
+    toml = tmp_path / "latin.toml"
+    toml.write_bytes(b"# caf\xe9\n[train]\nsteps = 3\n")
+    result = runner.invoke(app, ["run", "--config", str(toml), "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "not UTF-8 text" in result.output
