@@ -68,9 +68,13 @@ class CommMeter:
 
     def __init__(self, probe: DeviceProbe) -> None:
         self.probe = probe
-        self.sampling = True
         self._lock = threading.Lock()  # completions arrive on the backend's threads
         self._window = CommWindow(sampled=True)
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the step in progress times its buckets."""
+        return self._window.sampled
 
     def count(self, raw: int, wire: int) -> None:
         with self._lock:
@@ -99,7 +103,6 @@ class CommMeter:
         """This step's window; the next one is sampled when `sample_next`."""
         with self._lock:
             window, self._window = self._window, CommWindow(sampled=sample_next)
-            self.sampling = sample_next
         return window
 
 

@@ -33,8 +33,9 @@ class MeshscopeMetrics:
         self.comm_ratio = Gauge(
             "meshscope_comm_ratio", "Exposed communication time / step time (0..1).", registry=r)
         self.comm_seconds = Counter(
-            "meshscope_comm_seconds", "Gradient communication time; kind=total (in flight, sampled and scaled)|exposed (waited for).", ["kind"],
-            registry=r)
+            "meshscope_comm_seconds",
+            "Gradient communication time; kind=total (in flight, sampled and scaled)|exposed "
+            "(waited for after backward).", ["kind"], registry=r)
         self.comm_bytes = Counter(
             "meshscope_comm_bytes",
             "Gradient bytes: raw before compression, wire as sent by this rank.", ["kind"], registry=r)

@@ -3,9 +3,9 @@
 Nothing here blocks the host on the device. Phase times are probe marks (device events on an
 accelerator); logged device scalars are gathered into one device buffer per window of
 `sync_every` steps, copied to pinned host memory without blocking, and read once an event says
-the copy landed, normally one window later (`collector.readback`). Records are emitted in step
-order as soon as every event of a step has completed (`query()`, never `synchronize()`); on the
-host that is at once. Only `flush()` and `close()` wait, and say so ("# sync point").
+the copy landed, normally one window later (`collector.readback`). At each window's end the
+finished steps (every event completed: `query()`, never `synchronize()`) go to the store and
+/metrics in step order. Only `flush()` and `close()` wait, and say so ("# sync point").
 """
 from __future__ import annotations
 

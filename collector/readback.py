@@ -33,7 +33,9 @@ class Readback:
         if not is_device_tensor(tensor):
             self._host, self._event = tensor.clone(), None
             return
-        pinned = tensor.device.type != "cpu"  # pinned memory makes the copy truly asynchronous
+        # pinned memory makes the copy truly asynchronous (a CPU tensor gets here only when a
+        # test stands in for a device)
+        pinned = tensor.device.type != "cpu"
         self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
         self._host.copy_(tensor, non_blocking=True)
         self._event = device_event(tensor.device)

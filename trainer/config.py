@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
+from collector.monitor import MonitorConfig
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -111,7 +113,7 @@ class RunConfig(_Strict):
     metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
     expert_every: int = Field(5, gt=0, description="sum expert load over ranks every N steps")
     comm_sample_every: int = Field(
-        10, gt=0, description="time gradient buckets on one step in N (the wait for "
+        MonitorConfig.comm_sample_every, gt=0, description="time gradient buckets on one step in N (the wait for "
                               "communication is measured every step)")
     linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
     inject: list[str] = Field(default_factory=list,

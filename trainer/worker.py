@@ -29,7 +29,7 @@ def init_process_group(env: DistEnv, backend: str) -> None:
     """One process group per torchrun attempt.
 
     On the agent's store, which outlives restarts, a per-attempt prefix keeps restarted workers
-    from reading a dead peer's address (NOTES: gloo restart pitfall). With several agents the
+    from reading a dead peer's address (gloo's restart pitfall). With several agents the
     launcher turns store sharing off: every rendezvous round then gets a fresh store hosted by
     rank 0, and agents whose restart counts differ (a newcomer) still meet."""
     if not env.is_distributed:
