@@ -4,8 +4,10 @@ One rule. Gradients and model tensors travel on the default process group (nccl,
 as device tensors; everything meshscope itself agrees on (rounds, stop flags, expert counts,
 control values) goes through a `ControlPlane`:
 
-- a **host tensor** travels on a gloo group: the default group when it takes CPU tensors,
-  else a gloo side group made once, when the plane is built;
+- a **host tensor** travels on a gloo side group of its own, made once when the plane is
+  built; never on the default group, even a gloo one: meshscope's traffic then never
+  interleaves with the job's collectives, so a rank that skips one of the job's collectives
+  leaves meshscope's sequence intact, and the flight log tells the two apart;
 - a **device tensor** travels on the default group.
 
 A host tensor never reaches an accelerator's group (nccl/hccl take device tensors only: "No
@@ -43,8 +45,7 @@ class ControlPlane:
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()
         self.device_types = _device_types(self.group)
         # new_group is collective: made here, on every rank, or never.
-        self.host_group = (self.group if "cpu" in self.device_types
-                           else dist.new_group(backend="gloo"))
+        self.host_group = dist.new_group(backend="gloo")
 
     @classmethod
     def maybe(cls) -> "ControlPlane | None":

@@ -142,3 +142,6 @@ class DetectorMetrics:
                                  registry=registry)
         for kind in ANOMALY_TYPES:  # from 0, so increase() sees the first anomaly
             self.anomalies.labels(type=kind)
+        self.faults = Counter("meshscope_faults", "Faults the watchers beside the run found, by kind.",
+                              ["kind"], registry=registry)
+        self.faults.labels(kind="hang")

@@ -25,6 +25,8 @@ from collector.comm import (BackwardWatch, CommMeter, CommWindow, DDPRuntimeStat
                              ddp_gradient_bytes, instrument_hook)
 from collector.control import ControlPlane
 from collector.env import DistEnv
+from collector.flightlog import FlightLog
+from collector.flightlog import allreduce_hook as flight_allreduce_hook
 from collector.exporter import port_for, serve_metrics, write_targets
 from collector.metrics import MeshscopeMetrics
 from collector.moe import find_moe_layers
@@ -57,6 +59,11 @@ class MonitorConfig:
     comm_sample_every: int = 10
     """Time each gradient bucket on one step in this many (the wait for communication, which
     makes the comm ratio, is measured every step)."""
+    flight_log: bool = True
+    """Keep the collective flight log (`collector.flightlog`) in `<run_dir>/live/`, which the
+    hang watchdog reads; it gives DDP a Python all-reduce hook so every bucket is seen."""
+    flight_capacity: int = 2048
+    """Collectives the flight log keeps per rank (a ring)."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -69,6 +76,8 @@ class MonitorConfig:
         if self.comm_sample_every < 1:
             raise ValueError("MonitorConfig.comm_sample_every must be >= 1, "
                              f"got {self.comm_sample_every}")
+        if self.flight_capacity < 16:
+            raise ValueError(f"MonitorConfig.flight_capacity must be >= 16, got {self.flight_capacity}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"MonitorConfig.metrics_port must be a TCP port, got {self.metrics_port}")
 
@@ -178,6 +187,12 @@ class Monitor:
         self._closed = False
         self._logged_keys: set[str] = set()
         self._loss_was_finite = True
+        self.flight: FlightLog | None = None
+        if config.flight_log:
+            self.flight = FlightLog(config.run_dir / "live", rank=self.env.rank,
+                                    world_size=self.env.world_size,
+                                    attempt=self.env.restart_count,
+                                    capacity=config.flight_capacity).install().start_responder()
         if config.metrics_port is not None:
             self._start_exporter()
 
@@ -218,6 +233,8 @@ class Monitor:
         """
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             world = self.env.world_size
+            if comm_hook is None and self.flight is not None:
+                comm_hook = flight_allreduce_hook  # every bucket in the flight log
             if comm_hook is None:
                 # DDP reads its timers by waiting on the device: on accelerators keep its own
                 # (rare) sampling instead of adding waits; on the host sampling is free.
@@ -255,6 +272,8 @@ class Monitor:
 
     def _begin(self, tokens: int, step: int | None) -> tuple[StepScope, float, Any]:
         self._step = self._step + 1 if step is None else step
+        if self.flight is not None:
+            self.flight.step_begin(self._step)
         # communication outside a step (e.g. DDP's init broadcast) is not ours
         self.meter.take(sample_next=self._step % self.config.comm_sample_every == 0)
         return StepScope(self.probe), time.time(), self.probe.mark()
@@ -265,6 +284,8 @@ class Monitor:
                            comm=self._take_comm(), memory=self.probe.memory())
         self._take_scalars(pending, scope.scalars)
         self._pending.append(pending)
+        if self.flight is not None:
+            self.flight.step_end()
         if self.should_sync_experts(self._step):
             self._sync_experts(self._step)
         self._window_steps += 1
@@ -406,6 +427,12 @@ class Monitor:
         self.store.add_event(ev)
         return ev
 
+    def fail(self, error: BaseException) -> None:
+        """Say why this rank is going down, for the hang watchdog: a rank that raised is a
+        culprit, not one more victim of a dead peer."""
+        if self.flight is not None:
+            self.flight.note_error(error)
+
     def flush(self) -> None:
         """Emit every pending step (waits for the device) and commit the store."""
         self._close_window()
@@ -420,6 +447,8 @@ class Monitor:
         self._close_window()
         self._drain(block=True)
         self.store.close()
+        if self.flight is not None:
+            self.flight.close()
         if self._server is not None:
             server, _thread = self._server
             server.shutdown()

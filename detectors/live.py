@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from collector.schema import Event
 from collector.store import RunStore, load_events, load_expert_load, load_steps
 from detectors.engine import DetectionEngine, EngineConfig
 from detectors.episodes import Episode
+from detectors.hang import Diagnosis, HangConfig, HangWatch, pid_alive
 from detectors.notify import Alert, Outbox
 
 
@@ -31,7 +34,7 @@ class LiveDetection:
 
     def __init__(self, run_dir: Path, run_id: str, config: EngineConfig | None = None,
                  registry: CollectorRegistry | None = None, poll_s: float = 1.0,
-                 outbox: Outbox | None = None) -> None:
+                 outbox: Outbox | None = None, hang: HangConfig | None = None) -> None:
         self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
         self.registry = registry or CollectorRegistry()
         self.metrics = DetectorMetrics(self.registry)
@@ -44,9 +47,13 @@ class LiveDetection:
         self._lock = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-detect", daemon=True)
+        self.hang = HangWatch(self.run_dir / "live", hang, on_hang=self._hung,
+                              leader=self._leader) if hang is not None else None
 
     def start(self) -> "LiveDetection":
         self._thread.start()
+        if self.hang is not None:
+            self.hang.start()
         return self
 
     def _loop(self) -> None:
@@ -85,6 +92,8 @@ class LiveDetection:
     def stop(self) -> list[Episode]:
         """Judge what is left, close every episode, and return all closed episodes."""
         self._stop.set()
+        if self.hang is not None:
+            self.hang.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.poll()
@@ -119,6 +128,30 @@ class LiveDetection:
                 details = []
             self._written = {episode_key(d) for d in details}
         return self._written
+
+    def _hung(self, diag: Diagnosis) -> None:
+        """A hang or broken collective: event, metric, alert, and (abort) end the workers so
+        the elastic agent restarts them from the last checkpoint."""
+        self.metrics.faults.labels(kind="hang").inc()
+        detail = diag.detail()
+        detail["action"] = self.hang.config.on_hang
+        store = RunStore(self.run_dir)  # this thread's own connection (SQLite is per thread)
+        try:
+            store.add_event(Event(kind="hang", run_id=self.run_id, severity="critical",
+                                  step=diag.evidence.get("step"), detail=detail))
+        finally:
+            store.close()
+        if self.outbox is not None:
+            self.outbox.put(Alert.from_hang(self.run_id, detail))
+            self.outbox.deliver()
+        if self.hang.config.on_hang == "abort":
+            for pid in diag.evidence.get("pids", {}).values():
+                if pid_alive(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+        log.warning("hang: %s", diag.why)
 
     def _score(self, detector: str, score: float) -> None:
         self.metrics.anomaly_score.labels(detector=detector).set(score)

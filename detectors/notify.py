@@ -78,6 +78,21 @@ class Alert:
                    severity="warning", facts=facts,
                    key=hashlib.sha1(ident.encode()).hexdigest()[:16])
 
+    @classmethod
+    def from_hang(cls, run_id: str, detail: dict[str, Any], link: str = "") -> "Alert":
+        """A hang or broken collective: who is to blame, in which collective, and why."""
+        facts = {"run": run_id, **{k: detail[k] for k in ("type", "culprit_ranks", "op", "seq",
+                                                          "group", "waiting_ranks", "why")
+                                   if detail.get(k) is not None}}
+        if link:
+            facts["link"] = link
+        ident = json.dumps([run_id, "hang", detail.get("culprit_ranks"), detail.get("group"),
+                            detail.get("seq")], default=str)
+        return cls(title=f"[meshscope] hang in {run_id}: culprit ranks "
+                         f"{detail.get('culprit_ranks')} ({detail.get('type')})",
+                   severity="critical", facts=facts,
+                   key=hashlib.sha1(ident.encode()).hexdigest()[:16])
+
     def text(self) -> str:
         return self.title + "\n" + "\n".join(f"{k}: {v}" for k, v in self.facts.items())
 

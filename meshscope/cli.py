@@ -80,6 +80,13 @@ def run(
     smtp_from: str = typer.Option("meshscope@localhost", help="sender of email alerts"),
     smtp_user: Optional[str] = typer.Option(None, help="SMTP login"),
     smtp_password_file: Optional[Path] = typer.Option(None, help="file holding the SMTP password"),
+    on_hang: str = typer.Option(
+        "report", "--on-hang", help="report: a hang event and alert naming the culprit; abort: "
+                                    "also kill the workers so torchrun restarts them from the "
+                                    "last checkpoint"),
+    hang_after: Optional[float] = typer.Option(
+        None, "--hang-after", help="seconds without progress before a stall is a hang (at "
+                                   "least; slow steps raise it; default 3)"),
 ) -> None:
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
@@ -93,6 +100,7 @@ def run(
             elastic__rdzv_external=True if rdzv_external else None))
         channels = _alert_channels(slack_webhook_file, email_to, smtp, smtp_from, smtp_user,
                                    smtp_password_file)  # checked before anything is written
+        hang = _hang_config(on_hang, hang_after)
         cfg = launcher.prepare_run(cfg)
     except (ConfigError, DeviceUnavailable, PortInUseError, ValueError) as err:
         fail(str(err))
@@ -103,7 +111,7 @@ def run(
     console.print(f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
                   f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})")
     outbox = Outbox(cfg.run_dir / "outbox", channels) if channels else None
-    detection = _start_detection(cfg, outbox)
+    detection = _start_detection(cfg, outbox, hang)
     code = _train_with_progress(cfg)
     episodes = detection.stop()
     if code != 0:  # a dead run stays in Prometheus' index: RankDown/RecoveryFailed fire
@@ -133,12 +141,27 @@ def _alert_channels(slack_file, email_to, smtp, smtp_from, smtp_user, password_f
     return channels
 
 
-def _start_detection(cfg: RunConfig, outbox=None):
-    """The detection engine beside training, exporting on the port after the ranks'."""
+def _hang_config(on_hang: str, hang_after: Optional[float]):
+    """The hang watchdog's settings from the flags; ValueError naming the flag otherwise."""
+    from detectors.hang import HangConfig
+
+    if on_hang not in ("report", "abort"):
+        raise ValueError(f"--on-hang {on_hang!r}: expected report or abort")
+    if hang_after is not None and not hang_after > 0:
+        raise ValueError(f"--hang-after {hang_after}: expected seconds > 0")
+    kwargs = {"on_hang": on_hang}
+    if hang_after is not None:
+        kwargs["min_stall_s"] = hang_after
+    return HangConfig(**kwargs)
+
+
+def _start_detection(cfg: RunConfig, outbox=None, hang=None):
+    """The detection engine and the hang watchdog beside training, exporting on the port
+    after the ranks'."""
     from collector.exporter import serve_metrics, write_detector_target
     from detectors.live import LiveDetection
 
-    live = LiveDetection(cfg.run_dir, cfg.run_id, outbox=outbox)
+    live = LiveDetection(cfg.run_dir, cfg.run_id, outbox=outbox, hang=hang)
     port = cfg.metrics_port + cfg.nproc
     try:
         serve_metrics(live.registry, port, host="127.0.0.1")
@@ -252,6 +275,41 @@ def _detect_run(run: Path, sensitivity: float) -> None:
                       f"{ep.start_step}-{ep.end_step}", f"{ep.score:.2f}", str(ep.evidence)[:60])
     console.print(table)
     console.print(f"{len(episodes)} anomaly episode(s) written to {store_path(run)}")
+
+
+@app.command("hang-report")
+def hang_report(
+    run: Path = typer.Option(..., "--run", help="a run directory"),
+) -> None:
+    """The last hang diagnosis of a run; without one, a diagnosis from its flight logs."""
+    from detectors.hang import diagnose_folder
+
+    try:
+        events = load_events(run, kind="hang")
+    except FileNotFoundError:
+        events = None
+    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
+        fail(f"{store_path(run)}: not a readable meshscope run store ({err})")
+    if events is not None and not events.empty:
+        detail, source = events.iloc[-1]["detail"], f"hang event in {store_path(run)}"
+    else:
+        diag = diagnose_folder(run / "live")
+        if diag is None:
+            fail(f"{run}: no hang event and no flight logs in {run / 'live'}")
+        detail, source = diag.detail(), f"flight logs in {run / 'live'} (post-mortem)"
+    _print_hang(detail, source)
+
+
+def _print_hang(detail: dict, source: str) -> None:
+    table = Table(title=f"hang diagnosis ({source})", show_header=False)
+    for key in ("type", "culprit_ranks", "op", "seq", "group", "waiting_ranks", "why", "action"):
+        if detail.get(key) is not None:
+            table.add_row(key, str(detail[key]))
+    console.print(table)
+    for rank, stack in sorted((detail.get("stacks") or {}).items()):
+        console.print(f"[bold]rank {rank}[/] (innermost last)")
+        for line in stack[-8:]:
+            console.print(f"    {line}", markup=False, highlight=False)
 
 
 @app.command()

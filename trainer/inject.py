@@ -1,7 +1,10 @@
 """Fault injection for demos, tests and scoring detectors: `KIND@step=S,rank=R[,steps=N][,k=v]`.
 
 Kinds: kill, hang (seconds=), slow (factor=), comm_delay (ms=), nan, expert_collapse (layer=),
-memory_leak (mb_per_step=). An expert collapse acts on every rank (the router is replicated, so a
+memory_leak (mb_per_step=), skip_collective (the rank skips its gradient all-reduces of that
+step, as a rank taking a wrong branch would), collective_mismatch (what=shape|op|dtype|split:
+the rank's first gradient collective of that step disagrees with its peers'; `split` makes
+every rank exchange tokens with all_to_all_single, the rank with wrong split sizes). An expert collapse acts on every rank (the router is replicated, so a
 real collapse does too); its `rank` only says which rank reports it. Every injection writes an `injected` event when it starts (the ground
 truth detectors are scored against) and fires once per run, also across restarts.
 """
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 KINDS = {
     "kill": {},
@@ -26,7 +30,11 @@ KINDS = {
     "nan": {},
     "expert_collapse": {"layer": 0.0},
     "memory_leak": {"mb_per_step": 16.0},
+    "skip_collective": {},
+    "collective_mismatch": {"what": "shape"},
 }
+# Parameters that take a word, not a number, and the words they take.
+CHOICES = {"what": ("shape", "op", "dtype", "split")}
 
 
 class InjectionError(ValueError):
@@ -39,7 +47,7 @@ class Injection:
     step: int
     rank: int
     steps: int = 1
-    params: dict[str, float] = field(default_factory=dict)
+    params: dict[str, float | str] = field(default_factory=dict)
 
     def active(self, step: int, rank: int) -> bool:
         return rank == self.rank and self.step <= step < self.step + self.steps
@@ -48,7 +56,7 @@ class Injection:
     def key(self) -> str:
         return f"{self.kind}@{self.step}/{self.rank}"
 
-    def param(self, name: str) -> float:
+    def param(self, name: str) -> Any:
         return self.params.get(name, KINDS[self.kind][name])
 
 
@@ -58,11 +66,18 @@ def parse_injection(spec: str) -> Injection:
     if not sep or kind not in KINDS:
         raise InjectionError(f"--inject {spec!r}: expected KIND@step=S,rank=R[,...] with KIND one "
                              f"of {', '.join(KINDS)}")
-    fields: dict[str, float] = {}
+    fields: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if key in CHOICES:
+            if value not in CHOICES[key]:
+                raise InjectionError(f"--inject {spec!r}: {key}= takes one of "
+                                     f"{', '.join(CHOICES[key])}, not {value!r}")
+            fields[key] = value
+            continue
         try:
-            fields[key.strip()] = float(value)
+            fields[key] = float(value)
         except ValueError:
             raise InjectionError(f"--inject {spec!r}: {item!r} is not key=number") from None
         if not eq:
@@ -95,9 +110,14 @@ class Injector:
         self.mine = [i for i in injections if i.rank == rank]
         # The router is replicated: a collapse happens on every rank at once (reported by one).
         self.collapses = [i for i in injections if i.kind == "expert_collapse"]
+        # A token exchange with wrong splits needs every rank in the exchange.
+        self.exchanges = [i for i in injections if i.kind == "collective_mismatch"
+                          and i.param("what") == "split"]
+        self._broken_step = -1
         self.rank = rank
         self._report, self._flush = report, flush
         self._fired = set(already_fired or ())
+        self._fired_before = frozenset(self._fired)  # by earlier attempts, on any rank
         self._leak: list[torch.Tensor] = []
         self._step = -1
         self._normal_steps: collections.deque[float] = collections.deque(maxlen=9)
@@ -112,8 +132,10 @@ class Injector:
         return out
 
     def _active(self, kind: str, step: int) -> Injection | None:
+        """The injection of `kind` acting now: started by this attempt (a resumed run replays
+        its steps without the fault that made it restart)."""
         return next((i for i in self.mine if i.kind == kind and i.active(step, self.rank)
-                     and (i.key in self._fired)), None)
+                     and i.key in self._fired and i.key not in self._fired_before), None)
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
         """Start injections; kill and hang act here, the rest shape the step."""
@@ -159,6 +181,77 @@ class Injector:
     def comm_delay_s(self) -> float:
         delay = self._active("comm_delay", self._step)
         return delay.param("ms") / 1000 if delay is not None else 0.0
+
+
+    @property
+    def touches_collectives(self) -> bool:
+        """Whether the gradient hook must be wrapped by `collective_fault_hook`."""
+        return bool(self.exchanges) or any(
+            i.kind in ("skip_collective", "collective_mismatch") for i in self.mine)
+
+    def collective_fault(self) -> tuple[str, Injection] | None:
+        """What this bucket's collective must do wrong: ("skip" | shape | op | dtype | split)."""
+        step = self._step
+        if self._active("skip_collective", step) is not None:
+            return "skip", self._active("skip_collective", step)
+        if self._broken_step == step:
+            return None  # one wrong collective per step: after it the group is broken anyway
+        exchange = next((i for i in self.exchanges if i.active(step, i.rank)
+                         and i.key not in self._fired_before), None)
+        mismatch = self._active("collective_mismatch", step) or exchange
+        if mismatch is None:
+            return None
+        self._broken_step = step
+        return str(mismatch.param("what")), mismatch
+
+
+def collective_fault_hook(hook: Callable[..., Any], injector: Injector) -> Callable[..., Any]:
+    """Wrap a comm hook so skip_collective and collective_mismatch injections happen on the
+    wire, where a real one does."""
+
+    def hook_with_faults(state: Any, bucket: Any) -> Any:
+        fault = injector.collective_fault()
+        if fault is None:
+            return hook(state, bucket)
+        what, inj = fault
+        buffer = bucket.buffer()
+        culprit = inj.rank == injector.rank
+        if what == "skip":
+            done = torch.futures.Future()
+            done.set_result(buffer)  # local gradients only, peers wait for this rank
+            return done
+        if what == "split":
+            _exchange_tokens(buffer, wrong=culprit)
+            return hook(state, bucket)
+        if what == "shape":
+            work = dist.all_reduce(torch.cat([buffer, buffer.new_zeros(1)]), async_op=True)
+        elif what == "dtype":
+            work = dist.all_reduce(buffer.to(torch.float64), async_op=True)
+        else:  # op: a broadcast where the peers all-reduce
+            work = dist.broadcast(buffer, src=injector.rank, async_op=True)
+        return work.get_future().then(lambda fut: buffer)
+
+    return hook_with_faults
+
+
+def _exchange_tokens(buffer: torch.Tensor, *, wrong: bool) -> None:
+    """An expert-parallel style all_to_all_single; the `wrong` rank miscounts what it sends its
+    peers (its own share unchanged), as a routing bug would."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    send = wrong_splits(rank, world) if wrong else [2] * world
+    out = buffer.new_zeros(2 * world)
+    dist.all_to_all_single(out, buffer.new_ones(sum(send)), output_split_sizes=[2] * world,
+                           input_split_sizes=send)
+
+
+def wrong_splits(rank: int, world: int, per_peer: int = 2) -> list[int]:
+    """Split sizes off by one towards two peers (one with a single peer): what a router that
+    miscounts its tokens sends. Its own share is right, so only the peers can notice."""
+    send = [per_peer] * world
+    send[(rank + 1) % world] += 1
+    if world >= 3:
+        send[(rank + 2) % world] -= 1
+    return send
 
 
 def delayed_hook(hook: Callable[..., Any], injector: Injector) -> Callable[..., Any]:

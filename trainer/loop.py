@@ -11,16 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from collector import Monitor
+from collector.flightlog import allreduce_hook as flight_allreduce_hook
 from trainer.comm import NO_OVERLAP_BUCKET_MB, build_hook
 from trainer.config import RunConfig
 from trainer.data import SyntheticTokens
 from trainer.device import Device
 from trainer.elastic import ElasticRun
-from trainer.inject import Injector, delayed_hook
+from trainer.inject import Injector, collective_fault_hook, delayed_hook
 from trainer.model import MoELM
 
 # Devices whose AdamW has fused kernels that honour `found_inf`. Ascend is left out until
@@ -51,7 +51,9 @@ def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size
                           seed=cfg.train.seed, warmup_steps=cfg.train.compression_warmup)
         hook = spec.hook
         if injector is not None and any(i.kind == "comm_delay" for i in injector.mine):
-            hook = delayed_hook(hook or default_hooks.allreduce_hook, injector)
+            hook = delayed_hook(hook or flight_allreduce_hook, injector)
+        if injector is not None and injector.touches_collectives:
+            hook = collective_fault_hook(hook or flight_allreduce_hook, injector)
         mon.watch(ddp, comm_hook=hook, hook_state=spec.state, wire_bytes=spec.wire_bytes)
         hook_state = spec.state
     else:

@@ -92,6 +92,7 @@ def run_worker(cfg: RunConfig, env: DistEnv) -> None:
         try:
             reason = train(state, mon, cfg, device, elastic, injector)
         except Exception as err:
+            mon.fail(err)
             elastic.mark_failed(err)  # we failed, we did not vanish: not the culprit
             raise
         mon.flush()

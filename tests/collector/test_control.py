@@ -61,12 +61,19 @@ def test_every_meshscope_collective_survives_an_accelerator_only_group(tmp_path)
     assert experts.groupby("expert")["tokens"].sum().tolist() == [6.0, 12.0, 18.0]  # 1x + 2x
 
 
-def host_group_is_the_default_on_gloo(rank, world_size):
+def control_traffic_apart(rank, world_size):
     plane = ControlPlane()
     with pytest.raises(ControlPlaneError, match="meta tensor cannot travel"):
         plane.all_reduce(torch.ones(1, device="meta"))
-    return plane.host_group is plane.group
+    # a rank one collective behind on the job's group still agrees on meshscope's
+    work = dist.all_reduce(torch.ones(1), async_op=True) if rank == 0 else None
+    agreed = plane.agree_max(float(rank))
+    if rank == 1:
+        dist.all_reduce(torch.ones(1))
+    if work is not None:
+        work.wait()
+    return plane.host_group is not plane.group, agreed
 
 
-def test_on_gloo_the_default_group_carries_host_tensors():
-    assert run_ranks(host_group_is_the_default_on_gloo, 2) == [True, True]
+def test_on_gloo_too_meshscope_talks_on_a_group_of_its_own():
+    assert run_ranks(control_traffic_apart, 2) == [(True, 1.0), (True, 1.0)]

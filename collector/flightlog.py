@@ -1,0 +1,482 @@
+"""The collective flight log: what every rank was doing on the wire, readable after it died.
+
+Each rank keeps a ring of fixed-size records in a memory-mapped file,
+`<run>/live/rank<R>-<pid>.flight`: one record per collective meshscope can see (DDP buckets
+through the comm hook, the control plane, and the `torch.distributed` calls of user code),
+with the sequence number per process group, op, shapes, dtype, split sizes, state
+(issued/completed/failed), times, training step and the Python call site. The mapping lives
+in the page cache, so the records of a rank killed by SIGKILL or aborted inside gloo are still
+there for the hang watchdog (`detectors.hang`), which reads the files from beside the job and
+never through the process group that is stuck.
+
+Beside the ring, a responder thread answers the watchdog's requests for Python stacks
+(`sys._current_frames`), and faulthandler writes the stacks of a crash to `<...>.crash`.
+
+Collectives are seen by wrapping the `torch.distributed` functions once per process
+(`FlightLog.install`). Code that imported a function by name before that (`from
+torch.distributed import all_reduce`) and DDP's C++ all-reduce are not seen: the Monitor gives
+DDP a Python all-reduce hook while a flight log is on.
+"""
+from __future__ import annotations
+
+import faulthandler
+import functools
+import json
+import mmap
+import os
+import re
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MAGIC = b"MSFLT1\0\0"
+# magic, rank, world, pid, capacity, written, step, progress_t, started_t, step_s, state,
+# attempt (torchrun's restart count), last_error
+HEADER = struct.Struct("<8siiiiqqdddii128s")
+HEADER_SIZE = 256
+# seq, step, t_issue, t_done, group, op, state, dtype, shapes, splits, site, peer, group_size
+RECORD = struct.Struct("<qqdd16s24sb15s56s56s96sii")
+STATE_ISSUED, STATE_DONE, STATE_FAILED = 1, 2, 3
+STATE_NAMES = {STATE_ISSUED: "issued", STATE_DONE: "completed", STATE_FAILED: "failed"}
+RUNNING, CLOSED = 1, 2
+_T_DONE_OFFSET = struct.calcsize("<qqd")
+_STATE_OFFSET = struct.calcsize("<qqdd16s24s")
+_WRITTEN_OFFSET = struct.calcsize("<8siiii")
+_PROGRESS_OFFSET = struct.calcsize("<8siiiiqq")
+_STEP_OFFSET = struct.calcsize("<8siiiiq")
+_STEP_S_OFFSET = struct.calcsize("<8siiiiqqdd")
+_STATE_HDR_OFFSET = struct.calcsize("<8siiiiqqddd")
+_ERROR_OFFSET = struct.calcsize("<8siiiiqqdddii")
+REQUEST_FILE = "request"
+
+
+def _text(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _fit(text: str, size: int) -> bytes:
+    """UTF-8, cut to the field (a cut never splits a character)."""
+    raw = text.encode("utf-8")
+    return raw if len(raw) <= size else raw[:size].decode("utf-8", "ignore").encode("utf-8")
+
+
+def flight_path(folder: Path, rank: int, pid: int) -> Path:
+    return Path(folder) / f"rank{rank}-{pid}.flight"
+
+
+# --- describing a call ------------------------------------------------------------------
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
+
+
+@dataclass(frozen=True)
+class _Op:
+    """Where a torch.distributed function keeps its tensors, group and peer."""
+
+    tensors: tuple[tuple[int, str], ...]
+    group: tuple[int, str]
+    peer: tuple[int, str] | None = None
+    p2p: bool = False
+    splits: bool = False
+
+
+OPS: dict[str, _Op] = {
+    "all_reduce": _Op(((0, "tensor"),), (2, "group")),
+    "broadcast": _Op(((0, "tensor"),), (2, "group"), peer=(1, "src")),
+    "reduce": _Op(((0, "tensor"),), (3, "group"), peer=(1, "dst")),
+    "all_gather": _Op(((1, "tensor"),), (2, "group")),
+    "all_gather_into_tensor": _Op(((1, "input_tensor"),), (2, "group")),
+    "reduce_scatter": _Op(((1, "input_list"),), (3, "group")),
+    "reduce_scatter_tensor": _Op(((1, "input"),), (3, "group")),
+    "all_to_all": _Op(((1, "input_tensor_list"),), (2, "group")),
+    "all_to_all_single": _Op(((1, "input"),), (4, "group"), splits=True),
+    "gather": _Op(((0, "tensor"),), (3, "group"), peer=(2, "dst")),
+    "scatter": _Op(((0, "tensor"),), (3, "group"), peer=(2, "src")),
+    "barrier": _Op((), (0, "group")),
+    "send": _Op(((0, "tensor"),), (2, "group"), peer=(1, "dst"), p2p=True),
+    "recv": _Op(((0, "tensor"),), (2, "group"), peer=(1, "src"), p2p=True),
+    "isend": _Op(((0, "tensor"),), (2, "group"), peer=(1, "dst"), p2p=True),
+    "irecv": _Op(((0, "tensor"),), (2, "group"), peer=(1, "src"), p2p=True),
+}
+
+
+def _splits(args: tuple, kwargs: dict) -> str:
+    out_sizes = _arg(args, kwargs, 2, "output_split_sizes")
+    in_sizes = _arg(args, kwargs, 3, "input_split_sizes")
+    if out_sizes is None and in_sizes is None:
+        return ""
+    fmt = lambda s: "even" if s is None else ",".join(str(int(x)) for x in s)  # noqa: E731
+    return f"in={fmt(in_sizes)} out={fmt(out_sizes)}"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_THIS_FILE = __file__
+
+
+def call_site(frame: Any) -> str:
+    """The first frame outside torch and this module: the line that asked for the collective."""
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename == _THIS_FILE):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    short = "/".join(path.rsplit("/", 2)[-2:])
+    return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+# --- the log ----------------------------------------------------------------------------
+
+class FlightLog:
+    """One rank's ring of collective records in a memory-mapped file (see the module doc)."""
+
+    _active: "FlightLog | None" = None
+    _originals: dict[str, Callable[..., Any]] = {}
+
+    def __init__(self, folder: Path, *, rank: int, world_size: int, capacity: int = 2048,
+                 attempt: int = 0) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world, self.capacity = rank, world_size, capacity
+        self.pid = os.getpid()
+        self.path = flight_path(self.folder, rank, self.pid)
+        size = HEADER_SIZE + capacity * RECORD.size
+        with open(self.path, "wb") as f:
+            f.truncate(size)
+        self._file = open(self.path, "r+b")
+        self._map = mmap.mmap(self._file.fileno(), size)
+        HEADER.pack_into(self._map, 0, MAGIC, rank, world_size, self.pid, capacity, 0, -1,
+                         time.time(), time.time(), 0.0, RUNNING, attempt, b"")
+        self._written = 0
+        self._seq: dict[str, int] = {}
+        self._groups: dict[int, tuple[str, int]] = {}
+        self._group_ranks: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self._step = -1
+        self._step_started = 0.0
+        self._step_s = 0.0
+        self._crash_file = None
+        self._responder: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # --- records ------------------------------------------------------------------------
+    def _group(self, group: Any) -> tuple[str, int]:
+        key = id(group)
+        known = self._groups.get(key)
+        if known is None:
+            pg = group if group is not None else dist.distributed_c10d._get_default_group()
+            name = dist.distributed_c10d._get_process_group_name(pg)
+            ranks = dist.get_process_group_ranks(pg)
+            known = self._groups[key] = (name, len(ranks))
+            self._group_ranks[name] = ranks
+            self._write_groups()
+        return known
+
+    def _write_groups(self) -> None:
+        tmp = self.path.with_suffix(".groups.tmp")
+        tmp.write_text(json.dumps(self._group_ranks))
+        os.replace(tmp, self.path.with_suffix(".groups.json"))
+
+    def issue(self, op: str, spec: _Op, args: tuple, kwargs: dict, frame: Any) -> int:
+        """Record a collective as issued; returns its slot for `finish`."""
+        group, size = self._group(_arg(args, kwargs, *spec.group))
+        tensors = [t for i, name in spec.tensors for t in _tensors(_arg(args, kwargs, i, name))]
+        shapes = ";".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
+        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
+        peer = _arg(args, kwargs, *spec.peer) if spec.peer else None
+        splits = _splits(args, kwargs) if spec.splits else ""
+        counter = f"{group}/p2p" if spec.p2p else group
+        with self._lock:
+            seq = self._seq.get(counter, 0)
+            self._seq[counter] = seq + 1
+            slot = self._written % self.capacity
+            RECORD.pack_into(self._map, HEADER_SIZE + slot * RECORD.size, seq, self._step,
+                             time.time(), 0.0, _fit(group, 16), _fit(op, 24), STATE_ISSUED,
+                             _fit(dtype, 15), _fit(shapes, 56), _fit(splits, 56),
+                             _fit(call_site(frame), 96), -1 if peer is None else int(peer), size)
+            self._written += 1
+            struct.pack_into("<q", self._map, _WRITTEN_OFFSET, self._written)
+        return slot
+
+    def finish(self, slot: int, error: BaseException | None = None) -> None:
+        """Mark a record completed (or failed), and the rank as making progress."""
+        base = HEADER_SIZE + slot * RECORD.size
+        now = time.time()
+        struct.pack_into("<d", self._map, base + _T_DONE_OFFSET, now)
+        struct.pack_into("<b", self._map, base + _STATE_OFFSET,
+                         STATE_DONE if error is None else STATE_FAILED)
+        if error is None:
+            struct.pack_into("<d", self._map, _PROGRESS_OFFSET, now)
+        else:
+            self.note_error(error)
+
+    def note_error(self, error: BaseException) -> None:
+        """Keep the first error this rank met (a failed collective, or what ended the worker)."""
+        if self._map[_ERROR_OFFSET] == 0:
+            # gloo prefixes its source path: "[/__w/.../pair.cc:537] Read error ..."
+            text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
+            struct.pack_into("128s", self._map, _ERROR_OFFSET,
+                             _fit(f"{type(error).__name__}: {text}", 127))
+
+    def step_begin(self, step: int) -> None:
+        """The Monitor says a step starts: records carry it."""
+        self._step = step
+        self._step_started = time.perf_counter()
+        struct.pack_into("<q", self._map, _STEP_OFFSET, step)
+
+    def step_end(self) -> None:
+        """A step ended: progress, and the typical step time the watchdog scales by."""
+        took = time.perf_counter() - self._step_started
+        # a slow EMA: one slow step (a checkpoint) must not raise the stall threshold much
+        self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
+        struct.pack_into("<d", self._map, _PROGRESS_OFFSET, time.time())
+        struct.pack_into("<d", self._map, _STEP_S_OFFSET, self._step_s)
+
+    # --- wrapping torch.distributed ---------------------------------------------------------
+    def install(self) -> "FlightLog":
+        """Make this the process's flight log and wrap torch.distributed's collectives once."""
+        FlightLog._active = self
+        for name, spec in OPS.items():
+            if name in FlightLog._originals or not hasattr(dist, name):
+                continue
+            original = getattr(dist, name)
+            FlightLog._originals[name] = original
+            setattr(dist, name, _logged(name, spec, original))
+        return self
+
+    @classmethod
+    def uninstall(cls) -> None:
+        """Put torch.distributed's functions back (tests)."""
+        for name, original in cls._originals.items():
+            setattr(dist, name, original)
+        cls._originals = {}
+        cls._active = None
+
+    # --- the watchdog's side -----------------------------------------------------------------
+    def start_responder(self, poll_s: float = 0.2) -> "FlightLog":
+        """Answer stack requests from the watchdog; write a crash's stacks with faulthandler."""
+        self._crash_file = open(self.path.with_suffix(".crash"), "w")
+        faulthandler.enable(file=self._crash_file, all_threads=True)
+        self._responder = threading.Thread(target=self._respond, args=(poll_s,),
+                                           name="meshscope-flight", daemon=True)
+        self._responder.start()
+        return self
+
+    def _respond(self, poll_s: float) -> None:
+        request, answered = self.folder / REQUEST_FILE, None
+        while not self._stop.wait(poll_s):
+            try:
+                stamp = request.stat().st_mtime_ns
+            except FileNotFoundError:
+                continue
+            if stamp != answered:
+                answered = stamp
+                self.write_stacks(request.read_text().strip())
+
+    def write_stacks(self, request_id: str = "") -> Path:
+        """Every thread's Python stack, the main thread first, for the watchdog."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        main = threading.main_thread().ident
+        stacks = {}
+        for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
+            if names.get(ident, "").startswith("meshscope-flight"):
+                continue
+            lines = [f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno} {f.name}"
+                     for f in traceback.extract_stack(frame)]
+            stacks[names.get(ident, str(ident))] = lines[-24:]
+        out = self.path.with_suffix(".stacks.json")
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"request": request_id, "time": time.time(), "step": self._step,
+                                   "stacks": stacks}))
+        os.replace(tmp, out)
+        return out
+
+    def close(self) -> None:
+        """A clean exit: the watchdog must not take this rank for dead."""
+        self._stop.set()
+        struct.pack_into("<i", self._map, _STATE_HDR_OFFSET, CLOSED)
+        if FlightLog._active is self:
+            FlightLog._active = None
+        if self._crash_file is not None:
+            faulthandler.disable()
+            self._crash_file.close()
+            self._crash_file = None
+        self._map.flush()
+
+
+def _logged(name: str, spec: _Op, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        log = FlightLog._active
+        if log is None:
+            return original(*args, **kwargs)
+        slot = log.issue(name, spec, args, kwargs, sys._getframe(1))
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as err:
+            log.finish(slot, err)
+            raise
+        if result is None or not hasattr(result, "get_future"):
+            log.finish(slot)
+        else:  # async: completed when its future is (gloo: the data arrived)
+            result.get_future().add_done_callback(functools.partial(_done, log, slot))
+        return result
+
+    return logged
+
+
+def _done(log: FlightLog, slot: int, fut: Any) -> None:
+    try:
+        fut.wait()
+    except Exception as err:  # the collective failed; the failure is the record
+        log.finish(slot, err)
+        return
+    log.finish(slot)
+
+
+def allreduce_hook(process_group: Any, bucket: Any) -> Any:
+    """DDP's plain all-reduce, issued from Python so the flight log sees every bucket."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=process_group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
+
+
+# --- reading ------------------------------------------------------------------------------
+
+@dataclass
+class FlightRecord:
+    """One collective as a rank recorded it."""
+
+    seq: int
+    step: int
+    t_issue: float
+    t_done: float
+    group: str
+    op: str
+    state: str
+    dtype: str
+    shapes: str
+    splits: str
+    site: str
+    peer: int
+    group_size: int
+
+    @property
+    def signature(self) -> tuple[str, str, str, str]:
+        """What every rank must agree on for the same collective."""
+        return (self.op, self.shapes, self.dtype, self.splits)
+
+
+@dataclass
+class FlightTail:
+    """A rank's flight log as read from its file (alive or dead)."""
+
+    path: Path
+    rank: int
+    world_size: int
+    pid: int
+    step: int
+    progress_t: float
+    started_t: float
+    step_s: float
+    closed: bool
+    last_error: str
+    attempt: int
+    records: list[FlightRecord] = field(default_factory=list)
+    groups: dict[str, list[int]] = field(default_factory=dict)
+
+    def open_records(self) -> list[FlightRecord]:
+        return [r for r in self.records if r.state == "issued"]
+
+    def last_seq(self, group: str) -> int:
+        """The last sequence number this rank issued on `group` (-1: none)."""
+        seqs = [r.seq for r in self.records if r.group == group and not _is_p2p(r)]
+        return max(seqs, default=-1)
+
+    def record(self, group: str, seq: int) -> FlightRecord | None:
+        return next((r for r in self.records if r.group == group and r.seq == seq
+                     and not _is_p2p(r)), None)
+
+
+def _is_p2p(r: FlightRecord) -> bool:
+    return r.op in ("send", "recv", "isend", "irecv")
+
+
+class FlightLogError(ValueError):
+    """A file that is not a meshscope flight log (or is cut short)."""
+
+
+def read_flight(path: Path, last: int | None = None) -> FlightTail:
+    """A flight log file, oldest record first (`last`: only the newest N; 0: the header)."""
+    if last == 0:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+        if len(head) < HEADER_SIZE or head[:8] != MAGIC:
+            raise FlightLogError(f"{path}: not a meshscope flight log")
+        (_, rank, world, pid, _cap, _n, step, progress_t, started_t, step_s, state, attempt,
+         error) = HEADER.unpack_from(head, 0)
+        return FlightTail(Path(path), rank, world, pid, step, progress_t, started_t, step_s,
+                          state == CLOSED, _text(error), attempt)
+    raw = Path(path).read_bytes()
+    if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
+        raise FlightLogError(f"{path}: not a meshscope flight log")
+    (_, rank, world, pid, capacity, written, step, progress_t, started_t, step_s, state,
+     attempt, error) = HEADER.unpack_from(raw, 0)
+    if capacity <= 0 or len(raw) < HEADER_SIZE + capacity * RECORD.size or written < 0:
+        raise FlightLogError(f"{path}: flight log cut short or damaged")
+    count = min(written, capacity, capacity if last is None else last)
+    records = []
+    for n in range(written - count, written):
+        fields = RECORD.unpack_from(raw, HEADER_SIZE + (n % capacity) * RECORD.size)
+        seq, rstep, t_issue, t_done, group, op, rstate, dtype, shapes, splits, site, peer, size = fields
+        records.append(FlightRecord(seq, rstep, t_issue, t_done, _text(group), _text(op),
+                                    STATE_NAMES.get(rstate, "?"), _text(dtype), _text(shapes),
+                                    _text(splits), _text(site), peer, size))
+    groups_file = Path(path).with_suffix(".groups.json")
+    try:
+        groups = json.loads(groups_file.read_text())
+    except (OSError, ValueError):
+        groups = {}
+    return FlightTail(Path(path), rank, world, pid, step, progress_t, started_t, step_s,
+                      state == CLOSED, _text(error), attempt, records, groups)
+
+
+def latest_logs(folder: Path) -> dict[int, FlightTail]:
+    """The headers of the newest attempt's flight logs in `folder`, by rank (every restart
+    writes new files; the old ones stay for post-mortems)."""
+    heads = []
+    for path in Path(folder).glob("rank*.flight"):
+        try:
+            heads.append(read_flight(path, last=0))
+        except (OSError, FlightLogError):
+            continue
+    if not heads:
+        return {}
+    newest = max((h.attempt, h.started_t) for h in heads)[0]
+    out: dict[int, FlightTail] = {}
+    for h in sorted(heads, key=lambda h: h.started_t):
+        if h.attempt == newest:
+            out[h.rank] = h  # a rank started twice in one attempt: the later one
+    return dict(sorted(out.items()))
