@@ -219,8 +219,8 @@ def _desync(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
             f"{steps[odd[0]]} while {_ranks(others)} did at step {first}: "
             + ("it" if len(odd) == 1 else "they")
             + (" skipped a collective" if behind else " issued an extra collective")
-            + f" around step {min(first, steps[odd[0]])} and have paired with the wrong "
-            "partner since", op=records[odd[0]].op, seq=seq, group=group,
+            + f" around step {min(first, steps[odd[0]])} and "
+            + ("has" if len(odd) == 1 else "have") + " paired with the wrong partner since", op=records[odd[0]].op, seq=seq, group=group,
             evidence={"desync_since_step": min(first, steps[odd[0]])})
     return None
 

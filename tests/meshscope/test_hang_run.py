@@ -1,0 +1,37 @@
+"""`meshscope run` under a hung or broken collective: the culprit named, the run ends."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from collector.store import load_events
+from tests.helpers.ports import free_port_range
+from tests.helpers.runs import REPO, start_run
+
+
+@pytest.mark.parametrize("inject,kind,collective", [
+    ("skip_collective@step=5,rank=2", "desync", ("all_reduce", "0")),
+    ("collective_mismatch@step=5,rank=2,what=op", "mismatch", ("broadcast", "0")),
+    ("hang@step=5,rank=2,seconds=600", "compute", ("all_reduce", "0")),
+])
+def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, inject, kind, collective):
+    port = free_port_range(4)
+    proc = start_run(tmp_path, "h", port, "--nproc", "3", "--steps", "14", "--inject", inject,
+                     "--checkpoint-every", "4", "--max-restarts", "1", "--on-hang", "abort")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    events = load_events(tmp_path / "h")
+    hangs = events[events["kind"] == "hang"]
+    assert len(hangs) == 1, out[-2000:]
+    detail = hangs.iloc[0]["detail"]
+    assert detail["culprit_ranks"] == [2] and detail["type"] == kind, detail["why"]
+    assert (detail["op"], detail["group"]) == collective, detail
+    assert detail["action"] == "abort" and set(detail["stacks"]) >= {"0", "1"}
+    assert detail["detected_at"] - detail["stalled_since"] < 10
+    kinds = events["kind"].tolist()
+    assert "resume" in kinds and kinds[-1] == "run_end"  # restarted from a checkpoint, finished
+    report = subprocess.run([sys.executable, "-m", "meshscope", "hang-report", "--run",
+                             str(tmp_path / "h")], cwd=REPO, capture_output=True, text=True)
+    assert report.returncode == 0 and "culprit_ranks" in report.stdout and "[2]" in report.stdout
