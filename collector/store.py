@@ -35,7 +35,14 @@ CREATE TABLE IF NOT EXISTS events (
   kind TEXT NOT NULL, severity TEXT NOT NULL, rank INTEGER, step INTEGER, detail TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_kind ON events (kind, step);
+CREATE TABLE IF NOT EXISTS tensor_stats (
+  step INTEGER NOT NULL, rank INTEGER NOT NULL, module TEXT NOT NULL, "where" TEXT NOT NULL,
+  absmax REAL, norm REAL, mean REAL, std REAL, nonfinite INTEGER,
+  PRIMARY KEY (step, rank, module, "where")
+);
 """
+TENSOR_STAT_COLUMNS = ("step", "rank", "module", "where", "absmax", "norm", "mean", "std",
+                       "nonfinite")
 
 
 _STEP_ROW = operator.attrgetter(*STEP_COLUMNS)  # a StepRecord as a row, in one C call
@@ -103,6 +110,10 @@ class RunStore:
     def add_expert_load(self, step: int, tokens: list[list[float]]) -> None:
         self._put(("experts", (step, tokens)))
 
+    def add_tensor_stats(self, rows: list[dict[str, Any]]) -> None:
+        """Per-module tensor statistics of one step (the tracer's `stats` mode)."""
+        self._put(("stats", [tuple(r[c] for c in TENSOR_STAT_COLUMNS) for r in rows]))
+
     def flush(self, timeout: float = 30.0) -> None:
         """Block until everything queued so far is committed."""
         done = threading.Event()
@@ -130,7 +141,7 @@ class RunStore:
                 return
 
     def _commit(self, items: list[tuple[str, Any]]) -> None:
-        steps, events, experts, barriers = [], [], [], []
+        steps, events, experts, stats, barriers = [], [], [], [], []
         for kind, payload in items:
             if kind == "step":
                 steps.append(_STEP_ROW(payload))
@@ -141,6 +152,8 @@ class RunStore:
                 step, table = payload
                 experts.extend((step, layer, expert, float(tok))
                                for layer, row in enumerate(table) for expert, tok in enumerate(row))
+            elif kind == "stats":
+                stats.extend(payload)
             else:
                 barriers.append(payload)
         with self._conn:  # one transaction per batch
@@ -156,6 +169,11 @@ class RunStore:
                 self._conn.executemany(
                     "INSERT OR REPLACE INTO expert_load (step, layer, expert, tokens) "
                     "VALUES (?,?,?,?)", experts)
+            if stats:
+                cols = ",".join(f'"{c}"' for c in TENSOR_STAT_COLUMNS)
+                self._conn.executemany(
+                    f"INSERT OR REPLACE INTO tensor_stats ({cols}) VALUES "
+                    f"({','.join('?' * len(TENSOR_STAT_COLUMNS))})", stats)
         for done in barriers:
             done.set()
 
@@ -194,6 +212,14 @@ def load_events(run_dir: str | Path, kind: str | None = None) -> pd.DataFrame:
         df = _read(run_dir, "SELECT * FROM events WHERE kind = ? ORDER BY id", (kind,))
     df["detail"] = [json.loads(d) for d in df["detail"]]
     return df
+
+
+def load_tensor_stats(run_dir: str | Path, *, module: str | None = None) -> pd.DataFrame:
+    """The tracer's per-module statistics, by step, rank and module."""
+    if module is None:
+        return _read(run_dir, "SELECT * FROM tensor_stats ORDER BY step, rank, module")
+    return _read(run_dir, "SELECT * FROM tensor_stats WHERE module = ? ORDER BY step, rank",
+                 (module,))
 
 
 def latest_step(run_dir: str | Path, rank: int = 0) -> int:

@@ -84,6 +84,9 @@ def run(
         "report", "--on-hang", help="report: a hang event and alert naming the culprit; abort: "
                                     "also kill the workers so torchrun restarts them from the "
                                     "last checkpoint"),
+    trace: Optional[str] = typer.Option(
+        None, help="tensor tracer: off | nonfinite (default: first non-finite module) | stats "
+                   "(+ per-module statistics) | full (+ snapshots)"),
     hang_after: Optional[float] = typer.Option(
         None, "--hang-after", help="seconds without progress before a stall is a hang (at "
                                    "least; slow steps raise it; default 3)"),
@@ -97,7 +100,7 @@ def run(
             run_id=run_id, metrics_port=metrics_port, linger_s=linger, inject=inject or None,
             elastic__checkpoint_every=checkpoint_every, elastic__max_restarts=max_restarts,
             elastic__nnodes=nnodes, elastic__rdzv_endpoint=rdzv_endpoint,
-            elastic__rdzv_external=True if rdzv_external else None))
+            elastic__rdzv_external=True if rdzv_external else None, trace=trace))
         channels = _alert_channels(slack_webhook_file, email_to, smtp, smtp_from, smtp_user,
                                    smtp_password_file)  # checked before anything is written
         hang = _hang_config(on_hang, hang_after)
@@ -310,6 +313,44 @@ def _print_hang(detail: dict, source: str) -> None:
         console.print(f"[bold]rank {rank}[/] (innermost last)")
         for line in stack[-8:]:
             console.print(f"    {line}", markup=False, highlight=False)
+
+
+@app.command()
+def replay(
+    snapshot: Path = typer.Argument(..., help="a snapshot (.json or .safetensors) a run wrote"),
+    config: Optional[Path] = typer.Option(
+        None, "--config", "-c", help="the run's config (default: config.json of the run the "
+                                     "snapshot is in)"),
+) -> None:
+    """Re-run a snapshot's module on the CPU; exit 0 when the non-finite value comes back."""
+    from trainer.model import MoELM
+    from tracer.replay import replay as replay_module
+    from tracer.snapshot import SnapshotError, load_snapshot
+
+    try:
+        snap = load_snapshot(snapshot)
+        cfg = load_config(config or _run_config_of(snapshot))
+        try:
+            module = MoELM(cfg.model).get_submodule(snap.meta.module)
+        except AttributeError:
+            raise SnapshotError(f"{snapshot}: the run's model has no module "
+                                f"{snap.meta.module!r}") from None
+        result = replay_module(snap, module)
+    except (SnapshotError, ConfigError) as err:
+        fail(str(err))
+    console.print(f"{snap.meta.module} ({snap.meta.module_class}), {snap.meta.where}, step "
+                  f"{snap.meta.step}, rank {snap.meta.rank}: {result.message}")
+    if result.nonfinite:
+        console.print("non-finite: " + ", ".join(result.nonfinite))
+    raise typer.Exit(0 if result.reproduced else 1)
+
+
+def _run_config_of(snapshot: Path) -> Path:
+    """`runs/<id>/snapshots/<name>.json` -> `runs/<id>/config.json`."""
+    path = Path(snapshot).resolve().parent.parent / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{snapshot}: no run config at {path}; give --config")
+    return path
 
 
 @app.command()

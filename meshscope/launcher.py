@@ -16,6 +16,7 @@ from trainer.config import RunConfig
 from trainer.device import backend_environment, check_placement, resolve_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKER_ENTRY = "meshscope.worker"  # the trainer with the tracer wired in
 
 
 def new_run_id() -> str:
@@ -64,7 +65,7 @@ def torchrun_command(cfg: RunConfig, warm: bool) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *topology,
             f"--nproc-per-node={cfg.nproc}", f"--max-restarts={e.max_restarts}",
             "--log-dir", str(cfg.run_dir / "logs" / "torchrun"), "--redirects", "3",
-            "-m", "trainer.spawn" if warm else "trainer.worker",
+            "-m", "trainer.spawn" if warm else WORKER_ENTRY,
             "--config", str(agent_config(cfg))]
 
 
@@ -75,6 +76,7 @@ def worker_environment(cfg: RunConfig) -> dict[str, str]:
     if cfg.elastic.nnodes != "1":
         # a fresh store per rendezvous round, so agents with different restart counts meet
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["MESHSCOPE_WORKER_ENTRY"] = WORKER_ENTRY  # trainer.worker.ENTRY_ENV: zygote, fallback
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     return env
 

@@ -22,6 +22,7 @@ else:  # pragma: no cover
 Compression = Literal["none", "fp16", "powersgd", "onebit"]
 DeviceKind = Literal["auto", "cpu", "cuda", "npu"]
 BackendKind = Literal["auto", "gloo", "nccl", "hccl"]
+TraceMode = Literal["off", "nonfinite", "stats", "full"]
 
 
 class ConfigError(ValueError):
@@ -116,6 +117,9 @@ class RunConfig(_Strict):
         MonitorConfig.comm_sample_every, gt=0, description="time gradient buckets on one step in N (the wait for "
                               "communication is measured every step)")
     linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
+    trace: TraceMode = Field(
+        "nonfinite", description="tensor tracer: off | nonfinite (first non-finite module, every "
+                                 "step) | stats (+ per-module statistics) | full (+ snapshots)")
     inject: list[str] = Field(default_factory=list,
                               description="faults to inject: KIND@step=S,rank=R[,steps=N][,k=v]")
     model: ModelConfig = Field(default_factory=ModelConfig)

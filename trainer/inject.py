@@ -1,6 +1,8 @@
 """Fault injection for demos, tests and scoring detectors: `KIND@step=S,rank=R[,steps=N][,k=v]`.
 
-Kinds: kill, hang (seconds=), slow (factor=), comm_delay (ms=), nan, expert_collapse (layer=),
+Kinds: kill, hang (seconds=), slow (factor=), comm_delay (ms=), nan (module=PATH,
+where=forward|backward: one module's parameter turns Inf in forward, or its input gradient
+NaN in backward; without module= the loss turns NaN), expert_collapse (layer=),
 memory_leak (mb_per_step=), skip_collective (the rank skips its gradient all-reduces of that
 step, as a rank taking a wrong branch would), collective_mismatch (what=shape|op|dtype|split:
 the rank's first gradient collective of that step disagrees with its peers'; `split` makes
@@ -27,14 +29,15 @@ KINDS = {
     "hang": {"seconds": 3600.0},
     "slow": {"factor": 3.0},
     "comm_delay": {"ms": 50.0},
-    "nan": {},
+    "nan": {"module": "", "where": "forward"},
     "expert_collapse": {"layer": 0.0},
     "memory_leak": {"mb_per_step": 16.0},
     "skip_collective": {},
     "collective_mismatch": {"what": "shape"},
 }
-# Parameters that take a word, not a number, and the words they take.
-CHOICES = {"what": ("shape", "op", "dtype", "split")}
+# Parameters that take a word, not a number, and the words they take; free text.
+CHOICES = {"what": ("shape", "op", "dtype", "split"), "where": ("forward", "backward")}
+TEXT = {"module"}
 
 
 class InjectionError(ValueError):
@@ -70,6 +73,9 @@ def parse_injection(spec: str) -> Injection:
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         key, value = key.strip(), value.strip()
+        if key in TEXT:
+            fields[key] = value
+            continue
         if key in CHOICES:
             if value not in CHOICES[key]:
                 raise InjectionError(f"--inject {spec!r}: {key}= takes one of "
@@ -118,6 +124,7 @@ class Injector:
         self._report, self._flush = report, flush
         self._fired = set(already_fired or ())
         self._fired_before = frozenset(self._fired)  # by earlier attempts, on any rank
+        self._poisoned: list[tuple[torch.Tensor, int, float]] = []  # (param, index, value)
         self._leak: list[torch.Tensor] = []
         self._step = -1
         self._normal_steps: collections.deque[float] = collections.deque(maxlen=9)
@@ -147,6 +154,7 @@ class Injector:
             if inj.kind == "hang":
                 time.sleep(inj.param("seconds"))
         self._route(step, model)
+        self._poison_parameter(step, model)
         leak = self._active("memory_leak", step)
         if leak is not None:  # on the model's device: a GPU leak shows in allocated memory
             device = next(model.parameters()).device
@@ -164,7 +172,55 @@ class Injector:
                 moe.router.logit_bias = None
 
     def poison_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        return loss * float("nan") if self._active("nan", step) else loss
+        nan = self._active("nan", step)
+        return loss * float("nan") if nan is not None and not nan.param("module") else loss
+
+    def arm(self, model: torch.nn.Module) -> None:
+        """Hooks for module-level NaN injections; InjectionError when the module is unknown."""
+        for inj in self.mine:
+            path = inj.param("module") if inj.kind == "nan" else ""
+            if not path:
+                continue
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:
+                names = [n for n, _ in model.named_modules() if n][:12]
+                raise InjectionError(f"--inject nan: no module {path!r} in the model (some: "
+                                     f"{', '.join(names)})") from None
+            if inj.param("where") == "backward":
+                module.register_full_backward_hook(self._poison_gradient(inj), prepend=True)
+            elif not any(True for _ in module.parameters()):
+                module.register_forward_hook(self._poison_output(inj))
+
+    def _poison_gradient(self, inj: Injection) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> Any:
+            if self._active("nan", self._step) is not inj:
+                return None
+            return tuple(g * float("nan") if isinstance(g, torch.Tensor) else g
+                         for g in grad_input)
+        return hook
+
+    def _poison_output(self, inj: Injection) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if self._active("nan", self._step) is not inj or not isinstance(output, torch.Tensor):
+                return None
+            return output * float("nan")
+        return hook
+
+    def _poison_parameter(self, step: int, model: torch.nn.Module) -> None:
+        """A weight turns Inf for one step (as after a bad update), then is put back."""
+        with torch.no_grad():
+            for param, index, value in self._poisoned:
+                param.view(-1)[index] = value
+            self._poisoned = []
+            inj = self._active("nan", step)
+            if inj is None or not inj.param("module") or inj.param("where") != "forward":
+                return
+            params = list(model.get_submodule(inj.param("module")).parameters())
+            if params:
+                flat = params[0].view(-1)
+                self._poisoned.append((params[0], 0, float(flat[0])))
+                flat[0] = float("inf")
 
     def slow_down(self, step: int) -> None:
         """A slow rank: its compute takes `factor` times as long as its normal step (the median

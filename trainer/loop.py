@@ -36,6 +36,7 @@ class TrainState:
     data: SyntheticTokens
     hook_state: Any
     step: int = 0
+    tracer: Any = None  # tracer.TensorTracer when tracing is on
 
 
 def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size: int,
@@ -43,6 +44,8 @@ def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size
     """Model, DDP with the chosen hook (registered through the Monitor), optimizer and data."""
     torch.manual_seed(cfg.train.seed)  # same init on every rank; DDP also broadcasts it
     model = MoELM(cfg.model).to(device.torch_device)
+    if injector is not None:
+        injector.arm(model)
     if world_size > 1:
         bucket_mb = cfg.train.bucket_cap_mb if cfg.train.overlap else NO_OVERLAP_BUCKET_MB
         ddp = DDP(model, device_ids=None if device.kind == "cpu" else [device.index],
@@ -70,6 +73,8 @@ def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
                injector: Injector) -> None:
     tokens = cfg.train.batch_size * cfg.model.seq_len
     injector.before_step(state.step, state.model)
+    if state.tracer is not None:
+        state.tracer.step_begin(state.step)
     started = time.perf_counter()
     with mon.step(tokens=tokens, step=state.step) as s:
         with s.phase("data"):
@@ -87,6 +92,8 @@ def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
             step_if_finite(state.optimizer, grad_norm)
             state.optimizer.zero_grad(set_to_none=False)
         s.log(loss=lm_loss, grad_norm=grad_norm)
+    if state.tracer is not None:
+        state.tracer.step_end()
     injector.step_took(state.step, time.perf_counter() - started)
     state.step += 1
 

@@ -30,7 +30,8 @@ def _recv_int(conn: socket.socket) -> int | None:
 
 def _fallback(argv: list[str], why: str) -> None:
     print(f"meshscope: warm standby unavailable ({why}); starting a plain worker", file=sys.stderr)
-    os.execv(sys.executable, [sys.executable, "-m", "trainer.worker", *argv])
+    entry = os.environ.get("MESHSCOPE_WORKER_ENTRY", "trainer.worker")  # trainer.worker.ENTRY_ENV
+    os.execv(sys.executable, [sys.executable, "-m", entry, *argv])
 
 
 def main() -> None:

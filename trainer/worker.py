@@ -1,6 +1,8 @@
 """torchrun worker entry: `python -m trainer.worker --config RUN_DIR/config.json`.
 
-Parse, build, run, close. The launcher (meshscope run) writes the resolved config.
+Parse, build, run, close. The launcher (meshscope run) writes the resolved config and starts
+`meshscope.worker`, which runs this with the tensor tracer wired in; `ENTRY_ENV` names the
+entry module for the warm standby and its fallback.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ STARTED_AT = time.time()  # before the heavy imports: recovery accounting counts
 
 import argparse  # noqa: E402
 import os  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -70,7 +74,13 @@ def write_pid(cfg: RunConfig, env: DistEnv) -> None:
     (folder / f"rank{env.rank}.pid").write_text(str(os.getpid()))
 
 
-def run_worker(cfg: RunConfig, env: DistEnv) -> None:
+# (cfg, env, monitor, model) -> an object with step_begin(step), step_end(), close(), or None
+TracerFactory = Callable[[RunConfig, DistEnv, Monitor, Any], Any]
+
+
+def run_worker(cfg: RunConfig, env: DistEnv, make_tracer: TracerFactory | None = None) -> None:
+    """One rank of the reference trainer; `make_tracer` (from the composition root) adds the
+    tensor tracer, which this package does not import."""
     device = resolve_device(cfg.device, env.local_rank, backend=cfg.backend)
     device.activate()
     init_process_group(env, device.backend)
@@ -88,6 +98,8 @@ def run_worker(cfg: RunConfig, env: DistEnv) -> None:
         injector = make_injector(cfg, env, mon)
         state = build(cfg, device, mon, rank=env.rank, world_size=env.world_size,
                       injector=injector)
+        if make_tracer is not None:
+            state.tracer = make_tracer(cfg, env, mon, state.model)
         elastic.resume(state)
         try:
             reason = train(state, mon, cfg, device, elastic, injector)
@@ -95,6 +107,8 @@ def run_worker(cfg: RunConfig, env: DistEnv) -> None:
             mon.fail(err)
             elastic.mark_failed(err)  # we failed, we did not vanish: not the culprit
             raise
+        if state.tracer is not None:
+            state.tracer.close()
         mon.flush()
         elastic.finish(state, reason)
         if reason == "done":
@@ -109,11 +123,17 @@ def run_worker(cfg: RunConfig, env: DistEnv) -> None:
             dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
+ENTRY_ENV = "MESHSCOPE_WORKER_ENTRY"  # the module whose main() a worker runs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", type=Path, required=True, help="resolved run config (JSON)")
-    args = parser.parse_args(argv)
-    run_worker(load_config(args.config), DistEnv.from_environ())
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_worker(load_config(parse_args(argv).config), DistEnv.from_environ())
 
 
 if __name__ == "__main__":

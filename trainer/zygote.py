@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import importlib
 import os
 import select
 import signal
@@ -35,7 +36,9 @@ def warm_up() -> None:
     """Import what a worker imports and take one optimizer step, so the children don't."""
     import torch
 
-    import trainer.worker  # noqa: F401  (torch.distributed, DCP, pandas, prometheus_client...)
+    import trainer.worker  # (torch.distributed, DCP, pandas, prometheus_client...)
+
+    importlib.import_module(os.environ.get(trainer.worker.ENTRY_ENV, "trainer.worker"))
 
     layer = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)  # as the trainer builds it
@@ -55,7 +58,8 @@ def _run_child(request: dict, fds: list[int]) -> None:
     try:
         import trainer.worker
         trainer.worker.STARTED_AT = time.time()  # this worker's life starts at the fork
-        trainer.worker.main(request["argv"])
+        entry = importlib.import_module(os.environ.get(trainer.worker.ENTRY_ENV, "trainer.worker"))
+        entry.main(request["argv"])
     except SystemExit as err:
         code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
     except BaseException:

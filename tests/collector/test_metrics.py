@@ -59,7 +59,11 @@ def test_promtool_check_metrics_is_clean():
     m.observe_step(record())
     m.observe_experts([[3, 1], [2, 2]])
     m.heartbeat_age.labels(peer="1").set(0.5)
-    DetectorMetrics(reg).anomaly_score.labels(detector="isolation_forest").set(0.1)
-    out = subprocess.run([promtool, "check", "metrics"], input=generate_latest(reg),
-                         capture_output=True, timeout=30)
-    assert out.returncode == 0 and out.stdout + out.stderr == b"", out.stdout + out.stderr
+    detector_reg = CollectorRegistry()  # the detector's own endpoint (job meshscope_detector)
+    d = DetectorMetrics(detector_reg)
+    d.anomaly_score.labels(detector="isolation_forest").set(0.1)
+    d.faults.labels(kind="hang").inc()
+    for registry in (reg, detector_reg):
+        out = subprocess.run([promtool, "check", "metrics"], input=generate_latest(registry),
+                             capture_output=True, timeout=30)
+        assert out.returncode == 0 and out.stdout + out.stderr == b"", out.stdout + out.stderr

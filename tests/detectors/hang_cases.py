@@ -6,6 +6,7 @@ meshscope's control plane does at the end of a run.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -77,12 +78,18 @@ SCENARIOS = {"skip": _skip, "compute": _compute, "op": _op, "shape": _shape, "dt
              "split": _split, "kill": _kill, "error": _error, "clean": _normal}
 
 
-def rank_main(rank: int, world: int, port: int, live_dir: str, scenario: str) -> None:
-    """One rank of a scenario (a spawn target)."""
+def rank_main(rank: int, world: int, port: int, live_dir: str, scenario: str,
+              timeout_s: float = 90.0, flight: bool = True) -> None:
+    """One rank of a scenario (a spawn target). Without `flight`, the plain job: only the
+    process group's own timeout and errors; `<live>/exit-rank<R>.json` says when and how each
+    rank ended."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=90))
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    if not flight:
+        _plain(rank, world, Path(live_dir), scenario)
+        return
     side = dist.new_group(backend="gloo")
     log = FlightLog(Path(live_dir), rank=rank, world_size=world).install()
     log.start_responder(poll_s=0.05)
@@ -98,3 +105,22 @@ def rank_main(rank: int, world: int, port: int, live_dir: str, scenario: str) ->
         raise
     finally:
         log.close()
+
+
+def _plain(rank: int, world: int, live_dir: Path, scenario: str) -> None:
+    live_dir.mkdir(parents=True, exist_ok=True)
+    side = dist.new_group(backend="gloo")
+    outcome = {"rank": rank, "error": ""}
+    try:
+        for step in range(STEPS):
+            if rank == world - 1 and step == FAULT_STEP:
+                (live_dir / "fault_time").write_text(str(time.time()))
+            SCENARIOS[scenario](rank, step, world - 1)
+            time.sleep(0.02)
+        dist.barrier(group=side)
+    except Exception as err:
+        outcome["error"] = str(err)[:300]
+        raise
+    finally:
+        outcome["time"] = time.time()
+        (live_dir / f"exit-rank{rank}.json").write_text(json.dumps(outcome))

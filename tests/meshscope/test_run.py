@@ -170,7 +170,7 @@ def test_a_zygote_that_will_not_serve_means_one_warning_and_plain_workers(tmp_pa
     assert launcher.start_zygote(cfg, {}) is None
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "torch.cuda.init was called" in err
-    assert launcher.torchrun_command(cfg, warm=False)[-3] == "trainer.worker"
+    assert launcher.torchrun_command(cfg, warm=False)[-3] == "meshscope.worker"
 
 
 @pytest.mark.parametrize("flags,message", [

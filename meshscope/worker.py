@@ -1,0 +1,44 @@
+"""torchrun's worker entry for `meshscope run`: the reference trainer with the tensor tracer.
+
+trainer/ does not import tracer/ (each package owns one job); this is where they meet, as the
+CLI is for the launcher.
+"""
+from __future__ import annotations
+
+import time
+
+STARTED_AT = time.time()  # before the heavy imports: recovery accounting counts them
+
+from typing import Any  # noqa: E402
+
+import trainer.worker  # noqa: E402
+from collector import DistEnv, Monitor  # noqa: E402
+from trainer.config import RunConfig, load_config  # noqa: E402
+from tracer.trace import TensorTracer, TracerConfig  # noqa: E402
+
+
+def make_tracer(cfg: RunConfig, env: DistEnv, mon: Monitor, model: Any) -> TensorTracer | None:
+    """The tensor tracer on this rank's model, reporting through the Monitor."""
+    if cfg.trace == "off":
+        return None
+
+    def report(kind: str, step: int, detail: dict) -> None:
+        if kind == "nan":
+            mon.metrics.faults.labels(kind="nonfinite").inc()
+        mon.event(kind, severity="critical" if kind == "nan" else "info", step=step,
+                  detail=detail)
+
+    return TensorTracer(model, TracerConfig(mode=cfg.trace), rank=env.rank,
+                        snapshot_dir=cfg.run_dir / "snapshots", report=report,
+                        stats_sink=mon.store.add_tensor_stats)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = trainer.worker.parse_args(argv)
+    trainer.worker.run_worker(load_config(args.config), DistEnv.from_environ(),
+                              make_tracer=make_tracer)
+
+
+if __name__ == "__main__":
+    trainer.worker.STARTED_AT = STARTED_AT  # a plain start: this process began here
+    main()

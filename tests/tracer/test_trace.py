@@ -1,0 +1,140 @@
+"""The tracer names the first non-finite module; snapshots load without pickle and replay."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trainer.config import ModelConfig
+from trainer.inject import Injector, InjectionError, parse_injection
+from trainer.model import MoELM
+from tracer.replay import replay
+from tracer.snapshot import SnapshotError, load_snapshot
+from tracer.trace import TensorTracer, TracerConfig
+
+CFG = ModelConfig(vocab_size=32, seq_len=8, layers=2, d_model=16, heads=2, experts=4, top_k=2)
+
+
+def traced_steps(tmp_path, spec: str, steps: int = 4, mode: str = "nonfinite"):
+    """Train a small model a few steps with one injection; returns the tracer's reports."""
+    torch.manual_seed(0)
+    model = MoELM(CFG)
+    injector = Injector([parse_injection(spec)], 0, lambda inj, step: None)
+    injector.arm(model)
+    reports = []
+    tracer = TensorTracer(model, TracerConfig(mode=mode), snapshot_dir=tmp_path / "snapshots",
+                          report=lambda kind, step, detail: reports.append((kind, step, detail)),
+                          stats_sink=lambda rows: reports.append(("stats", rows[0]["step"], rows)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len))
+    for step in range(steps):
+        injector.before_step(step, model)
+        tracer.step_begin(step)
+        loss, _ = model.loss(model(tokens), tokens)
+        loss = injector.poison_loss(loss, step)
+        loss.backward()
+        opt.zero_grad()
+        tracer.step_end()
+    tracer.close()
+    return reports
+
+
+@pytest.mark.parametrize("module", ["blocks.1.moe.router.gate", "blocks.0.ln2", "blocks.0.attn"])
+def test_names_the_module_poisoned_in_forward(tmp_path, module):
+    reports = traced_steps(tmp_path, f"nan@step=2,rank=0,module={module}")
+    nans = [(step, d) for kind, step, d in reports if kind == "nan"]
+    assert len(nans) == 1, nans  # the step after, the weight is back: nothing more to report
+    step, detail = nans[0]
+    assert step == 2 and detail["module"] == module and detail["where"] == "forward"
+    assert detail["tensor"] == "parameter"
+
+
+@pytest.mark.parametrize("module", ["blocks.1.moe.router.gate", "blocks.0.ln1",
+                                    "blocks.0.moe.experts"])
+def test_names_the_module_poisoned_in_backward(tmp_path, module):
+    reports = traced_steps(tmp_path, f"nan@step=1,rank=0,module={module},where=backward")
+    nans = [(step, d) for kind, step, d in reports if kind == "nan"]
+    assert [(s, d["module"], d["where"], d["tensor"]) for s, d in nans] == [
+        (1, module, "backward", "gradient")]
+
+
+def test_a_nan_loss_is_traced_to_the_gradient_entering_the_model(tmp_path):
+    reports = traced_steps(tmp_path, "nan@step=1,rank=0")
+    nans = [d for kind, _s, d in reports if kind == "nan"]
+    assert len(nans) == 1 and nans[0]["where"] == "backward"
+    assert "loss" in nans[0]["note"]
+
+
+def test_a_clean_run_finds_nothing(tmp_path):
+    reports = traced_steps(tmp_path, "nan@step=99,rank=0")
+    assert not [r for r in reports if r[0] == "nan"]
+
+
+def test_replay_reproduces_a_forward_finding(tmp_path):
+    reports = traced_steps(tmp_path, "nan@step=2,rank=0,module=blocks.1.moe.router.gate")
+    path = next(d["snapshot"] for kind, _s, d in reports if kind == "nan")
+    snap = load_snapshot(path)
+    assert snap.meta.module == "blocks.1.moe.router.gate" and snap.meta.step == 2
+    module = MoELM(CFG).get_submodule(snap.meta.module)
+    result = replay(snap, module)
+    assert result.reproduced and result.nonfinite, result.message
+
+
+def test_replay_of_an_injected_gradient_says_it_is_not_the_module(tmp_path):
+    reports = traced_steps(tmp_path, "nan@step=1,rank=0,module=blocks.0.ln1,where=backward")
+    path = next(d["snapshot"] for kind, _s, d in reports if kind == "nan")
+    result = replay(load_snapshot(path), MoELM(CFG).get_submodule("blocks.0.ln1"))
+    assert not result.reproduced and "hook" in result.message
+
+
+def test_stats_mode_stores_every_module(tmp_path):
+    reports = traced_steps(tmp_path, "nan@step=99,rank=0", steps=2, mode="stats")
+    rows = next(r for kind, _s, r in reports if kind == "stats")
+    modules = {r["module"] for r in rows}
+    assert {"embed", "blocks.0.moe.router.gate", "ln_f"} <= modules
+    assert all(r["nonfinite"] == 0 and r["absmax"] >= 0 for r in rows)
+
+
+def test_unknown_module_is_a_clear_error():
+    injector = Injector([parse_injection("nan@step=1,rank=0,module=blocks.9")], 0,
+                        lambda inj, step: None)
+    with pytest.raises(InjectionError, match="no module 'blocks.9'"):
+        injector.arm(MoELM(CFG))
+
+
+def _valid_snapshot(tmp_path):
+    reports = traced_steps(tmp_path, "nan@step=1,rank=0,module=blocks.0.ln2", steps=2)
+    return next(d["snapshot"] for kind, _s, d in reports if kind == "nan")
+
+
+def test_malformed_and_hostile_snapshots_are_refused(tmp_path):
+    meta_path = _valid_snapshot(tmp_path)
+    data_path = meta_path.replace(".json", ".safetensors")
+    meta = json.loads(open(meta_path).read())
+    # a pickle where the tensors should be: refused, never unpickled
+    import pickle
+    evil = tmp_path / "evil.safetensors"
+    evil.write_bytes(pickle.dumps({"x": 1}))
+    (tmp_path / "evil.json").write_text(json.dumps(meta))
+    with pytest.raises(SnapshotError, match="not a valid safetensors file"):
+        load_snapshot(tmp_path / "evil.json")
+    for broken, why in [({**meta, "format": "other/9"}, "format"),
+                        ({**meta, "where": "sideways"}, "where"),
+                        ({**meta, "args": [{"tensor": "input.7"}]}, "input.7"),
+                        ({**meta, "exec": "rm -rf /"}, "exec")]:
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        (tmp_path / "bad.safetensors").write_bytes(open(data_path, "rb").read())
+        with pytest.raises(SnapshotError, match=why):
+            load_snapshot(tmp_path / "bad.json")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=256))
+def test_random_bytes_never_load_and_never_crash(tmp_path, blob):
+    (tmp_path / "r.safetensors").write_bytes(blob)
+    (tmp_path / "r.json").write_bytes(blob)
+    with pytest.raises(SnapshotError):
+        load_snapshot(tmp_path / "r.json")

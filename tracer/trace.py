@@ -1,0 +1,309 @@
+"""The tensor tracer: the first module whose outputs (or gradients) went non-finite, and stats.
+
+Modes (`--trace`):
+
+- `off`: no hooks.
+- `nonfinite` (default): forward hooks on every module and full backward hooks on the modules
+  that compute something themselves (leaves, and modules with their own parameters) keep
+  references to what flowed through them this step. At the step's end one fused device call
+  (`torch._foreach_norm(..., inf)`: NaN and Inf survive a max-norm) reduces every output,
+  output gradient and input gradient to one number; the vector is read back without blocking
+  (`collector.readback`) and judged when it lands (at once on the host, a step later on an
+  accelerator, so references live one step longer there). Only after a finding does the tracer
+  read tensors on the host (a marked sync point) to tell input, parameter and output apart.
+- `stats`: also per-module absmax, mean, std, norm and non-finite count of every module's
+  output, every `stats_every` steps, into the run store (`tensor_stats`).
+- `full`: stats, and a snapshot of every finding's module (nonfinite snapshots the first few).
+
+A finding is the first module in execution order whose inputs are finite and whose output is
+not (forward; parameters are checked too), else the first module in backward order whose
+output gradient is finite and whose input gradient is not. It becomes a `nan` event (detail:
+`module`, `where`, `tensor`, `class`, `snapshot`) and, for the first `max_snapshots`, a snapshot
+(`tracer.snapshot`) that `meshscope replay` re-runs on the CPU.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from collector.readback import Readback
+from tracer.snapshot import write_snapshot
+
+MODES = ("off", "nonfinite", "stats", "full")
+Report = Callable[[str, int, dict[str, Any]], None]  # (kind, step, detail)
+
+
+def _floats(values: Any) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values.detach()] if values.is_floating_point() else []
+    if isinstance(values, (list, tuple)):
+        return [v.detach() for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return []
+
+
+def _finite(values: Any) -> bool:
+    # sync point: host reads, only after a finding (to tell input, parameter, output apart)
+    return all(bool(torch.isfinite(t).all()) for t in _floats(values))
+
+
+@dataclass
+class _Span:
+    where: str
+    index: int
+    first: tuple[int, int]  # outputs (forward) or output gradients (backward)
+    second: tuple[int, int] = (0, 0)  # input gradients (backward)
+
+
+@dataclass
+class _Step:
+    step: int
+    spans: list[_Span]
+    readback: Readback | None
+    forward: list[tuple[int, tuple, Any]]
+    backward: list[tuple[int, Any, Any]]
+
+
+@dataclass
+class Finding:
+    """The first non-finite module of a step."""
+
+    module: str
+    where: str
+    tensor: str
+    step: int
+    rank: int
+    module_class: str
+    note: str = ""
+    snapshot: str | None = None
+
+    def detail(self) -> dict[str, Any]:
+        return {"module": self.module, "where": self.where, "tensor": self.tensor,
+                "class": self.module_class, "note": self.note, "snapshot": self.snapshot}
+
+
+@dataclass(kw_only=True)
+class TracerConfig:
+    """What the tracer does; see the module doc for the modes."""
+
+    mode: str = "nonfinite"
+    stats_every: int = 10
+    """`stats` and `full`: statistics every this many steps."""
+    max_snapshots: int = 5
+    """Snapshots per rank per run (`full`: per finding, no limit below this)."""
+    repeat_after: int = 100
+    """The same module, phase and tensor is reported again only this many steps later."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"TracerConfig.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for name in ("stats_every", "repeat_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TracerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_snapshots < 0:
+            raise ValueError(f"TracerConfig.max_snapshots must be >= 0, got {self.max_snapshots}")
+
+
+class TensorTracer:
+    """Hooks one model; call `step_begin(step)` before its forward and `step_end()` after the
+    optimizer (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module, config: TracerConfig | None = None, *,
+                 rank: int = 0, snapshot_dir: Path | None = None,
+                 report: Report = lambda kind, step, detail: None,
+                 stats_sink: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+        self.config = config or TracerConfig()
+        self.rank, self.snapshot_dir, self.report = rank, snapshot_dir, report
+        self.stats_sink = stats_sink
+        self.model = model
+        self.names = [name for name, _ in model.named_modules()]
+        self.modules = [m for _, m in model.named_modules()]
+        self.findings: list[Finding] = []
+        self._handles: list[Any] = []
+        self._step = -1
+        self._forward: list[tuple[int, tuple, Any]] = []
+        self._backward: list[tuple[int, Any, Any]] = []
+        self._pending: list[_Step] = []
+        self._reported: dict[tuple[str, str, str], int] = {}
+        self._snapshots = 0
+        if self.config.mode != "off":
+            self._attach()
+
+    # --- hooks ----------------------------------------------------------------------------
+    def _attach(self) -> None:
+        # A module whose inputs need no gradient (an embedding) still gets its hook called,
+        # with its output gradient only: expected here, not worth a warning per step.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
+        for index, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._forward_hook(index)))
+            computes = not list(module.children()) or any(True for _ in module.parameters(recurse=False))
+            if computes:
+                self._handles.append(module.register_full_backward_hook(self._backward_hook(index)))
+
+    def _forward_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            self._forward.append((index, args, output))
+        return hook
+
+    def _backward_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+            self._backward.append((index, grad_input, grad_output))
+        return hook
+
+    def close(self) -> None:
+        """Judge what is pending (waits for the device) and remove the hooks."""
+        for pending in self._pending:
+            if pending.readback is not None:
+                pending.readback.wait()
+            self._judge(pending)
+        self._pending = []
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # --- the step -------------------------------------------------------------------------
+    def step_begin(self, step: int) -> None:
+        self._step = step
+        self._forward, self._backward = [], []
+
+    def step_end(self) -> None:
+        """Reduce this step's tensors on the device; judge every step whose values landed."""
+        if self.config.mode == "off":
+            return
+        tensors: list[torch.Tensor] = []
+        spans: list[_Span] = []
+        for index, _args, output in self._forward:
+            outs = _floats(output)
+            spans.append(_Span("forward", index, (len(tensors), len(tensors) + len(outs))))
+            tensors += outs
+        for index, grad_input, grad_output in self._backward:
+            gout, gin = _floats(grad_output), _floats(grad_input)
+            start = len(tensors)
+            spans.append(_Span("backward", index, (start, start + len(gout)),
+                               (start + len(gout), start + len(gout) + len(gin))))
+            tensors += gout + gin
+        readback = None
+        if tensors:
+            norms = torch._foreach_norm(tensors, float("inf"))
+            readback = Readback(torch.stack([n.float().reshape(()) for n in norms]))
+        self._pending.append(_Step(self._step, spans, readback, self._forward, self._backward))
+        if self._wants_stats():
+            self._stats()
+        self._forward, self._backward = [], []
+        while self._pending and (self._pending[0].readback is None or self._pending[0].readback.ready()):
+            self._judge(self._pending.pop(0))
+        del self._pending[:-1]  # at most one step waits (its tensors stay referenced)
+
+    def _wants_stats(self) -> bool:
+        return self.config.mode in ("stats", "full") and self._step % self.config.stats_every == 0
+
+    # --- judging --------------------------------------------------------------------------
+    def _judge(self, pending: _Step) -> None:
+        if pending.readback is None:
+            return
+        values = pending.readback.value().tolist()
+
+        def bad(span: tuple[int, int]) -> bool:
+            return any(not math.isfinite(v) for v in values[span[0]:span[1]])
+
+        finding = None
+        forward = [s for s in pending.spans if s.where == "forward"]
+        for order, span in enumerate(forward):
+            if bad(span.first):
+                index, args, output = pending.forward[order]
+                finding = self._forward_finding(pending.step, index, args, output)
+                break
+        if finding is None:
+            calls = {index: (args, output) for index, args, output in pending.forward}
+            backward = [s for s in pending.spans if s.where == "backward"]
+            for order, span in enumerate(backward):
+                if bad(span.second) and not bad(span.first):
+                    index, gin, gout = pending.backward[order]
+                    args, output = calls.get(index, ((), None))
+                    finding = self._make(pending.step, index, "backward", "gradient", args=args,
+                                         output=output, grad_input=gin, grad_output=gout)
+                    break
+                if bad(span.first) and order == 0:
+                    index, gin, gout = pending.backward[order]
+                    args, output = calls.get(index, ((), None))
+                    finding = self._make(
+                        pending.step, index, "backward", "gradient", args=args, output=output,
+                        grad_input=gin, grad_output=gout,
+                        note="the gradient reaching the model's last module was already "
+                             "non-finite: the loss or code after the model")
+                    break
+        if finding is not None:
+            self._emit(finding)
+
+    def _forward_finding(self, step: int, index: int, args: tuple, output: Any) -> Finding:
+        module = self.modules[index]
+        if not _finite(list(module.parameters(recurse=False))):
+            return self._make(step, index, "forward", "parameter", args=args, output=output)
+        if not _finite(list(args)):
+            return self._make(step, index, "forward", "input", args=args, output=output,
+                              note="its input was already non-finite while every module before "
+                                   "it gave finite outputs: code outside modules (in its "
+                                   "parent's forward) or the data made it")
+        return self._make(step, index, "forward", "output", args=args, output=output)
+
+    def _make(self, step: int, index: int, where: str, tensor: str, *, args: tuple, output: Any,
+              grad_input: Any = None, grad_output: Any = None, note: str = "") -> Finding:
+        module = self.modules[index]
+        finding = Finding(self.names[index], where, tensor, step, self.rank,
+                          f"{type(module).__module__}.{type(module).__qualname__}", note)
+        key = (finding.module, where, tensor)
+        last = self._reported.get(key)
+        if last is not None and step - last < self.config.repeat_after:
+            finding.note = "repeat"
+            return finding
+        limit = self.config.max_snapshots
+        if self.snapshot_dir is not None and self._snapshots < limit:
+            self._snapshots += 1
+            finding.snapshot = str(write_snapshot(
+                self.snapshot_dir, module_path=finding.module, module=module, where=where,
+                tensor=tensor, step=step, rank=self.rank, args=tuple(args), outputs=output,
+                grad_input=grad_input, grad_output=grad_output, note=note))
+        return finding
+
+    def _emit(self, finding: Finding) -> None:
+        if finding.note == "repeat":
+            return
+        self._reported[(finding.module, finding.where, finding.tensor)] = finding.step
+        self.findings.append(finding)
+        self.report("nan", finding.step, finding.detail())
+        if finding.snapshot:
+            self.report("snapshot", finding.step, {"module": finding.module,
+                                                    "path": finding.snapshot,
+                                                    "where": finding.where})
+
+    # --- stats ----------------------------------------------------------------------------
+    def _stats(self) -> None:
+        """Per-module output statistics, reduced on the device and read at once (sampled
+        steps only; `stats` and `full` accept this cost)."""
+        rows = []
+        outs = [(index, _floats(output)) for index, _a, output in self._forward]
+        outs = [(i, o[0]) for i, o in outs if o]
+        if not outs:
+            return
+        ts = [t for _, t in outs]
+        absmax = torch._foreach_norm(ts, float("inf"))
+        norm = torch._foreach_norm(ts, 2)
+        stacked = torch.stack([torch.stack([a.float(), n.float(), t.float().mean(),
+                                            t.float().std() if t.numel() > 1 else t.new_zeros(()),
+                                            (~torch.isfinite(t)).sum().float()])
+                               for a, n, t in zip(absmax, norm, ts)])
+        values = stacked.cpu().tolist()  # sync point: sampled stats steps only
+        for (index, _t), (a, n, mean, std, nonfinite) in zip(outs, values):
+            rows.append({"step": self._step, "rank": self.rank, "module": self.names[index] or "model",
+                         "where": "forward", "absmax": a, "norm": n, "mean": mean, "std": std,
+                         "nonfinite": int(nonfinite)})
+        if self.stats_sink is not None:
+            self.stats_sink(rows)
+
+
+__all__ = ["Finding", "MODES", "TensorTracer", "TracerConfig"]
