@@ -293,8 +293,11 @@ def _diagnose(tails: dict[int, FlightTail], world: int, alive: dict[int, bool],
     members = _members(tails, group, world)
     absent = [r for r in members if r not in tails or tails[r].last_seq(group) < seq]
     if absent:
-        kind = "missing" if any(tails.get(r) and tails[r].open_records() for r in absent) \
-            else "compute"
+        # compute: its stack shows it outside any collective; without a stack (a post-mortem)
+        # or with a collective in flight elsewhere it is only known to be missing
+        in_compute = all(stacks.get(r) and not (tails.get(r) and tails[r].open_records())
+                         for r in absent)
+        kind = "compute" if in_compute else "missing"
         places = "; ".join(f"rank {r} is {_where(tails.get(r), stacks.get(r))}" for r in absent)
         return Diagnosis(kind, absent, waiting,
                          f"{_ranks(absent)} never entered {op} #{seq} on group {group} that "

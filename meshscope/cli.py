@@ -282,11 +282,27 @@ def _detect_run(run: Path, sensitivity: float) -> None:
 
 @app.command("hang-report")
 def hang_report(
-    run: Path = typer.Option(..., "--run", help="a run directory"),
+    run: Optional[Path] = typer.Option(None, "--run", help="a meshscope run directory"),
+    flight_recorder: Optional[Path] = typer.Option(
+        None, "--flight-recorder", help="a folder of PyTorch Flight Recorder dumps "
+                                        "(<prefix><rank>) of a job that did not run meshscope"),
+    prefix: Optional[str] = typer.Option(None, help="Flight Recorder dump names: <prefix><rank>"),
 ) -> None:
-    """The last hang diagnosis of a run; without one, a diagnosis from its flight logs."""
+    """The last hang diagnosis of a run (else one from its flight logs), or a diagnosis of a
+    plain job's PyTorch Flight Recorder dumps."""
     from detectors.hang import diagnose_folder
 
+    if (run is None) == (flight_recorder is None):
+        fail("give either --run DIR or --flight-recorder DIR")
+    if flight_recorder is not None:
+        from detectors.flight_recorder import DumpError, diagnose_dumps
+
+        try:
+            diag = diagnose_dumps(flight_recorder, prefix)
+        except (DumpError, OSError) as err:
+            fail(str(err))
+        _print_hang(diag.detail(), f"Flight Recorder dumps in {flight_recorder}")
+        return
     try:
         events = load_events(run, kind="hang")
     except FileNotFoundError:

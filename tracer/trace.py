@@ -2,24 +2,26 @@
 
 Modes (`--trace`):
 
-- `off`: no hooks.
-- `nonfinite` (default): forward hooks on every module and full backward hooks on the modules
-  that compute something themselves (leaves, and modules with their own parameters) keep
-  references to what flowed through them this step. At the step's end one fused device call
-  (`torch._foreach_norm(..., inf)`: NaN and Inf survive a max-norm) reduces every output,
-  output gradient and input gradient to one number; the vector is read back without blocking
-  (`collector.readback`) and judged when it lands (at once on the host, a step later on an
-  accelerator, so references live one step longer there). Only after a finding does the tracer
-  read tensors on the host (a marked sync point) to tell input, parameter and output apart.
-- `stats`: also per-module absmax, mean, std, norm and non-finite count of every module's
-  output, every `stats_every` steps, into the run store (`tensor_stats`).
-- `full`: stats, and a snapshot of every finding's module (nonfinite snapshots the first few).
+- `off`: nothing.
+- `nonfinite` (default): no hooks in the step. The step's loss and gradient norm, which the loop
+  computes anyway, go into one small device tensor read back without blocking
+  (`collector.readback`: at once on the host, a step later on an accelerator). When either is
+  non-finite the tracer *localises*: it restores the step's RNG state and re-runs the step on
+  this rank's bare module (forward with hooks on every module, backward with
+  `torch.autograd.grad`, so DDP sees no gradients and no collective is issued), then reads
+  the hooked tensors on the host (a sync point, only after a finding). The fused optimizer
+  skipped the bad update, so the re-run sees the step's weights; when the fault was transient
+  (gone on the re-run) the finding says so.
+- `stats`: hooks on every `stats_every`-th step only: per-module absmax, norm, mean, std and
+  non-finite count of each output, reduced on the device, into the run store (`tensor_stats`).
+- `full`: hooks on every step: stats every step, and findings judged from the step itself
+  (no re-run).
 
 A finding is the first module in execution order whose inputs are finite and whose output is
-not (forward; parameters are checked too), else the first module in backward order whose
-output gradient is finite and whose input gradient is not. It becomes a `nan` event (detail:
-`module`, `where`, `tensor`, `class`, `snapshot`) and, for the first `max_snapshots`, a snapshot
-(`tracer.snapshot`) that `meshscope replay` re-runs on the CPU.
+not (forward; its own parameters are checked too), else the first module in backward order
+whose output gradient is finite and whose input gradient is not. It becomes a `nan` event
+(detail: `module`, `where`, `tensor`, `class`, `note`, `snapshot`) and, for the first
+`max_snapshots`, a snapshot (`tracer.snapshot`) that `meshscope replay` re-runs on the CPU.
 """
 from __future__ import annotations
 
@@ -50,6 +52,39 @@ def _floats(values: Any) -> list[torch.Tensor]:
 def _finite(values: Any) -> bool:
     # sync point: host reads, only after a finding (to tell input, parameter, output apart)
     return all(bool(torch.isfinite(t).all()) for t in _floats(values))
+
+
+class _Ready:
+    """Host values already in hand, in the shape of a Readback."""
+
+    def __init__(self, values: list[float]) -> None:
+        self._values = torch.tensor(values, dtype=torch.float64)
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def value(self) -> torch.Tensor:
+        return self._values
+
+
+def _device_rng(model: torch.nn.Module) -> Any:
+    """The RNG state of the model's accelerator, if it has one."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "cpu":
+        return None
+    module = getattr(torch, param.device.type, None)
+    return module.get_rng_state(param.device) if module is not None else None
+
+
+def _set_rng(model: torch.nn.Module, state: tuple[torch.Tensor, Any]) -> None:
+    cpu, device = state
+    torch.set_rng_state(cpu)
+    if device is not None:
+        param = next(model.parameters())
+        getattr(torch, param.device.type).set_rng_state(device, param.device)
 
 
 @dataclass
@@ -131,11 +166,15 @@ class TensorTracer:
         self._pending: list[_Step] = []
         self._reported: dict[tuple[str, str, str], int] = {}
         self._snapshots = 0
-        if self.config.mode != "off":
+        self._rng: tuple[torch.Tensor, Any] | None = None
+        self._flags: list[tuple[int, Readback, Callable[[], torch.Tensor] | None, Any]] = []
+        if self.config.mode == "full":
             self._attach()
 
     # --- hooks ----------------------------------------------------------------------------
     def _attach(self) -> None:
+        if self._handles:
+            return
         # A module whose inputs need no gradient (an embedding) still gets its hook called,
         # with its output gradient only: expected here, not worth a warning per step.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
@@ -155,6 +194,11 @@ class TensorTracer:
             self._backward.append((index, grad_input, grad_output))
         return hook
 
+    def _detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def close(self) -> None:
         """Judge what is pending (waits for the device) and remove the hooks."""
         for pending in self._pending:
@@ -162,19 +206,58 @@ class TensorTracer:
                 pending.readback.wait()
             self._judge(pending)
         self._pending = []
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        for step, flags, rerun, rng in self._flags:
+            flags.wait()
+            self._check_flags(step, flags, rerun, rng)
+        self._flags = []
+        self._detach()
 
     # --- the step -------------------------------------------------------------------------
     def step_begin(self, step: int) -> None:
+        """A step starts (before its forward)."""
         self._step = step
         self._forward, self._backward = [], []
-
-    def step_end(self) -> None:
-        """Reduce this step's tensors on the device; judge every step whose values landed."""
         if self.config.mode == "off":
             return
+        if self.config.mode != "full":  # what a localising re-run restores
+            self._rng = (torch.get_rng_state(), _device_rng(self.model))
+        if self._wants_stats():
+            self._attach()
+
+    def step_end(self, loss: torch.Tensor | None = None, grad_norm: torch.Tensor | None = None,
+                 rerun: Callable[[], torch.Tensor] | None = None) -> None:
+        """The step ended (after the optimizer): check it (see the module doc). `loss` and
+        `grad_norm` are the step's own tensors (read without blocking); `rerun()` recomputes
+        this step's loss from its batch on the bare module (no DDP, no collective)."""
+        if self.config.mode == "off":
+            return
+        if self.config.mode != "full":
+            if self._handles:  # a sampled stats step
+                self._stats()
+                self._detach()
+            self._forward, self._backward = [], []
+            flags = [t.detach().float().reshape(()) for t in (loss, grad_norm)
+                     if isinstance(t, torch.Tensor)]
+            if flags:
+                self._flags.append((self._step, Readback(torch.stack(flags)), rerun, self._rng))
+            while self._flags and self._flags[0][1].ready():
+                self._check_flags(*self._flags.pop(0))
+            del self._flags[:-2]  # an accelerator falls behind by a step at most
+            return
+        tensors, spans = self._collect()
+        readback = None
+        if tensors:
+            norms = torch._foreach_norm(tensors, float("inf"))
+            readback = Readback(torch.stack([n.float().reshape(()) for n in norms]))
+        self._pending.append(_Step(self._step, spans, readback, self._forward, self._backward))
+        self._stats()
+        self._forward, self._backward = [], []
+        while self._pending and (self._pending[0].readback is None or self._pending[0].readback.ready()):
+            self._judge(self._pending.pop(0))
+        del self._pending[:-1]  # at most one step waits (its tensors stay referenced)
+
+    def _collect(self) -> tuple[list[torch.Tensor], list[_Span]]:
+        """Every hooked tensor of the step, and which module and phase each belongs to."""
         tensors: list[torch.Tensor] = []
         spans: list[_Span] = []
         for index, _args, output in self._forward:
@@ -187,20 +270,55 @@ class TensorTracer:
             spans.append(_Span("backward", index, (start, start + len(gout)),
                                (start + len(gout), start + len(gout) + len(gin))))
             tensors += gout + gin
-        readback = None
-        if tensors:
-            norms = torch._foreach_norm(tensors, float("inf"))
-            readback = Readback(torch.stack([n.float().reshape(()) for n in norms]))
-        self._pending.append(_Step(self._step, spans, readback, self._forward, self._backward))
-        if self._wants_stats():
-            self._stats()
-        self._forward, self._backward = [], []
-        while self._pending and (self._pending[0].readback is None or self._pending[0].readback.ready()):
-            self._judge(self._pending.pop(0))
-        del self._pending[:-1]  # at most one step waits (its tensors stay referenced)
+        return tensors, spans
 
     def _wants_stats(self) -> bool:
-        return self.config.mode in ("stats", "full") and self._step % self.config.stats_every == 0
+        if self.config.mode == "full":
+            return True
+        return self.config.mode == "stats" and self._step % self.config.stats_every == 0
+
+    def _check_flags(self, step: int, flags: Readback, rerun: Any, rng: Any) -> None:
+        if all(math.isfinite(v) for v in flags.value().tolist()):
+            return
+        if rerun is None:
+            self._emit(Finding("", "forward", "output", step, self.rank, "",
+                               note="loss or gradient norm non-finite; no re-run given to "
+                                    "localise it"))
+            return
+        self._localise(step, rerun, rng)
+
+    def _localise(self, step: int, rerun: Callable[[], torch.Tensor], rng: Any) -> None:
+        """Re-run the step with hooks on the bare module and judge it on the host."""
+        attached = bool(self._handles)
+        self._attach()
+        saved = (torch.get_rng_state(), _device_rng(self.model))
+        if rng is not None:
+            _set_rng(self.model, rng)
+        self._forward, self._backward = [], []
+        try:
+            loss = rerun()
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if loss.requires_grad:  # not .backward(): no .grad, so DDP's hooks stay quiet
+                torch.autograd.grad(loss, params, allow_unused=True)
+            before = len(self.findings)
+            self._judge_now(step)
+            if len(self.findings) == before:
+                self._emit(Finding("", "forward", "output", step, self.rank, "",
+                                   note="non-finite loss or gradient norm, but finite when the "
+                                        "step was re-run on this rank: a transient fault, or a "
+                                        "peer's gradients (all-reduced)"))
+        finally:
+            _set_rng(self.model, saved)
+            self._forward, self._backward = [], []
+            if not attached:
+                self._detach()
+
+    def _judge_now(self, step: int) -> None:
+        """Judge the hooked tensors of a re-run on the host."""
+        tensors, spans = self._collect()
+        values = ([float(v) for v in torch.stack([n.float() for n in torch._foreach_norm(
+            tensors, float("inf"))]).tolist()] if tensors else [])  # sync point: localising
+        self._judge(_Step(step, spans, _Ready(values), self._forward, self._backward))
 
     # --- judging --------------------------------------------------------------------------
     def _judge(self, pending: _Step) -> None:

@@ -93,7 +93,13 @@ def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
             state.optimizer.zero_grad(set_to_none=False)
         s.log(loss=lm_loss, grad_norm=grad_norm)
     if state.tracer is not None:
-        state.tracer.step_end()
+        step = state.step
+
+        def rerun() -> torch.Tensor:  # the bare model: no DDP, no collective
+            loss, _ = state.model.loss(state.model(inputs), targets)
+            return injector.poison_loss(loss, step)
+
+        state.tracer.step_end(loss=loss, grad_norm=grad_norm, rerun=rerun)
     injector.step_took(state.step, time.perf_counter() - started)
     state.step += 1
 

@@ -124,3 +124,31 @@ def _plain(rank: int, world: int, live_dir: Path, scenario: str) -> None:
     finally:
         outcome["time"] = time.time()
         (live_dir / f"exit-rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def fr_rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> None:
+    """A job without meshscope, with PyTorch's Flight Recorder on: three good steps, then the
+    scenario's collective (the culprit skips it, or calls another op) left in flight, then
+    every rank dumps its recorder to `<out_dir>/rank<R>` and leaves."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    for _ in range(FAULT_STEP):
+        dist.all_reduce(torch.ones(64))
+    culprit = rank == world - 1
+    if scenario == "missing" and not culprit:
+        dist.all_reduce(torch.ones(64), async_op=True)
+    elif scenario == "all_to_all" and not culprit:
+        dist.all_to_all_single(torch.zeros(2 * world), torch.ones(2 * world), async_op=True)
+    elif scenario == "op":
+        if culprit:
+            dist.broadcast(torch.ones(64), src=rank, async_op=True)
+        else:
+            dist.all_reduce(torch.ones(64), async_op=True)
+    time.sleep(1.0)
+    dump = torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True,
+                                                      includeStackTraces=True, onlyActive=False)
+    Path(out_dir, f"rank{rank}").write_bytes(dump)
+    os._exit(0)  # the collective in flight never ends: no orderly teardown

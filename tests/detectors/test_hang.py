@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -66,3 +68,48 @@ def test_a_rank_in_compute_is_located_by_its_stack(tmp_path):
 
 def test_a_clean_run_is_not_a_hang(tmp_path):
     assert watch_scenario(tmp_path, "clean", timeout_s=20) is None
+
+
+@pytest.mark.parametrize("scenario,kind,op", [("missing", "missing", "all_reduce"),
+                                              ("all_to_all", "missing", "all_to_all"),
+                                              ("op", "mismatch", "broadcast")])
+def test_flight_recorder_dumps_of_a_plain_job_are_diagnosed(tmp_path, scenario, kind, op):
+    from detectors.flight_recorder import diagnose_dumps
+    from tests.detectors.hang_cases import fr_rank_main
+
+    ctx = mp.get_context("spawn")
+    port = free_port_range(1)
+    procs = [ctx.Process(target=fr_rank_main, args=(r, WORLD, port, str(tmp_path), scenario))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    diag = diagnose_dumps(tmp_path, prefix="rank")
+    assert diag.culprit_ranks == [CULPRIT] and diag.kind == kind, diag.why
+    assert diag.op == op and diag.seq == FAULT_STEP + 1  # PyTorch counts from 1
+    if scenario == "missing":  # and as a person would ask
+        out = subprocess.run([sys.executable, "-m", "meshscope", "hang-report",
+                              "--flight-recorder", str(tmp_path), "--prefix", "rank"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "never entered all_reduce #4" in " ".join(out.stdout.split())
+
+
+def test_hostile_or_foreign_dumps_are_refused(tmp_path):
+    import pickle
+
+    from detectors.flight_recorder import DumpError, diagnose_dumps
+
+    class Boom:
+        def __reduce__(self):
+            return (print, ("this must never run",))
+
+    (tmp_path / "rank0").write_bytes(pickle.dumps({"entries": [Boom()]}))
+    with pytest.raises(DumpError, match="refusing to load builtins.print"):
+        diagnose_dumps(tmp_path)
+    (tmp_path / "rank0").write_bytes(b"\x00garbage")
+    with pytest.raises(DumpError, match="not a Flight Recorder dump"):
+        diagnose_dumps(tmp_path)
+    (tmp_path / "rank0").write_text('{"version": "2.10"}')
+    with pytest.raises(DumpError, match="no 'entries' list"):
+        diagnose_dumps(tmp_path)

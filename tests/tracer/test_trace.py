@@ -33,11 +33,15 @@ def traced_steps(tmp_path, spec: str, steps: int = 4, mode: str = "nonfinite"):
     for step in range(steps):
         injector.before_step(step, model)
         tracer.step_begin(step)
-        loss, _ = model.loss(model(tokens), tokens)
-        loss = injector.poison_loss(loss, step)
+
+        def rerun(step=step):
+            return injector.poison_loss(model.loss(model(tokens), tokens)[0], step)
+
+        loss = rerun()
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.zero_grad()
-        tracer.step_end()
+        tracer.step_end(loss=loss, grad_norm=norm, rerun=rerun)
     tracer.close()
     return reports
 
@@ -88,6 +92,15 @@ def test_replay_of_an_injected_gradient_says_it_is_not_the_module(tmp_path):
     path = next(d["snapshot"] for kind, _s, d in reports if kind == "nan")
     result = replay(load_snapshot(path), MoELM(CFG).get_submodule("blocks.0.ln1"))
     assert not result.reproduced and "hook" in result.message
+
+
+@pytest.mark.parametrize("mode", ["nonfinite", "stats", "full"])
+def test_every_mode_names_the_module(tmp_path, mode):
+    for spec, where in [("nan@step=2,rank=0,module=blocks.0.ln2", "forward"),
+                        ("nan@step=2,rank=0,module=blocks.1.ln1,where=backward", "backward")]:
+        reports = traced_steps(tmp_path / where, spec, mode=mode)
+        nans = [(s, d["module"], d["where"]) for kind, s, d in reports if kind == "nan"]
+        assert nans == [(2, spec.split("module=")[1].split(",")[0], where)], (mode, nans)
 
 
 def test_stats_mode_stores_every_module(tmp_path):

@@ -1,0 +1,119 @@
+"""Debugging overhead: the collective flight log and the tensor tracer's modes, against the same
+DDP MoE loop without them, alternating in blocks in the same processes.
+
+Variants (each its own model copy of the same architecture, built in rotating order):
+- `plain`: DDP's C++ all-reduce, no hooks (the baseline; a second copy, `control`, gives this
+  machine's noise floor in the same run);
+- `flight`: the flight log on, DDP through its Python all-reduce hook (target <= 1.01);
+- `nonfinite`, `stats`, `full`: the tensor tracer in that mode on the plain loop (targets
+  <= 1.01, <= 1.03, <= 1.6); `stats` samples one step in 10, `full` hooks every step.
+
+Printed: each variant's median step time over the plain copies' (plain and control pooled),
+per model size.
+
+    .venv/bin/python benchmarks/tracer_overhead.py [--ranks 2 --blocks 6 --block-steps 8]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from _common import machine, run_ranks
+
+VARIANTS = ("plain", "control", "flight", "nonfinite", "stats", "full")
+
+
+def bench(rank: int, world_size: int, blocks: int, block_steps: int, run_dir: str,
+          d_model: int, copies: int) -> dict:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from collector.flightlog import FlightLog, allreduce_hook
+    from trainer.config import ModelConfig
+    from trainer.data import SyntheticTokens
+    from trainer.model import MoELM
+    from tracer.trace import TensorTracer, TracerConfig
+
+    cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8,
+                      top_k=2)
+    data = SyntheticTokens(vocab_size=128, seq_len=32, batch_size=8, seed=0, rank=rank,
+                           world_size=world_size)
+    flight = FlightLog(f"{run_dir}/live", rank=rank, world_size=world_size).install()
+    FlightLog._active = None  # on only while the flight variant steps
+
+    def make(variant):
+        torch.manual_seed(0)
+        model = MoELM(cfg)
+        ddp = DDP(model, bucket_cap_mb=25.0)
+        if variant == "flight":
+            ddp.register_comm_hook(None, allreduce_hook)
+        tracer = None
+        if variant in ("nonfinite", "stats", "full"):
+            tracer = TensorTracer(model, TracerConfig(mode=variant), rank=rank)
+        return model, ddp, torch.optim.AdamW(model.parameters(), 1e-3, fused=True), tracer
+
+    def step(variant, model, ddp, opt, tracer, i):
+        if variant == "flight":
+            FlightLog._active = flight
+            flight.step_begin(i)
+        if tracer is not None:
+            tracer.step_begin(i)
+        x, y = data.batch(i)
+        loss, _ = model.loss(ddp(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if tracer is not None:
+            tracer.step_end(loss=loss, grad_norm=norm,
+                            rerun=lambda: model.loss(model(x), y)[0])
+        if variant == "flight":
+            flight.step_end()
+            FlightLog._active = None
+
+    times = {v: [] for v in VARIANTS}
+    for copy in range(copies):
+        order = VARIANTS[copy % len(VARIANTS):] + VARIANTS[:copy % len(VARIANTS)]
+        built = {v: make(v) for v in order}
+        for i in range(3):
+            for v in VARIANTS:
+                step(v, *built[v], i)
+        for b in range(blocks):
+            for v in VARIANTS[b % len(VARIANTS):] + VARIANTS[:b % len(VARIANTS)]:
+                for i in range(block_steps):
+                    t0 = time.perf_counter()
+                    step(v, *built[v], i)
+                    times[v].append(time.perf_counter() - t0)
+    flight.close()
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=6)
+    ap.add_argument("--block-steps", type=int, default=8)
+    ap.add_argument("--copies", type=int, default=3, help="fresh model sets, rotating order")
+    ap.add_argument("--d-model", type=int, nargs="+", default=[64, 256])
+    args = ap.parse_args()
+    print(f"# {machine()}\n# {args.ranks} gloo ranks, {args.copies} copies x {args.blocks} "
+          f"blocks x {args.block_steps} steps per variant; rank 0's median step time")
+    print(f"{'d_model':>7} {'plain ms':>9} " + " ".join(f"{v:>10}" for v in VARIANTS[1:]))
+    for d_model in args.d_model:
+        with tempfile.TemporaryDirectory() as run_dir:
+            times = run_ranks(bench, args.ranks, blocks=args.blocks, block_steps=args.block_steps,
+                              run_dir=run_dir, d_model=d_model, copies=args.copies)[0]
+        # two identical plain copies differ by a few percent (memory layout): the baseline is
+        # both, and `control` shows how far one of them strays from it
+        base = statistics.median(times["plain"] + times["control"])
+        ratios = {v: statistics.median(times[v]) / base for v in VARIANTS[1:]}
+        print(f"{d_model:>7} {base * 1e3:9.2f} " + " ".join(f"{ratios[v]:10.3f}"
+                                                         for v in VARIANTS[1:]), flush=True)
+    print("targets: flight <= 1.01, nonfinite <= 1.01, stats <= 1.03, full <= 1.6 "
+          "(control = the noise floor)")
+
+
+if __name__ == "__main__":
+    main()
