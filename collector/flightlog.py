@@ -12,6 +12,10 @@ never through the process group that is stuck.
 Beside the ring, a responder thread answers the watchdog's requests for Python stacks
 (`sys._current_frames`), and faulthandler writes the stacks of a crash to `<...>.crash`.
 
+"Completed" means the work's future completed: on gloo, the data arrived; on NCCL/HCCL the
+future follows the device stream, so a record there says what was issued and in which order,
+which is what a diagnosis of a hang needs.
+
 Collectives are seen by wrapping the `torch.distributed` functions once per process
 (`FlightLog.install`). Code that imported a function by name before that (`from
 torch.distributed import all_reduce`) and DDP's C++ all-reduce are not seen: the Monitor gives
@@ -281,6 +285,7 @@ class FlightLog:
     def start_responder(self, poll_s: float = 0.2) -> "FlightLog":
         """Answer stack requests from the watchdog; write a crash's stacks with faulthandler."""
         self._crash_file = open(self.path.with_suffix(".crash"), "w")
+        self._faulthandler_was_on = faulthandler.is_enabled()
         faulthandler.enable(file=self._crash_file, all_threads=True)
         self._responder = threading.Thread(target=self._respond, args=(poll_s,),
                                            name="meshscope-flight", daemon=True)
@@ -324,6 +329,8 @@ class FlightLog:
             FlightLog._active = None
         if self._crash_file is not None:
             faulthandler.disable()
+            if self._faulthandler_was_on:  # give the process its crash reports back
+                faulthandler.enable()
             self._crash_file.close()
             self._crash_file = None
         self._map.flush()

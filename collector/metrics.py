@@ -15,7 +15,8 @@ from collector.schema import StepRecord
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PHASES = ("forward", "backward", "optimizer", "comm_exposed", "data")
 FAULT_KINDS = ("dead_rank", "hang", "nonfinite", "injected")
-ANOMALY_TYPES = ("straggler", "comm", "expert_imbalance", "loss_spike", "nan", "memory", "multivariate")
+ANOMALY_TYPES = ("straggler", "comm", "expert_imbalance", "loss_spike", "nan", "memory", "multivariate",
+                 "gradient_exploding", "gradient_vanishing")
 
 
 class MeshscopeMetrics:
@@ -41,6 +42,13 @@ class MeshscopeMetrics:
             "Gradient bytes: raw before compression, wire as sent by this rank.", ["kind"], registry=r)
         self.loss = Gauge("meshscope_loss", "Last step's training loss.", registry=r)
         self.grad_norm = Gauge("meshscope_grad_norm", "Last step's global gradient norm.", registry=r)
+        # the gradient inspector's, exported by rank 0 (gradients are all-reduced: one answer)
+        self.layer_grad_norm = Gauge(
+            "meshscope_layer_grad_norm", "Gradient norm of one layer's parameters (sampled steps).",
+            ["module"], registry=r)
+        self.layer_update_ratio = Gauge(
+            "meshscope_layer_update_ratio", "Norm of one layer's last update over its weights' norm.",
+            ["module"], registry=r)
         self.memory = Gauge(
             "meshscope_memory_bytes", "Memory; kind=allocated|reserved (device), rss (host).",
             ["kind"], registry=r)

@@ -40,9 +40,14 @@ CREATE TABLE IF NOT EXISTS tensor_stats (
   absmax REAL, norm REAL, mean REAL, std REAL, nonfinite INTEGER,
   PRIMARY KEY (step, rank, module, "where")
 );
+CREATE TABLE IF NOT EXISTS grad_stats (
+  step INTEGER NOT NULL, module TEXT NOT NULL, grad_norm REAL, weight_norm REAL,
+  update_ratio REAL, PRIMARY KEY (step, module)
+);
 """
 TENSOR_STAT_COLUMNS = ("step", "rank", "module", "where", "absmax", "norm", "mean", "std",
                        "nonfinite")
+GRAD_STAT_COLUMNS = ("step", "module", "grad_norm", "weight_norm", "update_ratio")
 
 
 _STEP_ROW = operator.attrgetter(*STEP_COLUMNS)  # a StepRecord as a row, in one C call
@@ -114,6 +119,10 @@ class RunStore:
         """Per-module tensor statistics of one step (the tracer's `stats` mode)."""
         self._put(("stats", [tuple(r[c] for c in TENSOR_STAT_COLUMNS) for r in rows]))
 
+    def add_grad_stats(self, rows: list[dict[str, Any]]) -> None:
+        """Per-layer gradient and update norms of one step (the gradient inspector)."""
+        self._put(("grads", [tuple(r[c] for c in GRAD_STAT_COLUMNS) for r in rows]))
+
     def flush(self, timeout: float = 30.0) -> None:
         """Block until everything queued so far is committed."""
         done = threading.Event()
@@ -141,7 +150,7 @@ class RunStore:
                 return
 
     def _commit(self, items: list[tuple[str, Any]]) -> None:
-        steps, events, experts, stats, barriers = [], [], [], [], []
+        steps, events, experts, stats, grads, barriers = [], [], [], [], [], []
         for kind, payload in items:
             if kind == "step":
                 steps.append(_STEP_ROW(payload))
@@ -154,6 +163,8 @@ class RunStore:
                                for layer, row in enumerate(table) for expert, tok in enumerate(row))
             elif kind == "stats":
                 stats.extend(payload)
+            elif kind == "grads":
+                grads.extend(payload)
             else:
                 barriers.append(payload)
         with self._conn:  # one transaction per batch
@@ -174,6 +185,10 @@ class RunStore:
                 self._conn.executemany(
                     f"INSERT OR REPLACE INTO tensor_stats ({cols}) VALUES "
                     f"({','.join('?' * len(TENSOR_STAT_COLUMNS))})", stats)
+            if grads:
+                self._conn.executemany(
+                    f"INSERT OR REPLACE INTO grad_stats ({','.join(GRAD_STAT_COLUMNS)}) VALUES "
+                    f"({','.join('?' * len(GRAD_STAT_COLUMNS))})", grads)
         for done in barriers:
             done.set()
 
@@ -220,6 +235,11 @@ def load_tensor_stats(run_dir: str | Path, *, module: str | None = None) -> pd.D
         return _read(run_dir, "SELECT * FROM tensor_stats ORDER BY step, rank, module")
     return _read(run_dir, "SELECT * FROM tensor_stats WHERE module = ? ORDER BY step, rank",
                  (module,))
+
+
+def load_grad_stats(run_dir: str | Path) -> pd.DataFrame:
+    """The gradient inspector's per-layer norms and update ratios, by step."""
+    return _read(run_dir, "SELECT * FROM grad_stats ORDER BY step, module")
 
 
 def latest_step(run_dir: str | Path, rank: int = 0) -> int:

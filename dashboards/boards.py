@@ -141,7 +141,16 @@ def debug() -> dashboard.Dashboard:
             .with_panel(_ts("Compute per rank vs the median", "x",
                             _q(f'run_rank:meshscope_compute_vs_median:ratio{{{RUN}}}', "rank {{rank}}")))
             .with_panel(_ts("Slowest step (max over ranks)", "s",
-                            _q(f'max(run_rank:meshscope_step_duration_seconds:p99_1m{{{RUN}}})', "p99"))))
+                            _q(f'max(run_rank:meshscope_step_duration_seconds:p99_1m{{{RUN}}})', "p99")))
+            .with_panel(_ts("Gradient norm per layer", "short",
+                            _q(f'max by (module) (meshscope_layer_grad_norm{{{RUN}}})', "{{module}}"),
+                            desc="Sampled steps, before clipping. A layer 100x above its usual "
+                                 "norm is a gradient_exploding anomaly, 1000x below "
+                                 "gradient_vanishing (events in the run store)."))
+            .with_panel(_ts("Update / weight ratio per layer", "short",
+                            _q(f'max by (module) (meshscope_layer_update_ratio{{{RUN}}})', "{{module}}"),
+                            desc="Norm of the optimizer's update over the weights' norm; around "
+                                 "1e-3 is healthy, far below: the layer has stopped learning.")))
 
 
 BOARDS = {"training": training, "experts": experts, "faults": faults, "debug": debug}

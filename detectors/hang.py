@@ -336,7 +336,7 @@ class HangWatch:
         self.leader = leader  # agents sharing a run directory: one watches
         self.config = config or HangConfig()
         self.on_hang, self.clock = on_hang, clock
-        self.diagnosed: set[frozenset] = set()
+        self.diagnosed: dict[frozenset, float] = {}  # attempt -> its progress when diagnosed
         self.last: Diagnosis | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-hang", daemon=True)
@@ -365,8 +365,9 @@ class HangWatch:
         if not heads:
             return None
         attempt = frozenset((r, h.pid) for r, h in heads.items())
-        if attempt in self.diagnosed:
-            return None
+        progress = max(h.progress_t for h in heads.values())
+        if attempt in self.diagnosed and self.diagnosed[attempt] >= progress:
+            return None  # diagnosed, and nothing moved since (a new stall is judged anew)
         if all(h.closed for h in heads.values()) and not any(h.last_error for h in heads.values()):
             return None  # a clean end
         world = max(h.world_size for h in heads.values())
@@ -380,7 +381,8 @@ class HangWatch:
                 return None
         elif not dead and not failed:
             return None
-        self.diagnosed.add(attempt)
+        # a crash is judged once per attempt; a stall again if progress resumes and stops
+        self.diagnosed[attempt] = float("inf") if dead or failed else progress
         stacks = self._gather_stacks([r for r, h in heads.items() if alive[r] and not h.closed],
                                      heads)
         tails = {}

@@ -14,23 +14,33 @@ from typing import Any  # noqa: E402
 import trainer.worker  # noqa: E402
 from collector import DistEnv, Monitor  # noqa: E402
 from trainer.config import RunConfig, load_config  # noqa: E402
+from tracer.gradients import GradientInspector  # noqa: E402
 from tracer.trace import TensorTracer, TracerConfig  # noqa: E402
 
 
-def make_tracer(cfg: RunConfig, env: DistEnv, mon: Monitor, model: Any) -> TensorTracer | None:
-    """The tensor tracer on this rank's model, reporting through the Monitor."""
+def make_tracer(cfg: RunConfig, env: DistEnv, mon: Monitor,
+                model: Any) -> tuple[TensorTracer | None, GradientInspector | None]:
+    """The tensor tracer on this rank's model and, on rank 0, the gradient inspector
+    (gradients are all-reduced: every rank would say the same), reporting through the Monitor."""
     if cfg.trace == "off":
-        return None
+        return None, None
 
     def report(kind: str, step: int, detail: dict) -> None:
         if kind == "nan":
             mon.metrics.faults.labels(kind="nonfinite").inc()
-        mon.event(kind, severity="critical" if kind == "nan" else "info", step=step,
-                  detail=detail)
+        severity = {"nan": "critical", "anomaly": "warning"}.get(kind, "info")
+        mon.event(kind, severity=severity, step=step, detail=detail)
 
-    return TensorTracer(model, TracerConfig(mode=cfg.trace), rank=env.rank,
-                        snapshot_dir=cfg.run_dir / "snapshots", report=report,
-                        stats_sink=mon.store.add_tensor_stats)
+    def export(module: str, grad_norm: float, update_ratio: float) -> None:
+        mon.metrics.layer_grad_norm.labels(module=module).set(grad_norm)
+        mon.metrics.layer_update_ratio.labels(module=module).set(update_ratio)
+
+    tracer = TensorTracer(model, TracerConfig(mode=cfg.trace), rank=env.rank,
+                          snapshot_dir=cfg.run_dir / "snapshots", report=report,
+                          stats_sink=mon.store.add_tensor_stats)
+    inspector = (GradientInspector(model, report=report, sink=mon.store.add_grad_stats,
+                                   export=export) if env.rank == 0 else None)
+    return tracer, inspector
 
 
 def main(argv: list[str] | None = None) -> None:

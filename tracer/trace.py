@@ -10,8 +10,9 @@ Modes (`--trace`):
   this rank's bare module (forward with hooks on every module, backward with
   `torch.autograd.grad`, so DDP sees no gradients and no collective is issued), then reads
   the hooked tensors on the host (a sync point, only after a finding). The fused optimizer
-  skipped the bad update, so the re-run sees the step's weights; when the fault was transient
-  (gone on the re-run) the finding says so.
+  skipped the bad update, so the re-run sees the step's weights (on an accelerator the flags
+  land a step later, after the next update: a fault that was transient may then be gone, and
+  the finding says so). The re-run's forward counts its MoE tokens a second time.
 - `stats`: hooks on every `stats_every`-th step only: per-module absmax, norm, mean, std and
   non-finite count of each output, reduced on the device, into the run store (`tensor_stats`).
 - `full`: hooks on every step: stats every step, and findings judged from the step itself

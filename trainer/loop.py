@@ -37,6 +37,7 @@ class TrainState:
     hook_state: Any
     step: int = 0
     tracer: Any = None  # tracer.TensorTracer when tracing is on
+    inspector: Any = None  # tracer.GradientInspector, on rank 0
 
 
 def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size: int,
@@ -88,8 +89,12 @@ def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
         with s.phase("backward"):
             loss.backward()
         with s.phase("optimizer"):
+            if state.inspector is not None:
+                state.inspector.before_clip(state.step)
             grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)
             step_if_finite(state.optimizer, grad_norm)
+            if state.inspector is not None:
+                state.inspector.after_update()
             state.optimizer.zero_grad(set_to_none=False)
         s.log(loss=lm_loss, grad_norm=grad_norm)
     if state.tracer is not None:

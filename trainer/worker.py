@@ -74,8 +74,10 @@ def write_pid(cfg: RunConfig, env: DistEnv) -> None:
     (folder / f"rank{env.rank}.pid").write_text(str(os.getpid()))
 
 
-# (cfg, env, monitor, model) -> an object with step_begin(step), step_end(), close(), or None
-TracerFactory = Callable[[RunConfig, DistEnv, Monitor, Any], Any]
+# (cfg, env, monitor, model) -> (tracer, gradient inspector), either None: the tracer has
+# step_begin(step) / step_end(loss=, grad_norm=, rerun=) / close(), the inspector
+# before_clip(step) / after_update() / close()
+TracerFactory = Callable[[RunConfig, DistEnv, Monitor, Any], tuple[Any, Any]]
 
 
 def run_worker(cfg: RunConfig, env: DistEnv, make_tracer: TracerFactory | None = None) -> None:
@@ -99,7 +101,7 @@ def run_worker(cfg: RunConfig, env: DistEnv, make_tracer: TracerFactory | None =
         state = build(cfg, device, mon, rank=env.rank, world_size=env.world_size,
                       injector=injector)
         if make_tracer is not None:
-            state.tracer = make_tracer(cfg, env, mon, state.model)
+            state.tracer, state.inspector = make_tracer(cfg, env, mon, state.model)
         elastic.resume(state)
         try:
             reason = train(state, mon, cfg, device, elastic, injector)
@@ -107,8 +109,9 @@ def run_worker(cfg: RunConfig, env: DistEnv, make_tracer: TracerFactory | None =
             mon.fail(err)
             elastic.mark_failed(err)  # we failed, we did not vanish: not the culprit
             raise
-        if state.tracer is not None:
-            state.tracer.close()
+        for looker in (state.tracer, state.inspector):
+            if looker is not None:
+                looker.close()
         mon.flush()
         elastic.finish(state, reason)
         if reason == "done":

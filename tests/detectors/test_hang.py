@@ -113,3 +113,37 @@ def test_hostile_or_foreign_dumps_are_refused(tmp_path):
     (tmp_path / "rank0").write_text('{"version": "2.10"}')
     with pytest.raises(DumpError, match="no 'entries' list"):
         diagnose_dumps(tmp_path)
+
+
+def test_the_threshold_follows_the_step_time_and_a_new_stall_is_judged_anew(tmp_path):
+    from collector.flightlog import FlightLog
+
+    logs = [FlightLog(tmp_path, rank=r, world_size=2) for r in range(2)]
+    now = [time.time()]
+    seen = []
+    watch = HangWatch(tmp_path, HangConfig(min_stall_s=1.0, step_factor=10.0, stacks_wait_s=0.05),
+                      on_hang=seen.append, clock=lambda: now[0])
+    assert watch.poll() is None  # no step yet: the startup allowance (120 s) applies
+
+    def steps(seconds):
+        for log in logs:
+            log.step_begin(0)
+            log._step_started -= seconds  # as if the step took this long
+            log.step_end()
+        now[0] = time.time()
+
+    steps(0.5)  # typical step 0.5 s: a hang is 10 x 0.5 = 5 s without progress
+    now[0] += 4.0
+    assert watch.poll() is None
+    now[0] += 1.5
+    first = watch.poll()
+    assert first is not None and first.kind == "compute" and seen == [first]
+    now[0] += 10
+    assert watch.poll() is None  # the same stall is reported once
+    steps(0.5)  # progress resumed, then stops again
+    now[0] += 6
+    assert watch.poll() is not None and len(seen) == 2
+    for log in logs:
+        log.close()
+    now[0] += 60
+    assert watch.poll() is None  # a clean end is no hang

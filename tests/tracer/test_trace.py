@@ -151,3 +151,37 @@ def test_random_bytes_never_load_and_never_crash(tmp_path, blob):
     (tmp_path / "r.json").write_bytes(blob)
     with pytest.raises(SnapshotError):
         load_snapshot(tmp_path / "r.json")
+
+
+def test_the_gradient_inspector_flags_a_layer_that_explodes_or_vanishes():
+    from tracer.gradients import GradientInspector, InspectorConfig, layer_names
+
+    torch.manual_seed(0)
+    model = MoELM(CFG)
+    assert {"embed", "blocks.0", "blocks.1", "ln_f"} <= set(layer_names(model).values())
+    reports, rows, exported = [], [], {}
+    inspector = GradientInspector(model, InspectorConfig(every=2, warmup=3),
+                                  report=lambda k, s, d: reports.append((k, s, d)),
+                                  sink=rows.extend,
+                                  export=lambda m, g, r: exported.__setitem__(m, (g, r)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len))
+    for step in range(20):
+        loss, _ = model.loss(model(tokens), tokens)
+        loss.backward()
+        if step == 14:  # layer blocks.1 explodes, ln_f vanishes
+            for name, p in model.named_parameters():
+                if name.startswith("blocks.1."):
+                    p.grad.mul_(1e4)
+                if name.startswith("ln_f."):
+                    p.grad.mul_(1e-6)
+        inspector.before_clip(step)
+        opt.step()
+        inspector.after_update()
+        opt.zero_grad()
+    inspector.close()
+    flags = sorted((d["type"], d["module"], s) for k, s, d in reports if k == "anomaly")
+    assert flags == [("gradient_exploding", "blocks.1", 14), ("gradient_vanishing", "ln_f", 14)]
+    assert {r["step"] for r in rows} == set(range(0, 20, 2))
+    assert all(0 < r["update_ratio"] < 1 for r in rows if r["step"] != 14)
+    assert set(exported) == set(layer_names(model).values())
