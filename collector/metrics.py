@@ -63,7 +63,8 @@ class MeshscopeMetrics:
             "meshscope_expert_imbalance_ratio", "Max / mean expert load of a layer.", ["layer"],
             registry=r)
         self.heartbeat_age = Gauge(
-            "meshscope_heartbeat_age_seconds", "Seconds since a peer's last heartbeat.", ["peer"],
+            "meshscope_heartbeat_age_seconds",
+            "Seconds since a rank's last heartbeat (exported by its node's watcher).", ["peer"],
             registry=r)
         self.faults = Counter("meshscope_faults", "Faults seen, by kind.", ["kind"], registry=r)
         self.restarts = Counter("meshscope_restarts", "Elastic restarts of this job.", registry=r)

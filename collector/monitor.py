@@ -59,6 +59,9 @@ class MonitorConfig:
     comm_sample_every: int = 10
     """Time each gradient bucket on one step in this many (the wait for communication, which
     makes the comm ratio, is measured every step)."""
+    nan_events: bool = True
+    """Write a `nan` event when the logged loss turns non-finite. Off when a tensor tracer
+    reports non-finite steps itself (with the module): one event per finding, not two."""
     flight_log: bool = True
     """Keep the collective flight log (`collector.flightlog`) in `<run_dir>/live/`, which the
     hang watchdog reads; it gives DDP a Python all-reduce hook so every bucket is seen."""
@@ -413,7 +416,8 @@ class Monitor:
     def _emit(self, rec: StepRecord) -> None:
         self.store.add_step(rec)
         finite = math.isfinite(rec.loss) or "loss" not in self._logged_keys
-        if not finite and self._loss_was_finite:  # one event when the loss turns non-finite
+        if not finite and self._loss_was_finite and self.config.nan_events:
+            # one event when the loss turns non-finite
             self.metrics.faults.labels(kind="nonfinite").inc()
             self.event("nan", severity="critical", step=rec.step,
                        detail={"what": "loss", "value": str(rec.loss)})

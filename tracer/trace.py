@@ -207,9 +207,9 @@ class TensorTracer:
                 pending.readback.wait()
             self._judge(pending)
         self._pending = []
-        for step, flags, rerun, rng in self._flags:
+        for step, flags, rerun, rng, has_loss in self._flags:
             flags.wait()
-            self._check_flags(step, flags, rerun, rng)
+            self._check_flags(step, flags, rerun, rng, has_loss)
         self._flags = []
         self._detach()
 
@@ -237,10 +237,13 @@ class TensorTracer:
                 self._stats()
                 self._detach()
             self._forward, self._backward = [], []
+            # the loss first: a rank whose own loss is finite but whose (all-reduced) gradient
+            # norm is not only saw a peer's NaN, unless its own backward made it
             flags = [t.detach().float().reshape(()) for t in (loss, grad_norm)
                      if isinstance(t, torch.Tensor)]
             if flags:
-                self._flags.append((self._step, Readback(torch.stack(flags)), rerun, self._rng))
+                self._flags.append((self._step, Readback(torch.stack(flags)), rerun, self._rng,
+                                    isinstance(loss, torch.Tensor)))
             while self._flags and self._flags[0][1].ready():
                 self._check_flags(*self._flags.pop(0))
             del self._flags[:-2]  # an accelerator falls behind by a step at most
@@ -278,17 +281,21 @@ class TensorTracer:
             return True
         return self.config.mode == "stats" and self._step % self.config.stats_every == 0
 
-    def _check_flags(self, step: int, flags: Readback, rerun: Any, rng: Any) -> None:
-        if all(math.isfinite(v) for v in flags.value().tolist()):
+    def _check_flags(self, step: int, flags: Readback, rerun: Any, rng: Any,
+                     has_loss: bool = False) -> None:
+        values = flags.value().tolist()
+        if all(math.isfinite(v) for v in values):
             return
+        own_loss_bad = has_loss and not math.isfinite(values[0])
         if rerun is None:
             self._emit(Finding("", "forward", "output", step, self.rank, "",
                                note="loss or gradient norm non-finite; no re-run given to "
                                     "localise it"))
             return
-        self._localise(step, rerun, rng)
+        self._localise(step, rerun, rng, report_transient=own_loss_bad or not has_loss)
 
-    def _localise(self, step: int, rerun: Callable[[], torch.Tensor], rng: Any) -> None:
+    def _localise(self, step: int, rerun: Callable[[], torch.Tensor], rng: Any,
+                  report_transient: bool = True) -> None:
         """Re-run the step with hooks on the bare module and judge it on the host."""
         attached = bool(self._handles)
         self._attach()
@@ -303,11 +310,10 @@ class TensorTracer:
                 torch.autograd.grad(loss, params, allow_unused=True)
             before = len(self.findings)
             self._judge_now(step)
-            if len(self.findings) == before:
+            if len(self.findings) == before and report_transient:
                 self._emit(Finding("", "forward", "output", step, self.rank, "",
-                                   note="non-finite loss or gradient norm, but finite when the "
-                                        "step was re-run on this rank: a transient fault, or a "
-                                        "peer's gradients (all-reduced)"))
+                                   note="non-finite loss, but finite when the step was re-run "
+                                        "on this rank: a transient fault"))
         finally:
             _set_rng(self.model, saved)
             self._forward, self._backward = [], []

@@ -18,8 +18,8 @@ from collector.control import ControlPlane, LateFlag
 from collector.store import load_steps
 from trainer.checkpoint import CheckpointManager
 from trainer.config import RunConfig
-from trainer.heartbeat import (PREFIX, Heartbeat, connect_store, exit_marks,
-                               previous_attempt_failures, world_of)
+from trainer.heartbeat import (PREFIX, Heartbeat, JobWatch, NodeWatch, connect_store,
+                               exit_marks, previous_attempt_failures, world_of)
 
 
 def process_start_time() -> float:
@@ -59,6 +59,7 @@ class ElasticRun:
                                       world_size=env.world_size, keep=cfg.elastic.keep,
                                       async_save=cfg.elastic.async_checkpoint) if every else None
         self.heartbeat: Heartbeat | None = None
+        self.watchers: list[Any] = []
         self._fault_time: float | None = None
         self.group_ready_at = time.time()  # built after the process group
         self.started_at = started_at if started_at is not None else process_start_time()
@@ -71,10 +72,11 @@ class ElasticRun:
         if self.store is not None:
             self.round = self._agree_round()
             self._report_previous_attempt()
+            interval = self.cfg.elastic.heartbeat_s
             self.heartbeat = Heartbeat(
                 self.store, rank=self.env.rank, world_size=self.env.world_size,
-                attempt=self.round, interval_s=self.cfg.elastic.heartbeat_s,
-                on_dead=self._peer_dead, on_age=self._peer_age).start()
+                attempt=self.round, interval_s=interval).start()
+            self.watchers = self._watchers(interval)
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _agree_round(self) -> int:
@@ -104,6 +106,24 @@ class ElasticRun:
                     "last_seen": f.last_seen, "detected_at": self._fault_time,
                     "how": "no exit mark: the process died without being stopped"})
 
+    def _watchers(self, interval: float) -> list[Any]:
+        """The node's watcher on local rank 0, the job's on rank 0 when there are several
+        nodes (each reads its own connection to the store)."""
+        env, out = self.env, []
+        per_node = env.local_world_size
+        if env.local_rank == 0:
+            out.append(NodeWatch(connect_store(*heartbeat_endpoint(self.cfg, env)),
+                                 attempt=self.round, node=env.rank // per_node,
+                                 ranks=env.local_ranks(), interval_s=interval,
+                                 on_dead=self._peer_dead, on_age=self._peer_age).start())
+        if env.rank == 0 and env.world_size > per_node:
+            nodes = {n: list(range(n * per_node, min((n + 1) * per_node, env.world_size)))
+                     for n in range(-(-env.world_size // per_node))}
+            out.append(JobWatch(connect_store(*heartbeat_endpoint(self.cfg, env)),
+                                attempt=self.round, nodes=nodes, interval_s=interval,
+                                on_dead=self._peer_dead).start())
+        return out
+
     def _peer_dead(self, peer: int, age: float, step: int) -> None:
         self.mon.metrics.faults.labels(kind="dead_rank").inc()
         self.mon.event("fault", severity="critical", step=step, detail={
@@ -111,8 +131,16 @@ class ElasticRun:
             "how": "heartbeat stopped"})
         self.mon.store.flush()
 
-    def _peer_age(self, peer: int, age: float) -> None:
-        self.mon.metrics.heartbeat_age.labels(peer=str(peer)).set(age)
+    def _peer_age(self, peer: int, age: float | None) -> None:
+        """Export a local rank's beat age; None: it departed, its series goes."""
+        gauge = self.mon.metrics.heartbeat_age
+        if age is None:
+            try:
+                gauge.remove(str(peer))
+            except KeyError:
+                pass
+        else:
+            gauge.labels(peer=str(peer)).set(age)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self.heartbeat is not None:
@@ -196,4 +224,6 @@ class ElasticRun:
             self.ckpt.wait()
         if self.heartbeat is not None:
             self.heartbeat.mark_exit(reason)
+            for watcher in self.watchers:
+                watcher.stop()
             self.heartbeat.stop()

@@ -89,7 +89,9 @@ def run_worker(cfg: RunConfig, env: DistEnv, make_tracer: TracerFactory | None =
     control = ControlPlane.maybe()  # every collective meshscope adds goes through it
     mon = Monitor(MonitorConfig(run_dir=cfg.run_dir, run_id=cfg.run_id,
                                 metrics_port=cfg.metrics_port, expert_every=cfg.expert_every,
-                                comm_sample_every=cfg.comm_sample_every),
+                                comm_sample_every=cfg.comm_sample_every,
+                                # a tracer reports non-finite steps with their module
+                                nan_events=cfg.trace == "off" or make_tracer is None),
                   env=env, probe=device.probe(), control=control)
     elastic = ElasticRun(cfg, env, mon, started_at=STARTED_AT, control=control)
     write_pid(cfg, env)

@@ -1,8 +1,8 @@
 import torch.distributed as dist
 
 from tests.helpers.ports import free_port_range
-from trainer.heartbeat import (Heartbeat, connect_store, exit_marks, hb_key,
-                               previous_attempt_failures)
+from trainer.heartbeat import (Heartbeat, JobWatch, NodeWatch, connect_store, exit_marks,
+                               hb_key, previous_attempt_failures)
 
 
 class Clock:
@@ -13,41 +13,80 @@ class Clock:
         return self.t
 
 
-def make(store, rank, clock, dead):
-    return Heartbeat(store, rank=rank, world_size=3, attempt=0,
-                     interval_s=1.0, clock=clock,
-                     on_dead=lambda r, age, step: dead.append((rank, r, age, step)))
-
-
-def test_dead_peer_is_reported_once_within_two_intervals_by_the_lowest_live_rank():
+def test_a_dead_rank_is_reported_once_by_its_node_within_two_intervals():
     store = dist.HashStore()  # the logic under test, without a network in the way
-    clock, dead = Clock(), []
-    beats = [make(store, r, clock, dead) for r in range(3)]
+    clock, dead, ages = Clock(), [], {}
+    beats = [Heartbeat(store, rank=r, world_size=3, attempt=0) for r in range(3)]
     for b in beats:
         b._beat()
-    for b in beats:
-        b._watch()
+    watch = NodeWatch(store, attempt=0, node=0, ranks=[0, 1, 2], interval_s=1.0, clock=clock,
+                      on_dead=lambda r, age, step: dead.append((r, step)),
+                      on_age=lambda r, age: ages.__setitem__(r, age))
+    watch.look()
     # rank 1 dies right after its beat at t=0; the others keep beating every interval
-    for tick in range(1, 5):
+    for tick in range(1, 6):
         clock.t = tick * 0.5
         for r in (0, 2):
             beats[r].step = tick
             if tick % 2 == 0:
                 beats[r]._beat()
-        for r in (0, 2):
-            beats[r]._watch()
+        watch.look()
         if dead:
             break
-    assert dead == [(0, 1, dead[0][2], -1)]
-    assert clock.t <= 2.0  # watched every half interval: found within two intervals
+    assert dead == [(1, -1)]
+    assert clock.t <= 2.0  # looked every half interval: found within two intervals
+    assert ages[1] is None and ages[0] is not None  # the departed rank's series goes
+    for _ in range(10):
+        clock.t += 0.5
+        beats[0]._beat()
+        beats[2]._beat()
+        watch.look()
+    assert dead == [(1, -1)]  # once
+    assert store.check(["meshscope/node/0/0"])
+
+
+def test_a_rank_that_left_on_purpose_is_not_dead():
+    store = dist.HashStore()
+    clock, dead = Clock(), []
+    beats = [Heartbeat(store, rank=r, world_size=2, attempt=0) for r in range(2)]
+    for b in beats:
+        b._beat()
+    watch = NodeWatch(store, attempt=0, node=0, ranks=[0, 1], clock=clock,
+                      on_dead=lambda r, age, step: dead.append(r))
+    watch.look()
+    beats[1].mark_exit("done")
+    for tick in range(1, 8):
+        clock.t = tick * 0.5
+        beats[0]._beat()
+        watch.look()
+    assert dead == []
+
+
+def test_a_node_whose_watcher_died_has_its_ranks_reported_by_the_job_watcher():
+    store = dist.HashStore()
+    clock, dead = Clock(), []
+    nodes = {0: [0, 1], 1: [2, 3]}
+    watchers = [NodeWatch(store, attempt=0, node=n, ranks=r, clock=clock) for n, r in nodes.items()]
+    for rank in range(4):
+        Heartbeat(store, rank=rank, world_size=4, attempt=0)._beat()
+    job = JobWatch(store, attempt=0, nodes=nodes, clock=clock,
+                   on_dead=lambda r, age, step: dead.append(r))
+    for tick in range(0, 8):
+        clock.t = tick * 0.5
+        store.set(hb_key(0, 0), str(tick) + " 1")
+        store.set(hb_key(0, 1), str(tick) + " 1")
+        watchers[0].look()  # node 1 (ranks 2, 3) went away with its watcher at t=0
+        if tick == 0:
+            watchers[1].look()
+        job.look()
+    assert dead == [2, 3]
 
 
 def test_exit_marks_tell_the_culprit_of_the_previous_attempt():
     port = free_port_range(1)
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    clock, dead = Clock(), []
-    old = [Heartbeat(connect_store("127.0.0.1", port), rank=r, world_size=3, attempt=0,
-                     clock=clock) for r in range(3)]
+    old = [Heartbeat(connect_store("127.0.0.1", port), rank=r, world_size=3, attempt=0)
+           for r in range(3)]
     for b in old:
         b.step = 7
         b._beat()
