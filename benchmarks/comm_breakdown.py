@@ -90,7 +90,7 @@ def run_job(config: Path, args: argparse.Namespace) -> None:
         subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=REPO)
         return
     per_node = args.ranks // 2
-    common = [f"--nnodes=2", f"--nproc-per-node={per_node}", f"--master-addr={HOST_IP}",
+    common = ["--nnodes=2", f"--nproc-per-node={per_node}", f"--master-addr={HOST_IP}",
               "--master-port=29517"]
     procs = [
         subprocess.Popen([*torchrun, *common, "--node-rank=0", *worker], cwd=REPO,
