@@ -237,9 +237,15 @@ def load_tensor_stats(run_dir: str | Path, *, module: str | None = None) -> pd.D
                  (module,))
 
 
-def load_grad_stats(run_dir: str | Path) -> pd.DataFrame:
+def load_grad_stats(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
     """The gradient inspector's per-layer norms and update ratios, by step."""
-    return _read(run_dir, "SELECT * FROM grad_stats ORDER BY step, module")
+    try:
+        return _read(run_dir, "SELECT * FROM grad_stats WHERE step > ? ORDER BY step, module",
+                     (since_step,))
+    except (sqlite3.OperationalError, pd.errors.DatabaseError) as err:
+        if "no such table" in str(err):  # a store written before the inspector existed
+            return pd.DataFrame(columns=list(GRAD_STAT_COLUMNS))
+        raise
 
 
 def latest_step(run_dir: str | Path, rank: int = 0) -> int:

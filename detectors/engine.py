@@ -1,7 +1,9 @@
 """The detection engine: StepRecords in, anomaly episodes out, beside training or afterwards.
 
-It processes complete steps in order. The first `warmup` steps fit every detector; after that each
-step is scored, flagged steps feed episodes, and normal ones move the baselines on. Each episode
+It holds its detectors as rules (`detectors.rules`): step rules judge complete steps in order
+(the first `warmup` steps fit them; a NaN is judged from the first step), window rules judge
+the expert-load and gradient tables as they arrive. Flagged steps feed episodes, and normal
+ones move the baselines on. Each episode
 becomes one `anomaly` event (detail: type, ranks, layer/expert, score, start_step, end_step,
 evidence) when it closes, and counts in `meshscope_anomalies_total{type}` when it opens.
 """
@@ -13,20 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from detectors.domain import ExpertBalance, MemoryGrowth, NonFinite, Straggler
 from detectors.episodes import Episode, EpisodeTracker
 from detectors.features import COLUMN, StepFeaturizer, StepView, step_views
-from detectors.isolation import OnlineIsolationForest
-from detectors.moving import RobustZ
-
-# Relative features only: levels (tokens/s, step time) drift with the run and the machine. Not
-# the gradient norm either: 3-4x spikes for a step or two are ordinary in LM training (4 in a
-# 15,000-step clean run here) and a spike that matters shows as a loss spike or a NaN.
-MULTIVARIATE = ["step_spread", "compute_spread", "comm_ratio", "loss_delta", "mem_slope"]
-# The smallest change per feature that can matter (the forest's scale floor): 5 % spread or
-# comm ratio, 0.05 in loss, 1 MiB/step of memory. A feature that sat still in the window would
-# otherwise turn the first wiggle into a million IQRs.
-MULTIVARIATE_MIN_SCALE = (0.05, 0.05, 0.05, 0.05, float(1 << 20))
+from detectors.rules import (MULTIVARIATE, CommRule, ExpertRule, Flag, GradientRule,
+                             LossSpikeRule, MemoryRule, MultivariateRule, NonFiniteRule,
+                             StallRule, StepRule, StragglerRule, Verdict, WindowRule)
 
 
 @dataclass
@@ -66,41 +59,61 @@ class EngineConfig:
 
 
 class DetectionEngine:
+    """Holds the rules (`detectors.rules`) and asks them in order; see the module doc."""
+
     def __init__(self, config: EngineConfig | None = None,
                  on_open: Callable[[Episode], None] = lambda ep: None,
                  on_close: Callable[[Episode], None] = lambda ep: None,
                  on_score: Callable[[str, float], None] = lambda name, score: None) -> None:
         self.config = config or EngineConfig()
         s = self.config.sensitivity
-        self.straggler = Straggler(ratio=1 + 0.8 / s)
-        self.comm = RobustZ(threshold=4.0 / s)
-        self.comm_slowdown = 1 + 0.3 / s  # and the step this much slower than usual: it costs
-        self.step_time = RobustZ(window=200)  # its centre: the usual step time (stall, comm)
-        self.stall = 10.0 / s  # a step this many times the usual: a stuck collective
-        self.loss = RobustZ(threshold=8.0 / s)
-        self.memory = MemoryGrowth(mb_per_step=2.0 / s)
-        self.nonfinite = NonFinite()
-        self.forest = OnlineIsolationForest(min_scale=MULTIVARIATE_MIN_SCALE)
-        self.experts: dict[int, ExpertBalance] = {}
-        self.tracker = EpisodeTracker(gap=self.config.gap)
         self.on_open, self.on_close, self.on_score = on_open, on_close, on_score
+        # In order: a later rule may read what earlier ones said about the step (Verdict).
+        self.rules: list[StepRule] = [
+            NonFiniteRule(),
+            StallRule(factor=10.0 / s),  # a step 10x the usual: a stuck collective
+            StragglerRule(ratio=1 + 0.8 / s, on_score=self._score),
+            CommRule(threshold=4.0 / s, slowdown=1 + 0.3 / s),  # ...and the step that much slower
+            LossSpikeRule(threshold=8.0 / s),
+            MemoryRule(mb_per_step=2.0 / s),
+            MultivariateRule(on_score=self._score),
+        ]
+        self.window_rules: list[WindowRule] = [ExpertRule(self.config.warmup), GradientRule()]
+        self.tracker = EpisodeTracker(gap=self.config.gap)
         self.last_step = -1
-        self.last_expert_step = -1
         self._fitted = False
         self.featurizer = StepFeaturizer()
         self._warm: list[_Row] = []
         self._ranks: list[int] = []
-        self._warm_experts: dict[int, list[np.ndarray]] = {}
-        self._expert_spacing = 1
+
+    def _score(self, name: str, score: float) -> None:
+        self.on_score(name, score)
+
+    @property
+    def last_expert_step(self) -> int:
+        return self._window("expert_load").last_step
+
+    @property
+    def last_grad_step(self) -> int:
+        return self._window("grad_stats").last_step
+
+    def _window(self, table: str) -> WindowRule:
+        return next(r for r in self.window_rules if r.table == table)
 
     # --- feeding --------------------------------------------------------------------------
-    def process(self, steps: pd.DataFrame, expert_load: pd.DataFrame | None = None) -> None:
-        """Judge the steps after the last one seen (only steps every rank has recorded)."""
+    def process(self, steps: pd.DataFrame, expert_load: pd.DataFrame | None = None,
+                grad_stats: pd.DataFrame | None = None) -> None:
+        """Judge the steps after the last one seen (only steps every rank has recorded), then
+        the windowed tables."""
         for view in step_views(steps, after=self.last_step):
             self._step(view)
             self.last_step = view.step
-        if expert_load is not None and not expert_load.empty:
-            self._experts(expert_load[expert_load["step"] > self.last_expert_step])
+        tables = {"expert_load": expert_load, "grad_stats": grad_stats}
+        for rule in self.window_rules:
+            frame = tables.get(rule.table)
+            if frame is not None and not frame.empty:
+                for step, flag in rule.judge(frame):
+                    self._flag(step, flag)
 
     def finish(self) -> list[Episode]:
         """Close every open episode (end of the run)."""
@@ -120,107 +133,37 @@ class DetectionEngine:
             self._warm.append(row)
             if len(self._warm) >= self.config.warmup:
                 self._fit()
-            self._check_nonfinite(view.step, row)  # a NaN needs no warm-up
+            self._judge(view.step, row, [r for r in self.rules if r.during_warmup])
             return
-        normal = self._check(view.step, row)
-        if normal:
-            self.straggler.partial_fit(row.compute)
-            self.comm.partial_fit(row.col("comm_ratio"))
-            self.step_time.partial_fit(row.col("step_s"))
-            self.loss.partial_fit(row.col("loss_delta"))
-            self.forest.partial_fit(row.multivariate)
-        self.memory.partial_fit(row.rss)
+        normal = self._judge(view.step, row, self.rules)
+        for rule in self.rules:
+            rule.update(row, normal)
         for ep in self.tracker.close_quiet(view.step):
             self.on_close(ep)
 
     def _fit(self) -> None:
         warm = _Row(*(np.vstack([getattr(w, f) for w in self._warm])
                       for f in ("feats", "compute", "loss", "rss")), self._ranks)
-        self.straggler.fit(warm.compute)
-        self.comm.fit(warm.col("comm_ratio"))
-        self.step_time.fit(warm.col("step_s"))
-        self.loss.fit(warm.col("loss_delta"))
-        self.memory.fit(warm.rss)
-        self.nonfinite.fit(warm.loss)
-        self.forest.fit(warm.multivariate)
+        for rule in self.rules:
+            rule.learn(warm)
         self._fitted = True
 
-    def _check_nonfinite(self, step: int, row: "_Row") -> bool:
-        bad = self.nonfinite.culprits(row.loss)[0]
-        if bad:
-            self._flag(step, "nan", 1.0, ranks=[row.ranks[i] for i in bad],
-                       evidence={"loss": [str(v) for v in row.loss[0]]})
-        return not bad
+    def _judge(self, step: int, row: "_Row", rules: list[StepRule]) -> bool:
+        """Ask the rules in order; returns whether the step was normal."""
+        verdict = Verdict()
+        for rule in rules:
+            flags = rule.judge(step, row, verdict)
+            verdict.flags += flags
+            if any(f.final for f in flags):
+                break
+        for flag in verdict.flags:
+            self._flag(step, flag)
+        return verdict.normal
 
-    def _check(self, step: int, row: "_Row") -> bool:
-        """Run every detector on one step; returns whether the step was normal."""
-        normal = self._check_nonfinite(step, row)
-        ranks, step_s = row.ranks, row.value("step_s")
-        usual = float(self.step_time.center_[0])  # one notion of the usual step, for both gates
-        if step_s > self.stall * usual:  # no confirmation: it is loud
-            self._flag(step, "comm", step_s / usual, ranks=ranks,
-                       evidence={"stall_s": round(step_s, 3), "usual_step_s": round(usual, 4)})
-            return False
-        ratio = -float(self.straggler.score_samples(row.compute)[0])
-        self.on_score("straggler", ratio)
-        slow = self.straggler.culprits(row.compute)[0]
-        comm = row.col("comm_ratio")
-        if slow:
-            normal = False
-            self._flag(step, "straggler", ratio, ranks=[ranks[i] for i in slow], confirm=3,
-                       evidence={"compute_s": {str(r): round(float(v), 4) for r, v in zip(ranks, row.compute[0])},
-                                 "ratio": round(ratio, 2)})
-        elif self.comm.predict(comm)[0] < 0 and step_s > self.comm_slowdown * usual:
-            normal = False
-            self._flag(step, "comm", -float(self.comm.score_samples(comm)[0]), ranks=ranks,
-                       confirm=3, evidence={"comm_ratio": round(row.value("comm_ratio"), 4)})
-        delta = row.col("loss_delta")
-        if np.isfinite(delta).all() and self.loss.predict(delta)[0] < 0:
-            normal = False
-            self._flag(step, "loss_spike", -float(self.loss.score_samples(delta)[0]),
-                       evidence={"loss_delta": round(row.value("loss_delta"), 4)})
-        leak = self.memory.culprits(row.rss)[0]
-        if leak:
-            normal = False
-            self._flag(step, "memory", -float(self.memory.score_samples(row.rss)[0]),
-                       ranks=[ranks[i] for i in leak], confirm=2,
-                       evidence={"mb_per_step": round(float(self.memory.slopes(row.rss)[0].max()
-                                                            * self.memory.mb_per_step), 2)})
-        score = float(self.forest.score_samples(row.multivariate)[0])
-        self.on_score("isolation_forest", -score)
-        trusted = len(self.forest.buffer_) >= 50  # too few rows make IQRs, and so alarms, noisy
-        if normal and trusted and score < -self.forest.threshold:
-            normal = False
-            self._flag(step, "multivariate", -score, confirm=3, evidence={
-                "drivers": self.forest.explain(row.multivariate, MULTIVARIATE)[0]})
-        return normal
-
-    def _experts(self, expert_load: pd.DataFrame) -> None:
-        for step, window in expert_load.groupby("step"):
-            if self.last_expert_step >= 0:
-                self._expert_spacing = int(step) - self.last_expert_step
-            for layer, grp in window.groupby("layer"):
-                tokens = grp.sort_values("expert")["tokens"].to_numpy(dtype=float)
-                share = (tokens / max(tokens.sum(), 1e-9)).reshape(1, -1)
-                det = self.experts.get(layer)
-                if det is None or step < self.config.warmup:
-                    warm = self._warm_experts.setdefault(layer, [])
-                    warm.append(share)
-                    if step >= self.config.warmup - 1 or det is not None:
-                        self.experts[layer] = ExpertBalance().fit(np.vstack(warm))
-                    continue
-                hot = det.culprits(share)[0]
-                if not hot:
-                    det.partial_fit(share)  # routing drifts as the router learns: follow it
-                for e in hot:
-                    self._flag(int(step), "expert_imbalance", float(det.factors(share)[0][e]),
-                               layer=int(layer), expert=int(e), gap=2 * self._expert_spacing,
-                               evidence={"share": round(float(share[0][e]), 4),
-                                         "usual_share": round(float(det.usual_[e]), 4)})
-            self.last_expert_step = int(step)
-
-    def _flag(self, step: int, type: str, score: float, **kw) -> None:
+    def _flag(self, step: int, flag: Flag) -> None:
         """Feed the episode tracker; a new episode is announced at once."""
-        opened = self.tracker.flag(step, type, score, **kw)
+        opened = self.tracker.flag(step, flag.type, flag.score, ranks=flag.ranks,
+                                   layer=flag.layer, expert=flag.expert, module=flag.module,
+                                   evidence=flag.evidence, gap=flag.gap, confirm=flag.confirm)
         if opened is not None:
             self.on_open(opened)

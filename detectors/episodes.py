@@ -20,6 +20,7 @@ class Episode:
     gap: int = 3
     confirm: int = 1
     count: int = 1
+    module: str | None = None
 
     @property
     def confirmed(self) -> bool:
@@ -32,6 +33,8 @@ class Episode:
             d["layer"] = self.layer
         if self.expert is not None:
             d["expert"] = self.expert
+        if self.module is not None:
+            d["module"] = self.module
         return d
 
 
@@ -41,16 +44,17 @@ class EpisodeTracker:
         self.open: dict[tuple, Episode] = {}
 
     def flag(self, step: int, type: str, score: float, *, ranks: list[int] | None = None,
-             layer: int | None = None, expert: int | None = None,
+             layer: int | None = None, expert: int | None = None, module: str | None = None,
              evidence: dict[str, Any] | None = None, gap: int | None = None,
              confirm: int = 1) -> Episode | None:
         """Record a flagged step; returns the episode when this step confirms it (after
         `confirm` flagged steps: one noisy step is not an anomaly)."""
-        key = (type, tuple(ranks or ()), layer, expert)
+        key = (type, tuple(ranks or ()), layer, expert, module)
         ep = self.open.get(key)
         if ep is None:
             self.open[key] = ep = Episode(type, key, step, step, score, list(ranks or ()), layer,
-                                          expert, dict(evidence or {}), gap or self.gap, confirm)
+                                          expert, dict(evidence or {}), gap or self.gap, confirm,
+                                          module=module)
             return ep if ep.confirmed else None
         ep.end_step, ep.score, ep.count = step, max(ep.score, score), ep.count + 1
         return ep if ep.count == ep.confirm else None

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from collector.metrics import DetectorMetrics
 from collector.schema import Event
-from collector.store import RunStore, load_events, load_expert_load, load_steps
+from collector.store import RunStore, load_events, load_expert_load, load_grad_stats, load_steps
 from detectors.engine import DetectionEngine, EngineConfig
 from detectors.episodes import Episode
 from detectors.hang import Diagnosis, HangConfig, HangWatch, pid_alive
@@ -25,7 +25,8 @@ log = logging.getLogger("meshscope.detect")
 def episode_key(detail: dict) -> tuple:
     """What makes two anomaly events the same episode: judging a run twice writes it once."""
     return (detail.get("type"), detail.get("start_step"), detail.get("end_step"),
-            tuple(detail.get("ranks") or ()), detail.get("layer"), detail.get("expert"))
+            tuple(detail.get("ranks") or ()), detail.get("layer"), detail.get("expert"),
+            detail.get("module"))
 
 
 class LiveDetection:
@@ -81,7 +82,8 @@ class LiveDetection:
         try:
             steps = load_steps(self.run_dir, since_step=self.engine.last_step)
             experts = load_expert_load(self.run_dir, since_step=self.engine.last_expert_step)
-            self.engine.process(steps, experts)
+            grads = load_grad_stats(self.run_dir, since_step=self.engine.last_grad_step)
+            self.engine.process(steps, experts, grads)
             if self.outbox is not None:
                 self.outbox.deliver()
         except FileNotFoundError:

@@ -28,8 +28,8 @@ def make_tracer(cfg: RunConfig, env: DistEnv, mon: Monitor,
     def report(kind: str, step: int, detail: dict) -> None:
         if kind == "nan":
             mon.metrics.faults.labels(kind="nonfinite").inc()
-        severity = {"nan": "critical", "anomaly": "warning"}.get(kind, "info")
-        mon.event(kind, severity=severity, step=step, detail=detail)
+        mon.event(kind, severity="critical" if kind == "nan" else "info", step=step,
+                  detail=detail)
 
     def export(module: str, grad_norm: float, update_ratio: float) -> None:
         mon.metrics.layer_grad_norm.labels(module=module).set(grad_norm)
@@ -38,8 +38,8 @@ def make_tracer(cfg: RunConfig, env: DistEnv, mon: Monitor,
     tracer = TensorTracer(model, TracerConfig(mode=cfg.trace), rank=env.rank,
                           snapshot_dir=cfg.run_dir / "snapshots", report=report,
                           stats_sink=mon.store.add_tensor_stats)
-    inspector = (GradientInspector(model, report=report, sink=mon.store.add_grad_stats,
-                                   export=export) if env.rank == 0 else None)
+    inspector = (GradientInspector(model, sink=mon.store.add_grad_stats, export=export)
+                 if env.rank == 0 else None)
     return tracer, inspector
 
 

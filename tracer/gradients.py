@@ -1,5 +1,4 @@
-"""The gradient inspector: per-layer gradient norms and update/weight ratios, and flags for
-gradients that vanish or explode.
+"""The gradient inspector: per-layer gradient norms and update/weight ratios.
 
 On every `every`-th step, before clipping, the parameters' gradients are reduced to one norm per
 layer (a layer: a block of a ModuleList such as `blocks.3`, else a top-level module such as
@@ -7,16 +6,12 @@ layer (a layer: a block of a ModuleList such as `blocks.3`, else a top-level mod
 norm gives the update ratio (healthy training keeps it around 1e-3). All of it is computed on
 the device and read back without blocking (`collector.readback`).
 
-A layer whose gradient norm is more than `explode_factor` times its usual value (the median of
-its last samples) raises a `gradient_exploding` anomaly; less than its usual value divided by
-`vanish_factor`, or exactly zero while the layer had gradients before, `gradient_vanishing`.
-DDP all-reduces gradients, so every rank sees the same numbers: rank 0 reports.
+The numbers go to the run store (`grad_stats`) and to /metrics; judging them is the detection
+engine's (`detectors.rules.GradientRule`: `gradient_exploding` / `gradient_vanishing`
+anomalies). DDP all-reduces gradients, so every rank sees the same numbers: rank 0 measures.
 """
 from __future__ import annotations
 
-import collections
-import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +19,6 @@ from typing import Any
 import torch
 
 from collector.readback import Readback
-
-Report = Callable[[str, int, dict[str, Any]], None]
-
 
 def layer_names(model: torch.nn.Module) -> dict[str, str]:
     """Parameter name -> its layer: `blocks.3` for a block of a list, else the top module."""
@@ -45,33 +37,25 @@ class InspectorConfig:
 
     every: int = 10
     """Inspect one step in this many."""
-    explode_factor: float = 100.0
-    vanish_factor: float = 1000.0
-    warmup: int = 5
-    """Samples per layer before it is judged."""
 
     def __post_init__(self) -> None:
-        if self.every < 1 or self.warmup < 1:
-            raise ValueError("InspectorConfig.every and .warmup must be >= 1")
-        if self.explode_factor <= 1 or self.vanish_factor <= 1:
-            raise ValueError("InspectorConfig.explode_factor and .vanish_factor must be > 1")
+        if self.every < 1:
+            raise ValueError(f"InspectorConfig.every must be >= 1, got {self.every}")
 
 
 class GradientInspector:
     """Call `before_clip(step)` after backward and `after_update()` after the optimizer."""
 
     def __init__(self, model: torch.nn.Module, config: InspectorConfig | None = None, *,
-                 report: Report = lambda kind, step, detail: None,
                  sink: Callable[[list[dict[str, Any]]], None] | None = None,
                  export: Callable[[str, float, float], None] | None = None) -> None:
         self.config = config or InspectorConfig()
-        self.report, self.sink, self.export = report, sink, export
+        self.sink, self.export = sink, export
         names = layer_names(model)
         self.params = [p for n, p in model.named_parameters() if p.requires_grad]
         layers = [names[n] for n, p in model.named_parameters() if p.requires_grad]
         self.layers = list(dict.fromkeys(layers))
         self._group = torch.tensor([self.layers.index(x) for x in layers])
-        self._history = {layer: collections.deque(maxlen=20) for layer in self.layers}
         self._step = -1
         self._grads: torch.Tensor | None = None
         self._before: list[torch.Tensor] | None = None
@@ -122,25 +106,5 @@ class GradientInspector:
                          "update_ratio": ratio})
             if self.export is not None:
                 self.export(layer, g, ratio)
-            self._flag(step, layer, g)
         if self.sink is not None:
             self.sink(rows)
-
-    def _flag(self, step: int, layer: str, grad_norm: float) -> None:
-        history = self._history[layer]
-        if not math.isfinite(grad_norm):
-            return  # non-finite gradients are the tracer's (a `nan` event)
-        if len(history) >= self.config.warmup:
-            usual = statistics.median(history)
-            kind = None
-            if usual > 0 and grad_norm > usual * self.config.explode_factor:
-                kind = "gradient_exploding"
-            elif usual > 0 and grad_norm < usual / self.config.vanish_factor:
-                kind = "gradient_vanishing"
-            if kind is not None:
-                self.report("anomaly", step, {
-                    "type": kind, "ranks": [0], "module": layer, "score": grad_norm / usual,
-                    "start_step": step, "end_step": step,
-                    "evidence": {"grad_norm": grad_norm, "usual": usual}})
-                return  # an outlier does not become the new usual
-        history.append(grad_norm)

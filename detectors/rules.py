@@ -1,0 +1,347 @@
+"""Detectors as interchangeable rules: what the engine holds in a list and asks in order.
+
+Three kinds, one small protocol each:
+
+- a **StepRule** judges one complete step (every rank recorded it): `learn(warm)` on the
+  warm-up rows, `judge(step, row, verdict)` returns its flags (it may read what earlier rules
+  said in `verdict`), `update(row, normal)` moves its baseline on;
+- a **WindowRule** judges a table that arrives in windows (expert load, gradient statistics):
+  `judge(frame)` returns (step, flag) pairs and learns as it goes;
+- a **MomentRule** judges the present, not a finished step, so it sees a hang in progress:
+  `poll()` returns a diagnosis or None (`detectors.hang.HangWatch` is one).
+
+A `Flag` becomes an episode in the engine (`detectors.episodes`), then an `anomaly` event.
+Adding a detector: a class here following one protocol, an entry in the engine's list
+(`DetectionEngine.rules` / `window_rules`), its type in `collector.metrics.ANOMALY_TYPES`,
+and a board panel if it exports a score.
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import pandas as pd
+
+from detectors.domain import ExpertBalance, MemoryGrowth, NonFinite, Straggler
+from detectors.isolation import OnlineIsolationForest
+from detectors.moving import RobustZ
+
+# Relative features only: levels (tokens/s, step time) drift with the run and the machine. Not
+# the gradient norm either: 3-4x spikes for a step or two are ordinary in LM training (4 in a
+# 15,000-step clean run here) and a spike that matters shows as a loss spike or a NaN.
+MULTIVARIATE = ["step_spread", "compute_spread", "comm_ratio", "loss_delta", "mem_slope"]
+# The smallest change per feature that can matter (the forest's scale floor): 5 % spread or
+# comm ratio, 0.05 in loss, 1 MiB/step of memory. A feature that sat still in the window would
+# otherwise turn the first wiggle into a million IQRs.
+MULTIVARIATE_MIN_SCALE = (0.05, 0.05, 0.05, 0.05, float(1 << 20))
+
+
+@dataclass
+class Flag:
+    """One rule's finding on one step (or window)."""
+
+    type: str
+    score: float
+    ranks: list[int] | None = None
+    confirm: int = 1
+    evidence: dict[str, Any] = field(default_factory=dict)
+    layer: int | None = None
+    expert: int | None = None
+    module: str | None = None
+    gap: int | None = None
+    final: bool = False
+    """The step is explained: later rules do not judge it (a stall)."""
+
+
+@dataclass
+class Verdict:
+    """What the rules have said about one step so far."""
+
+    flags: list[Flag] = field(default_factory=list)
+    usual_step_s: float = float("nan")
+
+    @property
+    def normal(self) -> bool:
+        return not self.flags
+
+    def has(self, type: str) -> bool:
+        return any(f.type == type for f in self.flags)
+
+
+class StepRule(Protocol):
+    name: str
+    during_warmup: bool  # judges before the warm-up ends (a NaN needs no baseline)
+
+    def learn(self, warm: Any) -> None: ...
+    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]: ...
+    def update(self, row: Any, normal: bool) -> None: ...
+
+
+class WindowRule(Protocol):
+    name: str
+    table: str  # which table of the run store it reads
+
+    def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]: ...
+
+
+class MomentRule(Protocol):
+    def poll(self) -> Any: ...
+
+
+# --- step rules ---------------------------------------------------------------------------
+
+class NonFiniteRule:
+    """A rank's loss is NaN or Inf."""
+
+    name, during_warmup = "nan", True
+
+    def __init__(self) -> None:
+        self.detector = NonFinite()
+
+    def learn(self, warm: Any) -> None:
+        self.detector.fit(warm.loss)
+
+    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
+        bad = self.detector.culprits(row.loss)[0]
+        if not bad:
+            return []
+        return [Flag("nan", 1.0, ranks=[row.ranks[i] for i in bad],
+                     evidence={"loss": [str(v) for v in row.loss[0]]})]
+
+    def update(self, row: Any, normal: bool) -> None:
+        pass
+
+
+class StallRule:
+    """A step many times the usual one: a stuck collective. Loud, so no confirmation, and it
+    explains the step (nothing else is judged). It owns the usual step time."""
+
+    name, during_warmup = "stall", False
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.step_time = RobustZ(window=200)
+
+    def learn(self, warm: Any) -> None:
+        self.step_time.fit(warm.col("step_s"))
+
+    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
+        usual = float(self.step_time.center_[0])
+        verdict.usual_step_s = usual
+        step_s = row.value("step_s")
+        if step_s > self.factor * usual:
+            return [Flag("comm", step_s / usual, ranks=row.ranks, final=True,
+                         evidence={"stall_s": round(step_s, 3), "usual_step_s": round(usual, 4)})]
+        return []
+
+    def update(self, row: Any, normal: bool) -> None:
+        if normal:
+            self.step_time.partial_fit(row.col("step_s"))
+
+
+class StragglerRule:
+    """One rank computes much slower than its peers and than its own best."""
+
+    name, during_warmup = "straggler", False
+
+    def __init__(self, ratio: float, on_score: Any) -> None:
+        self.detector = Straggler(ratio=ratio)
+        self.on_score = on_score
+
+    def learn(self, warm: Any) -> None:
+        self.detector.fit(warm.compute)
+
+    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
+        ratio = -float(self.detector.score_samples(row.compute)[0])
+        self.on_score("straggler", ratio)
+        slow = self.detector.culprits(row.compute)[0]
+        if not slow:
+            return []
+        return [Flag("straggler", ratio, ranks=[row.ranks[i] for i in slow], confirm=3, evidence={
+            "compute_s": {str(r): round(float(v), 4) for r, v in zip(row.ranks, row.compute[0])},
+            "ratio": round(ratio, 2)})]
+
+    def update(self, row: Any, normal: bool) -> None:
+        if normal:
+            self.detector.partial_fit(row.compute)
+
+
+class CommRule:
+    """Communication's share of the step jumped and the step got slower: the network, not a
+    rank (a straggler's peers wait in communication too, so a straggler step is not judged)."""
+
+    name, during_warmup = "comm", False
+
+    def __init__(self, threshold: float, slowdown: float) -> None:
+        self.detector = RobustZ(threshold=threshold)
+        self.slowdown = slowdown
+
+    def learn(self, warm: Any) -> None:
+        self.detector.fit(warm.col("comm_ratio"))
+
+    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
+        if verdict.has("straggler"):
+            return []
+        comm = row.col("comm_ratio")
+        if self.detector.predict(comm)[0] < 0 and \
+                row.value("step_s") > self.slowdown * verdict.usual_step_s:
+            return [Flag("comm", -float(self.detector.score_samples(comm)[0]), ranks=row.ranks,
+                         confirm=3, evidence={"comm_ratio": round(row.value("comm_ratio"), 4)})]
+        return []
+
+    def update(self, row: Any, normal: bool) -> None:
+        if normal:
+            self.detector.partial_fit(row.col("comm_ratio"))
+
+
+class LossSpikeRule:
+    """The loss jumped far beyond its usual step-to-step change."""
+
+    name, during_warmup = "loss_spike", False
+
+    def __init__(self, threshold: float) -> None:
+        self.detector = RobustZ(threshold=threshold)
+
+    def learn(self, warm: Any) -> None:
+        self.detector.fit(warm.col("loss_delta"))
+
+    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
+        delta = row.col("loss_delta")
+        if np.isfinite(delta).all() and self.detector.predict(delta)[0] < 0:
+            return [Flag("loss_spike", -float(self.detector.score_samples(delta)[0]),
+                         evidence={"loss_delta": round(row.value("loss_delta"), 4)})]
+        return []
+
+    def update(self, row: Any, normal: bool) -> None:
+        if normal:
+            self.detector.partial_fit(row.col("loss_delta"))
+
+
+class MemoryRule:
+    """A rank's memory grows step after step (a leak). Its baseline moves on every step."""
+
+    name, during_warmup = "memory", False
+
+    def __init__(self, mb_per_step: float) -> None:
+        self.detector = MemoryGrowth(mb_per_step=mb_per_step)
+
+    def learn(self, warm: Any) -> None:
+        self.detector.fit(warm.rss)
+
+    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
+        leak = self.detector.culprits(row.rss)[0]
+        if not leak:
+            return []
+        rate = float(self.detector.slopes(row.rss)[0].max() * self.detector.mb_per_step)
+        return [Flag("memory", -float(self.detector.score_samples(row.rss)[0]),
+                     ranks=[row.ranks[i] for i in leak], confirm=2,
+                     evidence={"mb_per_step": round(rate, 2)})]
+
+    def update(self, row: Any, normal: bool) -> None:
+        self.detector.partial_fit(row.rss)
+
+
+class MultivariateRule:
+    """IsolationForest over the relative features: what no single rule saw. Judged only on
+    steps every other rule found normal, once it has enough rows to trust its scales."""
+
+    name, during_warmup = "multivariate", False
+
+    def __init__(self, on_score: Any) -> None:
+        self.forest = OnlineIsolationForest(min_scale=MULTIVARIATE_MIN_SCALE)
+        self.on_score = on_score
+
+    def learn(self, warm: Any) -> None:
+        self.forest.fit(warm.multivariate)
+
+    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
+        score = float(self.forest.score_samples(row.multivariate)[0])
+        self.on_score("isolation_forest", -score)
+        trusted = len(self.forest.buffer_) >= 50  # too few rows make IQRs, and so alarms, noisy
+        if verdict.normal and trusted and score < -self.forest.threshold:
+            return [Flag("multivariate", -score, confirm=3, evidence={
+                "drivers": self.forest.explain(row.multivariate, MULTIVARIATE)[0]})]
+        return []
+
+    def update(self, row: Any, normal: bool) -> None:
+        if normal:
+            self.forest.partial_fit(row.multivariate)
+
+
+# --- window rules ----------------------------------------------------------------------------
+
+class ExpertRule:
+    """An expert takes far more than its usual share of a layer's tokens."""
+
+    name, table = "expert_imbalance", "expert_load"
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.detectors: dict[int, ExpertBalance] = {}
+        self._warm: dict[int, list[np.ndarray]] = {}
+        self.last_step = -1
+        self.spacing = 1
+
+    def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]:
+        out = []
+        for step, window in frame[frame["step"] > self.last_step].groupby("step"):
+            if self.last_step >= 0:
+                self.spacing = int(step) - self.last_step
+            for layer, grp in window.groupby("layer"):
+                tokens = grp.sort_values("expert")["tokens"].to_numpy(dtype=float)
+                share = (tokens / max(tokens.sum(), 1e-9)).reshape(1, -1)
+                det = self.detectors.get(layer)
+                if det is None or step < self.warmup:
+                    warm = self._warm.setdefault(layer, [])
+                    warm.append(share)
+                    if step >= self.warmup - 1 or det is not None:
+                        self.detectors[layer] = ExpertBalance().fit(np.vstack(warm))
+                    continue
+                hot = det.culprits(share)[0]
+                if not hot:
+                    det.partial_fit(share)  # routing drifts as the router learns: follow it
+                for e in hot:
+                    out.append((int(step), Flag(
+                        "expert_imbalance", float(det.factors(share)[0][e]), layer=int(layer),
+                        expert=int(e), gap=2 * self.spacing,
+                        evidence={"share": round(float(share[0][e]), 4),
+                                  "usual_share": round(float(det.usual_[e]), 4)})))
+            self.last_step = int(step)
+        return out
+
+
+class GradientRule:
+    """A layer's gradient norm far above its usual one (exploding) or far below (vanishing),
+    from the gradient inspector's table (`grad_stats`)."""
+
+    name, table = "gradient", "grad_stats"
+
+    def __init__(self, explode_factor: float = 100.0, vanish_factor: float = 1000.0,
+                 warmup: int = 5) -> None:
+        self.explode, self.vanish, self.warmup = explode_factor, vanish_factor, warmup
+        self.history: dict[str, collections.deque] = {}
+        self.last_step = -1
+
+    def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]:
+        out = []
+        for row in frame[frame["step"] > self.last_step].itertuples():
+            history = self.history.setdefault(row.module, collections.deque(maxlen=20))
+            g = float(row.grad_norm)
+            if not np.isfinite(g):
+                continue  # non-finite gradients are the tracer's (a `nan` event)
+            if len(history) >= self.warmup:
+                usual = statistics.median(history)
+                kind = ("gradient_exploding" if usual > 0 and g > usual * self.explode else
+                        "gradient_vanishing" if usual > 0 and g < usual / self.vanish else None)
+                if kind is not None:
+                    out.append((int(row.step), Flag(
+                        kind, g / usual, module=row.module, gap=1,
+                        evidence={"module": row.module, "grad_norm": g, "usual": usual})))
+                    continue  # an outlier does not become the new usual
+            history.append(g)
+        if not frame.empty:
+            self.last_step = max(self.last_step, int(frame["step"].max()))
+        return out
