@@ -11,7 +11,9 @@ Parts, each reported as it finishes (a failing part is reported and the rest sti
 4. `meshscope run` on the device: 1 rank on its own backend (nccl), 2 ranks sharing the device
    through gloo with a nan injection (detection), and a kill -> restart with warm standby;
 5. warm vs plain restart times (benchmarks/fault_recovery.py on the device, gloo);
-6. wire bytes per compression hook, 2 ranks through gloo.
+6. wire bytes per compression hook, 2 ranks through gloo;
+7. debugging on the device, 2 ranks through gloo: the tensor tracer names a poisoned module
+   (forward, backward), the hang watchdog a skipped collective (abort, resume).
 `--device cpu --quick` runs the same code here as a smoke test (parts 1 and 4-6 need less of it).
 """
 from __future__ import annotations
@@ -298,12 +300,40 @@ def wire_bytes(device: Device, steps: int) -> dict:
         return out
 
 
+@part("7 debugging on the device: tracer and hang watchdog, 2 ranks through gloo")
+def debugging(device: Device, steps: int) -> dict:
+    """The tracer names a poisoned module (forward and backward) and the watchdog a skipped
+    collective, on the device, as tests/meshscope/test_{trace,hang}_run.py do on the CPU."""
+    def found(root: Path, run_id: str, kind: str) -> list[dict]:
+        events = load_events(root / run_id)
+        return [{k: d.get(k) for k in ("module", "where", "tensor", "type", "culprit_ranks",
+                                       "op", "seq", "why")} | {"rank": r}
+                for d, r in zip(events[events["kind"] == kind]["detail"],
+                                events[events["kind"] == kind]["rank"])]
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        common = ["--device", device.kind, "--backend", "gloo", "--nproc", "2",
+                  "--steps", str(steps)]
+        module = "blocks.1.moe.router.gate"
+        for where in ("forward", "backward"):
+            r = meshscope_run(root, where, *common, "--inject",
+                              f"nan@step={steps // 2},rank=1,module={module},where={where}")
+            out[f"tracer {where}"] = {"rc": r["rc"], "nan": found(root, where, "nan")}
+        r = meshscope_run(root, "skip", *common, "--inject", f"skip_collective@step={steps // 2},"
+                          "rank=1", "--checkpoint-every", "4", "--max-restarts", "1",
+                          "--on-hang", "abort")
+        out["hang: skip_collective"] = {"rc": r["rc"], "hang": found(root, "skip", "hang")}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer steps: a smoke test")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    ap.add_argument("--parts", default="123456", help="which parts to run, e.g. 124")
+    ap.add_argument("--parts", default="1234567", help="which parts to run, e.g. 124")
     args = ap.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     device = Device(args.device)
@@ -325,6 +355,8 @@ def main() -> None:
         restarts(device, kills=1 if q else 3)
     if "6" in args.parts:
         wire_bytes(device, steps=8 if q else 20)
+    if "7" in args.parts:
+        debugging(device, steps=12 if q else 20)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_results.json").write_text(json.dumps(
         {"machine": machine(), "device": device.kind, "results": RESULTS}, indent=2, default=str))

@@ -16,6 +16,10 @@ time, or a rank died without a clean exit, it asks the live ranks for their Pyth
 4. **missing** / **compute**: ranks that never entered the collective the others wait in,
    and where they are instead (another collective, or compute per their stack);
 5. **stuck**: everyone entered it; the transport or a device is at fault.
+
+A run directory is per node, so each node's watchdog reads its own ranks. With several nodes
+it asks the others through the rendezvous store (`NodeExchange`) for their tails and stacks
+before diagnosing; without the store, ranks it cannot see are reported as unseen, never blamed.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -291,7 +295,14 @@ def _diagnose(tails: dict[int, FlightTail], world: int, alive: dict[int, bool],
                          + ")")
     group, seq, op, waiting = frontier
     members = _members(tails, group, world)
-    absent = [r for r in members if r not in tails or tails[r].last_seq(group) < seq]
+    unseen = [r for r in members if r not in tails]  # another node's, not shared with us
+    absent = [r for r in members if r in tails and tails[r].last_seq(group) < seq]
+    if not absent and unseen:
+        return Diagnosis("remote", unseen, waiting,
+                         f"every rank seen here entered {op} #{seq} on group {group}; "
+                         f"{_ranks(unseen)} left nothing to read here (another node's ranks, "
+                         "or no dump): one of them is behind",
+                         op=op, seq=seq, group=group, evidence={"unseen_ranks": unseen})
     if absent:
         # compute: its stack shows it outside any collective; without a stack (a post-mortem)
         # or with a collective in flight elsewhere it is only known to be missing
@@ -309,6 +320,99 @@ def _diagnose(tails: dict[int, FlightTail], world: int, alive: dict[int, bool],
 
 
 # --- watching -------------------------------------------------------------------------------
+
+# --- several nodes ----------------------------------------------------------------------------
+
+def tail_to_json(tail: FlightTail) -> dict[str, Any]:
+    d = asdict(tail)
+    d["path"] = str(tail.path)
+    return d
+
+
+def tail_from_json(d: dict[str, Any]) -> FlightTail:
+    d = dict(d)
+    d["path"] = Path(d["path"])
+    d["records"] = [FlightRecord(**r) for r in d["records"]]
+    return FlightTail(**d)
+
+
+class NodeExchange:
+    """Hang diagnosis across nodes, through the rendezvous store (never the stuck group).
+
+    The watchdog that sees a stall asks (`request`); every node's watchdog answers on its next
+    poll with its ranks' flight-log tails and stacks (`publish`); the asker merges what arrives
+    within its wait (`gather`) and diagnoses the whole job. A run directory is per node; the
+    store is the one thing every node's watchdog can reach."""
+
+    def __init__(self, store: Any, prefix: str = "meshscope/hang") -> None:
+        """`store`: a c10d store, or a callable that connects to one (retried until it does:
+        the rendezvous store may come up after the watchdog)."""
+        self._store, self.prefix = store, prefix
+        self._answered_ids: set[str] = set()
+        self._seen = 0
+
+    @property
+    def store(self) -> Any:
+        if callable(self._store) and not hasattr(self._store, "set"):
+            self._store = self._store()
+        return self._store
+
+    def request(self, request_id: str) -> None:
+        """Ask every node for its tails (requests are numbered: none overwrites another)."""
+        index = self.store.add(f"{self.prefix}/requests", 1) - 1
+        self.store.set(f"{self.prefix}/request/{index}", request_id)
+        self._answered_ids.add(request_id)  # our own answer goes in with the request
+
+    def pending(self) -> list[str]:
+        """Requests from other nodes not yet answered."""
+        count = self.store.add(f"{self.prefix}/requests", 0)
+        out = []
+        while self._seen < count:
+            key = f"{self.prefix}/request/{self._seen}"
+            if not self.store.check([key]):
+                break  # counted, not yet written
+            request_id = self.store.get(key).decode()
+            self._seen += 1
+            if request_id not in self._answered_ids:
+                out.append(request_id)
+        return out
+
+    def publish(self, request_id: str, tails: dict[int, FlightTail],
+                stacks: dict[int, list[str]]) -> None:
+        self._answered_ids.add(request_id)
+        blob = json.dumps({"tails": [tail_to_json(t) for t in tails.values()],
+                           "stacks": {str(r): st for r, st in stacks.items()}})
+        index = self.store.add(f"{self.prefix}/{request_id}/count", 1) - 1
+        self.store.set(f"{self.prefix}/{request_id}/{index}", blob)
+
+    def gather(self, request_id: str, world: int, wait_s: float,
+               mine: tuple[dict[int, FlightTail], dict[int, list[str]]] | None = None
+               ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
+        """Every answer that arrives within `wait_s` (or until all `world` ranks are in).
+        While it waits it answers other nodes' requests with `mine`: nodes that saw the
+        stall at the same moment all get the whole picture."""
+        tails: dict[int, FlightTail] = {}
+        stacks: dict[int, list[str]] = {}
+        deadline, seen = time.monotonic() + wait_s, 0
+        while True:
+            if mine is not None:
+                for other in self.pending():
+                    self.publish(other, *mine)
+            count = self.store.add(f"{self.prefix}/{request_id}/count", 0)
+            for index in range(seen, count):
+                key = f"{self.prefix}/{request_id}/{index}"
+                if not self.store.check([key]):
+                    break  # counted, not yet written: read it next round
+                data = json.loads(self.store.get(key))
+                for t in data["tails"]:
+                    tail = tail_from_json(t)
+                    tails[tail.rank] = tail
+                stacks.update({int(r): st for r, st in data["stacks"].items()})
+                seen = index + 1
+            if len(tails) >= world or time.monotonic() > deadline:
+                return tails, stacks
+            time.sleep(0.05)
+
 
 def pid_alive(pid: int) -> bool:
     """A live process (a zombie, dead but not yet reaped by torchrun, counts as dead)."""
@@ -331,8 +435,10 @@ class HangWatch:
     def __init__(self, live_dir: Path, config: HangConfig | None = None,
                  on_hang: Callable[[Diagnosis], None] = lambda d: None,
                  clock: Callable[[], float] = time.time,
-                 leader: Callable[[], bool] = lambda: True) -> None:
+                 leader: Callable[[], bool] = lambda: True,
+                 exchange: NodeExchange | None = None) -> None:
         self.live_dir = Path(live_dir)
+        self.exchange = exchange  # several nodes: tails and stacks through the store
         self.leader = leader  # agents sharing a run directory: one watches
         self.config = config or HangConfig()
         self.on_hang, self.clock = on_hang, clock
@@ -364,6 +470,11 @@ class HangWatch:
         heads = latest_logs(self.live_dir)
         if not heads:
             return None
+        if self.exchange is not None:
+            try:
+                self._answer(heads)
+            except Exception as err:  # the store is not up (yet): this node answers later
+                log.debug("hang exchange: %s", err)
         attempt = frozenset((r, h.pid) for r, h in heads.items())
         progress = max(h.progress_t for h in heads.values())
         if attempt in self.diagnosed and self.diagnosed[attempt] >= progress:
@@ -396,6 +507,18 @@ class HangWatch:
                 crash = _crash_stack(head.path)
                 if crash:
                     stacks[rank] = crash
+        if self.exchange is not None and len(tails) < world:
+            try:
+                request_id = f"{os.getpid()}-{self.clock():.6f}"
+                self.exchange.request(request_id)
+                self.exchange.publish(request_id, tails, stacks)
+                remote_tails, remote_stacks = self.exchange.gather(
+                    request_id, world, self.config.stacks_wait_s + 4 * self.config.poll_s,
+                    mine=(tails, stacks))
+                tails = {**remote_tails, **tails}
+                stacks = {**remote_stacks, **stacks}
+            except Exception as err:  # no store: diagnose what this node sees
+                log.warning("hang exchange with other nodes failed: %s", err)
         diag = diagnose(tails, world, alive=alive, stacks=stacks)
         diag.evidence["detected_at"] = self.clock()
         diag.evidence["stalled_since"] = max((h.progress_t for h in heads.values()), default=0.0)
@@ -404,6 +527,26 @@ class HangWatch:
         self.last = diag
         self.on_hang(diag)
         return diag
+
+    def _answer(self, heads: dict[int, FlightTail]) -> None:
+        """Other nodes' watchdogs asked: send this node's tails and stacks."""
+        requests = self.exchange.pending()
+        if not requests:
+            return
+        live = [r for r, h in heads.items() if not h.closed and pid_alive(h.pid)]
+        stacks = self._gather_stacks(live, heads)
+        tails = {}
+        for rank, head in heads.items():
+            try:
+                tails[rank] = read_flight(head.path)
+            except (OSError, FlightLogError):
+                continue
+            if rank not in stacks:
+                crash = _crash_stack(head.path)
+                if crash:
+                    stacks[rank] = crash
+        for request_id in requests:
+            self.exchange.publish(request_id, tails, stacks)
 
     def _gather_stacks(self, ranks: list[int], heads: dict[int, FlightTail]) -> dict[int, list[str]]:
         """Ask the live ranks for their stacks and wait a little for the answers."""

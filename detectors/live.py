@@ -15,7 +15,7 @@ from collector.schema import Event
 from collector.store import RunStore, load_events, load_expert_load, load_grad_stats, load_steps
 from detectors.engine import DetectionEngine, EngineConfig
 from detectors.episodes import Episode
-from detectors.hang import Diagnosis, HangConfig, HangWatch, pid_alive
+from detectors.hang import Diagnosis, HangConfig, HangWatch, NodeExchange, pid_alive
 from detectors.notify import Alert, Outbox
 
 
@@ -35,7 +35,8 @@ class LiveDetection:
 
     def __init__(self, run_dir: Path, run_id: str, config: EngineConfig | None = None,
                  registry: CollectorRegistry | None = None, poll_s: float = 1.0,
-                 outbox: Outbox | None = None, hang: HangConfig | None = None) -> None:
+                 outbox: Outbox | None = None, hang: HangConfig | None = None,
+                 exchange: NodeExchange | None = None) -> None:
         self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
         self.registry = registry or CollectorRegistry()
         self.metrics = DetectorMetrics(self.registry)
@@ -48,8 +49,9 @@ class LiveDetection:
         self._lock = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-detect", daemon=True)
+        # the moment rule: judges the present, so it sees a hang in progress
         self.hang = HangWatch(self.run_dir / "live", hang, on_hang=self._hung,
-                              leader=self._leader) if hang is not None else None
+                              leader=self._leader, exchange=exchange) if hang is not None else None
 
     def start(self) -> "LiveDetection":
         self._thread.start()

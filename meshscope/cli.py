@@ -158,13 +158,31 @@ def _hang_config(on_hang: str, hang_after: Optional[float]):
     return HangConfig(**kwargs)
 
 
+def _hang_exchange(cfg: RunConfig):
+    """With several agents, the watchdogs share flight logs through the rendezvous store."""
+    if not cfg.elastic.rdzv_endpoint:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from detectors.hang import NodeExchange
+    from detectors.notify import parse_host_port
+
+    host, port = parse_host_port(cfg.elastic.rdzv_endpoint, "--rdzv-endpoint")
+    return NodeExchange(lambda: dist.TCPStore(host, port, is_master=False,
+                                              timeout=timedelta(seconds=5)),
+                        prefix=f"meshscope/hang/{cfg.elastic.rdzv_id or cfg.run_id}")
+
+
 def _start_detection(cfg: RunConfig, outbox=None, hang=None):
     """The detection engine and the hang watchdog beside training, exporting on the port
     after the ranks'."""
     from collector.exporter import serve_metrics, write_detector_target
     from detectors.live import LiveDetection
 
-    live = LiveDetection(cfg.run_dir, cfg.run_id, outbox=outbox, hang=hang)
+    live = LiveDetection(cfg.run_dir, cfg.run_id, outbox=outbox, hang=hang,
+                         exchange=_hang_exchange(cfg) if hang is not None else None)
     port = cfg.metrics_port + cfg.nproc
     try:
         serve_metrics(live.registry, port, host="127.0.0.1")

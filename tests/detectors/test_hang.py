@@ -147,3 +147,39 @@ def test_the_threshold_follows_the_step_time_and_a_new_stall_is_judged_anew(tmp_
         log.close()
     now[0] += 60
     assert watch.poll() is None  # a clean end is no hang
+
+
+def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_path):
+    """Ranks 0-1 on node A, rank 2 on node B (two run directories, as two machines have): A's
+    watchdog sees its ranks stall, asks B through the store, and names rank 2."""
+    import torch.distributed as dist
+
+    from detectors.hang import NodeExchange
+
+    port = free_port_range(2)
+    store_port = port + 1
+    master = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+    client = lambda: dist.TCPStore("127.0.0.1", store_port, is_master=False)  # noqa: E731
+    dirs = {0: tmp_path / "a", 1: tmp_path / "a", 2: tmp_path / "b"}
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, WORLD, port, str(dirs[r]), "compute"))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    config = HangConfig(min_stall_s=1.5, poll_s=0.1, stacks_wait_s=1.0)
+    node_b = HangWatch(tmp_path / "b", config, exchange=NodeExchange(client)).start()
+    node_a = HangWatch(tmp_path / "a", config, exchange=NodeExchange(client))
+    diag, deadline = None, time.monotonic() + 45
+    try:
+        while diag is None and time.monotonic() < deadline:
+            diag = node_a.poll()
+            time.sleep(0.1)
+    finally:
+        node_b.stop()
+        for p in procs:
+            p.kill()
+            p.join(10)
+        del master
+    assert diag is not None and diag.culprit_ranks == [CULPRIT] and diag.kind == "compute", diag
+    assert diag.seq == FAULT_STEP and "_compute" in diag.why  # B's stack, through the store
+    assert diag.waiting_ranks == [0, 1]
