@@ -177,7 +177,6 @@ class FlightLog:
         self._group_ranks: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._step = -1
-        self._step_thread = threading.get_ident()
         self._step_started = 0.0
         self._step_s = 0.0
         self._crash_file = None
@@ -215,10 +214,10 @@ class FlightLog:
             seq = self._seq.get(counter, 0)
             self._seq[counter] = seq + 1
             slot = self._written % self.capacity
-            # a collective from another thread (a background checkpoint) has no step: its
-            # timing against the training loop differs by rank
-            step = self._step if threading.get_ident() == self._step_thread else -1
-            RECORD.pack_into(self._map, HEADER_SIZE + slot * RECORD.size, seq, step,
+            # every thread's collectives carry the step: a comm hook's second phase runs on a
+            # callback thread and belongs to the step; a background checkpoint's does not, and
+            # the diagnosis tells the two apart (see detectors.hang._desync)
+            RECORD.pack_into(self._map, HEADER_SIZE + slot * RECORD.size, seq, self._step,
                              time.time(), 0.0, _fit(group, 16), _fit(op, 24), STATE_ISSUED,
                              _fit(dtype, 15), _fit(shapes, 56), _fit(splits, 56),
                              _fit(call_site(frame), 96), -1 if peer is None else int(peer), size)
@@ -249,7 +248,6 @@ class FlightLog:
     def step_begin(self, step: int) -> None:
         """The Monitor says a step starts: records carry it."""
         self._step = step
-        self._step_thread = threading.get_ident()
         self._step_started = time.perf_counter()
         struct.pack_into("<q", self._map, _STEP_OFFSET, step)
 

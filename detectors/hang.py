@@ -202,35 +202,87 @@ def _signature_text(r: FlightRecord) -> str:
 
 
 def _desync(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
-    """Ranks pairing collectives of different steps: one skipped a collective earlier."""
-    by_key: dict[tuple[str, int], dict[int, FlightRecord]] = {}
+    """Ranks pairing collectives of different steps: one skipped a collective earlier.
+
+    Credible only when the group was in step before (a matching sequence number earlier) and
+    stays out of step after, the same way, over at least two later steps: a group used off
+    the training loop (a background checkpoint's barriers) matches or not by timing alone."""
+    by_group: dict[str, dict[int, dict[int, FlightRecord]]] = {}
     for rank, tail in tails.items():
         for r in tail.records:
             if r.step >= 0 and r.op not in ("send", "recv", "isend", "irecv"):
-                by_key.setdefault((r.group, r.seq), {})[rank] = r
-    for (group, seq), records in sorted(by_key.items(), key=lambda kv: min(
-            r.t_issue for r in kv[1].values())):
-        steps = {rank: r.step for rank, r in records.items()}
-        _, odd = _majority(steps)
-        if not odd:
-            continue
-        others = [r for r in records if r not in odd]
-        first = min(steps[r] for r in others)
-        behind = [r for r in odd if steps[r] > first]  # their #seq came a step later
-        return Diagnosis(
-            "desync", odd, others,
-            f"{_ranks(odd)} issued {records[odd[0]].op} #{seq} on group {group} at step "
-            f"{steps[odd[0]]} while {_ranks(others)} did at step {first}: "
-            + ("it" if len(odd) == 1 else "they")
-            + (" skipped a collective" if behind else " issued an extra collective")
-            + f" around step {min(first, steps[odd[0]])} and "
-            + ("has" if len(odd) == 1 else "have") + " paired with the wrong partner since", op=records[odd[0]].op, seq=seq, group=group,
-            evidence={"desync_since_step": min(first, steps[odd[0]])})
-    return None
+                by_group.setdefault(r.group, {}).setdefault(r.seq, {})[rank] = r
+    found = []
+    for group, seqs in by_group.items():
+        order = sorted(seqs)
+        agreed = False
+        for i, seq in enumerate(order):
+            records = seqs[seq]
+            steps = {rank: r.step for rank, r in records.items()}
+            _, odd = _majority(steps)
+            if not odd:
+                agreed = agreed or len(records) > 1
+                continue
+            if not agreed:
+                break  # never in step: not a training-loop group
+            offset = {r: steps[r] - _majority(steps)[0] for r in odd}
+            later = [seqs[k] for k in order[i + 1:] if len(seqs[k]) > 1]
+            # ...over steps to come, not one burst (a checkpoint's two barriers)
+            spans_steps = len({rec.step for recs in later for q, rec in recs.items()
+                               if q not in odd}) >= 2
+            persistent = spans_steps and all(
+                all(r not in recs or recs[r].step - _majority(
+                    {q: x.step for q, x in recs.items()})[0] == offset[r] for r in odd)
+                for recs in later)
+            if persistent:
+                found.append((min(r.t_issue for r in records.values()), group, seq, records,
+                              steps, odd))
+            break
+    if not found:
+        return None
+    _, group, seq, records, steps, odd = min(found, key=lambda f: f[0])
+    others = [r for r in records if r not in odd]
+    first = min(steps[r] for r in others)
+    behind = [r for r in odd if steps[r] > first]  # their #seq came a step later
+    return Diagnosis(
+        "desync", odd, others,
+        f"{_ranks(odd)} issued {records[odd[0]].op} #{seq} on group {group} at step "
+        f"{steps[odd[0]]} while {_ranks(others)} did at step {first}: "
+        + ("it" if len(odd) == 1 else "they")
+        + (" skipped a collective" if behind else " issued an extra collective")
+        + f" around step {min(first, steps[odd[0]])} and "
+        + ("has" if len(odd) == 1 else "have") + " paired with the wrong partner since",
+        op=records[odd[0]].op, seq=seq, group=group,
+        evidence={"desync_since_step": min(first, steps[odd[0]])})
+
+
+def _reference_order(tails: dict[int, FlightTail], before: int) -> list[str]:
+    """The call sites of one step in program order, from the latest step before `before`
+    that every rank ran the same way (a rank that skipped a collective ran its step
+    differently, so its own steps are no reference)."""
+    by_step: dict[int, dict[int, list[str]]] = {}
+    for rank, tail in tails.items():
+        for r in sorted(tail.records, key=lambda r: r.t_issue):
+            if 0 <= r.step < before:
+                sites = by_step.setdefault(r.step, {}).setdefault(rank, [])
+                if r.site not in sites:
+                    sites.append(r.site)
+    for step in sorted(by_step, reverse=True):
+        orders = by_step[step]
+        if len(orders) == len(tails) and all(o == orders[next(iter(orders))]
+                                             for o in orders.values()):
+            return orders[next(iter(orders))]
+    return []
 
 
 def _frontier(tails: dict[int, FlightTail]) -> tuple[str, int, str, list[int]] | None:
-    """The collective the waiting ranks are stuck in: (group, seq, op, waiting ranks)."""
+    """The collective the waiting ranks are stuck in: (group, seq, op, waiting ranks).
+
+    Ranks may wait in different collectives: in a deadlock between groups (a rank skipped
+    the gradient all-reduce and waits in the next step-end all-reduce, while its peers wait
+    in the gradient one) the one that comes first in the program is the one that was
+    skipped. Program order: step, then the call site's place in a step every rank ran alike
+    (`_reference_order`); ties go to the collective most ranks wait in."""
     oldest = {}
     for rank, tail in tails.items():
         opened = [r for r in tail.open_records() if r.op not in ("isend", "irecv")]
@@ -239,7 +291,16 @@ def _frontier(tails: dict[int, FlightTail]) -> tuple[str, int, str, list[int]] |
     if not oldest:
         return None
     key_count = Counter((r.group, r.seq) for r in oldest.values())
-    (group, seq), _ = min(key_count.items(), key=lambda kv: (-kv[1], kv[0][1]))
+    steps = [r.step for r in oldest.values() if r.step >= 0]
+    reference = _reference_order(tails, min(steps)) if steps else []
+
+    def order(key: tuple[str, int]) -> tuple:
+        rec = next(r for r in oldest.values() if (r.group, r.seq) == key)
+        step = rec.step if rec.step >= 0 else float("inf")
+        place = reference.index(rec.site) if rec.site in reference else float("inf")
+        return (step, place, -key_count[key], key[1])
+
+    group, seq = min(key_count, key=order)
     waiting = sorted(r for r, rec in oldest.items() if (rec.group, rec.seq) == (group, seq))
     return group, seq, oldest[waiting[0]].op, waiting
 
