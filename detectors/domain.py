@@ -70,6 +70,69 @@ class ExpertBalance(WindowedDetector):
         return [list(np.flatnonzero(row > 1.0)) for row in self.factors(X)]
 
 
+class ExpertLoad(WindowedDetector):
+    """X: one layer's expert shares, one row per window, one column per expert (rows sum to 1).
+
+    Judged in units that mean the same for any number of experts E and top-k: the balanced
+    share 1/E and the most top-k routing allows, 1/k. Per expert, hotness
+    h = (share - 1/E) / (1/k - 1/E) runs from 0 (balanced) to 1 (every token routed to it);
+    starvation u = 1 - share * E from 0 (its fair share) to 1 (no tokens). An expert hogs when
+    h >= max(`hog_min`, its usual h + `margin`) and starves when u >= max(`starve_min`, its usual
+    u + `margin`): only a move away from balance, beyond what the layer usually does, counts.
+    Scores are bounded in [0, 1] (the h or u that flagged); balancedness = mean / max load, as
+    serving engines report it.
+    """
+
+    def __init__(self, top_k: int = 1, hog_min: float = 0.5, starve_min: float = 0.9,
+                 margin: float = 0.25, window: int = 6) -> None:
+        self.top_k = top_k
+        self.hog_min = hog_min
+        self.starve_min = starve_min
+        self.margin = margin
+        self.window = window
+        self.threshold = 0.0
+
+    def _learn(self) -> None:
+        self.usual_ = np.median(self.history_, axis=0)
+
+    def hotness(self, X) -> np.ndarray:
+        X = as_matrix(X)
+        experts = X.shape[1]
+        top = 1.0 / max(1, min(self.top_k, experts))
+        fair = 1.0 / experts
+        return (X - fair) / max(top - fair, 1e-9)
+
+    def starvation(self, X) -> np.ndarray:
+        X = as_matrix(X)
+        return 1.0 - X * X.shape[1]
+
+    @staticmethod
+    def balancedness(X) -> np.ndarray:
+        """mean / max load per row: 1 balanced, 1/E all on one expert."""
+        X = as_matrix(X)
+        return X.mean(axis=1) / np.maximum(X.max(axis=1), 1e-12)
+
+    def severities(self, X) -> tuple[np.ndarray, np.ndarray]:
+        """Per expert, bounded: (hog severity, starvation severity), 0 where not anomalous."""
+        hot, usual_hot = self.hotness(X), self.hotness(self.usual_.reshape(1, -1))
+        starve, usual_starve = self.starvation(X), self.starvation(self.usual_.reshape(1, -1))
+        hog = np.where(hot >= np.maximum(self.hog_min, usual_hot + self.margin),
+                       np.clip(hot, 0, 1), 0.0)
+        low = np.where(starve >= np.maximum(self.starve_min, usual_starve + self.margin),
+                       np.clip(starve, 0, 1), 0.0)
+        return hog, low
+
+    def factors(self, X) -> np.ndarray:
+        hog, low = self.severities(X)
+        return np.maximum(hog, low)
+
+    def score_samples(self, X) -> np.ndarray:
+        return -self.factors(X).max(axis=1)
+
+    def culprits(self, X) -> list[list[int]]:
+        return [list(np.flatnonzero(row > 0.0)) for row in self.factors(X)]
+
+
 class NonFinite(Detector):
     """X: loss per rank. Any NaN/Inf is an anomaly; nothing to learn."""
 

@@ -64,7 +64,10 @@ class DetectionEngine:
     def __init__(self, config: EngineConfig | None = None,
                  on_open: Callable[[Episode], None] = lambda ep: None,
                  on_close: Callable[[Episode], None] = lambda ep: None,
-                 on_score: Callable[[str, float], None] = lambda name, score: None) -> None:
+                 on_score: Callable[[str, float], None] = lambda name, score: None,
+                 top_k: int | None = None) -> None:
+        """`top_k`: experts each token is routed to, for the expert judgement (None: read
+        from the counts, which hold top-k x the tokens)."""
         self.config = config or EngineConfig()
         s = self.config.sensitivity
         self.on_open, self.on_close, self.on_score = on_open, on_close, on_score
@@ -78,7 +81,8 @@ class DetectionEngine:
             MemoryRule(mb_per_step=2.0 / s),
             MultivariateRule(on_score=self._score),
         ]
-        self.window_rules: list[WindowRule] = [ExpertRule(self.config.warmup), GradientRule()]
+        self.window_rules: list[WindowRule] = [ExpertRule(self.config.warmup, top_k=top_k),
+                                               GradientRule()]
         self.tracker = EpisodeTracker(gap=self.config.gap)
         self.last_step = -1
         self._fitted = False
@@ -108,6 +112,10 @@ class DetectionEngine:
         for view in step_views(steps, after=self.last_step):
             self._step(view)
             self.last_step = view.step
+        if not steps.empty and "tokens" in steps:
+            per_step = steps.groupby("step")["tokens"].sum()
+            if (per_step > 0).any():
+                self._window("expert_load").tokens_per_step = float(per_step[per_step > 0].median())
         tables = {"expert_load": expert_load, "grad_stats": grad_stats}
         for rule in self.window_rules:
             frame = tables.get(rule.table)

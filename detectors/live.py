@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -20,6 +21,15 @@ from detectors.notify import Alert, Outbox
 
 
 log = logging.getLogger("meshscope.detect")
+
+
+def run_top_k(run_dir: Path) -> int | None:
+    """Experts per token of the run's model, from its config.json (None for a user's own
+    loop: the engine then reads it from the counts)."""
+    try:
+        return max(1, int(json.loads((Path(run_dir) / "config.json").read_text())["model"]["top_k"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def episode_key(detail: dict) -> tuple:
@@ -42,7 +52,7 @@ class LiveDetection:
         self.metrics = DetectorMetrics(self.registry)
         self.store: RunStore | None = None
         self.engine = DetectionEngine(config, on_open=self._opened, on_close=self._closed,
-                                      on_score=self._score)
+                                      on_score=self._score, top_k=run_top_k(self.run_dir))
         self.closed: list[Episode] = []
         self.outbox = outbox
         self._written: set[tuple] | None = None  # anomaly events already in the store

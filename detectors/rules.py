@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from detectors.domain import ExpertBalance, MemoryGrowth, NonFinite, Straggler
+from detectors.domain import ExpertLoad, MemoryGrowth, NonFinite, Straggler
 from detectors.isolation import OnlineIsolationForest
 from detectors.moving import RobustZ
 
@@ -274,13 +274,16 @@ class MultivariateRule:
 # --- window rules ----------------------------------------------------------------------------
 
 class ExpertRule:
-    """An expert takes far more than its usual share of a layer's tokens."""
+    """An expert takes far more tokens than balance and its usual share (it hogs), or almost
+    none (it starves), in units of the balanced share 1/E and the top-k maximum 1/k
+    (`detectors.domain.ExpertLoad`); a move toward balance is never an anomaly."""
 
     name, table = "expert_imbalance", "expert_load"
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.detectors: dict[int, ExpertBalance] = {}
+    def __init__(self, warmup: int, top_k: int | None = None) -> None:
+        self.warmup, self.top_k = warmup, top_k
+        self.tokens_per_step: float | None = None  # over all ranks, set by the engine
+        self.detectors: dict[int, ExpertLoad] = {}
         self._warm: dict[int, list[np.ndarray]] = {}
         self.last_step = -1
         self.spacing = 1
@@ -292,25 +295,48 @@ class ExpertRule:
                 self.spacing = int(step) - self.last_step
             for layer, grp in window.groupby("layer"):
                 tokens = grp.sort_values("expert")["tokens"].to_numpy(dtype=float)
-                share = (tokens / max(tokens.sum(), 1e-9)).reshape(1, -1)
+                if tokens.sum() <= 0:
+                    continue
+                share = (tokens / tokens.sum()).reshape(1, -1)
                 det = self.detectors.get(layer)
                 if det is None or step < self.warmup:
                     warm = self._warm.setdefault(layer, [])
                     warm.append(share)
                     if step >= self.warmup - 1 or det is not None:
-                        self.detectors[layer] = ExpertBalance().fit(np.vstack(warm))
+                        k = self._top_k(tokens.sum(), int(step), len(tokens))
+                        self.detectors[layer] = ExpertLoad(top_k=k).fit(np.vstack(warm))
                     continue
-                hot = det.culprits(share)[0]
-                if not hot:
-                    det.partial_fit(share)  # routing drifts as the router learns: follow it
-                for e in hot:
-                    out.append((int(step), Flag(
-                        "expert_imbalance", float(det.factors(share)[0][e]), layer=int(layer),
-                        expert=int(e), gap=2 * self.spacing,
-                        evidence={"share": round(float(share[0][e]), 4),
-                                  "usual_share": round(float(det.usual_[e]), 4)})))
+                out += self._flags(int(step), int(layer), det, share)
             self.last_step = int(step)
         return out
+
+    def _top_k(self, routed: float, step: int, experts: int) -> int:
+        """The run's top-k when known; else from the counts themselves: a layer routes each
+        token to k experts, so its window holds k x the tokens the steps processed."""
+        if self.top_k is not None:
+            return self.top_k
+        span = self.spacing if self.last_step >= 0 else step + 1
+        if not self.tokens_per_step:
+            return 1
+        return int(min(experts, max(1, round(routed / (self.tokens_per_step * span)))))
+
+    def _flags(self, step: int, layer: int, det: ExpertLoad,
+               share: np.ndarray) -> list[tuple[int, Flag]]:
+        hog, low = det.severities(share)
+        experts = share.shape[1]
+        flagged = [e for e in range(experts) if hog[0][e] > 0 or low[0][e] > 0]
+        if not flagged:
+            det.partial_fit(share)  # routing drifts as the router learns: follow it
+        balance = float(det.balancedness(share)[0])
+        return [(step, Flag(
+            "expert_imbalance", float(max(hog[0][e], low[0][e])), layer=layer, expert=e,
+            gap=2 * self.spacing, evidence={
+                "kind": "hog" if hog[0][e] > 0 else "starve",
+                "share": round(float(share[0][e]), 4),
+                "usual_share": round(float(det.usual_[e]), 4),
+                "balanced_share": round(1 / experts, 4),
+                "max_share": round(1 / max(1, min(det.top_k, experts)), 4),
+                "balancedness": round(balance, 4)})) for e in flagged]
 
 
 class GradientRule:
