@@ -74,6 +74,7 @@ def _fit(text: str, size: int) -> bytes:
 
 
 def flight_path(folder: Path, rank: int, pid: int) -> Path:
+    """Where a rank's flight log lives: one file per process (a restart writes a new one)."""
     return Path(folder) / f"rank{rank}-{pid}.flight"
 
 
@@ -418,6 +419,7 @@ class FlightTail:
     groups: dict[str, list[int]] = field(default_factory=dict)
 
     def open_records(self) -> list[FlightRecord]:
+        """Collectives issued and not completed: where this rank may be waiting."""
         return [r for r in self.records if r.state == "issued"]
 
     def last_seq(self, group: str) -> int:
@@ -426,6 +428,7 @@ class FlightTail:
         return max(seqs, default=-1)
 
     def record(self, group: str, seq: int) -> FlightRecord | None:
+        """This rank's record of collective #seq of `group`, if still in the ring."""
         return next((r for r in self.records if r.group == group and r.seq == seq
                      and not _is_p2p(r)), None)
 

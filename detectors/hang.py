@@ -91,6 +91,7 @@ class Diagnosis:
     evidence: dict[str, Any] = field(default_factory=dict)
 
     def detail(self) -> dict[str, Any]:
+        """The `hang` event's detail (JSON-ready)."""
         return {"type": self.kind, "culprit_ranks": self.culprit_ranks,
                 "waiting_ranks": self.waiting_ranks, "op": self.op, "seq": self.seq,
                 "group": self.group, "why": self.why,
@@ -385,12 +386,14 @@ def _diagnose(tails: dict[int, FlightTail], world: int, alive: dict[int, bool],
 # --- several nodes ----------------------------------------------------------------------------
 
 def tail_to_json(tail: FlightTail) -> dict[str, Any]:
+    """A flight-log tail as JSON-ready data, to send to another node's watchdog."""
     d = asdict(tail)
     d["path"] = str(tail.path)
     return d
 
 
 def tail_from_json(d: dict[str, Any]) -> FlightTail:
+    """The inverse of `tail_to_json`."""
     d = dict(d)
     d["path"] = Path(d["path"])
     d["records"] = [FlightRecord(**r) for r in d["records"]]
@@ -440,6 +443,7 @@ class NodeExchange:
 
     def publish(self, request_id: str, tails: dict[int, FlightTail],
                 stacks: dict[int, list[str]]) -> None:
+        """Answer `request_id` with this node's tails and stacks."""
         self._answered_ids.add(request_id)
         blob = json.dumps({"tails": [tail_to_json(t) for t in tails.values()],
                            "stacks": {str(r): st for r, st in stacks.items()}})
@@ -509,6 +513,7 @@ class HangWatch:
         self._thread = threading.Thread(target=self._loop, name="meshscope-hang", daemon=True)
 
     def start(self) -> "HangWatch":
+        """Poll on a thread of its own until `stop()`."""
         self._thread.start()
         return self
 

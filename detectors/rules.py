@@ -65,30 +65,45 @@ class Verdict:
 
     @property
     def normal(self) -> bool:
+        """No rule has flagged the step so far."""
         return not self.flags
 
     def has(self, type: str) -> bool:
+        """Whether a rule already flagged this type on the step."""
         return any(f.type == type for f in self.flags)
 
 
 class StepRule(Protocol):
+    """Judges one complete step (see the module doc)."""
+
     name: str
     during_warmup: bool  # judges before the warm-up ends (a NaN needs no baseline)
 
-    def learn(self, warm: Any) -> None: ...
-    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]: ...
-    def update(self, row: Any, normal: bool) -> None: ...
+    def learn(self, warm: Any) -> None:
+        """Fit on the warm-up rows (one row per step)."""
+
+    def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
+        """This step's flags; `verdict` holds what earlier rules said."""
+
+    def update(self, row: Any, normal: bool) -> None:
+        """Move the baseline on (most rules only on normal steps)."""
 
 
 class WindowRule(Protocol):
+    """Judges a table of the run store as its windows arrive (see the module doc)."""
+
     name: str
     table: str  # which table of the run store it reads
 
-    def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]: ...
+    def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]:
+        """(step, flag) for the rows after the last judged step; learns as it goes."""
 
 
 class MomentRule(Protocol):
-    def poll(self) -> Any: ...
+    """Judges the present (see the module doc)."""
+
+    def poll(self) -> Any:
+        """A finding about now, or None."""
 
 
 # --- step rules ---------------------------------------------------------------------------

@@ -44,6 +44,7 @@ def make_tracer(cfg: RunConfig, env: DistEnv, mon: Monitor,
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one rank of the reference trainer with the tracer (torchrun or the zygote calls)."""
     args = trainer.worker.parse_args(argv)
     trainer.worker.run_worker(load_config(args.config), DistEnv.from_environ(),
                               make_tracer=make_tracer)

@@ -92,6 +92,7 @@ class GradientInspector:
             self._judge(step, readback.value().tolist())
 
     def close(self) -> None:
+        """Judge what is still in flight (waits for the device)."""
         for step, readback in self._pending:
             readback.wait()
             self._judge(step, readback.value().tolist())

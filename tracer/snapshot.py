@@ -65,6 +65,7 @@ class Snapshot:
         return [v for _, v in sorted(items)]
 
     def params(self) -> dict[str, torch.Tensor]:
+        """The module's parameters, by name."""
         return {k.split(".", 1)[1]: v for k, v in self.tensors.items() if k.startswith("param.")}
 
 

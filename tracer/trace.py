@@ -119,6 +119,7 @@ class Finding:
     snapshot: str | None = None
 
     def detail(self) -> dict[str, Any]:
+        """The `nan` event's detail."""
         return {"module": self.module, "where": self.where, "tensor": self.tensor,
                 "class": self.module_class, "note": self.note, "snapshot": self.snapshot}
 

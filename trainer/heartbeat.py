@@ -132,6 +132,7 @@ class Heartbeat:
 
 
 def node_key(attempt: int, node: int) -> str:
+    """Where a node's watcher writes its summary."""
     return f"{PREFIX}/node/{attempt}/{node}"
 
 
