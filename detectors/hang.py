@@ -560,19 +560,8 @@ class HangWatch:
             return None
         # a crash is judged once per attempt; a stall again if progress resumes and stops
         self.diagnosed[attempt] = float("inf") if dead or failed else progress
-        stacks = self._gather_stacks([r for r, h in heads.items() if alive[r] and not h.closed],
-                                     heads)
-        tails = {}
-        for rank, head in heads.items():
-            try:
-                tails[rank] = read_flight(head.path)
-            except (OSError, FlightLogError):
-                continue
-        for rank, head in heads.items():
-            if rank not in stacks:
-                crash = _crash_stack(head.path)
-                if crash:
-                    stacks[rank] = crash
+        tails, stacks = self._local_picture(
+            heads, [r for r, h in heads.items() if alive[r] and not h.closed])
         if self.exchange is not None and len(tails) < world:
             try:
                 request_id = f"{os.getpid()}-{self.clock():.6f}"
@@ -599,7 +588,15 @@ class HangWatch:
         requests = self.exchange.pending()
         if not requests:
             return
-        live = [r for r, h in heads.items() if not h.closed and pid_alive(h.pid)]
+        tails, stacks = self._local_picture(
+            heads, [r for r, h in heads.items() if not h.closed and pid_alive(h.pid)])
+        for request_id in requests:
+            self.exchange.publish(request_id, tails, stacks)
+
+    def _local_picture(self, heads: dict[int, FlightTail], live: list[int]
+                       ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
+        """This node's ranks: every flight-log tail, the live ranks' stacks, and the crash
+        stacks of the ranks that could not answer."""
         stacks = self._gather_stacks(live, heads)
         tails = {}
         for rank, head in heads.items():
@@ -607,12 +604,12 @@ class HangWatch:
                 tails[rank] = read_flight(head.path)
             except (OSError, FlightLogError):
                 continue
+        for rank, head in heads.items():
             if rank not in stacks:
                 crash = _crash_stack(head.path)
                 if crash:
                     stacks[rank] = crash
-        for request_id in requests:
-            self.exchange.publish(request_id, tails, stacks)
+        return tails, stacks
 
     def _gather_stacks(self, ranks: list[int], heads: dict[int, FlightTail]) -> dict[int, list[str]]:
         """Ask the live ranks for their stacks and wait a little for the answers."""
