@@ -172,12 +172,13 @@ def _mismatch(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
             continue
         members = _members(tails, group, world)
         a2a = all(r.op in ALL_TO_ALL for r in records.values())
-        sig = {rank: (r.op, r.dtype) if a2a else (r.op, r.shapes, r.dtype)
-               for rank, r in records.items()}
+        sig = {rank: _signature(r, a2a) for rank, r in records.items()}
         common, odd = _majority(sig)
         what = "op/shape/dtype"
         if not odd and len(set(sig.values())) > 1:
-            odd = sorted(records)  # two ranks disagree: either may be wrong
+            # No majority (two ranks): the one that changed what it issues from this call site
+            # is the odd one; when neither or both did, either may be wrong.
+            odd = _changed_from_history(tails, records, a2a) or sorted(records)
         if not odd and a2a:
             odd, what = _split_culprits(records, members), "split sizes"
         if not odd:
@@ -193,6 +194,33 @@ def _mismatch(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
         found.append((t, Diagnosis("mismatch", odd, others, why, op=sample.op, seq=seq,
                                    group=group, evidence={"mismatch": what})))
     return min(found, key=lambda x: x[0])[1] if found else None
+
+
+def _signature(r: FlightRecord, a2a: bool) -> tuple:
+    return (r.op, r.dtype) if a2a else (r.op, r.shapes, r.dtype)
+
+
+def _same_place_before(tail: FlightTail, rec: FlightRecord) -> FlightRecord | None:
+    """The record a rank issued at the same place of the previous step (the n-th collective of
+    its group in step s-1 for the n-th of step s): what it issues there rarely changes."""
+    if rec.step is None or rec.step < 1:
+        return None
+    group = [r for r in tail.records if r.group == rec.group]
+    place = sum(1 for r in group if r.step == rec.step and r.seq < rec.seq)
+    before = sorted((r for r in group if r.step == rec.step - 1), key=lambda r: r.seq)
+    return before[place] if place < len(before) else None
+
+
+def _changed_from_history(tails: dict[int, FlightTail], records: dict[int, FlightRecord],
+                          a2a: bool) -> list[int]:
+    """Ranks whose record differs from what they issued at the same place one step earlier;
+    [] unless only some ranks changed."""
+    changed = []
+    for rank, rec in records.items():
+        before = _same_place_before(tails[rank], rec)
+        if before is not None and _signature(before, a2a) != _signature(rec, a2a):
+            changed.append(rank)
+    return sorted(changed) if 0 < len(changed) < len(records) else []
 
 
 def _signature_text(r: FlightRecord) -> str:
@@ -374,7 +402,7 @@ def _diagnose(tails: dict[int, FlightTail], world: int, alive: dict[int, bool],
         places = "; ".join(f"rank {r} is {_where(tails.get(r), stacks.get(r))}" for r in absent)
         return Diagnosis(kind, absent, waiting,
                          f"{_ranks(absent)} never entered {op} #{seq} on group {group} that "
-                         f"{_ranks(waiting)} wait in ({places})", op=op, seq=seq, group=group)
+                         f"{_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in ({places})", op=op, seq=seq, group=group)
     return Diagnosis("stuck", [], waiting,
                      f"every rank of group {group} entered {op} #{seq} and it does not "
                      "complete: the transport or a device is at fault, not a rank's code",

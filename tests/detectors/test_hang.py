@@ -17,14 +17,14 @@ WORLD = 3
 CULPRIT = WORLD - 1
 
 
-def watch_scenario(tmp_path: Path, scenario: str, timeout_s: float = 45.0):
-    """Run the scenario on 3 ranks and return (diagnosis or None, seconds from the culprit's
+def watch_scenario(tmp_path: Path, scenario: str, timeout_s: float = 45.0, world: int = WORLD):
+    """Run the scenario on `world` ranks and return (diagnosis or None, seconds from the culprit's
     fault to the diagnosis, processes' exit codes)."""
     live = tmp_path / "live"
     ctx = mp.get_context("spawn")
     port = free_port_range(1)
-    procs = [ctx.Process(target=rank_main, args=(r, WORLD, port, str(live), scenario))
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario))
+             for r in range(world)]
     for p in procs:
         p.start()
     watch = HangWatch(live, HangConfig(min_stall_s=1.5, poll_s=0.1, stacks_wait_s=1.0))
@@ -57,6 +57,15 @@ def test_names_the_culprit_rank_and_collective(tmp_path, scenario, kind):
         assert detail["seq"] == FAULT_STEP and detail["group"] is not None, detail
         assert detail["op"] in ("all_reduce", "broadcast", "all_to_all_single"), detail
         assert CULPRIT not in detail["waiting_ranks"]
+
+
+@pytest.mark.parametrize("scenario", ["shape", "dtype"])
+def test_two_ranks_without_a_majority_the_one_that_changed_is_blamed(tmp_path, scenario):
+    # No majority to outvote it: the culprit is the rank whose collective differs from what it
+    # issued at the same place of the previous step.
+    diag = watch_scenario(tmp_path, scenario, world=2)
+    assert diag is not None and diag.kind == "mismatch"
+    assert diag.culprit_ranks == [1], diag.why
 
 
 def test_a_rank_in_compute_is_located_by_its_stack(tmp_path):
