@@ -185,6 +185,10 @@ class Monitor:
         self._layer_index: dict[int, int] = {}
         self._expert_acc: list[torch.Tensor | None] = []  # per layer: this window's tokens
         self._expert_like: torch.Tensor | None = None
+        # Called with (step, [layers, experts] tokens summed over ranks) on every rank, on the
+        # device, right after the all-reduce: what a trainer needs to act on the global load
+        # (the aux-loss-free bias update) without reading it back.
+        self.expert_load_listeners: list[Any] = []
         self._step = -1
         self._server = None
         self._closed = False
@@ -333,6 +337,8 @@ class Monitor:
         acc = torch.stack([torch.zeros_like(like) if a is None else a for a in layers])
         if self.control is not None:
             self.control.all_reduce(acc)  # the one collective the Monitor adds
+        for listener in self.expert_load_listeners:
+            listener(step, acc)
         self._expert_reads.append((step, Readback(acc)))
 
     def _drain(self, block: bool) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 EVENT_KINDS = frozenset(
     {"anomaly", "fault", "restart", "resume", "hang", "nan", "snapshot", "suggestion",
-     "injected", "run_start", "run_end", "checkpoint", "info"}
+     "suggestion_applied", "outcome", "injected", "run_start", "run_end", "checkpoint", "info"}
 )
 SEVERITIES = ("info", "warning", "critical")
 

@@ -40,6 +40,11 @@ CREATE TABLE IF NOT EXISTS tensor_stats (
   absmax REAL, norm REAL, mean REAL, std REAL, nonfinite INTEGER,
   PRIMARY KEY (step, rank, module, "where")
 );
+CREATE TABLE IF NOT EXISTS controls (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, created REAL NOT NULL, kind TEXT NOT NULL,
+  layer INTEGER NOT NULL, payload TEXT NOT NULL, suggestion INTEGER, status TEXT NOT NULL,
+  step INTEGER, old TEXT, new TEXT, note TEXT, outcome TEXT
+);
 CREATE TABLE IF NOT EXISTS grad_stats (
   step INTEGER NOT NULL, module TEXT NOT NULL, grad_norm REAL, weight_norm REAL,
   update_ratio REAL, PRIMARY KEY (step, module)
@@ -191,6 +196,21 @@ class RunStore:
                     f"({','.join('?' * len(GRAD_STAT_COLUMNS))})", grads)
         for done in barriers:
             done.set()
+
+
+def insert_events(run_dir: str | Path, events: list[Event]) -> list[int]:
+    """Write events now, outside any RunStore, and return their ids (for writers that link to
+    what they wrote: the feedback loop's suggestions)."""
+    conn = open_store(run_dir)
+    try:
+        with conn:
+            return [int(conn.execute(
+                "INSERT INTO events (time, run_id, kind, severity, rank, step, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (e.time, e.run_id, e.kind, e.severity, e.rank, e.step,
+                 json.dumps(e.detail, default=str))).lastrowid) for e in events]
+    finally:
+        conn.close()
 
 
 def _read(run_dir: str | Path, sql: str, params: tuple = ()) -> pd.DataFrame:

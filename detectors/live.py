@@ -8,6 +8,8 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
 
 from prometheus_client import CollectorRegistry
 
@@ -46,8 +48,9 @@ class LiveDetection:
     def __init__(self, run_dir: Path, run_id: str, config: EngineConfig | None = None,
                  registry: CollectorRegistry | None = None, poll_s: float = 1.0,
                  outbox: Outbox | None = None, hang: HangConfig | None = None,
-                 exchange: NodeExchange | None = None) -> None:
+                 exchange: NodeExchange | None = None, view_url: str | None = None) -> None:
         self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
+        self.view_url = view_url.rstrip("/") if view_url else None
         self.registry = registry or CollectorRegistry()
         self.metrics = DetectorMetrics(self.registry)
         self.store: RunStore | None = None
@@ -121,7 +124,9 @@ class LiveDetection:
         """Alert as soon as an anomaly is confirmed; the event follows when it ends."""
         self.metrics.anomalies.labels(type=ep.type).inc()
         if self.outbox is not None:
-            self.outbox.put(Alert.from_anomaly(self.run_id, ep.detail()))
+            self.outbox.put(Alert.from_anomaly(self.run_id, ep.detail(), self._link(
+                type=ep.type, start=ep.start_step, rank=ep.ranks[0] if len(ep.ranks) == 1
+                else None, layer=ep.layer)))
 
     def _closed(self, ep: Episode) -> None:
         self.closed.append(ep)
@@ -156,7 +161,8 @@ class LiveDetection:
         finally:
             store.close()
         if self.outbox is not None:
-            self.outbox.put(Alert.from_hang(self.run_id, detail))
+            self.outbox.put(Alert.from_hang(self.run_id, detail, self._link(
+                alert="HangDetected", step=detail.get("step"))))
             self.outbox.deliver()
         if self.hang.config.on_hang == "abort":
             for pid in diag.evidence.get("pids", {}).values():
@@ -166,6 +172,15 @@ class LiveDetection:
                     except OSError:
                         pass
         log.warning("hang: %s", diag.why)
+
+    def _link(self, **params: Any) -> str:
+        """The drill-down view's deep link for an alert ('' without a view): the anomaly is
+        not stored yet when its alert goes out, so the link names it by type and step."""
+        if not self.view_url:
+            return ""
+        query = urlencode({"run": self.run_id, **{k: v for k, v in params.items()
+                                                   if v is not None}})
+        return f"{self.view_url}/?{query}"
 
     def _score(self, detector: str, score: float) -> None:
         self.metrics.anomaly_score.labels(detector=detector).set(score)

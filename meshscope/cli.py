@@ -90,6 +90,9 @@ def run(
     hang_after: Optional[float] = typer.Option(
         None, "--hang-after", help="seconds without progress before a stall is a hang (at "
                                    "least; slow steps raise it; default 3)"),
+    view_url: Optional[str] = typer.Option(
+        None, "--view-url", help="the root-cause view alerts link to (default "
+                                 "http://127.0.0.1:8501)"),
 ) -> None:
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
@@ -100,7 +103,8 @@ def run(
             run_id=run_id, metrics_port=metrics_port, linger_s=linger, inject=inject or None,
             elastic__checkpoint_every=checkpoint_every, elastic__max_restarts=max_restarts,
             elastic__nnodes=nnodes, elastic__rdzv_endpoint=rdzv_endpoint,
-            elastic__rdzv_external=True if rdzv_external else None, trace=trace))
+            elastic__rdzv_external=True if rdzv_external else None, trace=trace,
+            view_url=view_url))
         channels = _alert_channels(slack_webhook_file, email_to, smtp, smtp_from, smtp_user,
                                    smtp_password_file)  # checked before anything is written
         hang = _hang_config(on_hang, hang_after)
@@ -182,7 +186,8 @@ def _start_detection(cfg: RunConfig, outbox=None, hang=None):
     from detectors.live import LiveDetection
 
     live = LiveDetection(cfg.run_dir, cfg.run_id, outbox=outbox, hang=hang,
-                         exchange=_hang_exchange(cfg) if hang is not None else None)
+                         exchange=_hang_exchange(cfg) if hang is not None else None,
+                         view_url=cfg.view_url)
     port = cfg.metrics_port + cfg.nproc
     try:
         serve_metrics(live.registry, port, host="127.0.0.1")
@@ -560,3 +565,139 @@ def dashboards_publish(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command()
+def view(
+    runs: Path = typer.Option(Path("runs"), "--runs", help="folder of run directories"),
+    port: int = typer.Option(8501, help="port on 127.0.0.1"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    grafana_url: Optional[str] = typer.Option(None, help="Grafana base URL for board links"),
+    prometheus_url: Optional[str] = typer.Option(None, help="Prometheus, for live runs"),
+) -> None:
+    """The root-cause view (Streamlit) over the runs folder; alerts link into it."""
+    import os
+    import subprocess
+    import sys
+
+    from dashboards.app.settings import ViewSettings
+
+    try:
+        settings = ViewSettings(runs_dir=runs, port=port, host=host, grafana_url=grafana_url,
+                                prometheus_url=prometheus_url)
+    except ValueError as err:
+        fail(str(err).splitlines()[0])
+    if not runs.is_dir():
+        err_console.print(f"[yellow]warning:[/] {runs} does not exist yet: the view will show "
+                          "runs as they appear there")
+    app_py = Path(__file__).resolve().parents[1] / "dashboards" / "app" / "app.py"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app_py), "--server.headless", "true",
+           "--server.address", host, "--server.port", str(port),
+           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
+    console.print(f"meshscope view on http://{host}:{port} (runs in {runs.resolve()})")
+    raise typer.Exit(subprocess.call(cmd, env={**os.environ, **settings.env()}))
+
+
+feedback_app = typer.Typer(no_args_is_help=True,
+                           help="Serving-side expert load in, suggestions out, outcomes measured.")
+app.add_typer(feedback_app, name="feedback")
+
+
+def _run_dir(run: Path) -> Path:
+    if not store_path(run).exists():
+        fail(f"{run}: no run store ({store_path(run).name}) there")
+    return run
+
+
+@feedback_app.command("ingest")
+def feedback_ingest(
+    file: Path = typer.Argument(..., help="SGLang expert-distribution .pt, vLLM EPLB load .pt, "
+                                          "or CSV (layer, expert, tokens[, latency_ms])"),
+    run: Path = typer.Option(..., "--run", help="the training run it feeds back into"),
+    devices: int = typer.Option(8, min=1, help="serving devices for the placement suggestion"),
+) -> None:
+    """Diagnose serving load against the run and store ranked suggestions."""
+    from detectors.feedback import FeedbackError, ingest, knowledge_base
+
+    run = _run_dir(run)
+    try:
+        data = file.read_bytes()
+    except OSError as err:
+        fail(f"{file}: cannot read ({err.strerror})")
+    try:
+        report = ingest(run, data, file.name, devices=devices,
+                        kb=knowledge_base(run.parent))
+    except FeedbackError as err:
+        fail(str(err))
+    table = Table(title=f"serving load ({report.source}) against {run.name}")
+    for col in ("layer", "serving bal.", "training bal.", "hot", "cold", "latency cost ms"):
+        table.add_column(col)
+    for d in report.diagnoses:
+        table.add_row(str(d.layer), f"{d.serving_balancedness:.2f}",
+                      "-" if d.training_balancedness is None else f"{d.training_balancedness:.2f}",
+                      str(d.hot), str(d.cold),
+                      "-" if d.latency_cost_ms is None else f"{d.latency_cost_ms:.1f}")
+    console.print(table)
+    if not report.suggestions:
+        console.print("every layer is balanced enough: nothing to suggest")
+    for sid, s in zip(report.event_ids, report.suggestions):
+        console.print(f"[bold]#{sid}[/] {s.action} ({s.target}, layer {s.layer}) "
+                      f"expected {s.expected}", highlight=False)
+        console.print(f"     {s.why}", markup=False, highlight=False)
+    console.print(f"approve one: meshscope feedback apply --run {run} --suggestion ID")
+
+
+@feedback_app.command("apply")
+def feedback_apply(
+    run: Path = typer.Option(..., "--run", help="the running training run"),
+    suggestion: int = typer.Option(..., "--suggestion", help="a suggestion's id (from ingest)"),
+) -> None:
+    """Approve a suggestion: the running trainer applies it at its next control step."""
+    from collector.controls import ControlError
+    from detectors.feedback import FeedbackError, approve
+
+    run = _run_dir(run)
+    try:
+        cid = approve(run, suggestion)
+    except (FeedbackError, ControlError) as err:
+        fail(str(err))
+    console.print(f"change #{cid} queued: the trainer applies it at its next control step "
+                  "(see `suggestion_applied` events)")
+
+
+@feedback_app.command("outcomes")
+def feedback_outcomes(
+    run: Path = typer.Option(..., "--run", help="a run with applied changes"),
+    after: int = typer.Option(50, min=2, help="steps after a change before it is judged"),
+) -> None:
+    """Measure applied changes against their prediction; store them in the knowledge base."""
+    from detectors.feedback import knowledge_base, settle_outcomes
+
+    run = _run_dir(run)
+    done = settle_outcomes(run, knowledge_base(run.parent), after=after)
+    for o in done:
+        console.print(f"change #{o['control']} ({o['action']}): balancedness "
+                      f"{o['balancedness_before']:.2f} → {o['balancedness_after']:.2f} "
+                      f"({o['balancedness_gain']:+.0%}), loss x{o['loss_ratio']:.3f}, "
+                      f"step time x{o['step_s_ratio']:.2f}: "
+                      f"{'worked' if o['success'] else 'did not work'}", highlight=False)
+    if not done:
+        console.print("no applied change has run long enough to judge")
+
+
+@feedback_app.command("export")
+def feedback_export(
+    run: Path = typer.Option(..., "--run", help="a run with ingested serving load"),
+    output: Path = typer.Option(Path("placement.json"), "--output", "-o"),
+) -> None:
+    """Write the latest serving placement suggestions (replicas, slots, devices) as JSON."""
+    from detectors.feedback import Suggestion, export_placement
+
+    run = _run_dir(run)
+    events = load_events(run, kind="suggestion")
+    rows = [Suggestion(**{k: v for k, v in d.items() if k in Suggestion.__dataclass_fields__})
+            for d in events["detail"] if d.get("action") == "placement"]
+    if not rows:
+        fail(f"{run}: no placement suggestion; run `meshscope feedback ingest` first")
+    latest = {s.layer: s for s in rows}  # the newest per layer
+    console.print(str(export_placement(list(latest.values()), output)))

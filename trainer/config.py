@@ -46,6 +46,8 @@ class ModelConfig(_Strict):
     capacity_factor: float = Field(1.25, gt=0, description="expert capacity = factor x fair share")
     ffn_mult: int = Field(2, gt=0, description="expert hidden size = ffn_mult x d_model")
     aux_loss_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss")
+    router_skew: float = Field(0.0, ge=0, le=20, description="logit added to expert 0 in every "
+                               "router: a router that prefers one expert, for experiments")
     z_loss_coef: float = Field(0.001, ge=0, description="weight of the router z-loss")
 
     @model_validator(mode="after")
@@ -113,10 +115,14 @@ class RunConfig(_Strict):
     nproc: int = Field(4, gt=0, description="worker processes on this node")
     metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
     expert_every: int = Field(5, gt=0, description="sum expert load over ranks every N steps")
+    control_every: int = Field(10, gt=0, description="read approved changes (router bias, "
+                               "aux-loss coefficient, capacity) every N steps")
     comm_sample_every: int = Field(
         MonitorConfig.comm_sample_every, gt=0, description="time gradient buckets on one step in N (the wait for "
                               "communication is measured every step)")
     linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
+    view_url: str = Field("http://127.0.0.1:8501", pattern=r"^https?://\S+$",
+                          description="the root-cause view (`meshscope view`) alerts link to")
     trace: TraceMode = Field(
         "nonfinite", description="tensor tracer: off | nonfinite (first non-finite module, every "
                                  "step) | stats (+ per-module statistics) | full (+ snapshots)")

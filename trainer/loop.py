@@ -17,6 +17,7 @@ from collector import Monitor
 from collector.flightlog import allreduce_hook as flight_allreduce_hook
 from trainer.comm import NO_OVERLAP_BUCKET_MB, build_hook
 from trainer.config import RunConfig
+from trainer.controls import ControlApplier
 from trainer.data import SyntheticTokens
 from trainer.device import Device
 from trainer.elastic import ElasticRun
@@ -130,11 +131,14 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
 
 
 def train(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
-          elastic: ElasticRun | None = None, injector: Injector | None = None) -> str:
+          elastic: ElasticRun | None = None, injector: Injector | None = None,
+          applier: ControlApplier | None = None) -> str:
     """Run to `train.steps`; returns "done", or "sigterm" when asked to stop."""
     injector = injector or Injector([], 0, lambda inj, step: None)
     while state.step < cfg.train.steps:
         train_step(state, mon, cfg, device, injector)
+        if applier is not None:  # approved changes land between steps, on every rank at once
+            applier.at_boundary(state.step - 1)
         if elastic is None:
             continue
         elastic.after_step(state)

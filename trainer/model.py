@@ -22,19 +22,31 @@ from trainer.config import ModelConfig
 class Router(nn.Module):
     """Top-k softmax router with load-balancing and z-loss."""
 
-    def __init__(self, d_model: int, experts: int, top_k: int) -> None:
+    def __init__(self, d_model: int, experts: int, top_k: int, skew: float = 0.0) -> None:
         super().__init__()
         self.gate = nn.Linear(d_model, experts, bias=False)
         self.experts, self.top_k = experts, top_k
+        self.skew = skew  # a fixed preference for expert 0 (experiments with a skewed router)
         self.logit_bias: torch.Tensor | None = None  # set by fault injection to skew routing
+        # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias that moves selection only,
+        # never the gate weights; set through the control channel, updated from global loads.
+        self.routing_bias: torch.Tensor | None = None
+        self.bias_rate = 0.0
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, d] -> (weights [T, k], experts [T, k], aux loss, z loss)."""
         logits = self.gate(x).float()
+        if self.skew:
+            logits = logits + F.one_hot(torch.zeros((), dtype=torch.long, device=x.device),
+                                        self.experts) * self.skew
         if self.logit_bias is not None:
             logits = logits + self.logit_bias
         probs = logits.softmax(dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.routing_bias is None:
+            weights, chosen = probs.topk(self.top_k, dim=-1)
+        else:
+            chosen = (logits + self.routing_bias).topk(self.top_k, dim=-1).indices
+            weights = probs.gather(-1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         # Switch-style balance loss: fraction of assignments x mean probability, per expert.
         assigned = F.one_hot(chosen, self.experts).sum(dim=1).float()  # [T, E]
@@ -73,7 +85,7 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.router = Router(cfg.d_model, cfg.experts, cfg.top_k)
+        self.router = Router(cfg.d_model, cfg.experts, cfg.top_k, cfg.router_skew)
         self.experts = GroupedExperts(cfg.experts, cfg.d_model, cfg.ffn_mult * cfg.d_model)
         self.capacity_factor = cfg.capacity_factor
         # The Monitor's MoE protocol; a plain attribute (not a buffer) so DDP never syncs it.
@@ -127,6 +139,7 @@ class MoELM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.aux_loss_coef = cfg.aux_loss_coef  # the control channel may change it mid-run
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
@@ -150,4 +163,4 @@ class MoELM(nn.Module):
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
         aux = sum(m.aux_loss for m in self.moe_layers())
         z = sum(m.z_loss for m in self.moe_layers())
-        return lm + self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z, lm
+        return lm + self.aux_loss_coef * aux + self.cfg.z_loss_coef * z, lm

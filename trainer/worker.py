@@ -21,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
 from collector.control import ControlPlane  # noqa: E402
+from trainer.controls import ControlApplier  # noqa: E402
 from collector.store import load_events  # noqa: E402
 from trainer.config import RunConfig, load_config  # noqa: E402
 from trainer.device import resolve_device  # noqa: E402
@@ -105,8 +106,12 @@ def run_worker(cfg: RunConfig, env: DistEnv, make_tracer: TracerFactory | None =
         if make_tracer is not None:
             state.tracer, state.inspector = make_tracer(cfg, env, mon, state.model)
         elastic.resume(state)
+        applier = ControlApplier(state.model, mon, cfg.run_dir, rank=env.rank,
+                                 every=cfg.control_every, plane=control,
+                                 expert_every=cfg.expert_every)
+        applier.replay_applied()  # a restarted worker keeps the changes approved before
         try:
-            reason = train(state, mon, cfg, device, elastic, injector)
+            reason = train(state, mon, cfg, device, elastic, injector, applier)
         except Exception as err:
             mon.fail(err)
             elastic.mark_failed(err)  # we failed, we did not vanish: not the culprit

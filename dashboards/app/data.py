@@ -166,7 +166,8 @@ def ranks_compared(steps: pd.DataFrame, anomaly: Anomaly) -> pd.DataFrame:
     cols = ["step_s", "compute_s", "comm_exposed_s", "mem_rss"]
     inside = s[(s["step"] >= lo) & (s["step"] <= hi)].groupby("rank")[cols].median()
     before = s[(s["step"] < lo) & (s["step"] >= lo - 30)].groupby("rank")[cols].median()
-    out = inside.join(before, rsuffix="_before", how="left")
+    out = inside.merge(before, how="left", left_index=True, right_index=True,
+                       suffixes=("", "_before"))
     out["step_x"] = out["step_s"] / out["step_s_before"].clip(lower=1e-9)
     out["flagged"] = [int(r) in anomaly.ranks for r in out.index]
     return out.reset_index()
