@@ -349,8 +349,10 @@ class Placement:
 
 
 def place_experts(load: np.ndarray, *, devices: int, redundant: int) -> Placement:
-    """EPLB-style: give each extra slot to the expert with the highest load per replica, then
-    pack replicas (heaviest first) onto the least-loaded device that has a free slot."""
+    """EPLB-style: give each extra slot to the expert with the highest load per replica, pack
+    replicas (heaviest first) onto the least-loaded device with a free slot, then swap slots
+    between the busiest and the idlest device while that lowers the busiest one. `before` is
+    the default expert-parallel layout (contiguous blocks of experts per device)."""
     load = np.asarray(load, dtype=float)
     experts = len(load)
     slots = experts + redundant
@@ -360,23 +362,41 @@ def place_experts(load: np.ndarray, *, devices: int, redundant: int) -> Placemen
     replicas = np.ones(experts, dtype=int)
     for _ in range(redundant):
         replicas[int(np.argmax(load / replicas))] += 1
-    per_slot = [(load[e] / replicas[e], e) for e in range(experts) for _ in range(replicas[e])]
-    per_slot.sort(key=lambda x: -x[0])
+    weights = sorted(((load[e] / replicas[e], e) for e in range(experts)
+                      for _ in range(replicas[e])), key=lambda x: -x[0])
     capacity = slots // devices
-    device_load, device_slots = np.zeros(devices), np.zeros(devices, dtype=int)
-    slot_expert, device_of_slot = [], []
-    for weight, e in per_slot:
-        free = [d for d in range(devices) if device_slots[d] < capacity]
-        d = min(free, key=lambda i: device_load[i])
-        device_load[d] += weight
-        device_slots[d] += 1
-        slot_expert.append(int(e))
-        device_of_slot.append(int(d))
-    naive = np.zeros(devices)
+    bins: list[list[tuple[float, int]]] = [[] for _ in range(devices)]
+    for item in weights:
+        free = [d for d in range(devices) if len(bins[d]) < capacity]
+        bins[min(free, key=lambda d: sum(w for w, _ in bins[d]))].append(item)
+    _refine(bins)
+    slot_expert = [e for b in bins for _, e in b]
+    device_of_slot = [d for d, b in enumerate(bins) for _ in b]
+    device_load = [sum(w for w, _ in b) for b in bins]
+    per_device = -(-experts // devices)
+    default = np.zeros(devices)
     for e in range(experts):
-        naive[e % devices] += load[e]
-    return Placement(replicas.tolist(), slot_expert, device_of_slot, balancedness(naive),
-                     balancedness(device_load), redundant)
+        default[min(e // per_device, devices - 1)] += load[e]
+    return Placement(replicas.tolist(), slot_expert, device_of_slot, balancedness(default),
+                     balancedness(np.array(device_load)), redundant)
+
+
+def _refine(bins: list[list[tuple[float, int]]], rounds: int = 200) -> None:
+    """Swap one slot of the busiest device with one of the idlest while it lowers the peak."""
+    for _ in range(rounds):
+        totals = [sum(w for w, _ in b) for b in bins]
+        hi, lo = int(np.argmax(totals)), int(np.argmin(totals))
+        gap = totals[hi] - totals[lo]
+        best = None
+        for i, (wi, _) in enumerate(bins[hi]):
+            for j, (wj, _) in enumerate(bins[lo]):
+                delta = wi - wj
+                if 0 < delta < gap and (best is None or abs(gap - 2 * delta) < best[0]):
+                    best = (abs(gap - 2 * delta), i, j)
+        if best is None:
+            return
+        _, i, j = best
+        bins[hi][i], bins[lo][j] = bins[lo][j], bins[hi][i]
 
 
 def export_placement(suggestions: list[Suggestion], path: Path) -> Path:

@@ -593,7 +593,8 @@ def view(
     app_py = Path(__file__).resolve().parents[1] / "dashboards" / "app" / "app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(app_py), "--server.headless", "true",
            "--server.address", host, "--server.port", str(port),
-           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
+           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+           "--client.toolbarMode", "viewer"]
     console.print(f"meshscope view on http://{host}:{port} (runs in {runs.resolve()})")
     raise typer.Exit(subprocess.call(cmd, env={**os.environ, **settings.env()}))
 

@@ -7,6 +7,7 @@ command -v promtool >/dev/null || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
 command -v amtool >/dev/null || need+=(prometheus-alertmanager)
 command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
+command -v chromium >/dev/null || need+=(chromium)  # the view's browser test (playwright drives it)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 echo "installing Debian packages: ${need[*]}"

@@ -239,6 +239,33 @@ def run_config(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+LIVE_QUERIES = {
+    "steps_per_s": 'rate(meshscope_steps_total{{run="{run}"}}[1m])',
+    "comm_ratio": 'meshscope_comm_ratio{{run="{run}"}}',
+    "loss": 'meshscope_loss{{run="{run}"}}',
+    "rss_bytes": 'meshscope_memory_bytes{{run="{run}",kind="rss"}}',
+}
+
+
+def live_metrics(prometheus_url: str, run: str, timeout_s: float = 3.0) -> pd.DataFrame:
+    """The run's current per-rank figures from Prometheus (for a run still training); raises
+    OSError with the reason when Prometheus does not answer."""
+    import requests
+
+    rows: dict[str, dict[str, float]] = {}
+    for name, query in LIVE_QUERIES.items():
+        try:
+            resp = requests.get(f"{prometheus_url.rstrip('/')}/api/v1/query",
+                                params={"query": query.format(run=run)}, timeout=timeout_s)
+            resp.raise_for_status()
+            result = resp.json()["data"]["result"]
+        except (requests.RequestException, ValueError, KeyError) as err:
+            raise OSError(f"Prometheus at {prometheus_url}: {err}") from None
+        for r in result:
+            rows.setdefault(r["metric"].get("rank", "?"), {})[name] = float(r["value"][1])
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("rank").reset_index()
+
+
 def exists(run_dir: Path) -> bool:
     """A run the view can open."""
     return store_path(run_dir).is_file()

@@ -36,6 +36,15 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
             experts = wait_for(lambda: prom.query('meshscope_expert_load_ratio{run="e2e"}'), 30)
             assert experts and {s["metric"]["rank"] for s in experts} == {"0"}
             assert len(experts) == 2 * 4  # layer x expert, from rank 0 only
+            from dashboards.app.data import live_metrics  # the view's live panel
+
+            def live_ranks():
+                d = live_metrics(prom.url, "e2e")
+                return sorted(d["rank"]) if len(d) == 2 and d["comm_ratio"].notna().all() else None
+
+            assert wait_for(live_ranks, 30) == ["0", "1"]
+            with pytest.raises(OSError, match="Prometheus at"):
+                live_metrics(f"http://127.0.0.1:{free_port_range(1)}", "e2e", timeout_s=1)
             body = requests.get(f"http://127.0.0.1:{port + 1}/metrics", timeout=5).content
             lint = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True)
             assert lint.returncode == 0 and lint.stdout + lint.stderr == b""

@@ -17,6 +17,15 @@ c[2].metric("ranks", summary.get("ranks", 0))
 c[3].metric("step s (p50)", f"{summary.get('step_s_p50', float('nan')):.3f}")
 c[4].metric("anomalies", summary.get("anomalies", 0))
 c[5].metric("hangs / faults", f"{summary.get('hangs', 0)} / {summary.get('faults', 0)}")
+prometheus = ui.settings().prometheus_url
+if prometheus and summary.get("status") in ("running", "recovering"):
+    try:
+        live = data.live_metrics(prometheus, run_dir.name)
+    except OSError as err:
+        st.warning(f"live figures unavailable, showing the store only: {err}")
+    else:
+        st.subheader("Live (Prometheus)")
+        st.dataframe(live, hide_index=True, key="live")
 steps = facts.steps
 if steps.empty:
     st.info("No step recorded yet.")

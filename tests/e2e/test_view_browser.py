@@ -1,0 +1,95 @@
+"""The real `meshscope view` server in headless Chromium: an alert's link opens on the hang and
+the culprit rank is on the page; a straggler's deep link shows the ranked cause. Screenshots are
+kept in test-artifacts/ (CI keeps that folder)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import require_binary
+from tests.helpers.ports import free_port_range
+from tests.helpers.runs import REPO
+
+pytestmark = pytest.mark.e2e
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def view(tmp_path_factory):
+    """`meshscope view` over two recorded runs, as a person starts it."""
+    runs = tmp_path_factory.mktemp("runs")
+    for name in ("skip_collective", "slow"):
+        shutil.copytree(REPO / "benchmarks" / "data" / name, runs / name)
+    subprocess.run([sys.executable, "-m", "meshscope", "detect", "--run", str(runs / "slow")],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    port = free_port_range(1)
+    proc = subprocess.Popen([sys.executable, "-m", "meshscope", "view", "--runs", str(runs),
+                             "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/_stcore/health", timeout=2).ok:
+                break
+        except requests.RequestException:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail(f"meshscope view did not come up: {proc.stdout.read()[-2000:]}")
+    yield url, runs
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = require_binary("chromium")
+    sync_api = pytest.importorskip("playwright.sync_api") if os.environ.get("CI") != "true" \
+        else __import__("playwright.sync_api", fromlist=["sync_playwright"])
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def _open(browser, url: str, wait_for: str, shot: str):
+    page = browser.new_page(viewport={"width": 1400, "height": 1800})
+    page.goto(url, timeout=60_000)
+    page.get_by_text(wait_for, exact=False).first.wait_for(timeout=60_000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / shot), full_page=True)
+    body = page.inner_text("body")
+    page.close()
+    return body
+
+
+def test_an_alert_link_shows_the_hang_culprit(view, browser):
+    url, _ = view
+    # what the HangDetected alert links to (Alertmanager's template and the embedded alerts)
+    body = _open(browser, f"{url}/?run=skip_collective&alert=HangDetected", "Next:",
+                 "view-hang-alert.png")
+    assert "hang · ranks [1]" in body
+    assert "rank 1: missing at all_reduce #24" in body
+    assert (ARTIFACTS / "view-hang-alert.png").stat().st_size > 10_000
+
+
+def test_a_straggler_deep_link_shows_the_slow_host(view, browser):
+    url, runs = view
+    from collector.store import load_events
+
+    ev = load_events(runs / "slow", kind="anomaly")
+    aid = int(ev.iloc[0]["id"])
+    body = _open(browser, f"{url}/anomalies?run=slow&anomaly={aid}", "slow_host",
+                 "view-straggler.png")
+    assert "rank 1 computes" in body and "Next:" in body

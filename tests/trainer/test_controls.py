@@ -1,0 +1,130 @@
+"""An approved change reaches the running trainer at a step boundary, within bounds, and is
+logged; a change outside the bounds is refused by the trainer even when it bypassed the check
+at submission; the outcome is measured and remembered."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from collector.controls import load_controls
+from collector.store import latest_step, load_events, load_expert_load, store_path
+from detectors.feedback import approve, balancedness, ingest
+from tests.helpers.ports import free_port_range
+from tests.helpers.runs import REPO, TINY
+
+SKEWED = TINY.read_text().replace("top_k = 2", "top_k = 2\nrouter_skew = 3.0").replace(
+    "expert_every = 5", "expert_every = 5\ncontrol_every = 5")
+
+
+def _raw_control(run, kind: str, layer: int, values: list[float]) -> None:
+    """A change written straight into the table, as a buggy or hostile writer would."""
+    conn = sqlite3.connect(store_path(run))
+    with conn:
+        conn.execute("INSERT INTO controls (created, kind, layer, payload, status) VALUES "
+                     "(?, ?, ?, ?, 'pending')", (time.time(), kind, layer, json.dumps(values)))
+    conn.close()
+
+
+def _feedback(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshscope", "feedback", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def controlled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("controls")
+    config = root / "skewed.toml"
+    config.write_text(SKEWED)
+    run = root / "c"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshscope", "run", "--config", str(config), "--run-dir",
+         str(root), "--run-id", "c", "--steps", "150", "--metrics-port",
+         str(free_port_range(3))], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    deadline = time.monotonic() + 120
+    while latest_step(run) < 12 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    csv = root / "serving.csv"
+    ex = load_expert_load(run)
+    ex.groupby(["layer", "expert"])["tokens"].sum().reset_index().to_csv(csv, index=False)
+    # in-process while training runs (a CLI start takes longer than this short run lasts)
+    report = ingest(run, csv.read_bytes(), csv.name, devices=2)
+    bias = [i for i, s in zip(report.event_ids, report.suggestions) if s.action == "router_bias"]
+    placement = [i for i, s in zip(report.event_ids, report.suggestions)
+                 if s.action == "placement"]
+    for i in bias:
+        approve(run, i)
+    _raw_control(run, "aux_loss_coef", -1, [50.0])
+    _raw_control(run, "capacity_factor", 7, [2.0])
+    submitted_at = latest_step(run)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    return {"run": run, "bias": bias, "placement": placement, "root": root, "csv": csv,
+            "submitted_at": submitted_at}
+
+
+def test_ingest_and_apply_from_the_cli(controlled, tmp_path):
+    out = _feedback("ingest", str(controlled["csv"]), "--run", str(controlled["run"]))
+    assert out.returncode == 0 and "router_bias" in out.stdout, out.stderr
+    assert controlled["bias"] and controlled["submitted_at"] < 140
+    sid = next(line.split()[0].lstrip("#") for line in out.stdout.splitlines()
+               if "router_bias" in line and line.startswith("#"))
+    done = _feedback("apply", "--run", str(controlled["run"]), "--suggestion", sid)
+    assert done.returncode == 0 and "queued" in done.stdout, done.stderr
+
+
+def test_the_change_lands_at_a_step_boundary_and_is_logged(controlled):
+    rows = load_controls(controlled["run"])
+    bias = rows[(rows["kind"] == "router_bias") & rows["suggestion"].isin(controlled["bias"])]
+    assert len(bias) == len(controlled["bias"])
+    assert (bias["status"] == "applied").all(), rows[["status", "note"]]
+    assert all(step % 5 == 0 for step in bias["step"])  # a control step (control_every = 5)
+    assert bias.iloc[0]["new"][str(int(bias.iloc[0]["layer"]))]["rate"] == pytest.approx(1e-3)
+    events = load_events(controlled["run"], kind="suggestion_applied")
+    applied = [d for d in events["detail"] if d["status"] == "applied"]
+    assert {d["control"] for d in applied} == set(bias["id"])
+
+
+def test_the_change_moves_routing_toward_balance(controlled):
+    rows = load_controls(controlled["run"])
+    step = int(rows[rows["kind"] == "router_bias"]["step"].min())
+    ex = load_expert_load(controlled["run"])
+    per_step = {s: np.mean([balancedness(g[g["layer"] == layer]["tokens"].to_numpy())
+                            for layer in g["layer"].unique()]) for s, g in ex.groupby("step")}
+    before = np.mean([v for s, v in per_step.items() if s < step])
+    after = np.mean([v for s, v in per_step.items() if s >= step + 10])
+    assert after > 1.2 * before, (before, after)
+
+
+def test_out_of_bounds_and_impossible_changes_are_refused_by_the_trainer(controlled):
+    rows = load_controls(controlled["run"]).set_index("kind")
+    assert rows.loc["aux_loss_coef", "status"] == "refused"
+    assert "aux_loss_coef" in rows.loc["aux_loss_coef", "note"]
+    assert rows.loc["capacity_factor", "status"] == "refused"
+    assert "2 MoE layers" in rows.loc["capacity_factor", "note"]
+    events = load_events(controlled["run"], kind="suggestion_applied")
+    assert sum(d["status"] == "refused" for d in events["detail"]) == 2
+
+
+def test_outcomes_are_measured_and_remembered(controlled):
+    out = _feedback("outcomes", "--run", str(controlled["run"]), "--after", "20")
+    assert out.returncode == 0 and "balancedness" in out.stdout, out.stdout + out.stderr
+    rows = load_controls(controlled["run"])
+    measured = rows.dropna(subset=["outcome"])
+    assert len(measured) >= 1 and measured.iloc[0]["outcome"]["balancedness_gain"] > 0
+    assert (controlled["root"] / "knowledge.sqlite").exists()
+    assert not load_events(controlled["run"], kind="outcome").empty
+
+
+def test_bad_approvals_get_a_clear_error(controlled):
+    run = str(controlled["run"])
+    for args, message in ((["--suggestion", "999999"], "no suggestion 999999"),
+                          (["--suggestion", str(controlled["placement"][0])], "export it")):
+        out = _feedback("apply", "--run", run, *args)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
