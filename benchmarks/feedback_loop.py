@@ -13,6 +13,7 @@ the change, the loss no more than 2 % worse than the baseline's over the same st
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,48 +91,64 @@ def treated_run(root: Path, config: Path, approve_at: int, port: int) -> tuple[l
     return ids, int(rows["step"].min())
 
 
+def one_pair(args: argparse.Namespace, seed: int) -> dict:
+    """A baseline and a treated run of one seed; the figures of the change."""
+    root = Path(tempfile.mkdtemp())
+    config = root / "skewed.toml"
+    config.write_text(CONFIG.format(skew=args.skew, steps=args.steps) + f"seed = {seed}\n")
+    base = start(root, "baseline", config, 9880)
+    base_out = base.communicate()[0]
+    if base.returncode != 0:
+        raise SystemExit(f"baseline failed:\n{base_out[-3000:]}")
+    cids, applied = treated_run(root, config, args.approve_at, 9890)
+    treated, baseline = balance_by_step(root / "treated"), balance_by_step(root / "baseline")
+    h, w = args.horizon, args.horizon // 2  # compare the last half of the horizon with before
+
+    def mean(d: dict[int, float], lo: int, hi: int) -> float:
+        vals = [v for s, v in d.items() if lo <= s < hi]
+        return sum(vals) / len(vals)
+
+    b0, b1 = mean(treated, applied - w, applied), mean(treated, applied + h - w, applied + h)
+    bb = mean(baseline, applied + h - w, applied + h)
+    loss_t = load_steps(root / "treated").groupby("step")["loss"].mean()
+    loss_b = load_steps(root / "baseline").groupby("step")["loss"].mean()
+    window = [s for s in loss_t.index if applied <= s < applied + h]
+    gammas = [round(v[0], 4) for v in controls.load_controls(root / "treated")["payload"]]
+    outcome = settle_outcomes(root / "treated", knowledge_base(root), after=h)
+    return {"seed": seed, "applied": applied, "gammas": gammas, "before": b0, "after": b1,
+            "baseline": bb, "gain": b1 / b0 - 1, "vs_baseline": b1 / bb - 1,
+            "loss_ratio": float(loss_t[window].mean() / loss_b[window].mean()),
+            "kb": [(o["balancedness_before"], o["balancedness_after"],
+                    o["predicted"].get("balancedness_after")) for o in outcome]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=220)
     parser.add_argument("--approve-at", type=int, default=50)
     parser.add_argument("--skew", type=float, default=3.0)
     parser.add_argument("--horizon", type=int, default=100)
+    parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp())
-    config = root / "skewed.toml"
-    config.write_text(CONFIG.format(skew=args.skew, steps=args.steps))
     t0 = time.time()
-    base = start(root, "baseline", config, 9880)
-    base_out = base.communicate()[0]
-    if base.returncode != 0:
-        raise SystemExit(f"baseline failed:\n{base_out[-3000:]}")
-    cids, applied = treated_run(root, config, args.approve_at, 9890)
-    took = time.time() - t0
-    treated, baseline = balance_by_step(root / "treated"), balance_by_step(root / "baseline")
-    before = [v for s, v in treated.items() if applied - 20 <= s < applied]
-    within = [v for s, v in treated.items() if applied + args.horizon - 20 <= s < applied + args.horizon]
-    base_within = [v for s, v in baseline.items()
-                   if applied + args.horizon - 20 <= s < applied + args.horizon]
-    b0, b1, bb = (sum(x) / len(x) for x in (before, within, base_within))
-    loss_t = load_steps(root / "treated").groupby("step")["loss"].mean()
-    loss_b = load_steps(root / "baseline").groupby("step")["loss"].mean()
-    window = [s for s in loss_t.index if applied <= s < applied + args.horizon]
-    loss_ratio = float(loss_t[window].mean() / loss_b[window].mean())
-    outcome = settle_outcomes(root / "treated", knowledge_base(root), after=args.horizon)
+    rows = [one_pair(args, seed) for seed in range(args.seeds)]
     print(f"# feedback loop on a skewed router (skew {args.skew}, 8 experts, top-2, 2 ranks), "
           f"{machine()}")
-    print(f"changes {cids} (router_bias per skewed layer: one-shot correction from the serving "
-          f"load, then γ=1e-3 updates) applied from step {applied}")
-    print(f"balancedness: {b0:.3f} before → {b1:.3f} after {args.horizon} steps "
-          f"({b1 / b0 - 1:+.1%}); baseline at the same steps {bb:.3f} ({b1 / bb - 1:+.1%} vs it)")
-    print(f"loss over the {args.horizon} steps after the change: treated / baseline = "
-          f"{loss_ratio:.4f} ({loss_ratio - 1:+.2%})")
-    for o in outcome:
-        print(f"knowledge base: change #{o['control']} balancedness {o['balancedness_before']} → "
-              f"{o['balancedness_after']} (predicted {o['predicted'].get('balancedness_after')}),"
-              f" success={o['success']}")
-    print(f"target: balancedness +30 % within {args.horizon} steps and loss <= +2 %: "
-          f"{'met' if b1 / b0 - 1 >= 0.30 and loss_ratio <= 1.02 else 'NOT met'}; {took:.0f} s")
+    print("| seed | applied at | γ per layer | balancedness before | after | baseline then | "
+          "gain | vs baseline | loss treated/baseline |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['seed']} | {r['applied']} | {r['gammas']} | {r['before']:.3f} | "
+              f"{r['after']:.3f} | {r['baseline']:.3f} | {r['gain']:+.1%} | "
+              f"{r['vs_baseline']:+.1%} | {r['loss_ratio']:.4f} |")
+    gain = statistics.median(r["gain"] for r in rows)
+    loss = statistics.median(r["loss_ratio"] for r in rows)
+    print(f"\nmedian: balancedness {gain:+.1%} within {args.horizon} steps (mean over its last "
+          f"{args.horizon // 2} steps against the {args.horizon // 2} before), loss x{loss:.4f}; "
+          f"target +30 % and loss <= +2 %: {'met' if gain >= 0.30 and loss <= 1.02 else 'NOT met'}"
+          f" ({time.time() - t0:.0f} s)")
+    print("knowledge base (per change: measured before → after, predicted): "
+          + "; ".join(str(r["kb"]) for r in rows))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ import pandas as pd
 from collector.controls import BOUNDS, ControlChange
 from collector.store import load_expert_load, load_steps
 
-GAMMA = 1e-3  # DeepSeek-V3's bias update speed
+GAMMA = 1e-3  # DeepSeek-V3's bias update speed (per step, over a long pretraining run)
+HORIZON_STEPS = 100  # how soon a suggested bias update should have closed the gap
 HOT, COLD = 1.5, 0.5  # an expert's share against the balanced share 1/E
 MAX_UPLOAD_BYTES = 256 * 2**20
 
@@ -253,6 +254,17 @@ def bias_correction(load: np.ndarray, damping: float = 1.0) -> np.ndarray:
     return np.clip(bias, -BOUNDS.bias_max, BOUNDS.bias_max)
 
 
+def bias_rate(load: np.ndarray, horizon: int = HORIZON_STEPS) -> float:
+    """γ for the sign updates: fast enough that they can move a bias by twice the gap the
+    shares show within `horizon` steps (a share at the top-k cap understates the gap, and the
+    router keeps learning), never below DeepSeek-V3's 1e-3 and never above half the bound.
+    DeepSeek's 1e-3 suits a run of many thousand steps; in 100 it moves a bias by 0.1."""
+    share = np.asarray(load, dtype=float) / max(float(np.sum(load)), 1e-12)
+    share = np.clip(share, 1e-6, None)
+    gap = float(np.abs(np.log(share / share.mean())).max())
+    return float(min(BOUNDS.bias_rate_max / 2, max(GAMMA, round(2 * gap / horizon, 4))))
+
+
 def predicted_balancedness(load: np.ndarray, bias: np.ndarray) -> float:
     """Balancedness after a bias shift, under the same softmax model."""
     return balancedness(np.asarray(load, dtype=float) * np.exp(bias))
@@ -271,16 +283,21 @@ def suggest(diagnoses: list[LayerDiagnosis], serving: ServingLoad, *,
         load = serving.tokens[d.layer]
         bias = bias_correction(load)
         after = predicted_balancedness(load, bias)
+        gamma = bias_rate(load)
         out.append(Suggestion(
-            "router_bias", "training", d.layer, {"gamma": GAMMA, "bias": bias.round(4).tolist()},
+            "router_bias", "training", d.layer, {"gamma": gamma, "bias": bias.round(4).tolist()},
             {"balancedness_before": round(d.serving_balancedness, 3),
              "balancedness_after": round(after, 3)},
             f"layer {d.layer}: experts {d.hot} take {sum(d.shares[e] for e in d.hot):.0%} of "
             f"serving tokens (balanced {len(load) and 1 / len(load):.0%} each); the aux-loss-free "
-            f"bias update (DeepSeek-V3, γ={GAMMA}) shifts routing only, the gates stay, so the "
-            "loss is not pulled by a balancing term",
+            f"bias update (DeepSeek-V3) shifts routing only, the gates stay, so the loss is not "
+            f"pulled by a balancing term; a one-shot correction from the measured shares, then "
+            f"sign updates with γ={gamma:g}" + (
+                "" if gamma == GAMMA else f" (DeepSeek-V3's {GAMMA:g} would take "
+                f"{np.abs(bias).max() / GAMMA:.0f} steps to move the bias as far as the shares "
+                f"say; this closes it within {HORIZON_STEPS})"),
             control={"kind": "router_bias", "layer": d.layer,
-                     "values": [GAMMA, *bias.round(4).tolist()]}))
+                     "values": [gamma, *bias.round(4).tolist()]}))
         coef = float(model.get("aux_loss_coef", 0.01))
         new_coef = min(BOUNDS.aux_loss_coef_max, max(2 * coef, 1e-3))
         out.append(Suggestion(

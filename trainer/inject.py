@@ -2,7 +2,8 @@
 
 Kinds: kill, hang (seconds=), slow (factor=), comm_delay (ms=), nan (module=PATH,
 where=forward|backward: one module's parameter turns Inf in forward, or its input gradient
-NaN in backward; without module= the loss turns NaN), expert_collapse (layer=),
+NaN in backward; without module= the loss turns NaN), expert_collapse (layer=, expert=,
+logit=: 20 collapses routing onto the expert, a few units make it hog, negative starves it),
 memory_leak (mb_per_step=), skip_collective (the rank skips its gradient all-reduces of that
 step, as a rank taking a wrong branch would), collective_mismatch (what=shape|op|dtype|split:
 the rank's first gradient collective of that step disagrees with its peers'; `split` makes
@@ -30,7 +31,7 @@ KINDS = {
     "slow": {"factor": 3.0},
     "comm_delay": {"ms": 50.0},
     "nan": {"module": "", "where": "forward"},
-    "expert_collapse": {"layer": 0.0},
+    "expert_collapse": {"layer": 0.0, "expert": 0.0, "logit": 20.0},
     "memory_leak": {"mb_per_step": 16.0},
     "skip_collective": {},
     "collective_mismatch": {"what": "shape"},
@@ -165,8 +166,10 @@ class Injector:
         collapse = next((i for i in self.collapses if i.step <= step < i.step + i.steps), None)
         for layer, moe in enumerate(getattr(model, "moe_layers", lambda: [])()):
             if collapse is not None and layer == int(collapse.param("layer")):
-                bias = torch.full((len(moe.experts),), -20.0, device=moe.router.gate.weight.device)
-                bias[0] = 20.0  # every token's first choice is expert 0
+                # logit=20 (the default): every token's first choice is `expert` (a collapse);
+                # a few units: it hogs; negative: it starves
+                bias = torch.zeros(len(moe.experts), device=moe.router.gate.weight.device)
+                bias[int(collapse.param("expert")) % len(moe.experts)] = collapse.param("logit")
                 moe.router.logit_bias = bias
             else:
                 moe.router.logit_bias = None

@@ -135,7 +135,7 @@ def test_feedback_upload_suggests_and_approval_queues_a_bounded_change(tmp_path,
     assert at.success and "queued" in at.success[0].value
     change = load_controls(tmp_path / "run").iloc[0]
     assert change["status"] == "pending" and change["kind"] == "router_bias"
-    assert change["payload"][0] == pytest.approx(1e-3) and max(map(abs, change["payload"][1:])) <= 5
+    assert 1e-3 <= change["payload"][0] <= 0.05 and max(map(abs, change["payload"][1:])) <= 5
 
 
 @pytest.mark.parametrize("name,content,message", [

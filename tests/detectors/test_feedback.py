@@ -119,7 +119,8 @@ def test_suggestions_in_practitioners_terms_for_the_skewed_layer_only(tmp_path):
     actions = {s.action: s for s in out}
     assert set(actions) == {"router_bias", "aux_loss_coef", "capacity_factor", "placement"}
     bias = actions["router_bias"]
-    assert bias.params["gamma"] == 1e-3 and bias.params["bias"][0] < 0  # pushes the hog down
+    # γ: at least DeepSeek-V3's 1e-3, sized to close the gap within 100 steps, within bounds
+    assert 1e-3 <= bias.params["gamma"] <= 0.025 and bias.params["bias"][0] < 0
     assert bias.expected["balancedness_after"] > bias.expected["balancedness_before"]
     ControlChange.parse(bias.control)  # within bounds
     assert actions["capacity_factor"].params["to"] >= 2.8
