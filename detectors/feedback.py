@@ -319,6 +319,8 @@ def suggest(diagnoses: list[LayerDiagnosis], serving: ServingLoad, *,
                 f"capacity skip it (memory and compute grow with the factor)",
                 control={"kind": "capacity_factor", "layer": d.layer, "values": [new]}))
         plan = place_experts(load, devices=devices, redundant=max(1, devices // 2))
+        if plan.after <= plan.before + 0.01:  # the default layout is as good: nothing to move
+            continue
         out.append(Suggestion(
             "placement", "serving", d.layer, {"devices": devices, "replicas": plan.replicas,
                                               "device_of_slot": plan.device_of_slot,
