@@ -198,6 +198,35 @@ class RunStore:
             done.set()
 
 
+class StoreError(ValueError):
+    """A file that is not a readable meshscope run store; the message says why."""
+
+
+_REQUIRED = {"steps": ("rank", "step", "step_s"), "events": ("id", "kind", "detail")}
+
+
+def check_store(run_dir: str | Path) -> None:
+    """FileNotFoundError when there is no store, StoreError when the file is not a readable
+    meshscope run store (corrupt, truncated, foreign, empty); reads only."""
+    path = store_path(run_dir)
+    if not path.is_file():
+        raise FileNotFoundError(f"no run store at {path}")
+    try:
+        conn = _connect(path, readonly=True)
+        try:
+            columns = {t: {row[1] for row in conn.execute(f"PRAGMA table_info({t})")}
+                       for t in _REQUIRED}
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as err:
+        raise StoreError(f"{path}: not a readable meshscope run store ({err})") from None
+    for table, needed in _REQUIRED.items():
+        missing = [c for c in needed if c not in columns[table]]
+        if missing:
+            raise StoreError(f"{path}: not a meshscope run store (table {table} lacks "
+                             f"{', '.join(missing)})")
+
+
 def insert_events(run_dir: str | Path, events: list[Event]) -> list[int]:
     """Write events now, outside any RunStore, and return their ids (for writers that link to
     what they wrote: the feedback loop's suggestions)."""

@@ -43,8 +43,9 @@ def load_dump(path: Path) -> dict[str, Any]:
     raw = Path(path).read_bytes()
     try:
         data = json.loads(raw) if raw[:1] in (b"{", b"[") else _PlainData(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, IndexError,
-            UnicodeDecodeError) as err:
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, IndexError, KeyError,
+            AttributeError, OverflowError, MemoryError, RecursionError) as err:
+        # a truncated or hostile pickle fails in many ways; none of them is ours to raise
         raise DumpError(f"{path}: not a Flight Recorder dump ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise DumpError(f"{path}: not a Flight Recorder dump (no 'entries' list)")

@@ -282,6 +282,7 @@ def _detect_run(run: Path, sensitivity: float) -> None:
     from detectors.engine import EngineConfig
     from detectors.live import LiveDetection
 
+    _readable_store(run)
     try:
         steps = load_steps(run)
         config = EngineConfig(sensitivity=sensitivity)
@@ -301,6 +302,18 @@ def _detect_run(run: Path, sensitivity: float) -> None:
                       f"{ep.start_step}-{ep.end_step}", f"{ep.score:.2f}", str(ep.evidence)[:60])
     console.print(table)
     console.print(f"{len(episodes)} anomaly episode(s) written to {store_path(run)}")
+
+
+def _readable_store(run: Path) -> None:
+    """Exit 2 with the reason when `run` holds no readable meshscope run store."""
+    from collector.store import StoreError, check_store
+
+    try:
+        check_store(run)
+    except FileNotFoundError:
+        fail(f"{run}: no run store ({store_path(run).name}) there")
+    except StoreError as err:
+        fail(str(err))
 
 
 @app.command("hang-report")
@@ -326,10 +339,15 @@ def hang_report(
             fail(str(err))
         _print_hang(diag.detail(), f"Flight Recorder dumps in {flight_recorder}")
         return
+    from collector.store import StoreError, check_store
+
     try:
+        check_store(run)
         events = load_events(run, kind="hang")
     except FileNotFoundError:
-        events = None
+        events = None  # no store (yet): the flight logs may still tell
+    except StoreError as err:
+        fail(str(err))
     except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
         fail(f"{store_path(run)}: not a readable meshscope run store ({err})")
     if events is not None and not events.empty:
@@ -367,8 +385,7 @@ def explain(
 
     from detectors.rootcause import explain as rank_causes
 
-    if not store_path(run).exists():
-        fail(f"{run}: no run store ({store_path(run).name}) there")
+    _readable_store(run)
     try:
         causes = rank_causes(run, anomaly)
     except KeyError as err:
@@ -605,8 +622,7 @@ app.add_typer(feedback_app, name="feedback")
 
 
 def _run_dir(run: Path) -> Path:
-    if not store_path(run).exists():
-        fail(f"{run}: no run store ({store_path(run).name}) there")
+    _readable_store(run)
     return run
 
 

@@ -198,7 +198,8 @@ def test_inputs_that_are_not_what_they_claim_exit_2(tmp_path):
         conn.execute("CREATE TABLE foo (x)")
     for run in (noise, foreign):
         result = runner.invoke(app, ["detect", "--run", str(run)])
-        assert result.exit_code == 2 and "not a readable meshscope run store" in result.output
+        assert result.exit_code == 2 and "meshscope run store" in result.output
+        assert "Traceback" not in result.output
     csv = tmp_path / "latin.csv"
     csv.write_bytes(b"time,value\n1,caf\xe9\n")
     result = runner.invoke(app, ["detect", str(csv)])
