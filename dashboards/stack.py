@@ -167,10 +167,34 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
                                  f"its log ends:\n{tail}")
         comps = status(cfg.home)
         if all(c.ready for c in comps):
+            _record_runs_root(cfg.home, cfg.runs_root)
             return comps
         time.sleep(0.1)
     down(cfg.home)
     raise StackError(f"the stack was not ready within {timeout_s:.0f} s; logs in {cfg.home / 'logs'}")
+
+
+def _record_runs_root(home: Path, runs_root: Path) -> None:
+    """Say in each pid file which runs folder this stack's Prometheus watches."""
+    for pid_file in Path(home).glob("*.json"):
+        info = json.loads(pid_file.read_text())
+        info["runs_root"] = str(Path(runs_root).resolve())
+        pid_file.write_text(json.dumps(info))
+
+
+def alerting_for(home: Path, runs_root: Path) -> str | None:
+    """The Alertmanager URL when a stack started from `home` is up and its Prometheus watches
+    `runs_root` (so a run there alerts through it); None otherwise."""
+    try:
+        comps = {c.name: c for c in status(home)}
+        infos = [json.loads(p.read_text()) for p in Path(home).glob("*.json")]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    watched = {i.get("runs_root") for i in infos}
+    if watched != {str(Path(runs_root).resolve())}:
+        return None
+    prom, am = comps.get("prometheus"), comps.get("alertmanager")
+    return am.url if prom and am and prom.ready and am.ready else None
 
 
 def down(home: Path, timeout_s: float = 10.0) -> list[str]:

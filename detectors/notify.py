@@ -123,7 +123,7 @@ class SlackWebhook:
 class Email:
     def __init__(self, host: str, port: int, sender: str, to: list[str], *,
                  username: str | None = None, password: str | None = None,
-                 starttls: bool = False, name: str = "email", timeout_s: float = 5.0) -> None:
+                 starttls: bool = True, name: str = "email", timeout_s: float = 5.0) -> None:
         self.name, self.host, self.port, self.sender, self.to = name, host, port, sender, to
         self.username, self._password, self.starttls = username, password, starttls
         self.timeout_s = timeout_s

@@ -93,6 +93,14 @@ def run(
     view_url: Optional[str] = typer.Option(
         None, "--view-url", help="the root-cause view alerts link to (default "
                                  "http://127.0.0.1:8501)"),
+    alerts: str = typer.Option(
+        "auto", "--alerts", help="auto: through Alertmanager when a `meshscope stack` watches "
+                                 "this runs folder, else from the run itself; alertmanager; "
+                                 "embedded"),
+    smtp_tls: bool = typer.Option(True, "--smtp-tls/--no-smtp-tls",
+                                  help="require STARTTLS for email (as `stack up` does)"),
+    stack_home: Path = typer.Option(Path(".meshscope/stack"), "--stack-home",
+                                    help="where `meshscope stack up` keeps its state"),
 ) -> None:
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
@@ -106,7 +114,8 @@ def run(
             elastic__rdzv_external=True if rdzv_external else None, trace=trace,
             view_url=view_url))
         channels = _alert_channels(slack_webhook_file, email_to, smtp, smtp_from, smtp_user,
-                                   smtp_password_file)  # checked before anything is written
+                                   smtp_password_file, smtp_tls)  # checked before any write
+        channels = _alert_route(alerts, channels, cfg.runs_root, stack_home)
         hang = _hang_config(on_hang, hang_after)
         cfg = launcher.prepare_run(cfg)
     except (ConfigError, DeviceUnavailable, PortInUseError, ValueError) as err:
@@ -131,7 +140,30 @@ def run(
             f"{e.type} ranks={e.ranks} steps {e.start_step}-{e.end_step}" for e in episodes))
 
 
-def _alert_channels(slack_file, email_to, smtp, smtp_from, smtp_user, password_file) -> list:
+def _alert_route(alerts: str, channels: list, runs_root: Path, stack_home: Path) -> list:
+    """One alert path: a run under a stack's Prometheus alerts through its Alertmanager (the
+    AnomalyDetected and HangDetected rules), never also from its own outbox; the channels the
+    run should send to itself otherwise. ValueError naming the flag when it cannot be."""
+    from dashboards.stack import alerting_for
+
+    if alerts not in ("auto", "alertmanager", "embedded"):
+        raise ValueError(f"--alerts {alerts!r}: expected auto, alertmanager or embedded")
+    alertmanager = alerting_for(stack_home, runs_root) if alerts != "embedded" else None
+    if alerts == "alertmanager" and alertmanager is None:
+        raise ValueError(f"--alerts alertmanager: no meshscope stack in {stack_home} watches "
+                         f"{runs_root} (start one: meshscope stack up --runs {runs_root})")
+    if alertmanager is None:
+        return channels
+    console.print(f"  alerts   through Alertmanager at {alertmanager} (its receivers)")
+    if channels:
+        err_console.print("[yellow]warning:[/] --slack-webhook-file/--email-to ignored: this run "
+                          "alerts through Alertmanager, which pages once; --alerts embedded "
+                          "sends from the run instead")
+    return []
+
+
+def _alert_channels(slack_file, email_to, smtp, smtp_from, smtp_user, password_file,
+                    smtp_tls: bool = True) -> list:
     """Alert channels from flags and secrets (files or environment); AlertSettingError (a
     ValueError naming the flag) when one is unusable."""
     from detectors.notify import Email, SlackWebhook, parse_host_port, read_secret
@@ -144,7 +176,8 @@ def _alert_channels(slack_file, email_to, smtp, smtp_from, smtp_user, password_f
         host, port = parse_host_port(smtp, "--smtp")
         channels.append(Email(host, port, smtp_from, email_to.split(","), username=smtp_user,
                               password=read_secret(file=password_file,
-                                                   flag="--smtp-password-file")))
+                                                   flag="--smtp-password-file"),
+                              starttls=smtp_tls))
     return channels
 
 

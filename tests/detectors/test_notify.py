@@ -48,7 +48,8 @@ def test_email_reaches_a_local_smtp_server(tmp_path):
     controller = Controller(Handler(), hostname="127.0.0.1", port=port)
     controller.start()
     try:
-        box = Outbox(tmp_path, [Email("127.0.0.1", port, "meshscope@localhost", ["oncall@localhost"])])
+        box = Outbox(tmp_path, [Email("127.0.0.1", port, "meshscope@localhost", ["oncall@localhost"],
+                                         starttls=False)])
         box.put(Alert.from_anomaly("run-7", DETAIL))
         assert box.deliver() == 1
     finally:

@@ -130,3 +130,20 @@ def test_rank_down_silences_straggler_for_that_rank_only(stack):
     time.sleep(3)  # room for a wrongly delivered third message
     texts = "\n".join(inhib_messages())
     assert "RankDown" in texts and "StragglerRank 0" in texts and "StragglerRank 1" not in texts
+
+
+def test_one_alert_path_a_run_under_the_stack_never_pages_from_its_own_outbox(stack):
+    hook = stack["tmp"] / "slack-webhook"
+    out = meshscope("run", "--config", str(REPO / "tests/data/tiny.toml"), "--run-dir",
+                    str(stack["runs"]), "--run-id", "one-path", "--steps", "3",
+                    "--metrics-port", str(free_port_range(3)), "--stack-home", str(stack["home"]),
+                    "--slack-webhook-file", str(hook), timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"through Alertmanager at {stack['am']}" in out.stdout
+    assert "ignored" in out.stderr and "--alerts embedded" in out.stderr
+    assert not (stack["runs"] / "one-path" / "outbox").exists()
+    refused = meshscope("run", "--config", str(REPO / "tests/data/tiny.toml"), "--run-dir",
+                        str(stack["tmp"] / "elsewhere"), "--alerts", "alertmanager",
+                        "--stack-home", str(stack["home"]))
+    assert refused.returncode == 2 and "no meshscope stack" in refused.stderr
+    assert not (stack["tmp"] / "elsewhere").exists()
