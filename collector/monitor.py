@@ -389,6 +389,7 @@ class Monitor:
         if p.window is not None:
             scalars.update(zip(p.device_keys, p.window.values(p.offset, len(p.device_keys))))
         self._logged_keys = set(scalars)
+        nonfinite = ",".join(sorted(k for k, v in scalars.items() if _is_nonfinite(v)))
         mem = p.memory
         return StepRecord(
             run_id=self.config.run_id, rank=self.env.rank, world_size=self.env.world_size,
@@ -401,7 +402,7 @@ class Monitor:
             loss=scalars.get("loss", math.nan), grad_norm=scalars.get("grad_norm", math.nan),
             tokens=p.tokens, tokens_per_s=p.tokens / step_s if step_s > 0 else 0.0,
             mem_allocated=mem.get("allocated", 0), mem_reserved=mem.get("reserved", 0),
-            mem_rss=mem.get("rss", 0))
+            mem_rss=mem.get("rss", 0), nonfinite=nonfinite)
 
     def _comm_seconds(self, p: _Pending) -> tuple[float, float]:
         """(communication in flight, communication the step waited for after compute).
@@ -469,3 +470,11 @@ class Monitor:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _is_nonfinite(value: Any) -> bool:
+    """A logged scalar (already on the host) that is NaN or Inf."""
+    try:
+        return not math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False

@@ -40,12 +40,31 @@ class StepRecord:
     mem_allocated: int = 0
     mem_reserved: int = 0
     mem_rss: int = 0
+    nonfinite: str = ""
+    """Logged scalars that were NaN or Inf, comma-separated. The store keeps a NaN as NULL,
+    like a value never logged: this says which it was (an unlogged loss is not a NaN loss)."""
 
     def as_row(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 STEP_COLUMNS = tuple(f.name for f in dataclasses.fields(StepRecord))
+
+
+def nonfinite_mask(steps: Any, name: str = "loss") -> Any:
+    """Rows of a steps DataFrame whose logged `name` was NaN/Inf (never: not logged). A store
+    from before the `nonfinite` column: a missing value counts only on a rank that logged
+    `name` at all in these rows."""
+    import numpy as np
+
+    values = steps[name].to_numpy(dtype=float)
+    if "nonfinite" in steps.columns:
+        said = steps["nonfinite"].fillna("").astype(str).str.contains(
+            rf"(?:^|,){name}(?:,|$)", regex=True).to_numpy()
+        return said | np.isinf(values)
+    finite = np.isfinite(values)
+    logged = steps.assign(_f=finite).groupby("rank")["_f"].transform("any").to_numpy()
+    return ~finite & logged
 
 
 @dataclass(slots=True, kw_only=True)

@@ -20,7 +20,8 @@ from collector.schema import STEP_COLUMNS, Event, StepRecord
 
 STORE_NAME = "store.sqlite"
 
-_STEP_TYPES = {"run_id": "TEXT", "rank": "INTEGER", "world_size": "INTEGER", "step": "INTEGER"}
+_STEP_TYPES = {"run_id": "TEXT", "rank": "INTEGER", "world_size": "INTEGER", "step": "INTEGER",
+               "nonfinite": "TEXT"}
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS steps (
   {", ".join(f"{c} {_STEP_TYPES.get(c, 'REAL')}" for c in STEP_COLUMNS)},
@@ -83,12 +84,23 @@ def open_store(run_dir: str | Path) -> sqlite3.Connection:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(_SCHEMA)
+            _migrate(conn)
             return conn
         except sqlite3.OperationalError as err:  # another rank holds the lock while creating
             if "locked" not in str(err) or attempt == 49:
                 raise
             time.sleep(0.05)
     return conn
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Columns added since a store was created (a run resumed by a newer meshscope)."""
+    have = {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
+    for column in STEP_COLUMNS:
+        if column not in have:
+            kind = _STEP_TYPES.get(column, "REAL")
+            default = "''" if kind == "TEXT" else "NULL"
+            conn.execute(f"ALTER TABLE steps ADD COLUMN {column} {kind} DEFAULT {default}")
 
 
 class RunStore:

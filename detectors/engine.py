@@ -31,6 +31,7 @@ class _Row:
     loss: np.ndarray
     rss: np.ndarray
     ranks: list[int]
+    loss_bad: np.ndarray | None = None  # 1 where a logged loss was NaN/Inf (not: unlogged)
 
     def col(self, name: str) -> np.ndarray:
         return self.feats[:, [COLUMN[name]]]
@@ -134,7 +135,7 @@ class DetectionEngine:
     def _step(self, view: StepView) -> None:
         row = _Row(self.featurizer.row(view).reshape(1, -1), view.compute_s.reshape(1, -1),
                    view.cols["loss"].reshape(1, -1), view.cols["mem_rss"].reshape(1, -1),
-                   [int(r) for r in view.ranks])
+                   [int(r) for r in view.ranks], view.cols["loss_bad"].reshape(1, -1))
         if row.ranks != self._ranks:  # elastic shrink or grow: per-rank baselines start over
             self._ranks, self._fitted, self._warm = row.ranks, False, []
         if not self._fitted:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from collector.schema import nonfinite_mask
+
 STEP_FEATURES = [
     "step_s", "step_spread", "compute_spread", "comm_ratio", "comm_ratio_max", "wire_bytes",
     "loss", "loss_delta", "grad_norm", "tokens_per_s", "mem_rss", "mem_slope",
@@ -52,6 +54,7 @@ def step_views(steps: pd.DataFrame, after: int = -1) -> Iterator[StepView]:
     step, rank = step[order], rank[order]
     world = steps["world_size"].to_numpy()[order]
     cols = {c: steps[c].to_numpy(dtype=float)[order] for c in _PER_RANK}
+    cols["loss_bad"] = nonfinite_mask(steps, "loss").astype(float)[order]
     uniq, first, counts = np.unique(step, return_index=True, return_counts=True)
     for s, a, n in zip(uniq, first, counts):
         if n == world[a]:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from collector.schema import nonfinite_mask
 from collector.store import load_events, load_expert_load, load_steps
 from detectors.engine import DetectionEngine
 from detectors.live import run_top_k
@@ -435,7 +436,7 @@ def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
 
 def _nonfinite_from_steps(facts: RunFacts, w: Window) -> list[Cause]:
     win = w.of(facts.steps)
-    bad = win[~np.isfinite(win["loss"].to_numpy(float)) & win["loss"].notna()]
+    bad = win[nonfinite_mask(win, "loss")] if len(win) else win
     if bad.empty:
         return []
     step = int(bad["step"].min())

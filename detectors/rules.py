@@ -120,7 +120,9 @@ class NonFiniteRule:
         self.detector.fit(warm.loss)
 
     def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
-        bad = self.detector.culprits(row.loss)[0]
+        # a loss that was never logged is absent, not NaN: only logged NaN/Inf count
+        marked = row.loss if row.loss_bad is None else np.where(row.loss_bad > 0, np.nan, 0.0)
+        bad = self.detector.culprits(marked)[0]
         if not bad:
             return []
         return [Flag("nan", 1.0, ranks=[row.ranks[i] for i in bad],

@@ -108,3 +108,26 @@ def test_busy_port_is_a_clear_error(tmp_path):
 def test_bad_monitor_config_names_the_field(tmp_path):
     with pytest.raises(ValueError, match="expert_every"):
         MonitorConfig(run_dir=tmp_path, expert_every=0)
+
+
+@pytest.mark.parametrize("log_loss,expect_nan", [(None, False), (float("nan"), True),
+                                                 (float("inf"), True), (1.0, False)])
+def test_a_loss_never_logged_is_absent_not_nan(tmp_path, log_loss, expect_nan):
+    """A Monitor user who never calls s.log(loss=...) gets no `nan` anomaly; a logged NaN or
+    Inf does (the store keeps NaN as NULL either way: the `nonfinite` column tells them apart)."""
+    from collector.store import load_steps
+    from detectors.engine import DetectionEngine
+
+    mon = make_monitor(tmp_path)
+    for step in range(40):
+        with mon.step(tokens=8) as s:
+            if log_loss is not None:
+                s.log(loss=log_loss if step >= 30 else 1.0)
+    mon.close()
+    steps = load_steps(tmp_path / "run")
+    assert steps["loss"].isna().all() if log_loss is None else True
+    found = []
+    engine = DetectionEngine(on_close=found.append)
+    engine.process(steps, None)
+    engine.finish()
+    assert any(e.type == "nan" for e in found) == expect_nan, [e.type for e in found]

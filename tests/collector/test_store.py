@@ -87,3 +87,17 @@ def test_a_store_being_created_reads_as_not_there_yet(tmp_path):
     sqlite3.connect(tmp_path / "store.sqlite").close()  # a rank opened it, no schema yet
     with pytest.raises(FileNotFoundError, match="being created"):
         load_steps(tmp_path)
+
+
+def test_nonfinite_mask_tells_unlogged_from_nan_with_and_without_the_column():
+    import numpy as np
+    import pandas as pd
+
+    from collector.schema import nonfinite_mask
+
+    new = pd.DataFrame({"rank": [0, 0, 1, 1], "loss": [np.nan, np.nan, np.nan, np.inf],
+                        "nonfinite": ["", "loss", None, "grad_norm,loss"]})
+    assert nonfinite_mask(new).tolist() == [False, True, False, True]
+    # a store from before the column: NaN counts only on a rank that logged a loss at all
+    old = pd.DataFrame({"rank": [0, 0, 1, 1], "loss": [1.0, np.nan, np.nan, np.nan]})
+    assert nonfinite_mask(old).tolist() == [False, True, False, False]
