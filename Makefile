@@ -22,6 +22,7 @@ system-deps:
 	scripts/install-system-deps.sh
 
 test: $(STAMP) system-deps
+	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP) system-deps

@@ -22,10 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, machine
-
 import numpy as np
 import pandas as pd
+from _common import REPO, machine
 from sklearn.ensemble import IsolationForest
 
 from collector.store import load_events, load_expert_load, load_steps

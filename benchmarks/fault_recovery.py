@@ -96,7 +96,8 @@ def main() -> None:
                     help="auto | gloo (two ranks on one accelerator need gloo)")
     args = ap.parse_args()
     print(f"machine: {machine()}")
-    print(f"2 ranks on {args.device} ({args.backend}), tiny MoE, checkpoint every {args.checkpoint_every} steps, "
+    print(f"2 ranks on {args.device} ({args.backend}), tiny MoE, "
+          f"checkpoint every {args.checkpoint_every} steps, "
           f"{args.kills} kills of rank 1 each")
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("plain", "warm"):

@@ -33,10 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, machine
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _common import REPO, machine
 from prometheus_client import CollectorRegistry  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402

@@ -31,10 +31,10 @@ def bench(rank: int, world_size: int, blocks: int, block_steps: int, run_dir: st
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from collector.flightlog import FlightLog, allreduce_hook
+    from tracer.trace import TensorTracer, TracerConfig
     from trainer.config import ModelConfig
     from trainer.data import SyntheticTokens
     from trainer.model import MoELM
-    from tracer.trace import TensorTracer, TracerConfig
 
     cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8,
                       top_k=2)
@@ -94,9 +94,9 @@ def nonfinite_cost_us(calls: int = 3000) -> float:
     """CPU time of the nonfinite tracer's per-step work (no hooks: RNG state, two scalars)."""
     import torch
 
+    from tracer.trace import TensorTracer, TracerConfig
     from trainer.config import ModelConfig
     from trainer.model import MoELM
-    from tracer.trace import TensorTracer, TracerConfig
 
     tracer = TensorTracer(MoELM(ModelConfig()), TracerConfig(mode="nonfinite"))
     loss, norm = torch.tensor(2.0), torch.tensor(1.0)

@@ -18,9 +18,8 @@ import argparse
 import threading
 import time
 
-from _common import machine
-
 import torch.distributed as dist
+from _common import machine
 
 from tests.helpers.ports import free_port_range
 from trainer.heartbeat import JobWatch, NodeWatch, connect_store, hb_key

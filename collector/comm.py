@@ -33,12 +33,12 @@ def allgather_sent_bytes(own_chunk: int, world_size: int) -> int:
     return max(0, world_size - 1) * own_chunk
 
 
-def bucket_bytes(bucket: "dist.GradBucket") -> int:
+def bucket_bytes(bucket: dist.GradBucket) -> int:
     buf = bucket.buffer()
     return buf.numel() * buf.element_size()
 
 
-def allreduce_wire_bytes(state: Any, bucket: "dist.GradBucket", world_size: int) -> int:
+def allreduce_wire_bytes(state: Any, bucket: dist.GradBucket, world_size: int) -> int:
     """Wire bytes of the plain all-reduce hook: the whole fp32 bucket, ring all-reduced."""
     return allreduce_sent_bytes(bucket_bytes(bucket), world_size)
 
@@ -109,7 +109,7 @@ class CommMeter:
 def instrument_hook(hook: Hook, meter: CommMeter, wire_bytes: WireBytes, world_size: int) -> Hook:
     """Wrap a DDP comm hook: bytes counted every step, each bucket timed on sampled steps."""
 
-    def timed_hook(state: Any, bucket: "dist.GradBucket") -> torch.futures.Future:
+    def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
         raw, wire = bucket_bytes(bucket), wire_bytes(state, bucket, world_size)
         if not meter.sampling:
             meter.count(raw, wire)

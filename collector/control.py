@@ -48,7 +48,7 @@ class ControlPlane:
         self.host_group = dist.new_group(backend="gloo")
 
     @classmethod
-    def maybe(cls) -> "ControlPlane | None":
+    def maybe(cls) -> ControlPlane | None:
         """A plane over the default group when torch.distributed is up, else None (one rank)."""
         if dist.is_available() and dist.is_initialized():
             return cls()

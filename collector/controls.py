@@ -54,7 +54,7 @@ class ControlChange(BaseModel):
     values: list[float] = Field(min_length=1, max_length=4096)
 
     @model_validator(mode="after")
-    def _within_bounds(self) -> "ControlChange":
+    def _within_bounds(self) -> ControlChange:
         self.check(BOUNDS)
         return self
 
@@ -82,7 +82,7 @@ class ControlChange(BaseModel):
                              f"[{bounds.capacity_factor_min}, {bounds.capacity_factor_max}]")
 
     @classmethod
-    def parse(cls, data: dict[str, Any]) -> "ControlChange":
+    def parse(cls, data: dict[str, Any]) -> ControlChange:
         """Validate; ControlError naming the field otherwise."""
         try:
             return cls(**data)

@@ -26,7 +26,7 @@ class DistEnv:
     """MASTER_PORT is the agent's store, which outlives restarts (else rank 0 hosts a fresh one)."""
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
         env = os.environ if environ is None else environ
 
         def num(name: str, default: int) -> int:

@@ -155,7 +155,7 @@ def call_site(frame: Any) -> str:
 class FlightLog:
     """One rank's ring of collective records in a memory-mapped file (see the module doc)."""
 
-    _active: "FlightLog | None" = None
+    _active: FlightLog | None = None
     _originals: dict[str, Callable[..., Any]] = {}
 
     def __init__(self, folder: Path, *, rank: int, world_size: int, capacity: int = 2048,
@@ -261,7 +261,7 @@ class FlightLog:
         struct.pack_into("<d", self._map, _STEP_S_OFFSET, self._step_s)
 
     # --- wrapping torch.distributed ---------------------------------------------------------
-    def install(self) -> "FlightLog":
+    def install(self) -> FlightLog:
         """Make this the process's flight log and wrap torch.distributed's collectives once."""
         FlightLog._active = self
         for name, spec in OPS.items():
@@ -281,7 +281,7 @@ class FlightLog:
         cls._active = None
 
     # --- the watchdog's side -----------------------------------------------------------------
-    def start_responder(self, poll_s: float = 0.2) -> "FlightLog":
+    def start_responder(self, poll_s: float = 0.2) -> FlightLog:
         """Answer stack requests from the watchdog; write a crash's stacks with faulthandler."""
         self._crash_file = open(self.path.with_suffix(".crash"), "w")
         self._faulthandler_was_on = faulthandler.is_enabled()

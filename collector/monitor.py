@@ -20,14 +20,23 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from collector import readback
-from collector.comm import (BackwardWatch, CommMeter, CommWindow, DDPRuntimeStats, Hook,
-                             WireBytes, allreduce_sent_bytes, allreduce_wire_bytes,
-                             ddp_gradient_bytes, instrument_hook)
+from collector.comm import (
+    BackwardWatch,
+    CommMeter,
+    CommWindow,
+    DDPRuntimeStats,
+    Hook,
+    WireBytes,
+    allreduce_sent_bytes,
+    allreduce_wire_bytes,
+    ddp_gradient_bytes,
+    instrument_hook,
+)
 from collector.control import ControlPlane
 from collector.env import DistEnv
+from collector.exporter import port_for, serve_metrics, write_targets
 from collector.flightlog import FlightLog
 from collector.flightlog import allreduce_hook as flight_allreduce_hook
-from collector.exporter import port_for, serve_metrics, write_targets
 from collector.metrics import MeshscopeMetrics
 from collector.moe import find_moe_layers
 from collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
@@ -112,7 +121,7 @@ class _Phase:
 
     __slots__ = ("scope", "name", "start")
 
-    def __init__(self, scope: "StepScope", name: str) -> None:
+    def __init__(self, scope: StepScope, name: str) -> None:
         self.scope, self.name = scope, name
 
     def __enter__(self) -> None:
@@ -130,7 +139,7 @@ class StepScope:
         self.phases: dict[str, tuple[Any, Any]] = {}
         self.scalars: dict[str, Any] = {}
 
-    def phase(self, name: str) -> "_Phase":
+    def phase(self, name: str) -> _Phase:
         """`with s.phase("forward"): ...` times a named part of the step."""
         return _Phase(self, name)
 
@@ -145,7 +154,7 @@ class _Step:
 
     __slots__ = ("mon", "tokens", "step", "scope", "wall", "start")
 
-    def __init__(self, mon: "Monitor", tokens: int, step: int | None) -> None:
+    def __init__(self, mon: Monitor, tokens: int, step: int | None) -> None:
         self.mon, self.tokens, self.step = mon, tokens, step
 
     def __enter__(self) -> StepScope:
@@ -204,7 +213,7 @@ class Monitor:
             self._start_exporter()
 
     @classmethod
-    def from_env(cls, run_dir: str | Path, **kwargs: Any) -> "Monitor":
+    def from_env(cls, run_dir: str | Path, **kwargs: Any) -> Monitor:
         """Build a Monitor for this torchrun worker; keyword arguments go to MonitorConfig,
         except `probe`, `registry` and `store`."""
         extra = {k: kwargs.pop(k) for k in ("probe", "registry", "store", "control") if k in kwargs}
@@ -272,7 +281,7 @@ class Monitor:
             acc.add_(module.expert_token_counts.detach())
 
     # --- the step -------------------------------------------------------------------------
-    def step(self, tokens: int = 0, step: int | None = None) -> "_Step":
+    def step(self, tokens: int = 0, step: int | None = None) -> _Step:
         """`with mon.step(tokens=n) as s:` measures one training step; `step` defaults to the
         previous one plus one."""
         return _Step(self, tokens, step)
@@ -465,7 +474,7 @@ class Monitor:
             server.shutdown()
             server.server_close()
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import bargauge, dashboard, heatmap, prometheus, stat
-from grafana_foundation_sdk.builders import timeseries
+from grafana_foundation_sdk.builders import bargauge, dashboard, heatmap, prometheus, stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import HeatmapCellLayout
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from collector.exporter import TARGETS_INDEX
 from dashboards.alertmanager import AlertRouting, write_alertmanager_config
 from dashboards.prometheus import RULES, write_prometheus_config

@@ -139,7 +139,7 @@ class NonFinite(Detector):
     def __init__(self) -> None:
         self.threshold = 0.5
 
-    def fit(self, X, y=None) -> "NonFinite":
+    def fit(self, X, y=None) -> NonFinite:
         self.n_features_ = as_matrix(X).shape[1]
         return self
 

@@ -17,9 +17,22 @@ import pandas as pd
 
 from detectors.episodes import Episode, EpisodeTracker
 from detectors.features import COLUMN, StepFeaturizer, StepView, step_views
-from detectors.rules import (MULTIVARIATE, CommRule, ExpertRule, Flag, GradientRule,
-                             LossSpikeRule, MemoryRule, MultivariateRule, NonFiniteRule,
-                             StallRule, StepRule, StragglerRule, Verdict, WindowRule)
+from detectors.rules import (
+    MULTIVARIATE,
+    CommRule,
+    ExpertRule,
+    Flag,
+    GradientRule,
+    LossSpikeRule,
+    MemoryRule,
+    MultivariateRule,
+    NonFiniteRule,
+    StallRule,
+    StepRule,
+    StragglerRule,
+    Verdict,
+    WindowRule,
+)
 
 
 @dataclass
@@ -157,7 +170,7 @@ class DetectionEngine:
             rule.learn(warm)
         self._fitted = True
 
-    def _judge(self, step: int, row: "_Row", rules: list[StepRule]) -> bool:
+    def _judge(self, step: int, row: _Row, rules: list[StepRule]) -> bool:
         """Ask the rules in order; returns whether the step was normal."""
         verdict = Verdict()
         for rule in rules:

@@ -272,7 +272,7 @@ def predicted_balancedness(load: np.ndarray, bias: np.ndarray) -> float:
 
 def suggest(diagnoses: list[LayerDiagnosis], serving: ServingLoad, *,
             model: dict[str, Any] | None = None, devices: int = 8,
-            kb: "KnowledgeBase | None" = None, skew_below: float = 0.8) -> list[Suggestion]:
+            kb: KnowledgeBase | None = None, skew_below: float = 0.8) -> list[Suggestion]:
     """Suggestions for the layers whose serving load is skewed, ranked by expected gain and by
     how such suggestions worked before."""
     model = model or {}

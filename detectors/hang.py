@@ -34,8 +34,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.flightlog import (REQUEST_FILE, FlightLogError, FlightRecord, FlightTail,
-                                 latest_logs, read_flight)
+from collector.flightlog import (
+    REQUEST_FILE,
+    FlightLogError,
+    FlightRecord,
+    FlightTail,
+    latest_logs,
+    read_flight,
+)
 
 log = logging.getLogger("meshscope.hang")
 ALL_TO_ALL = ("all_to_all", "all_to_all_single")
@@ -402,7 +408,8 @@ def _diagnose(tails: dict[int, FlightTail], world: int, alive: dict[int, bool],
         places = "; ".join(f"rank {r} is {_where(tails.get(r), stacks.get(r))}" for r in absent)
         return Diagnosis(kind, absent, waiting,
                          f"{_ranks(absent)} never entered {op} #{seq} on group {group} that "
-                         f"{_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in ({places})", op=op, seq=seq, group=group)
+                         f"{_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in "
+                         f"({places})", op=op, seq=seq, group=group)
     return Diagnosis("stuck", [], waiting,
                      f"every rank of group {group} entered {op} #{seq} and it does not "
                      "complete: the transport or a device is at fault, not a rank's code",
@@ -540,7 +547,7 @@ class HangWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-hang", daemon=True)
 
-    def start(self) -> "HangWatch":
+    def start(self) -> HangWatch:
         """Poll on a thread of its own until `stop()`."""
         self._thread.start()
         return self

@@ -74,7 +74,7 @@ class OnlineIsolationForest(Detector):
         self.min_scale = min_scale
         self.random_state = random_state
 
-    def fit(self, X, y=None) -> "OnlineIsolationForest":
+    def fit(self, X, y=None) -> OnlineIsolationForest:
         X = np.nan_to_num(as_matrix(X))[-self.window:]
         self.center_ = np.median(X, axis=0)
         iqr = np.subtract(*np.percentile(X, [75, 25], axis=0))
@@ -105,7 +105,7 @@ class OnlineIsolationForest(Detector):
         beyond = np.maximum(np.abs(scaled).max(axis=1) - 8.0, 0.0)
         return self.packed_.score_samples(scaled) - 0.1 * beyond
 
-    def partial_fit(self, X, y=None) -> "OnlineIsolationForest":
+    def partial_fit(self, X, y=None) -> OnlineIsolationForest:
         """Add rows judged normal; refit every `refit_every` rows on the last `window`."""
         self.buffer_ = np.vstack([self.buffer_, np.nan_to_num(as_matrix(X))])[-self.window:]
         self.since_fit_ += len(as_matrix(X))

@@ -21,7 +21,6 @@ from detectors.episodes import Episode
 from detectors.hang import Diagnosis, HangConfig, HangWatch, NodeExchange, pid_alive
 from detectors.notify import Alert, Outbox
 
-
 log = logging.getLogger("meshscope.detect")
 
 
@@ -66,7 +65,7 @@ class LiveDetection:
         self.hang = HangWatch(self.run_dir / "live", hang, on_hang=self._hung,
                               leader=self._leader, exchange=exchange) if hang is not None else None
 
-    def start(self) -> "LiveDetection":
+    def start(self) -> LiveDetection:
         self._thread.start()
         if self.hang is not None:
             self.hang.start()

@@ -45,13 +45,13 @@ class EWMA(Detector):
         self.threshold = threshold
         self.min_std = min_std
 
-    def fit(self, X, y=None) -> "EWMA":
+    def fit(self, X, y=None) -> EWMA:
         X = as_matrix(X)
         self.mean_ = np.nanmean(X, axis=0)
         self.var_ = np.nanvar(X, axis=0)
         return self.partial_fit(X)
 
-    def partial_fit(self, X, y=None) -> "EWMA":
+    def partial_fit(self, X, y=None) -> EWMA:
         for row in as_matrix(X):
             ok = np.isfinite(row)
             diff = np.where(ok, row - self.mean_, 0.0)

@@ -65,7 +65,7 @@ class Alert:
     key: str
 
     @classmethod
-    def from_anomaly(cls, run_id: str, detail: dict[str, Any], link: str = "") -> "Alert":
+    def from_anomaly(cls, run_id: str, detail: dict[str, Any], link: str = "") -> Alert:
         where = ", ".join(f"{k}={detail[k]}" for k in ("ranks", "layer", "expert") if k in detail)
         facts = {"run": run_id, **{k: detail[k] for k in ("type", "ranks", "layer", "expert",
                                                           "score", "start_step", "end_step")
@@ -79,7 +79,7 @@ class Alert:
                    key=hashlib.sha1(ident.encode()).hexdigest()[:16])
 
     @classmethod
-    def from_hang(cls, run_id: str, detail: dict[str, Any], link: str = "") -> "Alert":
+    def from_hang(cls, run_id: str, detail: dict[str, Any], link: str = "") -> Alert:
         """A hang or broken collective: who is to blame, in which collective, and why."""
         facts = {"run": run_id, **{k: detail[k] for k in ("type", "culprit_ranks", "op", "seq",
                                                           "group", "waiting_ranks", "why")

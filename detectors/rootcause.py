@@ -13,9 +13,10 @@ Pure reading: the store is opened read-only, nothing is written.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -82,7 +83,7 @@ class Anomaly:
     severity: str = "warning"
 
     @classmethod
-    def from_event(cls, row: Any) -> "Anomaly":
+    def from_event(cls, row: Any) -> Anomaly:
         """From a row of `load_events(run, "anomaly")`."""
         d = row["detail"]
         return cls(int(row["id"]), d.get("type", "?"), list(d.get("ranks") or []),
@@ -103,7 +104,7 @@ class RunFacts:
     anomalies: list[Anomaly]
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "RunFacts":
+    def load(cls, run_dir: str | Path) -> RunFacts:
         """Read the store; when no detector judged the run live, replay the detectors."""
         run_dir = Path(run_dir)
         steps, events, experts = load_steps(run_dir), load_events(run_dir), load_expert_load(run_dir)

@@ -5,7 +5,7 @@ import math
 import socket
 import sqlite3
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pandas as pd
 import typer
@@ -53,44 +53,44 @@ def main() -> None:
 
 @app.command()
 def run(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file"),
-    steps: Optional[int] = typer.Option(None, help="optimizer steps"),
-    nproc: Optional[int] = typer.Option(None, help="worker processes (default 4)"),
-    compression: Optional[str] = typer.Option(None, help="none | fp16 | powersgd | onebit"),
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML config file"),
+    steps: int | None = typer.Option(None, help="optimizer steps"),
+    nproc: int | None = typer.Option(None, help="worker processes (default 4)"),
+    compression: str | None = typer.Option(None, help="none | fp16 | powersgd | onebit"),
     no_overlap: bool = typer.Option(False, "--no-overlap", help="all-reduce after backward"),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | npu"),
-    backend: Optional[str] = typer.Option(
+    device: str | None = typer.Option(None, help="auto | cpu | cuda | npu"),
+    backend: str | None = typer.Option(
         None, help="auto | gloo | nccl | hccl (auto = the device's; gloo shares one device)"),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="runs are created under this folder"),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="name of the run (default: timestamp)"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="base port; rank r = base + r"),
-    linger: Optional[float] = typer.Option(None, help="keep /metrics up N s after the last step"),
-    inject: Optional[list[str]] = typer.Option(
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="runs are created under this folder"),
+    run_id: str | None = typer.Option(None, "--run-id", help="name of the run (default: timestamp)"),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", help="base port; rank r = base + r"),
+    linger: float | None = typer.Option(None, help="keep /metrics up N s after the last step"),
+    inject: list[str] | None = typer.Option(
         None, help="fault to inject, repeatable: KIND@step=S,rank=R[,steps=N][,k=v]"),
-    checkpoint_every: Optional[int] = typer.Option(None, help="checkpoint every N steps"),
-    max_restarts: Optional[int] = typer.Option(None, help="torchrun restarts after a failure"),
-    nnodes: Optional[str] = typer.Option(None, help="agents MIN[:MAX] (elastic membership)"),
-    rdzv_endpoint: Optional[str] = typer.Option(None, help="c10d rendezvous host:port"),
+    checkpoint_every: int | None = typer.Option(None, help="checkpoint every N steps"),
+    max_restarts: int | None = typer.Option(None, help="torchrun restarts after a failure"),
+    nnodes: str | None = typer.Option(None, help="agents MIN[:MAX] (elastic membership)"),
+    rdzv_endpoint: str | None = typer.Option(None, help="c10d rendezvous host:port"),
     rdzv_external: bool = typer.Option(False, "--rdzv-external",
                                        help="the rendezvous store runs apart (meshscope rendezvous)"),
-    slack_webhook_file: Optional[Path] = typer.Option(
+    slack_webhook_file: Path | None = typer.Option(
         None, help="file holding a Slack incoming-webhook URL (or env MESHSCOPE_SLACK_WEBHOOK)"),
-    email_to: Optional[str] = typer.Option(None, help="alert recipients, a@x,b@y"),
+    email_to: str | None = typer.Option(None, help="alert recipients, a@x,b@y"),
     smtp: str = typer.Option("127.0.0.1:25", help="SMTP host:port for email alerts"),
     smtp_from: str = typer.Option("meshscope@localhost", help="sender of email alerts"),
-    smtp_user: Optional[str] = typer.Option(None, help="SMTP login"),
-    smtp_password_file: Optional[Path] = typer.Option(None, help="file holding the SMTP password"),
+    smtp_user: str | None = typer.Option(None, help="SMTP login"),
+    smtp_password_file: Path | None = typer.Option(None, help="file holding the SMTP password"),
     on_hang: str = typer.Option(
         "report", "--on-hang", help="report: a hang event and alert naming the culprit; abort: "
                                     "also kill the workers so torchrun restarts them from the "
                                     "last checkpoint"),
-    trace: Optional[str] = typer.Option(
+    trace: str | None = typer.Option(
         None, help="tensor tracer: off | nonfinite (default: first non-finite module) | stats "
                    "(+ per-module statistics) | full (+ snapshots)"),
-    hang_after: Optional[float] = typer.Option(
+    hang_after: float | None = typer.Option(
         None, "--hang-after", help="seconds without progress before a stall is a hang (at "
                                    "least; slow steps raise it; default 3)"),
-    view_url: Optional[str] = typer.Option(
+    view_url: str | None = typer.Option(
         None, "--view-url", help="the root-cause view alerts link to (default "
                                  "http://127.0.0.1:8501)"),
     alerts: str = typer.Option(
@@ -181,7 +181,7 @@ def _alert_channels(slack_file, email_to, smtp, smtp_from, smtp_user, password_f
     return channels
 
 
-def _hang_config(on_hang: str, hang_after: Optional[float]):
+def _hang_config(on_hang: str, hang_after: float | None):
     """The hang watchdog's settings from the flags; ValueError naming the flag otherwise."""
     from detectors.hang import HangConfig
 
@@ -266,7 +266,8 @@ def _print_summary(cfg: RunConfig) -> None:
         ("comm ratio (exposed)", f"{s['comm_ratio_mean']:.1%}"),
         ("compression ratio (raw / wire)", _compression_cell(s)),
         ("loss first -> last", f"{s['loss_first']:.3f} -> {s['loss_last']:.3f}"),
-        ("expert imbalance max / mean", f"{s['expert_imbalance_max']:.2f} / {s['expert_imbalance_mean']:.2f}"),
+        ("expert imbalance max / mean",
+         f"{s['expert_imbalance_max']:.2f} / {s['expert_imbalance_mean']:.2f}"),
         ("injected / faults / restarts / resumes", " / ".join(
             str(int(kinds.get(k, 0))) for k in ("injected", "fault", "restart", "resume"))),
     ]
@@ -278,12 +279,12 @@ def _print_summary(cfg: RunConfig) -> None:
 
 @app.command()
 def detect(
-    csv: Optional[Path] = typer.Argument(None, help="a CSV time series to score"),
-    run: Optional[Path] = typer.Option(None, "--run", help="a run directory to judge"),
+    csv: Path | None = typer.Argument(None, help="a CSV time series to score"),
+    run: Path | None = typer.Option(None, "--run", help="a run directory to judge"),
     time_column: str = typer.Option("time", "--time-column", help="CSV: the time column"),
-    value_columns: Optional[str] = typer.Option(None, "--value-columns",
+    value_columns: str | None = typer.Option(None, "--value-columns",
                                                 help="CSV: columns to score, A,B (default: all)"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="CSV: where to write"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="CSV: where to write"),
     sensitivity: float = typer.Option(1.0, help="> 1 flags more, < 1 flags less"),
 ) -> None:
     """Judge a run (anomaly events into its store) or score a CSV (anomaly_score, is_anomaly)."""
@@ -295,8 +296,8 @@ def detect(
         _detect_run(run, sensitivity)
 
 
-def _detect_csv(path: Path, time_column: str, value_columns: Optional[str],
-                output: Optional[Path], sensitivity: float) -> None:
+def _detect_csv(path: Path, time_column: str, value_columns: str | None,
+                output: Path | None, sensitivity: float) -> None:
     from detectors.series import SeriesError, read_series, score_frame
 
     try:
@@ -351,11 +352,11 @@ def _readable_store(run: Path) -> None:
 
 @app.command("hang-report")
 def hang_report(
-    run: Optional[Path] = typer.Option(None, "--run", help="a meshscope run directory"),
-    flight_recorder: Optional[Path] = typer.Option(
+    run: Path | None = typer.Option(None, "--run", help="a meshscope run directory"),
+    flight_recorder: Path | None = typer.Option(
         None, "--flight-recorder", help="a folder of PyTorch Flight Recorder dumps "
                                         "(<prefix><rank>) of a job that did not run meshscope"),
-    prefix: Optional[str] = typer.Option(None, help="Flight Recorder dump names: <prefix><rank>"),
+    prefix: str | None = typer.Option(None, help="Flight Recorder dump names: <prefix><rank>"),
 ) -> None:
     """The last hang diagnosis of a run (else one from its flight logs), or a diagnosis of a
     plain job's PyTorch Flight Recorder dumps."""
@@ -408,7 +409,7 @@ def _print_hang(detail: dict, source: str) -> None:
 @app.command()
 def explain(
     run: Path = typer.Option(..., "--run", help="a meshscope run directory"),
-    anomaly: Optional[int] = typer.Option(None, "--anomaly", help="one anomaly's event id "
+    anomaly: int | None = typer.Option(None, "--anomaly", help="one anomaly's event id "
                                                                   "(as the view and alerts link it)"),
     as_json: bool = typer.Option(False, "--json", help="print the causes as JSON"),
     limit: int = typer.Option(5, min=1, help="causes to print"),
@@ -442,14 +443,14 @@ def explain(
 @app.command()
 def replay(
     snapshot: Path = typer.Argument(..., help="a snapshot (.json or .safetensors) a run wrote"),
-    config: Optional[Path] = typer.Option(
+    config: Path | None = typer.Option(
         None, "--config", "-c", help="the run's config (default: config.json of the run the "
                                      "snapshot is in)"),
 ) -> None:
     """Re-run a snapshot's module on the CPU; exit 0 when the non-finite value comes back."""
-    from trainer.model import MoELM
     from tracer.replay import replay as replay_module
     from tracer.snapshot import SnapshotError, load_snapshot
+    from trainer.model import MoELM
 
     try:
         snap = load_snapshot(snapshot)
@@ -498,12 +499,12 @@ def stack_up(
     prometheus_port: int = typer.Option(9090, help="Prometheus port"),
     alertmanager_port: int = typer.Option(9093, help="Alertmanager port"),
     scrape_interval: float = typer.Option(5.0, help="scrape and rule evaluation interval, seconds"),
-    slack_webhook_file: Optional[Path] = typer.Option(None, help="file holding the Slack webhook URL"),
-    email_to: Optional[str] = typer.Option(None, help="critical alerts also to a@x,b@y"),
+    slack_webhook_file: Path | None = typer.Option(None, help="file holding the Slack webhook URL"),
+    email_to: str | None = typer.Option(None, help="critical alerts also to a@x,b@y"),
     smtp: str = typer.Option("127.0.0.1:25", help="SMTP host:port"),
     smtp_from: str = typer.Option("meshscope@localhost", help="sender of alert emails"),
-    smtp_user: Optional[str] = typer.Option(None, help="SMTP login"),
-    smtp_password_file: Optional[Path] = typer.Option(None, help="file holding the SMTP password"),
+    smtp_user: str | None = typer.Option(None, help="SMTP login"),
+    smtp_password_file: Path | None = typer.Option(None, help="file holding the SMTP password"),
     smtp_tls: bool = typer.Option(True, "--smtp-tls/--no-smtp-tls", help="require STARTTLS"),
     view_url: str = typer.Option("http://127.0.0.1:8501", help="drill-down view linked from alerts"),
     fast: bool = typer.Option(False, help="1 s alert grouping waits (tests, benchmarks)"),
@@ -622,8 +623,8 @@ def view(
     runs: Path = typer.Option(Path("runs"), "--runs", help="folder of run directories"),
     port: int = typer.Option(8501, help="port on 127.0.0.1"),
     host: str = typer.Option("127.0.0.1", help="address to listen on"),
-    grafana_url: Optional[str] = typer.Option(None, help="Grafana base URL for board links"),
-    prometheus_url: Optional[str] = typer.Option(None, help="Prometheus, for live runs"),
+    grafana_url: str | None = typer.Option(None, help="Grafana base URL for board links"),
+    prometheus_url: str | None = typer.Option(None, help="Prometheus, for live runs"),
 ) -> None:
     """The root-cause view (Streamlit) over the runs folder; alerts link into it."""
     import os

@@ -13,9 +13,9 @@ from typing import Any  # noqa: E402
 
 import trainer.worker  # noqa: E402
 from collector import DistEnv, Monitor  # noqa: E402
-from trainer.config import RunConfig, load_config  # noqa: E402
 from tracer.gradients import GradientInspector  # noqa: E402
 from tracer.trace import TensorTracer, TracerConfig  # noqa: E402
+from trainer.config import RunConfig, load_config  # noqa: E402
 
 
 def make_tracer(cfg: RunConfig, env: DistEnv, mon: Monitor,

@@ -20,6 +20,7 @@ import torch
 
 from collector.readback import Readback
 
+
 def layer_names(model: torch.nn.Module) -> dict[str, str]:
     """Parameter name -> its layer: `blocks.3` for a block of a list, else the top module."""
     containers = {name for name, m in model.named_children()

@@ -14,8 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from collector.comm import allreduce_sent_bytes, allreduce_wire_bytes, bucket_bytes
-from trainer.serial import serial_hook, wait_for
 from trainer.onebit import OneBitState, onebit_hook, onebit_wire_bytes
+from trainer.serial import serial_hook, wait_for
 
 # With one bucket as large as the model, communication starts only when backward is done:
 # the all-reduce-after-backward baseline, through the same DDP and hooks.
@@ -30,11 +30,11 @@ class HookSpec:
     wire_bytes: Callable[[Any, Any, int], int]
 
 
-def fp16_wire_bytes(state: Any, bucket: "dist.GradBucket", world_size: int) -> int:
+def fp16_wire_bytes(state: Any, bucket: dist.GradBucket, world_size: int) -> int:
     return allreduce_sent_bytes(bucket_bytes(bucket) // 2, world_size)
 
 
-def powersgd_wire_bytes(state: powersgd.PowerSGDState, bucket: "dist.GradBucket",
+def powersgd_wire_bytes(state: powersgd.PowerSGDState, bucket: dist.GradBucket,
                         world_size: int) -> int:
     """Mirror torch's PowerSGD: plain all-reduce while warming up; then P and Q all-reduces for
     the matrices worth compressing, and one all-reduce of everything else."""

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from collector.monitor import MonitorConfig
 
@@ -51,7 +50,7 @@ class ModelConfig(_Strict):
     z_loss_coef: float = Field(0.001, ge=0, description="weight of the router z-loss")
 
     @model_validator(mode="after")
-    def _shapes(self) -> "ModelConfig":
+    def _shapes(self) -> ModelConfig:
         if self.d_model % self.heads:
             raise ValueError(f"model.heads: {self.heads} does not divide d_model={self.d_model}")
         if self.top_k > self.experts:
@@ -118,8 +117,9 @@ class RunConfig(_Strict):
     control_every: int = Field(10, gt=0, description="read approved changes (router bias, "
                                "aux-loss coefficient, capacity) every N steps")
     comm_sample_every: int = Field(
-        MonitorConfig.comm_sample_every, gt=0, description="time gradient buckets on one step in N (the wait for "
-                              "communication is measured every step)")
+        MonitorConfig.comm_sample_every, gt=0,
+        description="time gradient buckets on one step in N (the wait for communication is "
+                    "measured every step)")
     linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
     view_url: str = Field("http://127.0.0.1:8501", pattern=r"^https?://\S+$",
                           description="the root-cause view (`meshscope view`) alerts link to")
@@ -133,7 +133,7 @@ class RunConfig(_Strict):
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 
     @model_validator(mode="after")
-    def _injections(self) -> "RunConfig":
+    def _injections(self) -> RunConfig:
         from trainer.inject import InjectionError, parse_injection
         for spec in self.inject:
             try:

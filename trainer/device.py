@@ -92,7 +92,7 @@ class AcceleratorProbe:
     asynchronous = True
 
     def __init__(self, device: Device) -> None:
-        self._module = torch.cuda if device.kind == "cuda" else getattr(torch, "npu")
+        self._module = torch.cuda if device.kind == "cuda" else torch.npu
         self._index = device.index
 
     def mark(self) -> Any:

@@ -18,8 +18,16 @@ from collector.control import ControlPlane, LateFlag
 from collector.store import load_steps
 from trainer.checkpoint import CheckpointManager
 from trainer.config import RunConfig
-from trainer.heartbeat import (PREFIX, Heartbeat, JobWatch, NodeWatch, connect_store,
-                               exit_marks, previous_attempt_failures, world_of)
+from trainer.heartbeat import (
+    PREFIX,
+    Heartbeat,
+    JobWatch,
+    NodeWatch,
+    connect_store,
+    exit_marks,
+    previous_attempt_failures,
+    world_of,
+)
 
 
 def process_start_time() -> float:

@@ -53,7 +53,7 @@ class AcceleratorTripwire:
         self.touched: str | None = None
         self._undo: list[Callable[[], None]] = []
 
-    def install(self) -> "AcceleratorTripwire":
+    def install(self) -> AcceleratorTripwire:
         import torch
 
         owners = {"cuda": torch.cuda, "_C": torch._C, "npu": getattr(torch, "npu", None)}

@@ -103,7 +103,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshscope-heartbeat", daemon=True)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         if self.rank == 0:
             self.store.set(world_key(self.attempt), str(self.world))
         self._beat()

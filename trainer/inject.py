@@ -7,9 +7,10 @@ logit=: 20 collapses routing onto the expert, a few units make it hog, negative 
 memory_leak (mb_per_step=), skip_collective (the rank skips its gradient all-reduces of that
 step, as a rank taking a wrong branch would), collective_mismatch (what=shape|op|dtype|split:
 the rank's first gradient collective of that step disagrees with its peers'; `split` makes
-every rank exchange tokens with all_to_all_single, the rank with wrong split sizes). An expert collapse acts on every rank (the router is replicated, so a
-real collapse does too); its `rank` only says which rank reports it. Every injection writes an `injected` event when it starts (the ground
-truth detectors are scored against) and fires once per run, also across restarts.
+every rank exchange tokens with all_to_all_single, the rank with wrong split sizes). An expert
+collapse acts on every rank (the router is replicated, so a real collapse does too); its `rank`
+only says which rank reports it. Every injection writes an `injected` event when it starts
+(the ground truth detectors are scored against) and fires once per run, also across restarts.
 """
 from __future__ import annotations
 

@@ -41,6 +41,6 @@ def serial_hook(work: Work, name: str = "comm") -> Callable[..., torch.futures.F
     return hook
 
 
-def wait_for(hook: Callable[[Any, "dist.GradBucket"], torch.futures.Future]) -> Work:
+def wait_for(hook: Callable[[Any, dist.GradBucket], torch.futures.Future]) -> Work:
     """Adapt a future-returning hook into blocking work for `serial_hook`."""
     return lambda state, bucket: hook(state, bucket).wait()

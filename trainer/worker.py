@@ -13,17 +13,17 @@ STARTED_AT = time.time()  # before the heavy imports: recovery accounting counts
 import argparse  # noqa: E402
 import os  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
 from collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
 from collector.control import ControlPlane  # noqa: E402
-from trainer.controls import ControlApplier  # noqa: E402
 from collector.store import load_events  # noqa: E402
 from trainer.config import RunConfig, load_config  # noqa: E402
+from trainer.controls import ControlApplier  # noqa: E402
 from trainer.device import resolve_device  # noqa: E402
 from trainer.elastic import ElasticRun, attempt_id  # noqa: E402
 from trainer.inject import Injection, Injector, parse_injection  # noqa: E402

@@ -13,8 +13,8 @@ to the client, and kills the worker if the client goes away (torchrun killed it)
 from __future__ import annotations
 
 import argparse
-import json
 import importlib
+import json
 import os
 import select
 import signal

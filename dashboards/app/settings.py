@@ -29,7 +29,7 @@ class ViewSettings(BaseModel):
                 if v is not None}
 
     @classmethod
-    def from_env(cls) -> "ViewSettings":
+    def from_env(cls) -> ViewSettings:
         """Read MESHSCOPE_VIEW_*; a bad value raises ValueError naming the variable."""
         values = {name: os.environ[ENV_PREFIX + name.upper()] for name in cls.model_fields
                   if ENV_PREFIX + name.upper() in os.environ}

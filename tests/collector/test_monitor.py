@@ -70,7 +70,7 @@ def test_expert_counts_are_summed_every_k_steps(tmp_path):
 
 def test_non_finite_loss_is_one_event_and_a_fault(tmp_path):
     mon = make_monitor(tmp_path)
-    for step, loss in enumerate([1.0, math.nan, math.inf, 1.0, math.nan]):
+    for loss in [1.0, math.nan, math.inf, 1.0, math.nan]:
         with mon.step() as s:
             s.log(loss=torch.tensor(loss))
     mon.close()

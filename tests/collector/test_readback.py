@@ -102,7 +102,7 @@ def test_one_read_back_per_window(tmp_path, stand_in_device):
 
     readback.Readback.__init__ = counting
     try:
-        for step in range(15):
+        for _ in range(15):
             with mon.step() as s:
                 s.log(loss=torch.tensor(1.0), grad_norm=torch.tensor(1.0))
     finally:

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from collector.metrics import DetectorMetrics, MeshscopeMetrics
 from dashboards.alertmanager import AlertRouting, alertmanager_config, write_alertmanager_config
-from dashboards.boards import OUT, build_all, board_queries, render
+from dashboards.boards import OUT, board_queries, build_all, render
 from dashboards.prometheus import RULES, write_prometheus_config
 from tests.conftest import require_binary
 

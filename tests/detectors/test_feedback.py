@@ -12,8 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collector.controls import ControlChange, ControlError
-from detectors.feedback import (FeedbackError, KnowledgeBase, bias_correction, diagnose,
-                                place_experts, predicted_balancedness, read_serving_load, suggest)
+from detectors.feedback import (
+    FeedbackError,
+    KnowledgeBase,
+    bias_correction,
+    diagnose,
+    place_experts,
+    predicted_balancedness,
+    read_serving_load,
+    suggest,
+)
 
 
 def _pt(obj) -> bytes:

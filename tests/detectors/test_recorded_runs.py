@@ -11,7 +11,6 @@ from detection_quality import DATA, EXPECTED, HELD_OUT, RUNS, ours  # noqa: E402
 
 from collector.store import load_events  # noqa: E402
 
-
 ALL = [*RUNS, *HELD_OUT]
 
 

@@ -21,7 +21,7 @@ class Prometheus:
                     f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"]
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Prometheus":
+    def __enter__(self) -> Prometheus:
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -23,7 +23,7 @@ class Sink:
         self.times: list[float] = []
         self.server = None
 
-    def start(self) -> "Sink":
+    def start(self) -> Sink:
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -74,7 +74,7 @@ class Mailbox:
 
         self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
 
-    def start(self) -> "Mailbox":
+    def start(self) -> Mailbox:
         self.controller.start()
         return self
 

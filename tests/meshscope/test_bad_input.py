@@ -8,7 +8,6 @@ import shutil
 import sqlite3
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner

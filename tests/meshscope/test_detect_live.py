@@ -3,9 +3,9 @@ import subprocess
 import sys
 
 from collector.store import load_events
-from tests.helpers.sinks import Sink
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import REPO, TINY
+from tests.helpers.sinks import Sink
 
 
 def test_live_run_with_a_slow_rank_yields_one_straggler_event(tmp_path):

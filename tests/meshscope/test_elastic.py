@@ -109,7 +109,8 @@ def injected(tmp_path_factory):
     assert proc.returncode == 0, out
     run = root / "all"
     steps = load_steps(run)
-    return {"dir": run, "steps": steps, "rank": {r: steps[steps["rank"] == r].set_index("step") for r in (0, 1)},
+    return {"dir": run, "steps": steps,
+            "rank": {r: steps[steps["rank"] == r].set_index("step") for r in (0, 1)},
             "events": load_events(run), "experts": load_expert_load(run)}
 
 

@@ -8,12 +8,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer.config import ModelConfig
-from trainer.inject import Injector, InjectionError, parse_injection
-from trainer.model import MoELM
 from tracer.replay import replay
 from tracer.snapshot import SnapshotError, load_snapshot
 from tracer.trace import TensorTracer, TracerConfig
+from trainer.config import ModelConfig
+from trainer.inject import InjectionError, Injector, parse_injection
+from trainer.model import MoELM
 
 CFG = ModelConfig(vocab_size=32, seq_len=8, layers=2, d_model=16, heads=2, experts=4, top_k=2)
 

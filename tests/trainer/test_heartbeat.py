@@ -1,8 +1,15 @@
 import torch.distributed as dist
 
 from tests.helpers.ports import free_port_range
-from trainer.heartbeat import (Heartbeat, JobWatch, NodeWatch, connect_store, exit_marks,
-                               hb_key, previous_attempt_failures)
+from trainer.heartbeat import (
+    Heartbeat,
+    JobWatch,
+    NodeWatch,
+    connect_store,
+    exit_marks,
+    hb_key,
+    previous_attempt_failures,
+)
 
 
 class Clock:

@@ -10,8 +10,13 @@ from prometheus_client import CollectorRegistry
 from collector import Monitor, MonitorConfig
 from collector.store import load_steps
 from trainer import device as devmod
-from trainer.device import (AcceleratorProbe, DeviceUnavailable, backend_environment,
-                            check_placement, resolve_device)
+from trainer.device import (
+    AcceleratorProbe,
+    DeviceUnavailable,
+    backend_environment,
+    check_placement,
+    resolve_device,
+)
 
 
 class StandInNpu:

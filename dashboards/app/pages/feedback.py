@@ -11,8 +11,15 @@ import streamlit as st
 from collector.controls import ControlError, load_controls
 from collector.store import load_events
 from dashboards.app import ui
-from detectors.feedback import (FeedbackError, Suggestion, approve, export_placement, ingest,
-                                knowledge_base, settle_outcomes)
+from detectors.feedback import (
+    FeedbackError,
+    Suggestion,
+    approve,
+    export_placement,
+    ingest,
+    knowledge_base,
+    settle_outcomes,
+)
 
 run_dir = ui.pick_run()
 if run_dir is None:
