@@ -85,6 +85,17 @@ def pick_run() -> Path | None:
     return root / choice
 
 
+def open_run(title: str) -> tuple[Path, RunFacts]:
+    """The page's run (from the URL or the picker) and its facts, under a `title · run`
+    heading; stops the page when there is no run to show."""
+    run_dir = pick_run()
+    if run_dir is None:
+        st.stop()
+    facts = run_facts(run_dir)
+    st.title(f"{title} · {run_dir.name}")
+    return run_dir, facts
+
+
 def show_causes(found: list[Cause], limit: int = 5) -> None:
     """Ranked causes, each with its evidence and next action."""
     if not found:

@@ -58,15 +58,18 @@ def test_the_cli_prints_the_ranked_causes_and_refuses_what_is_not_a_run(tmp_path
     assert out.returncode == 0, out.stderr
     causes = json.loads(out.stdout)
     assert causes[0]["kind"] == "slow_host" and causes[0]["ranks"] == [1]
-    text = subprocess.run([sys.executable, "-m", "meshscope", "explain", "--run", str(run)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert "slow_host" in text.stdout and "next:" in text.stdout
+    from typer.testing import CliRunner
+
+    from meshscope.cli import app
+
+    runner = CliRunner()
+    text = runner.invoke(app, ["explain", "--run", str(run)])
+    assert "slow_host" in text.output and "next:" in text.output
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "store.sqlite").write_text("not sqlite")
     for args in (["--run", str(tmp_path / "none")], ["--run", str(bad)],
                  ["--run", str(run), "--anomaly", "999999"]):
-        out = subprocess.run([sys.executable, "-m", "meshscope", "explain", *args], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr
+        out = runner.invoke(app, ["explain", *args])
+        assert out.exit_code == 2 and "error:" in out.output, out.output
     assert sqlite3.connect(run / "store.sqlite").execute("select count(*) from steps").fetchone()

@@ -6,12 +6,8 @@ import streamlit as st
 
 from dashboards.app import data, ui
 
-run_dir = ui.pick_run()
-if run_dir is None:
-    st.stop()
-facts = ui.run_facts(run_dir)
+run_dir, facts = ui.open_run("Anomalies")
 found = data.anomalies_with_hangs(facts)
-st.title(f"Anomalies · {run_dir.name}")
 if not found:
     st.success("No anomaly and no hang in this run.")
     st.stop()

@@ -4,11 +4,7 @@ import streamlit as st
 
 from dashboards.app import data, ui
 
-run_dir = ui.pick_run()
-if run_dir is None:
-    st.stop()
-facts = ui.run_facts(run_dir)
-st.title(f"Debug · {run_dir.name}")
+run_dir, facts = ui.open_run("Debug")
 ev = facts.events
 hangs = ev[ev["kind"] == "hang"]
 st.header("Hangs")

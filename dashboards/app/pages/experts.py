@@ -4,11 +4,7 @@ import streamlit as st
 
 from dashboards.app import data, ui
 
-run_dir = ui.pick_run()
-if run_dir is None:
-    st.stop()
-facts = ui.run_facts(run_dir)
-st.title(f"Experts · {run_dir.name}")
+run_dir, facts = ui.open_run("Experts")
 if facts.experts.empty:
     st.info("No expert load recorded (a dense model, or no window closed yet).")
     st.stop()

@@ -21,12 +21,9 @@ from detectors.feedback import (
     settle_outcomes,
 )
 
-run_dir = ui.pick_run()
-if run_dir is None:
-    st.stop()
+run_dir, _ = ui.open_run("Feedback")
 settings = ui.settings()
 kb = knowledge_base(settings.runs_dir)
-st.title(f"Feedback · {run_dir.name}")
 
 st.header("1. Serving load in")
 st.caption("SGLang's expert-distribution dump (.pt, `logical_count`), vLLM's EPLB load window "

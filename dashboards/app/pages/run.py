@@ -4,12 +4,8 @@ import streamlit as st
 
 from dashboards.app import data, ui
 
-run_dir = ui.pick_run()
-if run_dir is None:
-    st.stop()
-facts = ui.run_facts(run_dir)
+run_dir, facts = ui.open_run("Run")
 summary = data.run_summary(run_dir)
-st.title(f"Run {run_dir.name}")
 c = st.columns(6)
 c[0].metric("status", summary.get("status", "?"))
 c[1].metric("steps", summary.get("steps", 0))
