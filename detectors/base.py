@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from sklearn.base import BaseEstimator, OutlierMixin
+from sklearn.utils._param_validation import Interval  # noqa: F401  (for subclasses)
 from sklearn.utils.validation import check_is_fitted
 
 
@@ -19,13 +20,26 @@ def as_matrix(X: pd.DataFrame | np.ndarray) -> np.ndarray:
 
 
 class Detector(OutlierMixin, BaseEstimator):
-    """Base: subclasses implement `fit` and `score_samples`; the rest follows."""
+    """Base: subclasses implement `fit` and `score_samples`; the rest follows.
 
-    threshold: float = 0.0
+    Hyperparameters are checked in `fit` against `_parameter_constraints` (scikit-learn's
+    declaration), and the offset between scores and decisions comes from them when asked, so
+    `set_params` never leaves a stale threshold behind."""
+
+    _parameter_constraints: dict = {}
+
+    def _offset(self) -> float:
+        """Score offset of `decision_function` (the `threshold` hyperparameter by default)."""
+        return float(getattr(self, "threshold", 0.0))
+
+    def _check(self) -> None:
+        """ValueError naming the hyperparameter that is out of range (sklearn's message)."""
+        if self._parameter_constraints:
+            self._validate_params()
 
     def decision_function(self, X: pd.DataFrame | np.ndarray) -> np.ndarray:
         check_is_fitted(self)
-        return self.score_samples(X) + self.threshold
+        return self.score_samples(X) + self._offset()
 
     def predict(self, X: pd.DataFrame | np.ndarray) -> np.ndarray:
         return np.where(self.decision_function(X) < 0, -1, 1)
@@ -39,11 +53,13 @@ class WindowedDetector(Detector):
     window: int
 
     def fit(self, X, y=None):
+        self._check()
         self.history_ = as_matrix(X)[-self.window:]
         self._learn()
         return self
 
     def partial_fit(self, X, y=None):
+        check_is_fitted(self)
         return self.fit(np.vstack([self.history_, as_matrix(X)]))
 
     def _learn(self) -> None:

@@ -4,7 +4,11 @@ Each follows the estimator contract on its own input and can say who is to blame
 """
 from __future__ import annotations
 
+from numbers import Integral, Real
+
 import numpy as np
+from sklearn.utils._param_validation import Interval
+from sklearn.utils.validation import check_is_fitted
 
 from detectors.base import Detector, WindowedDetector, as_matrix
 
@@ -17,10 +21,15 @@ class Straggler(WindowedDetector):
     step that is slow for everyone.
     """
 
+    _parameter_constraints = {"ratio": [Interval(Real, 1, None, closed="neither")],
+                              "window": [Interval(Integral, 1, None, closed="left")]}
+
     def __init__(self, ratio: float = 1.5, window: int = 50) -> None:
         self.ratio = ratio
         self.window = window
-        self.threshold = ratio
+
+    def _offset(self) -> float:
+        return float(self.ratio)
 
     def _learn(self) -> None:
         self.best_ = np.percentile(self.history_, 10, axis=0)  # each rank's own best recent time
@@ -36,6 +45,7 @@ class Straggler(WindowedDetector):
         return np.minimum(X / np.maximum(others, 1e-9), X / np.maximum(self.best_, 1e-9))
 
     def score_samples(self, X) -> np.ndarray:
+        check_is_fitted(self)
         return -self.ratios(X).max(axis=1)
 
     def culprits(self, X) -> list[list[int]]:
@@ -49,11 +59,17 @@ class ExpertBalance(WindowedDetector):
     starves below `starve` times it; the score is the worst such factor.
     """
 
+    _parameter_constraints = {"hog": [Interval(Real, 1, None, closed="neither")],
+                              "starve": [Interval(Real, 0, 1, closed="neither")],
+                              "window": [Interval(Integral, 1, None, closed="left")]}
+
     def __init__(self, hog: float = 2.0, starve: float = 0.2, window: int = 6) -> None:
         self.hog = hog
         self.starve = starve
         self.window = window
-        self.threshold = 1.0
+
+    def _offset(self) -> float:
+        return 1.0
 
     def _learn(self) -> None:
         self.usual_ = np.maximum(np.median(self.history_, axis=0), 1e-6)
@@ -64,6 +80,7 @@ class ExpertBalance(WindowedDetector):
         return np.maximum(rel / self.hog, self.starve / np.maximum(rel, 1e-9))
 
     def score_samples(self, X) -> np.ndarray:
+        check_is_fitted(self)
         return -self.factors(X).max(axis=1)
 
     def culprits(self, X) -> list[list[int]]:
@@ -90,7 +107,15 @@ class ExpertLoad(WindowedDetector):
         self.starve_min = starve_min
         self.margin = margin
         self.window = window
-        self.threshold = 0.0
+
+    _parameter_constraints = {"top_k": [Interval(Integral, 1, None, closed="left")],
+                              "hog_min": [Interval(Real, 0, 1, closed="both")],
+                              "starve_min": [Interval(Real, 0, 1, closed="both")],
+                              "margin": [Interval(Real, 0, 1, closed="both")],
+                              "window": [Interval(Integral, 1, None, closed="left")]}
+
+    def _offset(self) -> float:
+        return 0.0
 
     def _learn(self) -> None:
         self.usual_ = np.median(self.history_, axis=0)
@@ -127,6 +152,7 @@ class ExpertLoad(WindowedDetector):
         return np.maximum(hog, low)
 
     def score_samples(self, X) -> np.ndarray:
+        check_is_fitted(self)
         return -self.factors(X).max(axis=1)
 
     def culprits(self, X) -> list[list[int]]:
@@ -136,14 +162,15 @@ class ExpertLoad(WindowedDetector):
 class NonFinite(Detector):
     """X: loss per rank. Any NaN/Inf is an anomaly; nothing to learn."""
 
-    def __init__(self) -> None:
-        self.threshold = 0.5
+    def _offset(self) -> float:
+        return 0.5
 
     def fit(self, X, y=None) -> NonFinite:
         self.n_features_ = as_matrix(X).shape[1]
         return self
 
     def score_samples(self, X) -> np.ndarray:
+        check_is_fitted(self)
         return -(~np.isfinite(as_matrix(X))).any(axis=1).astype(float)
 
     def culprits(self, X) -> list[list[int]]:
@@ -154,10 +181,15 @@ class MemoryGrowth(WindowedDetector):
     """X: resident memory per rank, one row per step. Growth faster than `mb_per_step` over the
     last `window` steps, on any rank, is a leak."""
 
+    _parameter_constraints = {"mb_per_step": [Interval(Real, 0, None, closed="neither")],
+                              "window": [Interval(Integral, 2, None, closed="left")]}
+
     def __init__(self, mb_per_step: float = 2.0, window: int = 5) -> None:
         self.mb_per_step = mb_per_step
         self.window = window
-        self.threshold = 1.0
+
+    def _offset(self) -> float:
+        return 1.0
 
     def slopes(self, X) -> np.ndarray:
         """MB per step against the oldest remembered row, per rank."""
@@ -167,6 +199,7 @@ class MemoryGrowth(WindowedDetector):
         return (X - base) / (1 << 20) / max(steps, 1) / self.mb_per_step
 
     def score_samples(self, X) -> np.ndarray:
+        check_is_fitted(self)
         return -self.slopes(X).max(axis=1)
 
     def culprits(self, X) -> list[list[int]]:

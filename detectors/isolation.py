@@ -6,8 +6,12 @@ drove each score (largest robust deviations from the training data).
 """
 from __future__ import annotations
 
+from numbers import Integral, Real
+
 import numpy as np
 from sklearn.ensemble import IsolationForest
+from sklearn.utils._param_validation import Interval
+from sklearn.utils.validation import check_is_fitted
 
 from detectors.base import Detector, as_matrix
 
@@ -74,7 +78,14 @@ class OnlineIsolationForest(Detector):
         self.min_scale = min_scale
         self.random_state = random_state
 
+    _parameter_constraints = {"n_estimators": [Interval(Integral, 1, None, closed="left")],
+                              "window": [Interval(Integral, 2, None, closed="left")],
+                              "refit_every": [Interval(Integral, 1, None, closed="left")],
+                              "threshold": [Interval(Real, 0, 1, closed="neither")],
+                              "min_scale": [tuple, None], "random_state": [Integral, None]}
+
     def fit(self, X, y=None) -> OnlineIsolationForest:
+        self._check()
         X = np.nan_to_num(as_matrix(X))[-self.window:]
         self.center_ = np.median(X, axis=0)
         iqr = np.subtract(*np.percentile(X, [75, 25], axis=0))
@@ -101,6 +112,7 @@ class OnlineIsolationForest(Detector):
         Trees cannot isolate a value past every split any faster than the most extreme training
         value, so a step 100 IQRs out scores like an ordinary edge point. The penalty restores
         the ordering: 0.1 per IQR beyond 8 IQRs from the median, on the worst feature."""
+        check_is_fitted(self)
         scaled = self._scaled(np.nan_to_num(as_matrix(X)))
         beyond = np.maximum(np.abs(scaled).max(axis=1) - 8.0, 0.0)
         return self.packed_.score_samples(scaled) - 0.1 * beyond

@@ -6,7 +6,11 @@ not flagged, while a jump is.
 """
 from __future__ import annotations
 
+from numbers import Integral, Real
+
 import numpy as np
+from sklearn.utils._param_validation import Interval
+from sklearn.utils.validation import check_is_fitted
 
 from detectors.base import Detector, WindowedDetector, as_matrix
 
@@ -15,6 +19,10 @@ MAD_TO_SIGMA = 1.4826
 
 class RobustZ(WindowedDetector):
     """|x - median| / (1.4826 MAD) over a rolling window of normal rows; anomaly above `threshold`."""
+
+    _parameter_constraints = {"threshold": [Interval(Real, 0, None, closed="neither")],
+                              "window": [Interval(Integral, 1, None, closed="left")],
+                              "min_scale": [Interval(Real, 0, None, closed="neither")]}
 
     def __init__(self, threshold: float = 6.0, window: int = 200, min_scale: float = 1e-9) -> None:
         self.threshold = threshold
@@ -33,6 +41,7 @@ class RobustZ(WindowedDetector):
         return (as_matrix(X) - self.center_) / self.scale_
 
     def score_samples(self, X) -> np.ndarray:
+        check_is_fitted(self)
         z = np.abs(self.zscores(X))
         return -np.nan_to_num(z, nan=np.inf).max(axis=1)
 
@@ -40,12 +49,17 @@ class RobustZ(WindowedDetector):
 class EWMA(Detector):
     """Exponentially weighted mean and variance; z = (x - mean) / std, anomaly above `threshold`."""
 
+    _parameter_constraints = {"alpha": [Interval(Real, 0, 1, closed="right")],
+                              "threshold": [Interval(Real, 0, None, closed="neither")],
+                              "min_std": [Interval(Real, 0, None, closed="neither")]}
+
     def __init__(self, alpha: float = 0.05, threshold: float = 6.0, min_std: float = 1e-9) -> None:
         self.alpha = alpha
         self.threshold = threshold
         self.min_std = min_std
 
     def fit(self, X, y=None) -> EWMA:
+        self._check()
         X = as_matrix(X)
         self.mean_ = np.nanmean(X, axis=0)
         self.var_ = np.nanvar(X, axis=0)
@@ -60,6 +74,7 @@ class EWMA(Detector):
         return self
 
     def score_samples(self, X) -> np.ndarray:
+        check_is_fitted(self)
         std = np.maximum(np.sqrt(self.var_), np.maximum(np.abs(self.mean_) * 0.01, self.min_std))
         z = np.abs((as_matrix(X) - self.mean_) / std)
         return -np.nan_to_num(z, nan=np.inf).max(axis=1)

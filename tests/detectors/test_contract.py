@@ -35,3 +35,42 @@ def test_estimator_contract(detector, train, outlier):
     assert detector.score_samples(odd)[0] < detector.score_samples(normal)[0]
     assert detector.decision_function(odd)[0] < 0 <= detector.decision_function(normal)[0]
     assert detector.predict(np.vstack([normal, odd])).tolist() == [1, -1]
+
+
+def test_set_params_moves_the_decision_and_unfitted_use_raises_not_fitted():
+    import numpy as np
+    import pytest
+    from sklearn.exceptions import NotFittedError
+
+    from detectors.domain import ExpertBalance, ExpertLoad, MemoryGrowth, NonFinite, Straggler
+    from detectors.isolation import OnlineIsolationForest
+    from detectors.moving import EWMA, RobustZ
+
+    for det in (Straggler(), ExpertBalance(), ExpertLoad(), MemoryGrowth(), NonFinite(),
+                RobustZ(), EWMA(), OnlineIsolationForest(n_estimators=5)):
+        with pytest.raises(NotFittedError):
+            det.score_samples(np.ones((3, 2)))
+        with pytest.raises(NotFittedError):
+            det.decision_function(np.ones((3, 2)))
+    X = np.ones((20, 3))
+    X[-1, 2] = 1.7  # rank 2 at 1.7x its peers
+    s = Straggler(ratio=1.5).fit(X[:-1])
+    assert s.predict(X[-1:])[0] == -1
+    s.set_params(ratio=2.0)  # no stale threshold: the decision follows the parameter
+    assert s.predict(X[-1:])[0] == 1
+
+
+@pytest.mark.parametrize("det,param", [
+    ("Straggler(ratio=0.9)", "ratio"), ("Straggler(window=0)", "window"),
+    ("ExpertLoad(top_k=0)", "top_k"), ("MemoryGrowth(mb_per_step=-1)", "mb_per_step"),
+    ("RobustZ(threshold=-1)", "threshold"), ("EWMA(alpha=0)", "alpha"),
+    ("OnlineIsolationForest(n_estimators=0)", "n_estimators")])
+def test_bad_hyperparameters_are_refused_naming_them(det, param):
+    import numpy as np
+
+    from detectors.domain import ExpertLoad, MemoryGrowth, Straggler  # noqa: F401
+    from detectors.isolation import OnlineIsolationForest  # noqa: F401
+    from detectors.moving import EWMA, RobustZ  # noqa: F401
+
+    with pytest.raises(ValueError, match=param):
+        eval(det).fit(np.ones((10, 2)))
