@@ -60,7 +60,7 @@ class MonitorConfig:
     """Base port of the per-rank /metrics exporter (port = base + local rank); None = no exporter."""
     metrics_host: str = "127.0.0.1"
     """Address the exporter binds to and the one written into targets.json."""
-    expert_every: int = 10
+    expert_every: int = 5
     """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
     sync_every: int = 10
     """Steps per window: device scalars of a window share one buffer and one copy to the host,

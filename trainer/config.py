@@ -113,7 +113,9 @@ class RunConfig(_Strict):
                             "gloo lets several ranks share one accelerator")
     nproc: int = Field(4, gt=0, description="worker processes on this node")
     metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
-    expert_every: int = Field(5, gt=0, description="sum expert load over ranks every N steps")
+    expert_every: int = Field(MonitorConfig.expert_every, gt=0,
+                              description="sum expert load over ranks every N steps (an expert "
+                                          "alarm can come up to N-1 steps after the fault)")
     control_every: int = Field(10, gt=0, description="read approved changes (router bias, "
                                "aux-loss coefficient, capacity) every N steps")
     comm_sample_every: int = Field(
