@@ -95,6 +95,9 @@ def test_a_nan_is_critical_so_it_reaches_email_and_slack(faulty_run, stack):
 
 def test_the_detectors_anomaly_also_alerts(faulty_run):
     assert faulty_run["anomaly"], "the straggler the detectors found never reached Slack"
+    # its link names the anomaly's type, so the view lands on it
+    assert f"http://view.local:8501/?run={RUN}&type=straggler&alert=AnomalyDetected" in \
+        faulty_run["anomaly"][0]
 
 
 def test_every_panel_query_returns_data_from_the_real_run(faulty_run, stack):
