@@ -560,7 +560,10 @@ def ingest(run_dir: Path, data: bytes, name: str, *, devices: int = 8,
     serving = read_serving_load(data, name)
     diagnoses = diagnose(serving, training_load(run_dir))
     suggestions = suggest(diagnoses, serving, model=_run_model(run_dir), devices=devices, kb=kb)
-    step = int(load_steps(run_dir)["step"].max()) if len(load_steps(run_dir)) else None
+    from collector.store import latest_step
+
+    step = latest_step(run_dir)
+    step = step if step >= 0 else None
     ids = insert_events(run_dir, [Event(kind="suggestion", run_id=run_dir.name, step=step,
                                         detail={**s.as_dict(), "status": "proposed",
                                                 "source": serving.source})
