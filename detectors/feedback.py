@@ -169,7 +169,8 @@ def _checked(tokens: np.ndarray, latency: np.ndarray | None, source: str) -> Ser
 # --- diagnose ---------------------------------------------------------------------------------
 
 def balancedness(load: np.ndarray) -> float:
-    """Mean over max load (1 = balanced; 1/E = one expert takes everything)."""
+    """Mean over max load of one layer (1 = balanced; 1/E = one expert takes everything; 1
+    when nothing was routed): what vLLM and SGLang report."""
     load = np.asarray(load, dtype=float)
     return float(load.mean() / load.max()) if load.max() > 0 else 1.0
 
@@ -443,13 +444,14 @@ def control_for(suggestion: dict[str, Any]) -> ControlChange:
 
 # --- learn ------------------------------------------------------------------------------------
 
-def measure_outcome(run_dir: Path, applied_step: int, layer: int, after: int) -> dict[str, Any] | None:
+def measure_outcome(steps: pd.DataFrame, experts: pd.DataFrame, applied_step: int, layer: int,
+                    after: int) -> dict[str, Any] | None:
     """Balancedness, step time and loss in the `after` steps after a change against the
-    `after` steps before it; None until the run has gone `after` steps past it."""
-    steps = load_steps(run_dir)
+    `after` steps before it (from a run's steps and expert load); None until the run has gone
+    `after` steps past it."""
     if steps.empty or steps["step"].max() < applied_step + after - 1:
         return None
-    ex = load_expert_load(run_dir)
+    ex = experts
     if layer >= 0:
         ex = ex[ex["layer"] == layer]
     bal = ex.groupby(["step", "layer"])["tokens"].apply(
@@ -593,11 +595,15 @@ def settle_outcomes(run_dir: Path, kb: KnowledgeBase, *, after: int) -> list[dic
 
     run_dir = Path(run_dir)
     rows = controls.load_controls(run_dir)
+    unsettled = rows[(rows["status"] == "applied") & rows["outcome"].isna()]
+    if unsettled.empty:
+        return []
     suggestions = {int(r["id"]): r["detail"] for _, r in
                    load_events(run_dir, kind="suggestion").iterrows()}
+    steps, experts = load_steps(run_dir), load_expert_load(run_dir)  # once for every change
     done = []
-    for _, row in rows[(rows["status"] == "applied") & rows["outcome"].isna()].iterrows():
-        measured = measure_outcome(run_dir, int(row["step"]), int(row["layer"]), after)
+    for _, row in unsettled.iterrows():
+        measured = measure_outcome(steps, experts, int(row["step"]), int(row["layer"]), after)
         if measured is None:
             continue
         s = suggestions.get(int(row["suggestion"])) if pd.notna(row["suggestion"]) else None

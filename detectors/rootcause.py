@@ -24,6 +24,7 @@ import pandas as pd
 from collector.schema import nonfinite_mask
 from collector.store import load_events, load_expert_load, load_steps
 from detectors.engine import DetectionEngine
+from detectors.feedback import balancedness
 from detectors.live import run_top_k
 
 # What each cause means, for people and for the view's legend.
@@ -296,10 +297,6 @@ def _slow_link(facts: RunFacts, w: Window) -> list[Cause]:
         "compression (fp16, powersgd) lowers the bytes in the meantime")]
 
 
-def _balancedness(counts: np.ndarray) -> float:
-    return float(counts.mean() / counts.max()) if counts.max() > 0 else 1.0
-
-
 def _routing(facts: RunFacts, w: Window) -> list[Cause]:
     """A layer whose routing concentrates on few experts, compared with before."""
     ex = facts.experts
@@ -314,12 +311,12 @@ def _routing(facts: RunFacts, w: Window) -> list[Cause]:
     best: Cause | None = None
     for layer, rows in win.groupby("layer"):
         by_step = rows.pivot_table(index="step", columns="expert", values="tokens")
-        bal = by_step.apply(lambda r: _balancedness(r.to_numpy()), axis=1)
+        bal = by_step.apply(lambda r: balancedness(r.to_numpy()), axis=1)
         usual = 1.0
         if not base.empty:
             b = base[base["layer"] == layer].pivot_table(index="step", columns="expert",
                                                          values="tokens")
-            usual = float(b.apply(lambda r: _balancedness(r.to_numpy()), axis=1).median()) \
+            usual = float(b.apply(lambda r: balancedness(r.to_numpy()), axis=1).median()) \
                 if not b.empty else 1.0
         worst_step = bal.idxmin()
         drop = usual - float(bal.min())

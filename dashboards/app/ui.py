@@ -47,8 +47,9 @@ def grad_stats(run_dir: str, version: float) -> pd.DataFrame:
 
 
 @st.cache_data(show_spinner="ranking causes…")
-def causes(run_dir: str, version: float, anomaly_id: int | None, start: int, end: int,
+def causes(run_dir: str, version: float, anomaly_id: int | None, start: int,
            kind: str) -> list[Cause]:
+    """Ranked causes of one anomaly (or hang, found by its start step and type)."""
     from detectors.rootcause import causes_for
 
     f = facts(run_dir, version)

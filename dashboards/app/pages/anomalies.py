@@ -56,7 +56,7 @@ else:
     st.dataframe(related, hide_index=True, key="related")
 st.subheader("Probable causes")
 ui.show_causes(ui.causes(str(run_dir), data.store_version(run_dir), a.id, a.start_step,
-                         a.end_step, a.type))
+                         a.type))
 link = data.grafana_link(ui.settings().grafana_url, run_dir.name, a, facts.steps)
 if link:
     st.link_button("open in Grafana", link)
