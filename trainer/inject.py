@@ -18,6 +18,7 @@ import collections
 import os
 import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -323,11 +324,19 @@ def delayed_hook(hook: Callable[..., Any], injector: Injector) -> Callable[..., 
         delay = injector.comm_delay_s()
         if not delay:
             return fut
+        late: torch.futures.Future = torch.futures.Future()
 
-        def arrive_late(f: Any) -> Any:
-            time.sleep(delay)
-            return f.value()
+        def arrive_late(f: Any) -> None:
+            # A timer, not a sleep in the callback: a callback on an already completed future
+            # runs inline, inside backward, and the delay would look like compute.
+            try:
+                value = f.value()
+            except Exception as exc:  # the collective failed: fail late, as it would
+                threading.Timer(delay, late.set_exception, args=(exc,)).start()
+                return
+            threading.Timer(delay, late.set_result, args=(value,)).start()
 
-        return fut.then(arrive_late)
+        fut.add_done_callback(arrive_late)
+        return late
 
     return hook_with_delay

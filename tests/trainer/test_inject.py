@@ -42,3 +42,24 @@ def test_already_fired_injections_do_not_fire_again():
     import torch
     inj.before_step(3, torch.nn.Linear(1, 1))  # would SIGKILL this test if it fired
     assert reported == []
+
+
+def test_comm_delay_lands_after_backward_even_when_the_collective_is_already_done():
+    """A fast collective completes before its hook returns; the delay must still be spent on
+    the comm side (a completed future's callback runs inline, inside backward)."""
+    import torch
+
+    from trainer.inject import delayed_hook
+
+    inj = Injector([parse_injection("comm_delay@step=0,rank=0,ms=200")], rank=0,
+                   report=lambda i, s: None)
+    inj.before_step(0, torch.nn.Linear(1, 1))
+
+    def finished(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(torch.ones(2))
+        return done
+
+    late = delayed_hook(finished, inj)(None, None)
+    assert not late.done()  # the hook returned without spending the delay
+    assert torch.equal(late.wait(), torch.ones(2))
