@@ -1,16 +1,31 @@
-"""Score any exported time series (a CSV from Prometheus, a spreadsheet...) with no tuning.
+"""Score any exported time series (a CSV from Prometheus, W&B, a spreadsheet...) with no tuning.
 
-Each value column is judged against a trailing robust baseline (median and MAD of the previous
-`window` rows) on its level and on its change, so a trend or a slow wave follows the baseline
-while a jump, a spike or a flat-line break stands out. The row's score is its worst column's
-robust z divided by the threshold: above 1 is an anomaly. `sensitivity` scales the threshold.
+Online: each row is judged from the rows before it only. Per value column:
+
+1. **Predict** the row two ways: the level (median of the last few rows, so a spike does not
+   move it and a level shift is followed within a few rows) and, once the past shows a season
+   (autocorrelation peak), the same phase of the previous cycles corrected for the current level
+   (within one row of phase, so a period that is not a whole number of rows does not misfire).
+   The predictor whose recent residuals are smaller is used.
+2. **Scale** the residual by the past residuals: the largest normal-equivalent scale read off
+   their 50th, 90th, 99th and 99.5th percentiles, so mostly-zero residuals (a square wave, a
+   quantised counter) and heavy tails are both covered, with a floor relative to the series'
+   own range and level, so a series that sits still does not divide by zero.
+3. **Score** with a tail probability, `anomaly_score` = 1 - P(|residual| this large), in [0, 1];
+   with several columns the row takes the most surprising one, Bonferroni-corrected.
+4. **Flag onsets**: `is_anomaly` marks the first row of an anomalous episode; `in_episode`
+   stays true until the series has been unsurprising for `quiet_rows` rows, so a level shift
+   or a burst of spikes gives one flag, not one per row.
 """
 from __future__ import annotations
 
+import bisect
+import math
+from collections import deque
+
 import numpy as np
 import pandas as pd
-
-from detectors.moving import MAD_TO_SIGMA
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class SeriesError(ValueError):
@@ -50,25 +65,280 @@ def read_series(path: str, time_column: str, value_columns: list[str] | None) ->
     return df.sort_values(time_column, kind="stable").reset_index(drop=True)[[time_column, *columns]]
 
 
-def _trailing_z(x: pd.Series, window: int) -> pd.Series:
-    past = x.shift(1).rolling(window, min_periods=max(5, window // 4))
-    center = past.median()
-    mad = (x.shift(1) - center).abs().rolling(window, min_periods=max(5, window // 4)).median()
-    scale = np.maximum(mad * MAD_TO_SIGMA, np.maximum(center.abs() * 0.01, 1e-12))
-    return ((x - center) / scale).abs()
+class SeriesConfig(BaseModel):
+    """Every knob of CSV series detection, validated; the defaults need no tuning."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    alpha: float = Field(1e-4, gt=0, lt=1, description="tail probability below which a row opens an episode")
+    exit_alpha: float = Field(0.01, gt=0, lt=1, description="tail probability of a quiet row")
+    quiet_rows: int = Field(24, ge=1, description="quiet rows that close an episode")
+    level_rows: int = Field(5, ge=1, description="rows in the median that predicts the level")
+    shift_rows: int = Field(10, ge=2, description="rows averaged to see a small, lasting shift")
+    reference_rows: int = Field(100, ge=10, description="rows before them that set the level it shifts from")
+    scale_rows: int = Field(1000, ge=20, description="past residuals that set the scale")
+    min_rows: int = Field(30, ge=10, description="rows seen before any judgement")
+    max_period: int = Field(1500, ge=4, description="longest season looked for, in rows")
+    min_autocorrelation: float = Field(0.6, gt=0, lt=1, description="autocorrelation that makes a season")
+    period_every: int = Field(500, ge=10, description="rows between re-estimates of the season")
+    relative_floor: float = Field(1e-3, gt=0, description="smallest scale, as a share of the range seen")
+
+    @classmethod
+    def with_sensitivity(cls, sensitivity: float, **overrides: object) -> SeriesConfig:
+        """`sensitivity` > 1 flags more, < 1 flags less: it scales the tail probability threshold."""
+        if not sensitivity > 0:
+            raise SeriesError(f"sensitivity must be > 0, got {sensitivity}")
+        try:
+            config = cls(**overrides)
+            return config.model_copy(update={"alpha": min(0.5, config.alpha * sensitivity)})
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise SeriesError(f"series config: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+# the two-sided normal quantile of each percentile used for the scale
+_SCALE_QUANTILES = ((0.5, 0.6745), (0.9, 1.6449), (0.99, 2.5758), (0.995, 2.8070))
+
+
+def estimate_period(past: np.ndarray, max_period: int, min_autocorrelation: float) -> int | None:
+    """The season of `past` in rows (the strongest autocorrelation peak), or None."""
+    x = past[np.isfinite(past)]
+    n = len(x)
+    if n < 12:
+        return None
+    x = x - np.median(x)
+    peak = float(np.abs(x).max())
+    if not 0 < peak < math.inf:
+        return None
+    x = x / peak  # no overflow on values near the float limits
+    x = x - x.mean()
+    power = float(np.dot(x, x))
+    if not power > 0:
+        return None
+    size = 1 << int(math.ceil(math.log2(2 * n)))
+    spectrum = np.fft.rfft(x, size)
+    acf = np.fft.irfft(spectrum * np.conj(spectrum), size)[:n] / power
+    acf *= n / np.maximum(n - np.arange(n), 1)  # unbiased: long lags see fewer pairs
+    top = min(max_period, n // 2)  # two cycles at least
+    if top < 4:
+        return None
+    lags = np.arange(2, top)
+    peaks = lags[(acf[lags] > acf[lags - 1]) & (acf[lags] >= acf[lags + 1])]
+    peaks = peaks[acf[peaks] >= min_autocorrelation]
+    # A season has a trough before its peak; a trend or a step only decays slowly.
+    peaks = np.array([p for p in peaks if acf[p] - acf[1:p].min() >= 0.3], int)
+    if len(peaks) == 0:
+        return None
+    # The first strong peak is the season; its multiples are as strong on a clean series.
+    best = float(acf[peaks].max())
+    return int(peaks[acf[peaks] >= best - 0.1][0])
+
+
+class _SortedWindow:
+    """The last `size` values, kept sorted too, so quantiles cost an index, not a sort."""
+
+    def __init__(self, size: int) -> None:
+        self.order: deque[float] = deque()
+        self.sorted: list[float] = []
+        self.size = size
+
+    def add(self, value: float) -> None:
+        if not math.isfinite(value):
+            return  # an overflowed residual says nothing about the scale
+        self.order.append(value)
+        bisect.insort(self.sorted, value)
+        if len(self.order) > self.size:
+            del self.sorted[bisect.bisect_left(self.sorted, self.order.popleft())]
+
+    def quantile(self, q: float) -> float:
+        return self.sorted[int(q * (len(self.sorted) - 1))]
+
+    def __len__(self) -> int:
+        return len(self.sorted)
+
+
+class _Residuals:
+    """One predictor's recent absolute residuals, and the tail probability they imply."""
+
+    def __init__(self, rows: int) -> None:
+        self.window = _SortedWindow(rows)
+
+    def ready(self) -> bool:
+        return len(self.window) >= _MIN_RESIDUALS
+
+    def scale(self) -> float:
+        """The largest normal-equivalent scale read off the residuals' percentiles."""
+        if not self.ready():
+            return math.inf
+        return max(self.window.quantile(q) / z for q, z in _SCALE_QUANTILES)
+
+    def tail(self, residual: float, floor: float) -> float:
+        """P(|residual| at least this large): a normal tail, or an exponential one fitted to
+        the 90th..99th percentiles where the past has heavier tails than a normal's."""
+        r = abs(residual)
+        if math.isnan(r):
+            return 1.0
+        seen = len(self.window) - bisect.bisect_left(self.window.sorted, r)
+        if seen >= 2:  # the recent past already showed this twice: not news
+            return seen / (len(self.window) + 1)
+        scale = max(self.scale(), floor)
+        normal = math.erfc(r / scale / math.sqrt(2))
+        # Exponential tails through the 90th..99th and the 99th..99.5th percentiles: the
+        # heavier one wins, so a heavy-tailed past is not a string of false alarms.
+        q90, q99, q995 = (self.window.quantile(q) for q in (0.9, 0.99, 0.995))
+        fitted = [normal]
+        for (q_lo, p_lo), (q_hi, p_hi) in (((q90, 0.1), (q99, 0.01)), ((q99, 0.01), (q995, 0.005))):
+            beta = (q_hi - q_lo) / math.log(p_lo / p_hi)
+            if beta > floor and r > q_hi:
+                fitted.append(p_hi * math.exp(-(r - q_hi) / beta))
+        return max(fitted)
+
+
+_MIN_RESIDUALS = 50
+
+
+class ColumnDetector:
+    """Judges one series online, a row at a time: `update(x)` returns the row's tail probability."""
+
+    def __init__(self, config: SeriesConfig) -> None:
+        self.config = config
+        self.history: list[float] = []
+        self.values = _SortedWindow(config.scale_rows)
+        self.period: int | None = None
+        self.level = _Residuals(config.scale_rows)
+        self.seasonal = _Residuals(config.scale_rows)
+        self.shift = _Residuals(config.scale_rows)
+        self._next_period_check = config.min_rows
+        self._repeats = 0  # past rows equal to the row before them
+        self._run = 0  # rows in a row equal to the one before, up to now
+        self._longest_run = 0  # the longest such run that has ended
+
+    def update(self, x: float) -> float:
+        """The tail probability of `x` given the rows before it (1.0 while warming up or missing)."""
+        c, past = self.config, self.history
+        if not math.isfinite(x):
+            return 1.0  # a missing value is not evidence of anything
+        tail = 1.0
+        if len(past) >= c.min_rows:
+            self._refresh_period()
+            floor = self._floor()
+            r_level = x - _median(past[-c.level_rows:])
+            r_season = self._seasonal_residual(x)
+            model, residual = self.level, r_level
+            if r_season is not None and self.seasonal.ready() and self.seasonal.scale() < self.level.scale():
+                model, residual = self.seasonal, r_season
+            r_shift = self._shift_residual(x)
+            tails = [self._stuck_tail(x)]
+            if model.ready():
+                tails.append(model.tail(residual, floor))
+            if r_shift is not None and self.shift.ready():
+                tails.append(self.shift.tail(r_shift, floor / math.sqrt(c.shift_rows)))
+            tail = min(1.0, 3 * min(tails))  # three tests: Bonferroni
+            self.level.window.add(abs(r_level))
+            if r_shift is not None:
+                self.shift.window.add(abs(r_shift))
+            if r_season is not None:
+                self.seasonal.window.add(abs(r_season))
+        self._count_repeat(x)
+        past.append(x)
+        self.values.add(x)
+        return tail
+
+    def _shift_residual(self, x: float) -> float | None:
+        """The mean of the last `shift_rows` rows against the median of the `reference_rows`
+        before them: a level shift or a new trend too small for any single row to show."""
+        w, ref_rows, past = self.config.shift_rows, self.config.reference_rows, self.history
+        if len(past) < w - 1 + ref_rows:
+            return None
+        recent = (sum(past[len(past) - w + 1:]) + x) / w
+        return recent - _median(past[len(past) - w + 1 - ref_rows:len(past) - w + 1])
+
+    def _stuck_tail(self, x: float) -> float:
+        """P(a run of repeated values this long), for a series that seldom repeats itself (a
+        sensor stuck on one value); runs no longer than the past has shown are not news."""
+        if not self.history or x != self.history[-1]:
+            return 1.0
+        p_repeat = (self._repeats + 1) / (len(self.history) + 1)
+        run = self._run + 1
+        if p_repeat >= 0.5 or run <= self._longest_run:
+            return 1.0
+        return p_repeat ** (run - self._longest_run)
+
+    def _count_repeat(self, x: float) -> None:
+        if self.history and x == self.history[-1]:
+            self._repeats += 1
+            self._run += 1
+        else:
+            self._longest_run = max(self._longest_run, self._run)
+            self._run = 0
+
+    def _refresh_period(self) -> None:
+        n = len(self.history)
+        if n < self._next_period_check:
+            return
+        # Often while young (a season needs two cycles to show), then every `period_every`.
+        self._next_period_check = n + min(self.config.period_every, max(10, n // 4))
+        recent = np.asarray(self.history[-4 * self.config.max_period:], float)
+        period = estimate_period(recent, self.config.max_period, self.config.min_autocorrelation)
+        if period is None or self.period is None or abs(period - self.period) > 1:
+            self.period = period  # within a row of the old one: the phase tolerance covers it
+
+    def _seasonal_residual(self, x: float) -> float | None:
+        """The residual against the same phase of the last three cycles, each corrected for
+        the level now, within a row of phase; their median, so one odd cycle does not make the
+        next normal one look odd and a season of a fractional number of rows still fits."""
+        p, past, k = self.period, self.history, self.config.level_rows
+        if p is None or len(past) < p + 1 + k:
+            return None
+        level_now = _median(past[-k:])
+        predictions = [past[-lag] + level_now - _median(past[-lag - k:-lag])
+                       for cycle in range(1, 4) for lag in (cycle * p - 1, cycle * p, cycle * p + 1)
+                       if lag + k <= len(past)]
+        return x - _median(predictions)
+
+    def _floor(self) -> float:
+        spread = self.values.sorted[-1] - self.values.sorted[0]
+        level = abs(self.values.quantile(0.5))
+        return max(self.config.relative_floor * max(spread, level), 1e-12)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def score_frame(df: pd.DataFrame, time_column: str, *, sensitivity: float = 1.0,
-                threshold: float = 6.0) -> pd.DataFrame:
-    """Return `df` with `anomaly_score` (>1 = anomalous) and `is_anomaly` per row."""
-    if sensitivity <= 0:
-        raise SeriesError(f"sensitivity must be > 0, got {sensitivity}")
-    values = df.drop(columns=[time_column])
-    window = int(np.clip(len(df) // 10, 20, 200))
-    z = pd.concat([pd.concat([_trailing_z(values[c], window),
-                              _trailing_z(values[c].diff(), window)], axis=1).max(axis=1)
-                   for c in values.columns], axis=1).max(axis=1).fillna(0.0)
+                config: SeriesConfig | None = None) -> pd.DataFrame:
+    """Return `df` with `anomaly_score` (1 - tail probability, in [0, 1]), `is_anomaly` (the
+    onset of an anomalous episode) and `in_episode` per row. Online: row t reads rows < t only."""
+    config = config or SeriesConfig.with_sensitivity(sensitivity)
+    columns = [c for c in df.columns if c != time_column]
+    detectors = [ColumnDetector(config) for _ in columns]
+    values = df[columns].to_numpy(float)
+    tails = np.ones(len(df))
+    for i, row in enumerate(values):
+        worst = min(d.update(float(v)) for d, v in zip(detectors, row, strict=True))
+        tails[i] = min(1.0, worst * len(columns))
+    onset, episode = flag_episodes(tails, config)
     out = df.copy()
-    out["anomaly_score"] = (z / (threshold / sensitivity)).round(4)
-    out["is_anomaly"] = out["anomaly_score"] > 1.0
+    out["anomaly_score"] = 1.0 - tails
+    out["is_anomaly"] = onset
+    out["in_episode"] = episode
     return out
+
+
+def flag_episodes(tails: np.ndarray, config: SeriesConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Onset flags and episode membership from per-row tail probabilities (hysteresis)."""
+    onset = np.zeros(len(tails), bool)
+    episode = np.zeros(len(tails), bool)
+    inside, quiet = False, 0
+    for i, tail in enumerate(tails):
+        if not inside and tail < config.alpha:
+            inside, quiet, onset[i] = True, 0, True
+        elif inside:
+            quiet = quiet + 1 if tail >= config.exit_alpha else 0
+            if quiet >= config.quiet_rows:
+                inside = False
+        episode[i] = inside
+    return onset, episode

@@ -308,8 +308,8 @@ def _detect_csv(path: Path, time_column: str, value_columns: str | None,
         fail(str(err))
     output = output or path.with_name(path.stem + ".scored.csv")
     scored.to_csv(output, index=False)
-    console.print(f"{int(scored['is_anomaly'].sum())} anomalous row(s) of {len(scored)}; "
-                  f"scores written to {output}")
+    console.print(f"{int(scored['is_anomaly'].sum())} anomalous episode(s) "
+                  f"({int(scored['in_episode'].sum())} of {len(scored)} rows); scores written to {output}")
 
 
 def _detect_run(run: Path, sensitivity: float) -> None:

@@ -1,10 +1,12 @@
 """`meshscope detect FILE.csv`: scores an exported series; malformed input is a clear exit 2."""
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from detectors.series import SeriesConfig, SeriesError, estimate_period, score_frame
 from meshscope.cli import app
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "series" / "prometheus_export.csv"
@@ -16,18 +18,21 @@ def test_spike_and_level_shift_found_and_slow_wave_ignored(tmp_path):
     result = runner.invoke(app, ["detect", str(DATA), "--time-column", "time", "--output", str(out)])
     assert result.exit_code == 0, result.output
     scored = pd.read_csv(out)
-    assert list(scored.columns[-2:]) == ["anomaly_score", "is_anomaly"]
-    flagged = set(scored.index[scored["is_anomaly"]])
-    assert 250 in flagged and 320 in flagged  # the spike, the start of the shift
-    assert not flagged - set(range(250, 252)) - set(range(320, 345))  # nothing on the wave
+    assert list(scored.columns[-3:]) == ["anomaly_score", "is_anomaly", "in_episode"]
+    # one flag per episode, at its onset: the spike, the start of the shift; nothing on the wave
+    assert list(scored.index[scored["is_anomaly"]]) == [250, 320]
+    assert scored["anomaly_score"].between(0, 1).all()
 
 
 def test_value_columns_and_sensitivity(tmp_path):
     out = tmp_path / "scored.csv"
     runner.invoke(app, ["detect", str(DATA), "--value-columns", "comm_ratio", "-o", str(out)])
     assert 250 not in set(pd.read_csv(out).query("is_anomaly").index)  # spike is in the other column
-    runner.invoke(app, ["detect", str(DATA), "--sensitivity", "0.2", "-o", str(out)])
-    assert pd.read_csv(out)["is_anomaly"].sum() < 10
+    counts = []
+    for sensitivity in ("0.001", "1", "1000"):
+        runner.invoke(app, ["detect", str(DATA), "--sensitivity", sensitivity, "-o", str(out)])
+        counts.append(int(pd.read_csv(out)["is_anomaly"].sum()))
+    assert counts[0] <= counts[1] < counts[2]
 
 
 @pytest.mark.parametrize("content, args, message", [
@@ -42,3 +47,78 @@ def test_malformed_csv_exits_2_with_a_clear_message(tmp_path, content, args, mes
     result = runner.invoke(app, ["detect", str(bad), *args])
     assert result.exit_code == 2
     assert message in result.output
+
+
+N, DAY = 2016, 288  # a week at 5 minutes
+
+
+def _score(values, **config):
+    frame = pd.DataFrame({"time": np.arange(len(values)), "v": values})
+    return score_frame(frame, "time", config=SeriesConfig(**config))
+
+
+def _daily(period=DAY):
+    phase = (np.arange(N) % period) / period
+    return 20 + 60 * np.clip((np.sin(2 * np.pi * (phase - 0.25)) + 0.3) * 2, 0, 1)
+
+
+@pytest.mark.parametrize("name, values", [
+    ("square wave", np.where(np.arange(N) % DAY < DAY // 2, 20.0, 80.0)),
+    ("noiseless daily pattern", _daily()),
+    ("daily pattern, fractional period", _daily(287.5) + np.random.default_rng(1).normal(0, 1, N)),
+    ("flat line", np.full(N, 7.0)),
+    ("white noise", np.random.default_rng(2).normal(50, 2, N)),
+    ("quantised counter", np.random.default_rng(3).poisson(3, N).astype(float)),
+])
+def test_clean_series_raise_nothing_once_their_shape_is_known(name, values):
+    scored = _score(values)
+    assert not scored["is_anomaly"].iloc[2 * DAY:].any(), name  # two cycles show the season
+
+
+@pytest.mark.parametrize("kind", ["spike", "level shift", "variance", "stuck", "missing pulse"])
+def test_each_anomaly_gives_one_flag_at_its_onset(kind):
+    rng = np.random.default_rng(4)
+    x, onset = rng.normal(50, 2, N), 1500
+    if kind == "spike":
+        x[onset] += 25
+    elif kind == "level shift":
+        x[onset:] += 10
+    elif kind == "variance":
+        x[onset:] = 50 + (x[onset:] - 50) * 5
+    elif kind == "stuck":
+        x[onset:onset + 200] = x[onset - 1]
+    else:
+        x = np.where(np.arange(N) % DAY < DAY // 2, 20.0, 80.0)
+        onset = 5 * DAY
+        x[onset:onset + DAY // 2] = 80.0
+    flags = np.flatnonzero(_score(x)["is_anomaly"].to_numpy())
+    flags = flags[flags >= 2 * DAY]
+    assert len(flags) == 1 and onset <= flags[0] <= onset + 10, (kind, flags)
+
+
+def test_online_a_row_is_judged_from_the_rows_before_it_only():
+    rng = np.random.default_rng(5)
+    x = _daily() + rng.normal(0, 1, N)
+    x[1200] += 30
+    whole, prefix = _score(x), _score(x[:1000])
+    assert np.array_equal(whole["anomaly_score"].to_numpy()[:1000], prefix["anomaly_score"].to_numpy())
+    assert np.array_equal(whole["is_anomaly"].to_numpy()[:1000], prefix["is_anomaly"].to_numpy())
+
+
+def test_scores_are_bounded_whatever_the_magnitudes():
+    x = np.r_[np.zeros(200), 1e300, np.full(100, -1e300), np.full(50, np.nan), np.arange(100.0)]
+    score = _score(x)["anomaly_score"]
+    assert score.notna().all() and score.between(0, 1).all()
+
+
+def test_the_season_is_found_from_the_past():
+    assert estimate_period(_daily()[:700], 1500, 0.6) == DAY
+    assert estimate_period(np.arange(700.0), 1500, 0.6) is None  # a trend is not a season
+    assert estimate_period(np.r_[np.zeros(350), np.ones(350)], 1500, 0.6) is None  # nor a step
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(SeriesError, match="alpha"):
+        SeriesConfig.with_sensitivity(1.0, alpha=2)
+    with pytest.raises(SeriesError, match="sensitivity"):
+        SeriesConfig.with_sensitivity(0)
