@@ -13,6 +13,15 @@ from sklearn.utils.validation import check_is_fitted
 from detectors.base import Detector, WindowedDetector, as_matrix
 
 
+def _median_of_others(X: np.ndarray) -> np.ndarray:
+    """Per row and rank: the median of the other ranks' values (with two ranks, the other's)."""
+    n = X.shape[1]
+    if n > 16:  # leaving one rank out barely moves the median of many: O(n) not O(n^2)
+        return np.repeat(np.median(X, axis=1, keepdims=True), n, axis=1)
+    return np.stack([np.median(np.delete(X, r, axis=1), axis=1) if n > 1 else X[:, r]
+                     for r in range(n)], axis=1)
+
+
 class Straggler(WindowedDetector):
     """X: compute seconds, one row per step, one column per rank.
 
@@ -36,12 +45,7 @@ class Straggler(WindowedDetector):
 
     def ratios(self, X) -> np.ndarray:
         X = as_matrix(X)
-        n = X.shape[1]
-        if n > 16:  # leaving one rank out barely moves the median of many: O(n) not O(n^2)
-            others = np.repeat(np.median(X, axis=1, keepdims=True), n, axis=1)
-        else:
-            others = np.stack([np.median(np.delete(X, r, axis=1), axis=1) if n > 1 else X[:, r]
-                               for r in range(n)], axis=1)
+        others = _median_of_others(X)
         return np.minimum(X / np.maximum(others, 1e-9), X / np.maximum(self.best_, 1e-9))
 
     def score_samples(self, X) -> np.ndarray:
@@ -50,6 +54,110 @@ class Straggler(WindowedDetector):
 
     def culprits(self, X) -> list[list[int]]:
         return [list(np.flatnonzero(row > self.ratio)) for row in self.ratios(X)]
+
+
+class PersistentStraggler(WindowedDetector):
+    """X: compute seconds, one row per step, one column per rank, in step order.
+
+    The straggler too subtle for `Straggler`: a rank persistently 1.1-1.5x slower than it
+    usually is relative to its peers. Each rank's usual pace relative to the step's median is
+    learnt (some workers are always a little slower: heterogeneity, not an anomaly), with its
+    step-to-step noise. Row i is scored on the median of the last `span` rows of X up to i, so
+    the caller passes the recent rows and reads the last score; a rank straggles when that
+    median exceeds its usual pace by more than `min_excess`, `z` times the noise of such
+    medians, and `margin` times the largest such median the normal past showed (noise on a
+    shared host comes in bursts). Several ranks can straggle at once, up to half.
+    """
+
+    _parameter_constraints = {"min_excess": [Interval(Real, 0, None, closed="neither")],
+                              "z": [Interval(Real, 0, None, closed="neither")],
+                              "margin": [Interval(Real, 0, None, closed="left")],
+                              "span": [Interval(Integral, 1, None, closed="left")],
+                              "min_history": [Interval(Integral, 1, None, closed="left")],
+                              "relearn_every": [Interval(Integral, 1, None, closed="left")],
+                              "window": [Interval(Integral, 2, None, closed="left")]}
+
+    def __init__(self, min_excess: float = 0.08, z: float = 4.0, margin: float = 1.5,
+                 span: int = 5, min_history: int = 50, relearn_every: int = 10,
+                 window: int = 100) -> None:
+        self.min_excess = min_excess
+        self.z = z
+        self.margin = margin
+        self.span = span
+        self.min_history = min_history
+        self.relearn_every = relearn_every
+        self.window = window
+
+    def _offset(self) -> float:
+        return 1.0
+
+    def partial_fit(self, X, y=None):
+        """Slide the window. Each new row's horizon median is kept (one median, cheap) and can
+        only raise `worst_` at once; pace and noise move slowly and are relearnt every
+        `relearn_every` rows (at 1,024 ranks a full relearn costs more than judging)."""
+        check_is_fitted(self)
+        for row in as_matrix(X):
+            self.history_ = np.vstack([self.history_, row])[-self.window:]
+            span_rel = np.median(self._relative(self.history_[-self.span:]), axis=0)
+            self.span_rel_ = np.vstack([self.span_rel_, span_rel])[-self.window:]
+            self.worst_ = np.maximum(self.worst_, span_rel / np.maximum(self.pace_, 1e-12) - 1)
+            self.unlearnt_ += 1
+        if self.unlearnt_ >= self.relearn_every or len(self.history_) == self.min_history:
+            self._learn_pace()
+        return self
+
+    @staticmethod
+    def _relative(X: np.ndarray) -> np.ndarray:
+        return X / np.maximum(_median_of_others(X), 1e-12)
+
+    def _learn(self) -> None:
+        rel = self._relative(self.history_)
+        # Horizon medians of the relative pace, row by row (a median commutes with dividing
+        # by a rank's pace, so they stay valid when the pace is relearnt).
+        self.span_rel_ = self._span_medians(rel)
+        self._learn_pace()
+
+    def _learn_pace(self) -> None:
+        self.pace_ = np.median(self._relative(self.history_), axis=0)  # usual pace vs peers
+        spans = self.span_rel_ / np.maximum(self.pace_, 1e-12) - 1
+        self.noise_ = np.maximum(
+            1.4826 * np.median(np.abs(spans - np.median(spans, axis=0)), axis=0), 1e-3)
+        self.worst_ = spans.max(axis=0)  # the largest horizon median the normal past showed
+        self.unlearnt_ = 0
+
+    def thresholds(self) -> np.ndarray:
+        """Per rank: the excess over its usual pace that counts."""
+        check_is_fitted(self)
+        if len(self.history_) < self.min_history:  # too little normal past to tell its noise
+            return np.full_like(self.noise_, np.inf)
+        return np.maximum.reduce([np.full_like(self.noise_, self.min_excess),
+                                  self.z * self.noise_, self.margin * self.worst_])
+
+    def _span_medians(self, dev: np.ndarray) -> np.ndarray:
+        """Row i: the median of rows i - span + 1 .. i (fewer at the start)."""
+        head = [np.median(dev[:i + 1], axis=0) for i in range(min(self.span - 1, len(dev)))]
+        if len(dev) < self.span:
+            return np.asarray(head).reshape(len(dev), -1)
+        full = np.median(np.lib.stride_tricks.sliding_window_view(dev, self.span, axis=0), axis=-1)
+        return np.vstack([*head, full]) if head else full
+
+    def excess(self, X) -> np.ndarray:
+        """Per row and rank: the median of the last `span` rows' pace over the usual, minus 1."""
+        check_is_fitted(self)
+        return self._span_medians(self._relative(as_matrix(X)) / np.maximum(self.pace_, 1e-12)) - 1
+
+    def latest_excess(self, X) -> np.ndarray:
+        """Per rank: `excess` of the last row of X only (what the live rule needs, cheaply)."""
+        check_is_fitted(self)
+        X = as_matrix(X)[-self.span:]
+        return np.median(self._relative(X) / np.maximum(self.pace_, 1e-12), axis=0) - 1
+
+    def score_samples(self, X) -> np.ndarray:
+        return -(self.excess(X) / self.thresholds()).max(axis=1)
+
+    def culprits(self, X) -> list[list[int]]:
+        over = self.excess(X) / self.thresholds()
+        return [list(np.flatnonzero(row > 1.0)) for row in over]
 
 
 class ExpertBalance(WindowedDetector):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from detectors.domain import PersistentStraggler
 from detectors.episodes import Episode, EpisodeTracker
 from detectors.features import COLUMN, StepFeaturizer, StepView, step_views
 from detectors.rules import (
@@ -89,7 +90,9 @@ class DetectionEngine:
         self.rules: list[StepRule] = [
             NonFiniteRule(),
             StallRule(factor=10.0 / s),  # a step 10x the usual: a stuck collective
-            StragglerRule(ratio=1 + 0.8 / s, on_score=self._score),
+            StragglerRule(ratio=1 + 0.8 / s, on_score=self._score,
+                          persistent=[PersistentStraggler(min_excess=0.08 / s, z=4.0 / s, span=span)
+                                      for span in (5, 20)]),
             CommRule(threshold=4.0 / s, slowdown=1 + 0.3 / s),  # ...and the step that much slower
             LossSpikeRule(threshold=8.0 / s),
             MemoryRule(mb_per_step=2.0 / s),

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from detectors.domain import ExpertLoad, MemoryGrowth, NonFinite, Straggler
+from detectors.domain import ExpertLoad, MemoryGrowth, NonFinite, PersistentStraggler, Straggler
 from detectors.isolation import OnlineIsolationForest
 from detectors.moving import RobustZ
 
@@ -160,30 +160,79 @@ class StallRule:
 
 
 class StragglerRule:
-    """One rank computes much slower than its peers and than its own best."""
+    """A rank computes slower than its peers: much slower now (`Straggler`), or a little
+    slower than its usual pace, step after step (`PersistentStraggler`, three ranks or more);
+    several at once."""
 
     name, during_warmup = "straggler", False
 
-    def __init__(self, ratio: float, on_score: Any) -> None:
+    def __init__(self, ratio: float, on_score: Any,
+                 persistent: list[PersistentStraggler]) -> None:
+        """`persistent`: one detector per horizon (a few steps on a quiet cluster; longer
+        ones see through the bursts of a shared host)."""
         self.detector = Straggler(ratio=ratio)
+        self.persistent = persistent
         self.on_score = on_score
+        self.recent: collections.deque[np.ndarray] = collections.deque(
+            maxlen=max(p.span for p in persistent))
 
     def learn(self, warm: Any) -> None:
         self.detector.fit(warm.compute)
+        for p in self.persistent:
+            p.fit(warm.compute)
+        self.recent.clear()
 
     def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
         ratio = -float(self.detector.score_samples(row.compute)[0])
         self.on_score("straggler", ratio)
+        self.recent.append(row.compute[0])
         slow = self.detector.culprits(row.compute)[0]
-        if not slow:
+        if slow:
+            return [Flag("straggler", ratio, ranks=[row.ranks[i] for i in slow], confirm=3,
+                         evidence=self._evidence(row, ratio=round(ratio, 2)))]
+        return self._persistent(row)
+
+    def _persistent(self, row: Any) -> list[Flag]:
+        # With two ranks "one is slow" and "the other is fast" look the same: a subtle
+        # straggler needs a majority of peers to be measured against.
+        if len(row.ranks) < 3:
             return []
-        return [Flag("straggler", ratio, ranks=[row.ranks[i] for i in slow], confirm=3, evidence={
-            "compute_s": {str(r): round(float(v), 4) for r, v in zip(row.ranks, row.compute[0])},
-            "ratio": round(ratio, 2)})]
+        recent = np.vstack(self.recent)
+        shortest = min(self.persistent, key=lambda p: p.span)
+        if len(recent) < shortest.span:
+            return []
+        # still slow lately (over the shortest horizon) and now: a straggle that ended is over
+        lately = np.minimum(shortest.latest_excess(recent), shortest.latest_excess(recent[-1:]))
+        slow: dict[int, tuple[float, int]] = {}  # rank index -> (excess, horizon)
+        for p in self.persistent:
+            thresholds = p.thresholds()
+            if len(recent) < p.span or not np.isfinite(thresholds).any():
+                continue
+            excess = p.latest_excess(recent)
+            for i in np.flatnonzero((excess > thresholds) & (lately > shortest.min_excess)):
+                if i not in slow or excess[i] > slow[i][0]:
+                    slow[int(i)] = (float(excess[i]), p.span)
+        if not slow or len(slow) > len(row.ranks) // 2:
+            return []  # more than half slower than the median is not how a median works
+        worst = max(e for e, _ in slow.values())
+        return [Flag("straggler", 1 + worst, ranks=[row.ranks[i] for i in sorted(slow)],
+                     evidence=self._evidence(
+                         row, ratio=round(1 + worst, 3), persistent=True,
+                         excess={str(row.ranks[i]): round(e, 3) for i, (e, _) in slow.items()},
+                         over_steps={str(row.ranks[i]): h for i, (_, h) in slow.items()},
+                         usual_pace={str(row.ranks[i]): round(float(shortest.pace_[i]), 3)
+                                     for i in slow}))]
+
+    @staticmethod
+    def _evidence(row: Any, **extra: Any) -> dict[str, Any]:
+        return {"compute_s": {str(r): round(float(v), 4) for r, v in zip(row.ranks, row.compute[0])},
+                **extra}
 
     def update(self, row: Any, normal: bool) -> None:
         if normal:
             self.detector.partial_fit(row.compute)
+            for p in self.persistent:
+                p.partial_fit(row.compute)
 
 
 class CommRule:

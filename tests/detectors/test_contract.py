@@ -4,7 +4,7 @@ import pytest
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
-from detectors.domain import ExpertBalance, MemoryGrowth, NonFinite, Straggler
+from detectors.domain import ExpertBalance, MemoryGrowth, NonFinite, PersistentStraggler, Straggler
 from detectors.isolation import OnlineIsolationForest
 from detectors.moving import EWMA, RobustZ
 
@@ -15,6 +15,7 @@ CASES = [
     (EWMA(), NORMAL, NORMAL[0] * [1, 1, 5]),
     (OnlineIsolationForest(n_estimators=50), NORMAL, NORMAL[0] * [1, 1, 8]),
     (Straggler(), NORMAL, NORMAL[0] * [1, 1, 3]),
+    (PersistentStraggler(), NORMAL, NORMAL[0] * [1, 1, 1.6]),
     (ExpertBalance(), np.full((5, 4), 0.25) + 0.01 * rng.standard_normal((5, 4)),
      np.array([0.7, 0.1, 0.1, 0.1])),
     (NonFinite(), NORMAL, np.array([1.0, np.nan, 1.0])),
@@ -46,7 +47,8 @@ def test_set_params_moves_the_decision_and_unfitted_use_raises_not_fitted():
     from detectors.isolation import OnlineIsolationForest
     from detectors.moving import EWMA, RobustZ
 
-    for det in (Straggler(), ExpertBalance(), ExpertLoad(), MemoryGrowth(), NonFinite(),
+    for det in (Straggler(), PersistentStraggler(), ExpertBalance(), ExpertLoad(), MemoryGrowth(),
+                NonFinite(),
                 RobustZ(), EWMA(), OnlineIsolationForest(n_estimators=5)):
         with pytest.raises(NotFittedError):
             det.score_samples(np.ones((3, 2)))
@@ -62,13 +64,14 @@ def test_set_params_moves_the_decision_and_unfitted_use_raises_not_fitted():
 
 @pytest.mark.parametrize("det,param", [
     ("Straggler(ratio=0.9)", "ratio"), ("Straggler(window=0)", "window"),
+    ("PersistentStraggler(min_excess=0)", "min_excess"), ("PersistentStraggler(span=0)", "span"),
     ("ExpertLoad(top_k=0)", "top_k"), ("MemoryGrowth(mb_per_step=-1)", "mb_per_step"),
     ("RobustZ(threshold=-1)", "threshold"), ("EWMA(alpha=0)", "alpha"),
     ("OnlineIsolationForest(n_estimators=0)", "n_estimators")])
 def test_bad_hyperparameters_are_refused_naming_them(det, param):
     import numpy as np
 
-    from detectors.domain import ExpertLoad, MemoryGrowth, Straggler  # noqa: F401
+    from detectors.domain import ExpertLoad, MemoryGrowth, PersistentStraggler, Straggler  # noqa: F401
     from detectors.isolation import OnlineIsolationForest  # noqa: F401
     from detectors.moving import EWMA, RobustZ  # noqa: F401
 

@@ -1,6 +1,7 @@
 """The engine on synthetic runs with known faults: each is found, named, and is one episode."""
 import numpy as np
 import pandas as pd
+import pytest
 
 from detectors.engine import DetectionEngine, EngineConfig
 
@@ -62,3 +63,38 @@ def test_a_world_that_shrinks_starts_its_baselines_over():
     after = after[after["step"] >= 60]
     _, closed = run(pd.concat([before, after]))
     assert [(e.type, e.ranks) for e in closed] == [("straggler", [1])]
+
+
+def heterogeneous_run(steps=200, paces=(1.0, 1.05, 0.97, 1.1, 1.0, 1.0, 0.95, 1.02), seed=0,
+                      slow=(), factor=1.25, start=100, noise=0.02):
+    """Workers with their own steady pace (some always a little slower), and `slow` ranks that
+    become `factor` slower than their own pace from `start` on, for good."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(steps):
+        compute = 0.1 * np.asarray(paces) * (1 + noise * rng.standard_normal(len(paces)))
+        if step >= start:
+            compute[list(slow)] *= factor
+        step_s = compute.max() + 0.01
+        for r, c in enumerate(compute):
+            rows.append(dict(rank=r, world_size=len(paces), step=step, step_s=step_s, data_s=0.0,
+                             comm_exposed_s=step_s - c, comm_ratio=(step_s - c) / step_s,
+                             bytes_wire=1000, loss=4.0 * np.exp(-step / 80), grad_norm=1.0,
+                             tokens=256, mem_rss=1e9))
+    return pd.DataFrame(rows)
+
+
+def test_heterogeneous_workers_are_not_stragglers():
+    for seed in range(3):
+        opened, _ = run(heterogeneous_run(seed=seed))
+        assert opened == [], seed
+
+
+@pytest.mark.parametrize("slow, factor", [((3,), 1.2), ((3, 6), 1.25), ((1, 4, 6), 1.5),
+                                          ((2,), 1.12)])
+def test_subtle_and_several_persistent_stragglers_are_named_within_a_few_steps(slow, factor):
+    opened, closed = run(heterogeneous_run(slow=slow, factor=factor))
+    stragglers = [e for e in closed if e.type == "straggler"]
+    assert stragglers and all(e.start_step <= 106 for e in stragglers)
+    assert {r for e in stragglers for r in e.ranks} == set(slow)
+    assert all(e.start_step >= 100 for e in closed)  # nothing before the fault

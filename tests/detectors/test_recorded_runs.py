@@ -30,3 +30,13 @@ def test_each_injected_fault_is_found(name):
     assert found[0].start_step - inj["start_step"] <= 5
     if found[0].ranks and kind in ("slow", "nan", "memory_leak"):
         assert found[0].ranks == [inj["rank"]]
+
+
+def test_a_persistent_1_4x_straggler_on_a_noisy_4_rank_run_is_named():
+    """Recorded: 4 CPU ranks on 2 cores (bursts of 50 % for several steps in clean runs),
+    rank 2 slowed 1.4x from step 100 for good (its peers speed up as it sleeps, so either
+    horizon may name it first); the clean twin raises nothing."""
+    slow = ours(DATA / "persistent" / "slow4")
+    assert [(e.type, e.ranks) for e in slow] == [("straggler", [2])]
+    assert 100 <= slow[0].start_step <= 115
+    assert ours(DATA / "persistent" / "clean4") == []
