@@ -2,12 +2,34 @@
 from __future__ import annotations
 
 import json
+import string
+import sys
 from pathlib import Path
 from typing import Any
 
 from collector.exporter import TARGETS_INDEX
+from detectors.thresholds import Thresholds
 
 RULES = Path(__file__).parent / "rules" / "rules.yml"
+RULES_TEMPLATE = RULES.with_name("rules.template.yml")
+
+
+class _RulesTemplate(string.Template):
+    delimiter = "%%"  # `$` belongs to Prometheus' own templates ({{ $labels.run }})
+
+
+def render_rules(thresholds: Thresholds | None = None) -> str:
+    """rules.yml with the thresholds the engine uses: one source for both."""
+    values = (thresholds or Thresholds()).model_dump()
+    template = _RulesTemplate(RULES_TEMPLATE.read_text())
+    header = "# GENERATED from rules.template.yml and detectors/thresholds.py: edit those.\n"
+    return header + template.substitute({k: f"{v:g}" for k, v in values.items()})
+
+
+def write_rules(path: Path, thresholds: Thresholds | None = None) -> Path:
+    """Write the rendered rules where a Prometheus reads them."""
+    path.write_text(render_rules(thresholds))
+    return path
 
 
 def prometheus_config(runs_root: Path, *, scrape_interval_s: float = 5.0,
@@ -34,3 +56,9 @@ def write_prometheus_config(path: Path, runs_root: Path, **kwargs: Any) -> Path:
     """Write the config (JSON is valid YAML, so no YAML library is needed)."""
     path.write_text(json.dumps(prometheus_config(runs_root, **kwargs), indent=2))
     return path
+
+
+if __name__ == "__main__":  # python -m dashboards.prometheus --write-rules
+    if sys.argv[1:] != ["--write-rules"]:
+        sys.exit("usage: python -m dashboards.prometheus --write-rules")
+    print(write_rules(RULES))

@@ -21,7 +21,7 @@ from typing import Any
 
 from collector.exporter import TARGETS_INDEX
 from dashboards.alertmanager import AlertRouting, write_alertmanager_config
-from dashboards.prometheus import RULES, write_prometheus_config
+from dashboards.prometheus import write_prometheus_config, write_rules
 
 BINARIES = {"prometheus": ("prometheus",),
             "alertmanager": ("prometheus-alertmanager", "alertmanager")}  # Debian's name, upstream's
@@ -64,8 +64,7 @@ def find_binary(component: str) -> str:
 def _commands(cfg: StackConfig) -> dict[str, list[str]]:
     home = cfg.home.resolve()
     am = f"127.0.0.1:{cfg.alertmanager_port}"
-    rules = home / "rules.yml"
-    shutil.copy(RULES, rules)
+    rules = write_rules(home / "rules.yml")
     prom_config = write_prometheus_config(home / "prometheus.yml", cfg.runs_root,
                                           scrape_interval_s=cfg.scrape_interval_s,
                                           rule_files=[str(rules)], alertmanager=am)

@@ -10,7 +10,7 @@ evidence) when it closes, and counts in `meshscope_anomalies_total{type}` when i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -34,6 +34,7 @@ from detectors.rules import (
     Verdict,
     WindowRule,
 )
+from detectors.thresholds import Thresholds
 
 
 @dataclass
@@ -65,6 +66,7 @@ class EngineConfig:
     warmup: int = 20
     gap: int = 3
     sensitivity: float = 1.0
+    thresholds: Thresholds = field(default_factory=Thresholds)
 
     def __post_init__(self) -> None:
         if self.warmup < 5:
@@ -90,7 +92,8 @@ class DetectionEngine:
         self.rules: list[StepRule] = [
             NonFiniteRule(),
             StallRule(factor=10.0 / s),  # a step 10x the usual: a stuck collective
-            StragglerRule(ratio=1 + 0.8 / s, on_score=self._score,
+            StragglerRule(ratio=1 + (self.config.thresholds.straggler_ratio - 1) / s,
+                          on_score=self._score,
                           persistent=[PersistentStraggler(min_excess=0.08 / s, z=4.0 / s, span=span)
                                       for span in (5, 20)]),
             CommRule(threshold=4.0 / s, slowdown=1 + 0.3 / s),  # ...and the step that much slower
@@ -98,7 +101,8 @@ class DetectionEngine:
             MemoryRule(mb_per_step=2.0 / s),
             MultivariateRule(on_score=self._score),
         ]
-        self.window_rules: list[WindowRule] = [ExpertRule(self.config.warmup, top_k=top_k),
+        self.window_rules: list[WindowRule] = [ExpertRule(self.config.warmup, top_k=top_k,
+                                                              hog_min=self.config.thresholds.expert_hotness),
                                                GradientRule()]
         self.tracker = EpisodeTracker(gap=self.config.gap)
         self.last_step = -1

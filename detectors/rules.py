@@ -346,8 +346,8 @@ class ExpertRule:
 
     name, table = "expert_imbalance", "expert_load"
 
-    def __init__(self, warmup: int, top_k: int | None = None) -> None:
-        self.warmup, self.top_k = warmup, top_k
+    def __init__(self, warmup: int, hog_min: float, top_k: int | None = None) -> None:
+        self.warmup, self.top_k, self.hog_min = warmup, top_k, hog_min
         self.tokens_per_step: float | None = None  # over all ranks, set by the engine
         self.detectors: dict[int, ExpertLoad] = {}
         self._warm: dict[int, list[np.ndarray]] = {}
@@ -370,7 +370,8 @@ class ExpertRule:
                     warm.append(share)
                     if step >= self.warmup - 1 or det is not None:
                         k = self._top_k(tokens.sum(), int(step), len(tokens))
-                        self.detectors[layer] = ExpertLoad(top_k=k).fit(np.vstack(warm))
+                        self.detectors[layer] = ExpertLoad(top_k=k, hog_min=self.hog_min).fit(
+                            np.vstack(warm))
                     continue
                 out += self._flags(int(step), int(layer), det, share)
             self.last_step = int(step)

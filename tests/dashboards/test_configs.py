@@ -48,7 +48,7 @@ def test_a_wrong_expectation_fails_promtool(tmp_path):
     """The unit tests can fail: a changed expected value is caught."""
     promtool = require_binary("promtool")
     broken = tmp_path / "rules_test.yml"
-    broken.write_text(RULES.with_name("rules_test.yml").read_text().replace('value: "1.50"', 'value: "1.40"'))
+    broken.write_text(RULES.with_name("rules_test.yml").read_text().replace('value: "3.00"', 'value: "2.90"'))
     (tmp_path / "rules.yml").write_text(RULES.read_text())
     assert subprocess.run([promtool, "test", "rules", str(broken)], capture_output=True).returncode != 0
 

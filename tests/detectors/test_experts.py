@@ -61,7 +61,7 @@ def test_the_rule_reads_top_k_from_the_counts():
             share[3] = 1 / top_k
         tokens = share * tokens_per_step * every * top_k  # each token counted k times
         rows += [{"step": step, "layer": 0, "expert": e, "tokens": t} for e, t in enumerate(tokens)]
-    rule = ExpertRule(warmup=20)
+    rule = ExpertRule(warmup=20, hog_min=0.5)
     rule.tokens_per_step = tokens_per_step
     flags = rule.judge(pd.DataFrame(rows))
     assert rule.detectors[0].top_k == top_k
