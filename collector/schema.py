@@ -59,12 +59,15 @@ def nonfinite_mask(steps: Any, name: str = "loss") -> Any:
 
     values = steps[name].to_numpy(dtype=float)
     if "nonfinite" in steps.columns:
-        said = steps["nonfinite"].fillna("").astype(str).str.contains(
+        notes = steps["nonfinite"]
+        if not notes.astype(bool).any():  # the usual case, and cheap at 1,024 ranks a step
+            return np.isinf(values)
+        said = notes.fillna("").astype(str).str.contains(
             rf"(?:^|,){name}(?:,|$)", regex=True).to_numpy()
         return said | np.isinf(values)
     finite = np.isfinite(values)
-    logged = steps.assign(_f=finite).groupby("rank")["_f"].transform("any").to_numpy()
-    return ~finite & logged
+    ranks = steps["rank"].to_numpy()
+    return ~finite & np.isin(ranks, np.unique(ranks[finite]))
 
 
 @dataclass(slots=True, kw_only=True)

@@ -96,9 +96,11 @@ class PersistentStraggler(WindowedDetector):
         only raise `worst_` at once; pace and noise move slowly and are relearnt every
         `relearn_every` rows (at 1,024 ranks a full relearn costs more than judging)."""
         check_is_fitted(self)
-        for row in as_matrix(X):
-            self.history_ = np.vstack([self.history_, row])[-self.window:]
-            span_rel = np.median(self._relative(self.history_[-self.span:]), axis=0)
+        X = as_matrix(X)
+        self.history_ = np.vstack([self.history_, X])[-self.window:]
+        for rel in self.relative(X):
+            self.rel_ = np.vstack([self.rel_, rel])[-self.window:]
+            span_rel = np.median(self.rel_[-self.span:], axis=0)
             self.span_rel_ = np.vstack([self.span_rel_, span_rel])[-self.window:]
             self.worst_ = np.maximum(self.worst_, span_rel / np.maximum(self.pace_, 1e-12) - 1)
             self.unlearnt_ += 1
@@ -107,18 +109,20 @@ class PersistentStraggler(WindowedDetector):
         return self
 
     @staticmethod
-    def _relative(X: np.ndarray) -> np.ndarray:
+    def relative(X) -> np.ndarray:
+        """Each rank's compute over the median of the other ranks', row by row."""
+        X = as_matrix(X)
         return X / np.maximum(_median_of_others(X), 1e-12)
 
     def _learn(self) -> None:
-        rel = self._relative(self.history_)
+        self.rel_ = rel = self.relative(self.history_)
         # Horizon medians of the relative pace, row by row (a median commutes with dividing
         # by a rank's pace, so they stay valid when the pace is relearnt).
         self.span_rel_ = self._span_medians(rel)
         self._learn_pace()
 
     def _learn_pace(self) -> None:
-        self.pace_ = np.median(self._relative(self.history_), axis=0)  # usual pace vs peers
+        self.pace_ = np.median(self.rel_, axis=0)  # each rank's usual pace against its peers
         spans = self.span_rel_ / np.maximum(self.pace_, 1e-12) - 1
         self.noise_ = np.maximum(
             1.4826 * np.median(np.abs(spans - np.median(spans, axis=0)), axis=0), 1e-3)
@@ -144,13 +148,13 @@ class PersistentStraggler(WindowedDetector):
     def excess(self, X) -> np.ndarray:
         """Per row and rank: the median of the last `span` rows' pace over the usual, minus 1."""
         check_is_fitted(self)
-        return self._span_medians(self._relative(as_matrix(X)) / np.maximum(self.pace_, 1e-12)) - 1
+        return self._span_medians(self.relative(X) / np.maximum(self.pace_, 1e-12)) - 1
 
-    def latest_excess(self, X) -> np.ndarray:
-        """Per rank: `excess` of the last row of X only (what the live rule needs, cheaply)."""
+    def latest_excess(self, relative: np.ndarray) -> np.ndarray:
+        """Per rank: `excess` of the last row only, given rows of `relative(X)` (the live rule
+        computes each step's relative pace once and keeps the recent ones)."""
         check_is_fitted(self)
-        X = as_matrix(X)[-self.span:]
-        return np.median(self._relative(X) / np.maximum(self.pace_, 1e-12), axis=0) - 1
+        return np.median(relative[-self.span:] / np.maximum(self.pace_, 1e-12), axis=0) - 1
 
     def score_samples(self, X) -> np.ndarray:
         return -(self.excess(X) / self.thresholds()).max(axis=1)

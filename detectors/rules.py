@@ -173,6 +173,7 @@ class StragglerRule:
         self.detector = Straggler(ratio=ratio)
         self.persistent = persistent
         self.on_score = on_score
+        # the recent steps' compute relative to the other ranks, one row per step
         self.recent: collections.deque[np.ndarray] = collections.deque(
             maxlen=max(p.span for p in persistent))
 
@@ -185,7 +186,7 @@ class StragglerRule:
     def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
         ratio = -float(self.detector.score_samples(row.compute)[0])
         self.on_score("straggler", ratio)
-        self.recent.append(row.compute[0])
+        self.recent.append(PersistentStraggler.relative(row.compute)[0])
         slow = self.detector.culprits(row.compute)[0]
         if slow:
             return [Flag("straggler", ratio, ranks=[row.ranks[i] for i in slow], confirm=3,
