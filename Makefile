@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned, so pip takes the CPU wheel on this machine's disk and not a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,ui]'
+	$(PY) -m pip install -q -e '.[all,test]'
 	touch $(STAMP)
 
 demo: $(STAMP)

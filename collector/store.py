@@ -12,11 +12,12 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from collector.schema import STEP_COLUMNS, Event, StepRecord
+
+if TYPE_CHECKING:  # the loaders return DataFrames; writing a store (the Monitor) needs no pandas
+    import pandas as pd
 
 STORE_NAME = "store.sqlite"
 
@@ -255,6 +256,8 @@ def insert_events(run_dir: str | Path, events: list[Event]) -> list[int]:
 
 
 def _read(run_dir: str | Path, sql: str, params: tuple = ()) -> pd.DataFrame:
+    import pandas as pd
+
     path = store_path(run_dir)
     conn = _connect(path, readonly=True)
     try:
@@ -300,6 +303,8 @@ def load_tensor_stats(run_dir: str | Path, *, module: str | None = None) -> pd.D
 
 def load_grad_stats(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
     """The gradient inspector's per-layer norms and update ratios, by step."""
+    import pandas as pd
+
     try:
         return _read(run_dir, "SELECT * FROM grad_stats WHERE step > ? ORDER BY step, module",
                      (since_step,))

@@ -1,17 +1,24 @@
 """`meshscope` command line: parse, build, run, close. The work lives in the packages."""
 from __future__ import annotations
 
+import json
 import math
 import socket
 import sqlite3
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import pandas as pd
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 from collector.exporter import PortInUseError, remove_from_index
 from collector.report import summarize
@@ -46,6 +53,36 @@ def _overrides(**flags: Any) -> dict[str, Any]:
     return out
 
 
+def _merge_settings(settings: list[str], flags: dict[str, Any]) -> dict[str, Any]:
+    """`--set PATH=VALUE` pairs under the named flags (a flag wins over --set for one field).
+    VALUE is read as a TOML value (8, 0.5, true, "text"); anything else is a string."""
+    out: dict[str, Any] = {}
+    for item in settings:
+        path, sep, raw = item.partition("=")
+        if not sep or not path.strip():
+            raise typer.BadParameter(f"--set {item!r}: expected PATH=VALUE, e.g. train.steps=100")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = out
+        *parents, leaf = path.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise typer.BadParameter(f"--set {item!r}: {part} is not a section")
+        node[leaf] = value
+    return _deep_merge(out, flags)
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        merged[key] = (_deep_merge(merged[key], value)
+                       if isinstance(value, dict) and isinstance(merged.get(key), dict) else value)
+    return merged
+
+
 @app.callback()
 def main() -> None:
     """meshscope: instrumented training, detectors, tracer and boards."""
@@ -76,8 +113,8 @@ def run(
     slack_webhook_file: Path | None = typer.Option(
         None, help="file holding a Slack incoming-webhook URL (or env MESHSCOPE_SLACK_WEBHOOK)"),
     email_to: str | None = typer.Option(None, help="alert recipients, a@x,b@y"),
-    smtp: str = typer.Option("127.0.0.1:25", help="SMTP host:port for email alerts"),
-    smtp_from: str = typer.Option("meshscope@localhost", help="sender of email alerts"),
+    smtp: str | None = typer.Option(None, help="SMTP host:port for email alerts (127.0.0.1:25)"),
+    smtp_from: str | None = typer.Option(None, help="sender of email alerts"),
     smtp_user: str | None = typer.Option(None, help="SMTP login"),
     smtp_password_file: Path | None = typer.Option(None, help="file holding the SMTP password"),
     on_hang: str = typer.Option(
@@ -93,18 +130,22 @@ def run(
     view_url: str | None = typer.Option(
         None, "--view-url", help="the root-cause view alerts link to (default "
                                  "http://127.0.0.1:8501)"),
-    alerts: str = typer.Option(
-        "auto", "--alerts", help="auto: through Alertmanager when a `meshscope stack` watches "
-                                 "this runs folder, else from the run itself; alertmanager; "
-                                 "embedded"),
-    smtp_tls: bool = typer.Option(True, "--smtp-tls/--no-smtp-tls",
-                                  help="require STARTTLS for email (as `stack up` does)"),
-    stack_home: Path = typer.Option(Path(".meshscope/stack"), "--stack-home",
-                                    help="where `meshscope stack up` keeps its state"),
+    alerts: str | None = typer.Option(
+        None, "--alerts", help="auto (default): through Alertmanager when a `meshscope stack` "
+                               "watches this runs folder, else from the run itself; "
+                               "alertmanager; embedded"),
+    smtp_tls: bool | None = typer.Option(None, "--smtp-tls/--no-smtp-tls",
+                                         help="require STARTTLS for email (default; as `stack "
+                                              "up` does)"),
+    stack_home: Path | None = typer.Option(None, "--stack-home",
+                                           help="where `meshscope stack up` keeps its state"),
+    set_: list[str] | None = typer.Option(
+        None, "--set", help="any config field, repeatable: PATH=VALUE, e.g. train.powersgd_rank=8 "
+                            "or elastic.keep=5 (every field: `meshscope config`)"),
 ) -> None:
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
-        cfg = load_config(config, _overrides(
+        cfg = load_config(config, _merge_settings(set_ or [], _overrides(
             train__steps=steps, nproc=nproc, train__compression=compression,
             train__overlap=False if no_overlap else None, device=device, backend=backend,
             runs_root=run_dir,
@@ -112,10 +153,12 @@ def run(
             elastic__checkpoint_every=checkpoint_every, elastic__max_restarts=max_restarts,
             elastic__nnodes=nnodes, elastic__rdzv_endpoint=rdzv_endpoint,
             elastic__rdzv_external=True if rdzv_external else None, trace=trace,
-            view_url=view_url))
-        channels = _alert_channels(slack_webhook_file, email_to, smtp, smtp_from, smtp_user,
-                                   smtp_password_file, smtp_tls)  # checked before any write
-        channels = _alert_route(alerts, channels, cfg.runs_root, stack_home)
+            view_url=view_url, alerts__mode=alerts, alerts__slack_webhook_file=slack_webhook_file,
+            alerts__email_to=email_to, alerts__smtp=smtp, alerts__smtp_from=smtp_from,
+            alerts__smtp_user=smtp_user, alerts__smtp_password_file=smtp_password_file,
+            alerts__smtp_tls=smtp_tls, alerts__stack_home=stack_home)))
+        channels = _alert_channels(cfg.alerts)  # checked before any write
+        channels = _alert_route(cfg.alerts.mode, channels, cfg.runs_root, cfg.alerts.stack_home)
         hang = _hang_config(on_hang, hang_after)
         cfg = launcher.prepare_run(cfg)
     except (ConfigError, DeviceUnavailable, PortInUseError, ValueError) as err:
@@ -162,22 +205,23 @@ def _alert_route(alerts: str, channels: list, runs_root: Path, stack_home: Path)
     return []
 
 
-def _alert_channels(slack_file, email_to, smtp, smtp_from, smtp_user, password_file,
-                    smtp_tls: bool = True) -> list:
-    """Alert channels from flags and secrets (files or environment); AlertSettingError (a
-    ValueError naming the flag) when one is unusable."""
+def _alert_channels(alerts: Any) -> list:
+    """Alert channels from the `alerts` config (TOML and flags) and secrets (files or
+    environment); AlertSettingError (a ValueError naming the flag) when one is unusable."""
     from detectors.notify import Email, SlackWebhook, parse_host_port, read_secret
 
     channels = []
-    url = read_secret(file=slack_file, env="MESHSCOPE_SLACK_WEBHOOK", flag="--slack-webhook-file")
+    url = read_secret(file=alerts.slack_webhook_file, env="MESHSCOPE_SLACK_WEBHOOK",
+                      flag="--slack-webhook-file")
     if url:
         channels.append(SlackWebhook(url))
-    if email_to:
-        host, port = parse_host_port(smtp, "--smtp")
-        channels.append(Email(host, port, smtp_from, email_to.split(","), username=smtp_user,
-                              password=read_secret(file=password_file,
+    if alerts.email_to:
+        host, port = parse_host_port(alerts.smtp, "--smtp")
+        channels.append(Email(host, port, alerts.smtp_from, alerts.email_to.split(","),
+                              username=alerts.smtp_user,
+                              password=read_secret(file=alerts.smtp_password_file,
                                                    flag="--smtp-password-file"),
-                              starttls=smtp_tls))
+                              starttls=alerts.smtp_tls))
     return channels
 
 
@@ -275,6 +319,60 @@ def _print_summary(cfg: RunConfig) -> None:
         table.add_row(k, v)
     console.print(table)
     console.print(f"store: {store_path(cfg.run_dir)}")
+
+
+def config_fields(model: type[Any] = RunConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(path, type, default, description) of every settable field, read off the config models:
+    what the TOML and `--set` take."""
+    from pydantic import BaseModel
+
+    rows = []
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            rows += config_fields(kind, f"{prefix}{name}.")
+            continue
+        default = field.get_default(call_default_factory=True)
+        if get_origin(kind) is Literal:
+            type_name = " | ".join(map(str, get_args(kind)))
+        else:
+            type_name = getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+        shown = str(default) if isinstance(default, Path) else repr(default)
+        rows.append((f"{prefix}{name}", type_name, shown, field.description or ""))
+    return rows
+
+
+@app.command("config")
+def config_cmd(
+    config: Path | None = typer.Option(None, "--config", "-c",
+                                       help="also validate this TOML and show its values"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per field"),
+) -> None:
+    """Every config field (TOML section.key, or `meshscope run --set section.key=VALUE`)."""
+    values: dict[str, Any] = {}
+    if config is not None:
+        try:
+            cfg = load_config(config)
+        except ConfigError as err:
+            fail(str(err))
+        values = {path: repr(_get_path(cfg, path)) for path, *_ in config_fields()}
+    if as_json:
+        for path, kind, default, description in config_fields():
+            print(json.dumps({"field": path, "type": kind, "default": default,
+                              "value": values.get(path), "meaning": description}))
+        return
+    table = Table(title="meshscope run configuration")
+    for column in ("field", "type", "default", *(("value",) if values else ()), "meaning"):
+        table.add_column(column)
+    for path, kind, default, description in config_fields():
+        table.add_row(path, kind, default, *((values[path],) if values else ()), description)
+    console.print(table)
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 @app.command()

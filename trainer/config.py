@@ -102,6 +102,24 @@ class ElasticConfig(_Strict):
         return value
 
 
+class AlertsConfig(_Strict):
+    """Where a run's anomalies go (the `[alerts]` TOML section; the alert flags override it).
+    Secrets stay in files (or MESHSCOPE_SLACK_WEBHOOK), never in the config."""
+
+    mode: Literal["auto", "alertmanager", "embedded"] = Field(
+        "auto", description="auto: through Alertmanager when a `meshscope stack` watches the runs "
+                            "folder, else from the run itself")
+    slack_webhook_file: Path | None = Field(None, description="file holding a Slack webhook URL")
+    email_to: str = Field("", description="alert recipients, a@x,b@y (empty: no email)")
+    smtp: str = Field("127.0.0.1:25", description="SMTP host:port for email alerts")
+    smtp_from: str = Field("meshscope@localhost", description="sender of email alerts")
+    smtp_user: str | None = Field(None, description="SMTP login")
+    smtp_password_file: Path | None = Field(None, description="file holding the SMTP password")
+    smtp_tls: bool = Field(True, description="require STARTTLS for email (as `stack up` does)")
+    stack_home: Path = Field(Path(".meshscope/stack"),
+                             description="where `meshscope stack up` keeps its state")
+
+
 class RunConfig(_Strict):
     """Everything `meshscope run` needs."""
 
@@ -133,6 +151,7 @@ class RunConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 
     @model_validator(mode="after")
     def _injections(self) -> RunConfig:

@@ -186,6 +186,21 @@ def test_bad_alert_and_topology_flags_exit_2_and_write_nothing(tmp_path, flags, 
     assert not (tmp_path / "r").exists()  # refused before anything was written
 
 
+def test_alert_settings_live_in_the_toml_and_flags_override_them(tmp_path):
+    from trainer.config import load_config as load
+
+    toml = tmp_path / "alerts.toml"
+    toml.write_text('[alerts]\nemail_to = "a@b"\nsmtp = "nohost"\nsmtp_tls = false\n')
+    assert (load(toml).alerts.email_to, load(toml).alerts.smtp_tls) == ("a@b", False)
+    result = runner.invoke(app, ["run", "-c", str(toml), "--steps", "1", "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "--smtp 'nohost': expected HOST:PORT" in result.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[alerts]\nmode = "sometimes"\n')
+    result = runner.invoke(app, ["run", "-c", str(bad), "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "alerts.mode" in result.output
+    assert not (tmp_path / "r").exists()
+
+
 def test_inputs_that_are_not_what_they_claim_exit_2(tmp_path):
     import sqlite3
 
