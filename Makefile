@@ -23,6 +23,7 @@ system-deps:
 
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP) system-deps

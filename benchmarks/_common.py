@@ -1,4 +1,5 @@
 """Shared plumbing of the benchmarks: the repo on sys.path, gloo ranks, the machine's description."""
+
 from __future__ import annotations
 
 import os
@@ -15,5 +16,7 @@ from tests.helpers.dist import run_ranks  # noqa: E402,F401  (one spawner for te
 
 
 def machine() -> str:
-    return (f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
+    return (
+        f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )

@@ -9,6 +9,7 @@ p50 over the runs; target p50 <= 10 s.
 
     .venv/bin/python benchmarks/alert_latency.py [--runs 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,28 @@ def first_delivery(sink: Sink, run_id: str, alertname: str) -> float | None:
 
 def one_run(runs: Path, run_id: str, sink: Sink) -> dict[str, float]:
     port = free_port_range(3)
-    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(REPO / "tests/data/tiny.toml"),
-           "--run-dir", str(runs), "--run-id", run_id, "--metrics-port", str(port), "--steps", "200",
-           "--inject", f"slow@step={SLOW_AT},rank=1,steps=120,factor=4",
-           "--inject", f"nan@step={NAN_AT},rank=1", "--linger", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshscope",
+        "run",
+        "--config",
+        str(REPO / "tests/data/tiny.toml"),
+        "--run-dir",
+        str(runs),
+        "--run-id",
+        run_id,
+        "--metrics-port",
+        str(port),
+        "--steps",
+        "200",
+        "--inject",
+        f"slow@step={SLOW_AT},rank=1,steps=120,factor=4",
+        "--inject",
+        f"nan@step={NAN_AT},rank=1",
+        "--linger",
+        "20",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not all(first_delivery(sink, run_id, a) for a in ALERTS):
@@ -67,9 +86,14 @@ def main() -> None:
     hook = tmp / "hook"
     hook.write_text(sink.url)
     port = free_port_range(2)
-    cfg = StackConfig(runs_root=tmp / "runs", home=tmp / "stack", prometheus_port=port,
-                      alertmanager_port=port + 1, scrape_interval_s=1.0,
-                      routing=AlertRouting(slack_webhook_file=hook, fast=True))
+    cfg = StackConfig(
+        runs_root=tmp / "runs",
+        home=tmp / "stack",
+        prometheus_port=port,
+        alertmanager_port=port + 1,
+        scrape_interval_s=1.0,
+        routing=AlertRouting(slack_webhook_file=hook, fast=True),
+    )
     (tmp / "runs").mkdir()
     up(cfg)
     results = []
@@ -84,8 +108,11 @@ def main() -> None:
     print(f"\nmachine: {machine()}")
     for alert in ALERTS:
         values = [r[alert] for r in results]
-        print(f"{alert:16} p50 {statistics.median(values):.1f} s  (runs: "
-              + ", ".join(f"{v:.1f}" for v in values) + ")  target p50 <= 10 s")
+        print(
+            f"{alert:16} p50 {statistics.median(values):.1f} s  (runs: "
+            + ", ".join(f"{v:.1f}" for v in values)
+            + ")  target p50 <= 10 s"
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ namespaces use 198.18.0.0/15 test addresses and are removed afterwards).
 
     .venv/bin/python benchmarks/comm_breakdown.py [--ranks 4 --steps 60 --link 3gbit]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,13 +68,23 @@ def teardown() -> None:
     subprocess.run(["ip", "netns", "del", NS], capture_output=True)
 
 
-def write_config(root: Path, name: str, args: argparse.Namespace, compression: str,
-                 overlap: bool) -> Path:
-    cfg = load_config(REPO / "configs" / "demo.toml", {
-        "run_id": name, "runs_root": str(root), "nproc": args.ranks, "metrics_port": args.port,
-        "train": {"steps": args.steps, "compression": compression, "overlap": overlap,
-                  "bucket_cap_mb": args.bucket_mb},
-        "model": {"d_model": args.d_model}})
+def write_config(root: Path, name: str, args: argparse.Namespace, compression: str, overlap: bool) -> Path:
+    cfg = load_config(
+        REPO / "configs" / "demo.toml",
+        {
+            "run_id": name,
+            "runs_root": str(root),
+            "nproc": args.ranks,
+            "metrics_port": args.port,
+            "train": {
+                "steps": args.steps,
+                "compression": compression,
+                "overlap": overlap,
+                "bucket_cap_mb": args.bucket_mb,
+            },
+            "model": {"d_model": args.d_model},
+        },
+    )
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     path = cfg.run_dir / "config.json"
     path.write_text(cfg.model_dump_json())
@@ -90,15 +101,23 @@ def run_job(config: Path, args: argparse.Namespace) -> None:
         subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=REPO)
         return
     per_node = args.ranks // 2
-    common = ["--nnodes=2", f"--nproc-per-node={per_node}", f"--master-addr={HOST_IP}",
-              "--master-port=29517"]
+    common = ["--nnodes=2", f"--nproc-per-node={per_node}", f"--master-addr={HOST_IP}", "--master-port=29517"]
     procs = [
-        subprocess.Popen([*torchrun, *common, "--node-rank=0", *worker], cwd=REPO,
-                         env=dict(env, GLOO_SOCKET_IFNAME=HOST_IF), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE),
-        subprocess.Popen(["ip", "netns", "exec", NS, *torchrun, *common, "--node-rank=1",
-                          *worker], cwd=REPO, env=dict(env, GLOO_SOCKET_IFNAME=PEER_IF),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)]
+        subprocess.Popen(
+            [*torchrun, *common, "--node-rank=0", *worker],
+            cwd=REPO,
+            env=dict(env, GLOO_SOCKET_IFNAME=HOST_IF),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        ),
+        subprocess.Popen(
+            ["ip", "netns", "exec", NS, *torchrun, *common, "--node-rank=1", *worker],
+            cwd=REPO,
+            env=dict(env, GLOO_SOCKET_IFNAME=PEER_IF),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        ),
+    ]
     for p in procs:
         _, err = p.communicate(timeout=900)
         if p.returncode:
@@ -111,12 +130,16 @@ def summarize(run_dir: Path, skip: int) -> dict[str, float]:
     med = df.groupby("step")[["step_s", "comm_total_s", "comm_exposed_s", "backward_s"]].mean().median()
     last = load_steps(run_dir)
     final = last[last["step"] >= last["step"].max() - 4]["loss"].mean()
-    return {"step_s": med["step_s"], "comm_s": med["comm_total_s"],
-            "exposed_s": med["comm_exposed_s"], "backward_s": med["backward_s"],
-            # bytes after any compression warm-up: the last steps
-            "wire_per_step": last[last["step"] >= last["step"].max() - 9]["bytes_wire"].mean(),
-            "raw_per_step": df["bytes_raw"].mean(),
-            "final_loss": final}
+    return {
+        "step_s": med["step_s"],
+        "comm_s": med["comm_total_s"],
+        "exposed_s": med["comm_exposed_s"],
+        "backward_s": med["backward_s"],
+        # bytes after any compression warm-up: the last steps
+        "wire_per_step": last[last["step"] >= last["step"].max() - 9]["bytes_wire"].mean(),
+        "raw_per_step": df["bytes_raw"].mean(),
+        "final_loss": final,
+    }
 
 
 def main() -> None:
@@ -128,9 +151,13 @@ def main() -> None:
     ap.add_argument("--link", default="none", help="none (loopback) or a tbf rate, e.g. 3gbit")
     ap.add_argument("--port", type=int, default=9700)
     args = ap.parse_args()
-    modes = [("overlap-none", "none", True), ("no-overlap-none", "none", False),
-             ("overlap-fp16", "fp16", True), ("overlap-powersgd", "powersgd", True),
-             ("overlap-onebit", "onebit", True)]
+    modes = [
+        ("overlap-none", "none", True),
+        ("no-overlap-none", "none", False),
+        ("overlap-fp16", "fp16", True),
+        ("overlap-powersgd", "powersgd", True),
+        ("overlap-onebit", "onebit", True),
+    ]
     link = emulated_link(args.link) if args.link != "none" else contextlib.nullcontext()
     results = {}
     with tempfile.TemporaryDirectory() as tmp, link:
@@ -143,22 +170,30 @@ def main() -> None:
 
 def report(r: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
     print(f"machine: {machine()}")
-    print(f"ranks={args.ranks} steps={args.steps} d_model={args.d_model} "
-          f"bucket={args.bucket_mb} MB link={args.link}")
-    print(f"{'mode':18} {'step ms':>8} {'comm ms':>8} {'exposed ms':>10} {'backward ms':>11} "
-          f"{'wire KB/step':>12} {'wire/none':>9} {'loss':>7}")
+    print(
+        f"ranks={args.ranks} steps={args.steps} d_model={args.d_model} "
+        f"bucket={args.bucket_mb} MB link={args.link}"
+    )
+    print(
+        f"{'mode':18} {'step ms':>8} {'comm ms':>8} {'exposed ms':>10} {'backward ms':>11} "
+        f"{'wire KB/step':>12} {'wire/none':>9} {'loss':>7}"
+    )
     base_wire = r["overlap-none"]["wire_per_step"]
     for name, s in r.items():
-        print(f"{name:18} {s['step_s'] * 1e3:8.1f} {s['comm_s'] * 1e3:8.1f} "
-              f"{s['exposed_s'] * 1e3:10.1f} {s['backward_s'] * 1e3:11.1f} "
-              f"{s['wire_per_step'] / 1e3:12.1f} {s['wire_per_step'] / base_wire:9.4f} "
-              f"{s['final_loss']:7.3f}")
+        print(
+            f"{name:18} {s['step_s'] * 1e3:8.1f} {s['comm_s'] * 1e3:8.1f} "
+            f"{s['exposed_s'] * 1e3:10.1f} {s['backward_s'] * 1e3:11.1f} "
+            f"{s['wire_per_step'] / 1e3:12.1f} {s['wire_per_step'] / base_wire:9.4f} "
+            f"{s['final_loss']:7.3f}"
+        )
     ov, no = r["overlap-none"], r["no-overlap-none"]
     removed = 1 - ov["exposed_s"] / no["exposed_s"] if no["exposed_s"] > 0 else float("nan")
     hidden = no["exposed_s"] - ov["exposed_s"]
     efficiency = hidden / min(no["comm_s"], ov["backward_s"] - ov["exposed_s"])
-    print(f"overlap removes {removed:.1%} of exposed communication (target >= 60%); "
-          f"overlap efficiency {efficiency:.2f} (hidden / min(comm, backward compute))")
+    print(
+        f"overlap removes {removed:.1%} of exposed communication (target >= 60%); "
+        f"overlap efficiency {efficiency:.2f} (hidden / min(comm, backward compute))"
+    )
     onebit = r["overlap-onebit"]["wire_per_step"] / base_wire
     print(f"onebit sends {onebit:.4f} of none's bytes = 1/{1 / onebit:.1f} (target <= 1/16)")
     for name in ("overlap-fp16", "overlap-powersgd", "overlap-onebit"):

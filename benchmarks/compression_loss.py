@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/compression_loss.py [--steps 300]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,16 +24,37 @@ CASES = [("none", 0), ("fp16", 0), ("powersgd", 0), ("onebit", 0), ("onebit", 30
 def run(root: Path, compression: str, warmup: int, steps: int, port: int) -> float:
     """Train one case; the mean loss of its last 10 steps."""
     name = f"{compression}-w{warmup}"
-    cfg = load_config(REPO / "configs" / "demo.toml", {
-        "run_id": name, "runs_root": str(root), "nproc": 2, "metrics_port": port,
-        "train": {"steps": steps, "compression": compression, "compression_warmup": warmup}})
+    cfg = load_config(
+        REPO / "configs" / "demo.toml",
+        {
+            "run_id": name,
+            "runs_root": str(root),
+            "nproc": 2,
+            "metrics_port": port,
+            "train": {"steps": steps, "compression": compression, "compression_warmup": warmup},
+        },
+    )
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     config = cfg.run_dir / "config.json"
     config.write_text(cfg.model_dump_json())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node=2", "-m", "trainer.worker", "--config", str(config)],
-                   env=env, check=True, capture_output=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "trainer.worker",
+            "--config",
+            str(config),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     df = load_steps(cfg.run_dir)
     return float(df[df["step"] >= steps - 10]["loss"].mean())
 

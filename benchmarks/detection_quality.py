@@ -11,6 +11,7 @@ Cost: judging one step of 1,024 ranks after warm-up.
 
     .venv/bin/python benchmarks/detection_quality.py [--record [RUN...]] [--long-clean 15000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,8 @@ from detectors.episodes import Episode, EpisodeTracker
 DATA = REPO / "benchmarks" / "data"
 START = 80
 RUNS = {
-    "clean-a": [], "clean-b": [],
+    "clean-a": [],
+    "clean-b": [],
     "slow": [f"slow@step={START},rank=1,steps=10,factor=3"],
     "comm_delay": [f"comm_delay@step={START},rank=0,steps=10,ms=60"],
     "nan": [f"nan@step={START},rank=1"],
@@ -52,22 +54,44 @@ HELD_OUT = {
     "memory_leak-2": ["memory_leak@step=50,rank=0,steps=25,mb_per_step=4"],
     "hang-2": ["hang@step=100,rank=1,seconds=1.5"],
 }
-EXPECTED = {"slow": {"straggler"}, "comm_delay": {"comm", "straggler", "multivariate"},
-            "nan": {"nan"}, "expert_collapse": {"expert_imbalance", "loss_spike"},
-            "memory_leak": {"memory"},
-            "hang": {"straggler", "comm", "multivariate"}}
+EXPECTED = {
+    "slow": {"straggler"},
+    "comm_delay": {"comm", "straggler", "multivariate"},
+    "nan": {"nan"},
+    "expert_collapse": {"expert_imbalance", "loss_spike"},
+    "memory_leak": {"memory"},
+    "hang": {"straggler", "comm", "multivariate"},
+}
 
 
 def _bench_config() -> Path:
     config = Path(tempfile.mkdtemp()) / "bench.toml"
-    config.write_text((REPO / "tests/data/tiny.toml").read_text()
-                      .replace("d_model = 32", "d_model = 64").replace("batch_size = 8", "batch_size = 16"))
+    config.write_text(
+        (REPO / "tests/data/tiny.toml")
+        .read_text()
+        .replace("d_model = 32", "d_model = 64")
+        .replace("batch_size = 8", "batch_size = 16")
+    )
     return config
 
 
 def _run(config: Path, root: Path, name: str, steps: int, injections: list[str]) -> Path:
-    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(config), "--run-dir",
-           str(root), "--run-id", name, "--steps", str(steps), "--metrics-port", "9870"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshscope",
+        "run",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(root),
+        "--run-id",
+        name,
+        "--steps",
+        str(steps),
+        "--metrics-port",
+        "9870",
+    ]
     for spec in injections:
         cmd += ["--inject", spec]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
@@ -115,9 +139,11 @@ def static_threshold(run: Path) -> list[Episode]:
     g = s.groupby("step")
     step_s, rss = g["step_s"].max(), g["mem_rss"].max()
     warm = step_s.iloc[:20].median()
-    return (_episodes(step_s > 2 * warm, "straggler")
-            + _episodes(~g["loss"].apply(lambda v: np.isfinite(v).all()), "nan")
-            + _episodes(rss > rss.iloc[:20].median() + 100 * 2**20, "memory"))
+    return (
+        _episodes(step_s > 2 * warm, "straggler")
+        + _episodes(~g["loss"].apply(lambda v: np.isfinite(v).all()), "nan")
+        + _episodes(rss > rss.iloc[:20].median() + 100 * 2**20, "memory")
+    )
 
 
 def batch_forest(run: Path) -> list[Episode]:
@@ -144,8 +170,11 @@ def score(method, runs: list[str]) -> dict[str, dict[str, float]]:
         expected = EXPECTED[kind]
         if method is not ours:  # baselines have coarse types: any alarm in the window counts
             expected = {e.type for e in episodes}
-        hits = [e for e in episodes if e.type in expected
-                and e.start_step <= end and e.end_step >= inj["start_step"]]
+        hits = [
+            e
+            for e in episodes
+            if e.type in expected and e.start_step <= end and e.end_step >= inj["start_step"]
+        ]
         tp = 1 if hits else 0
         fp = len([e for e in episodes if e not in hits])
         precision = tp / (tp + fp) if tp + fp else 0.0
@@ -164,10 +193,24 @@ def cost_per_step(ranks: int = 1024, warmup: int = 80, measured: int = 30) -> fl
     rows = []
     for step in range(warmup + measured):
         c = 0.1 * (1 + 0.03 * rng.standard_normal(ranks))
-        rows.append(pd.DataFrame({"rank": np.arange(ranks), "world_size": ranks, "step": step,
-                                  "step_s": c.max(), "data_s": 0.0, "comm_exposed_s": c.max() - c,
-                                  "comm_ratio": (c.max() - c) / c.max(), "bytes_wire": 1000,
-                                  "loss": 3.0, "grad_norm": 1.0, "tokens": 256, "mem_rss": 1e9}))
+        rows.append(
+            pd.DataFrame(
+                {
+                    "rank": np.arange(ranks),
+                    "world_size": ranks,
+                    "step": step,
+                    "step_s": c.max(),
+                    "data_s": 0.0,
+                    "comm_exposed_s": c.max() - c,
+                    "comm_ratio": (c.max() - c) / c.max(),
+                    "bytes_wire": 1000,
+                    "loss": 3.0,
+                    "grad_norm": 1.0,
+                    "tokens": 256,
+                    "mem_rss": 1e9,
+                }
+            )
+        )
     engine = DetectionEngine()
     engine.process(pd.concat(rows[:warmup]))
     times = []
@@ -184,22 +227,37 @@ def long_clean(steps: int) -> None:
     run = _run(_bench_config(), Path(tempfile.mkdtemp()), "long-clean", steps, [])
     judged = load_steps(run)["step"].nunique()
     print(f"\nlong clean run: {judged} steps of 2 ranks")
-    for label, method in (("ours", ours), ("static threshold", static_threshold),
-                          ("batch IsolationForest", batch_forest)):
+    for label, method in (
+        ("ours", ours),
+        ("static threshold", static_threshold),
+        ("batch IsolationForest", batch_forest),
+    ):
         episodes = method(run)
         bound = f"; < {3000 / judged:.2f} per 1,000 at 95 %" if not episodes else ""
-        print(f"  {label:22} {len(episodes)} false alarms = {1000 * len(episodes) / judged:.2f} "
-              f"per 1,000 steps{bound}")
+        print(
+            f"  {label:22} {len(episodes)} false alarms = {1000 * len(episodes) / judged:.2f} "
+            f"per 1,000 steps{bound}"
+        )
         for ep in episodes[:10]:
             print(f"    {ep.type} steps {ep.start_step}-{ep.end_step} ranks {ep.ranks} {ep.evidence}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--record", nargs="*", metavar="RUN", default=None,
-                    help="record the runs again (all, or the ones named)")
-    ap.add_argument("--long-clean", type=int, default=0, metavar="STEPS",
-                    help="also record and judge one clean run of STEPS steps (false-alarm rate)")
+    ap.add_argument(
+        "--record",
+        nargs="*",
+        metavar="RUN",
+        default=None,
+        help="record the runs again (all, or the ones named)",
+    )
+    ap.add_argument(
+        "--long-clean",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also record and judge one clean run of STEPS steps (false-alarm rate)",
+    )
     args = ap.parse_args()
     missing = [n for n in {**RUNS, **HELD_OUT} if not (DATA / n / "store.sqlite").exists()]
     if args.record is not None or missing:
@@ -207,14 +265,21 @@ def main() -> None:
     print(f"machine: {machine()}")
     for title, names in (("tuning set", list(RUNS)), ("held-out set", list(HELD_OUT))):
         print(f"\n=== {title}: {', '.join(names)}")
-        for label, method in (("ours", ours), ("static threshold", static_threshold),
-                              ("batch IsolationForest", batch_forest)):
+        for label, method in (
+            ("ours", ours),
+            ("static threshold", static_threshold),
+            ("batch IsolationForest", batch_forest),
+        ):
             result = score(method, names)
-            print(f"\n{label}: false alarms per 1,000 clean steps "
-                  f"{result.pop('clean')['false_alarms_per_1000']:.1f}")
+            print(
+                f"\n{label}: false alarms per 1,000 clean steps "
+                f"{result.pop('clean')['false_alarms_per_1000']:.1f}"
+            )
             for kind, r in result.items():
-                print(f"  {kind:16} recall {r['recall']:.0f}  precision {r['precision']:.2f}  "
-                      f"F1 {r['f1']:.2f}  delay {r['delay']:.0f} steps")
+                print(
+                    f"  {kind:16} recall {r['recall']:.0f}  precision {r['precision']:.2f}  "
+                    f"F1 {r['f1']:.2f}  delay {r['delay']:.0f} steps"
+                )
     print(f"\ncost: one step of 1,024 ranks judged in {cost_per_step() * 1e3:.1f} ms (target <= 5 ms)")
     if args.long_clean:
         long_clean(args.long_clean)

@@ -14,6 +14,7 @@ the clean runs.
 
     .venv/bin/python benchmarks/expert_judgement.py [--record]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,12 +72,27 @@ def record() -> None:
         steps = CLEAN_STEPS if fault == "clean" else STEPS
         config = tmp / f"{name}.toml"
         config.write_text(CONFIG.format(experts=experts, top_k=top_k, steps=steps))
-        cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(config), "--run-dir",
-               str(tmp), "--run-id", name, "--metrics-port", "9860"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshscope",
+            "run",
+            "--config",
+            str(config),
+            "--run-dir",
+            str(tmp),
+            "--run-id",
+            name,
+            "--metrics-port",
+            "9860",
+        ]
         if fault != "clean":
             layer, expert = i % 2, (i * 3) % experts
-            cmd += ["--inject", f"expert_collapse@step={START},rank=0,steps={FAULT_STEPS},"
-                                f"layer={layer},expert={expert},logit={FAULTS[fault]}"]
+            cmd += [
+                "--inject",
+                f"expert_collapse@step={START},rank=0,steps={FAULT_STEPS},"
+                f"layer={layer},expert={expert},logit={FAULTS[fault]}",
+            ]
         subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=900)
         dst_dir = DATA / name
         dst_dir.mkdir(parents=True, exist_ok=True)
@@ -96,8 +112,7 @@ def record() -> None:
 def judge(run: Path, *, use_config: bool = True) -> list[Episode]:
     """The expert_imbalance episodes the engine raises on a recorded run."""
     found: list[Episode] = []
-    engine = DetectionEngine(top_k=run_top_k(run) if use_config else None,
-                             on_close=found.append)
+    engine = DetectionEngine(top_k=run_top_k(run) if use_config else None, on_close=found.append)
     engine.process(load_steps(run), load_expert_load(run))
     engine.finish()
     return [e for e in found if e.type == "expert_imbalance"]
@@ -105,8 +120,7 @@ def judge(run: Path, *, use_config: bool = True) -> list[Episode]:
 
 def score(use_config: bool = True) -> dict[str, dict]:
     """Per fault kind: tp, fn, fp, delays; and false alarms on clean runs."""
-    table: dict[str, dict] = {k: {"tp": 0, "fn": 0, "fp": 0, "delays": []}
-                              for k in (*FAULTS, "clean")}
+    table: dict[str, dict] = {k: {"tp": 0, "fn": 0, "fp": 0, "delays": []} for k in (*FAULTS, "clean")}
     for name, _, _, fault in run_names():
         run = DATA / name
         episodes = judge(run, use_config=use_config)
@@ -118,8 +132,7 @@ def score(use_config: bool = True) -> dict[str, dict]:
         inj = load_events(run, kind="injected")["detail"].iloc[0]
         layer, lo = int(inj["params"]["layer"]), int(inj["start_step"])
         hi = lo + int(inj["steps"]) + 6  # the window after the fault still holds its tokens
-        hits = [e for e in episodes if e.layer == layer and e.start_step <= hi
-                and e.end_step >= lo]
+        hits = [e for e in episodes if e.layer == layer and e.start_step <= hi and e.end_step >= lo]
         row["fp"] += len([e for e in episodes if e not in hits])
         if hits:
             row["tp"] += 1
@@ -137,8 +150,10 @@ def main() -> None:
         record()
         return
     print(f"# expert judgement over recorded runs, (E, k) in {SHAPES}, {machine()}")
-    for use_config, label in ((True, "top-k from the run's config"),
-                              (False, "top-k inferred from the counts")):
+    for use_config, label in (
+        (True, "top-k from the run's config"),
+        (False, "top-k inferred from the counts"),
+    ):
         table = score(use_config)
         print(f"\n## {label}\n")
         print("| runs | found | missed | false alarms | F1 | delay max (steps) |")
@@ -149,14 +164,14 @@ def main() -> None:
                 continue
             tp, fn, fp = tp + r["tp"], fn + r["fn"], fp + r["fp"]
             f1 = 2 * r["tp"] / max(2 * r["tp"] + r["fn"] + r["fp"], 1)
-            print(f"| {kind} | {r['tp']} | {r['fn']} | {r['fp']} | {f1:.2f} | "
-                  f"{max(r['delays'], default='-')} |")
+            print(
+                f"| {kind} | {r['tp']} | {r['fn']} | {r['fp']} | {f1:.2f} | {max(r['delays'], default='-')} |"
+            )
         clean = table["clean"]
         fp += clean["fp"]
         f1 = 2 * tp / max(2 * tp + fn + fp, 1)
         print(f"| clean ({clean['steps']} steps) | - | - | {clean['fp']} | - | - |")
-        print(f"\nall: F1 {f1:.3f} (target >= 0.95), false alarms on clean runs {clean['fp']} "
-              f"(target 0)")
+        print(f"\nall: F1 {f1:.3f} (target >= 0.95), false alarms on clean runs {clean['fp']} (target 0)")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the worker (trainer/zygote.py).
 
     .venv/bin/python benchmarks/fault_recovery.py [--kills 5 --every 25 --device cpu]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,10 +45,30 @@ def run_variant(name: str, root: Path, args: argparse.Namespace) -> list[dict]:
     config = root / f"{name}.toml"
     text = (REPO / "tests/data/tiny.toml").read_text()
     config.write_text(text + f"\n[elastic]\nwarm_standby = {str(name == 'warm').lower()}\n")
-    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(config),
-           "--run-dir", str(root), "--run-id", name, "--steps", str(steps),
-           "--checkpoint-every", str(args.checkpoint_every), "--max-restarts", str(args.kills + 1),
-           "--metrics-port", str(args.port), "--device", args.device, "--backend", args.backend]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshscope",
+        "run",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(root),
+        "--run-id",
+        name,
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        str(args.checkpoint_every),
+        "--max-restarts",
+        str(args.kills + 1),
+        "--metrics-port",
+        str(args.port),
+        "--device",
+        args.device,
+        "--backend",
+        args.backend,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = root / name
     kills = []
@@ -74,14 +95,17 @@ def split(run_dir: Path, kills: list[dict]) -> list[dict]:
         d = ev["detail"]
         first = steps[(steps["step"] == d["from_step"]) & (steps["time"] > kill["at"])]
         first_done = float((first["time"] + first["step_s"]).max())
-        out.append({
-            "total": first_done - kill["at"],
-            "detection": d["detected_at"] - kill["at"],
-            "restart+rendezvous": d["group_ready_at"] - d["detected_at"],
-            "of which imports": d["group_ready_at"] - d["process_started_at"],
-            "restore": d["restored_at"] - d["group_ready_at"],
-            "first step": first_done - d["restored_at"],
-            "steps_lost": d["steps_lost"]})
+        out.append(
+            {
+                "total": first_done - kill["at"],
+                "detection": d["detected_at"] - kill["at"],
+                "restart+rendezvous": d["group_ready_at"] - d["detected_at"],
+                "of which imports": d["group_ready_at"] - d["process_started_at"],
+                "restore": d["restored_at"] - d["group_ready_at"],
+                "first step": first_done - d["restored_at"],
+                "steps_lost": d["steps_lost"],
+            }
+        )
     return out
 
 
@@ -92,13 +116,14 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=5)
     ap.add_argument("--port", type=int, default=9800)
     ap.add_argument("--device", default="cpu", help="cpu | cuda | npu")
-    ap.add_argument("--backend", default="auto",
-                    help="auto | gloo (two ranks on one accelerator need gloo)")
+    ap.add_argument("--backend", default="auto", help="auto | gloo (two ranks on one accelerator need gloo)")
     args = ap.parse_args()
     print(f"machine: {machine()}")
-    print(f"2 ranks on {args.device} ({args.backend}), tiny MoE, "
-          f"checkpoint every {args.checkpoint_every} steps, "
-          f"{args.kills} kills of rank 1 each")
+    print(
+        f"2 ranks on {args.device} ({args.backend}), tiny MoE, "
+        f"checkpoint every {args.checkpoint_every} steps, "
+        f"{args.kills} kills of rank 1 each"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("plain", "warm"):
             rows = run_variant(variant, Path(tmp), args)
@@ -107,9 +132,11 @@ def main() -> None:
                 continue
             keys = [k for k in rows[0] if k != "steps_lost"]
             med = {k: statistics.median(r[k] for r in rows) for k in keys}
-            print(f"{variant:6} n={len(rows)} median " + "  ".join(
-                f"{k} {v:.2f}s" for k, v in med.items())
-                + f"  steps lost {statistics.median(r['steps_lost'] for r in rows):.0f}")
+            print(
+                f"{variant:6} n={len(rows)} median "
+                + "  ".join(f"{k} {v:.2f}s" for k, v in med.items())
+                + f"  steps lost {statistics.median(r['steps_lost'] for r in rows):.0f}"
+            )
             print("        totals: " + ", ".join(f"{r['total']:.2f}" for r in rows))
 
 

@@ -10,6 +10,7 @@ the change, the loss no more than 2 % worse than the baseline's over the same st
 
     .venv/bin/python benchmarks/feedback_loop.py [--steps 240] [--approve-at 100]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,10 +50,21 @@ lr = 1e-2
 
 
 def start(root: Path, name: str, config: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(config), "--run-dir",
-           str(root), "--run-id", name, "--metrics-port", str(port)]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshscope",
+        "run",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(root),
+        "--run-id",
+        name,
+        "--metrics-port",
+        str(port),
+    ]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def serving_csv(run: Path) -> bytes:
@@ -65,9 +77,13 @@ def serving_csv(run: Path) -> bytes:
 
 def balance_by_step(run: Path) -> dict[int, float]:
     ex = load_expert_load(run)
-    return {int(step): sum(balancedness(g[g["layer"] == layer]["tokens"].to_numpy())
-                           for layer in g["layer"].unique()) / g["layer"].nunique()
-            for step, g in ex.groupby("step")}
+    return {
+        int(step): sum(
+            balancedness(g[g["layer"] == layer]["tokens"].to_numpy()) for layer in g["layer"].unique()
+        )
+        / g["layer"].nunique()
+        for step, g in ex.groupby("step")
+    }
 
 
 def treated_run(root: Path, config: Path, approve_at: int, port: int) -> tuple[list[int], int]:
@@ -79,8 +95,11 @@ def treated_run(root: Path, config: Path, approve_at: int, port: int) -> tuple[l
     while proc.poll() is None:
         if not ids and latest_step(run) >= approve_at:
             report = ingest(run, serving_csv(run), "serving.csv", kb=knowledge_base(root))
-            ids = [approve(run, i) for i, s in zip(report.event_ids, report.suggestions)
-                   if s.action == "router_bias"]
+            ids = [
+                approve(run, i)
+                for i, s in zip(report.event_ids, report.suggestions)
+                if s.action == "router_bias"
+            ]
         time.sleep(0.2)
     out = proc.stdout.read()
     if proc.returncode != 0 or not ids:
@@ -115,11 +134,21 @@ def one_pair(args: argparse.Namespace, seed: int) -> dict:
     window = [s for s in loss_t.index if applied <= s < applied + h]
     gammas = [round(v[0], 4) for v in controls.load_controls(root / "treated")["payload"]]
     outcome = settle_outcomes(root / "treated", knowledge_base(root), after=h)
-    return {"seed": seed, "applied": applied, "gammas": gammas, "before": b0, "after": b1,
-            "baseline": bb, "gain": b1 / b0 - 1, "vs_baseline": b1 / bb - 1,
-            "loss_ratio": float(loss_t[window].mean() / loss_b[window].mean()),
-            "kb": [(o["balancedness_before"], o["balancedness_after"],
-                    o["predicted"].get("balancedness_after")) for o in outcome]}
+    return {
+        "seed": seed,
+        "applied": applied,
+        "gammas": gammas,
+        "before": b0,
+        "after": b1,
+        "baseline": bb,
+        "gain": b1 / b0 - 1,
+        "vs_baseline": b1 / bb - 1,
+        "loss_ratio": float(loss_t[window].mean() / loss_b[window].mean()),
+        "kb": [
+            (o["balancedness_before"], o["balancedness_after"], o["predicted"].get("balancedness_after"))
+            for o in outcome
+        ],
+    }
 
 
 def main() -> None:
@@ -132,23 +161,30 @@ def main() -> None:
     args = parser.parse_args()
     t0 = time.time()
     rows = [one_pair(args, seed) for seed in range(args.seeds)]
-    print(f"# feedback loop on a skewed router (skew {args.skew}, 8 experts, top-2, 2 ranks), "
-          f"{machine()}")
-    print("| seed | applied at | γ per layer | balancedness before | after | baseline then | "
-          "gain | vs baseline | loss treated/baseline |")
+    print(f"# feedback loop on a skewed router (skew {args.skew}, 8 experts, top-2, 2 ranks), {machine()}")
+    print(
+        "| seed | applied at | γ per layer | balancedness before | after | baseline then | "
+        "gain | vs baseline | loss treated/baseline |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['seed']} | {r['applied']} | {r['gammas']} | {r['before']:.3f} | "
-              f"{r['after']:.3f} | {r['baseline']:.3f} | {r['gain']:+.1%} | "
-              f"{r['vs_baseline']:+.1%} | {r['loss_ratio']:.4f} |")
+        print(
+            f"| {r['seed']} | {r['applied']} | {r['gammas']} | {r['before']:.3f} | "
+            f"{r['after']:.3f} | {r['baseline']:.3f} | {r['gain']:+.1%} | "
+            f"{r['vs_baseline']:+.1%} | {r['loss_ratio']:.4f} |"
+        )
     gain = statistics.median(r["gain"] for r in rows)
     loss = statistics.median(r["loss_ratio"] for r in rows)
-    print(f"\nmedian: balancedness {gain:+.1%} within {args.horizon} steps (mean over its last "
-          f"{args.horizon // 2} steps against the {args.horizon // 2} before), loss x{loss:.4f}; "
-          f"target +30 % and loss <= +2 %: {'met' if gain >= 0.30 and loss <= 1.02 else 'NOT met'}"
-          f" ({time.time() - t0:.0f} s)")
-    print("knowledge base (per change: measured before → after, predicted): "
-          + "; ".join(str(r["kb"]) for r in rows))
+    print(
+        f"\nmedian: balancedness {gain:+.1%} within {args.horizon} steps (mean over its last "
+        f"{args.horizon // 2} steps against the {args.horizon // 2} before), loss x{loss:.4f}; "
+        f"target +30 % and loss <= +2 %: {'met' if gain >= 0.30 and loss <= 1.02 else 'NOT met'}"
+        f" ({time.time() - t0:.0f} s)"
+    )
+    print(
+        "knowledge base (per change: measured before → after, predicted): "
+        + "; ".join(str(r["kb"]) for r in rows)
+    )
 
 
 if __name__ == "__main__":

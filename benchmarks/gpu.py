@@ -16,6 +16,7 @@ Parts, each reported as it finishes (a failing part is reported and the rest sti
    (forward, backward), the hang watchdog a skipped collective (abort, resume).
 `--device cpu --quick` runs the same code here as a smoke test (parts 1 and 4-6 need less of it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,7 @@ RESULTS: dict[str, Any] = {}
 
 def part(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run a part, print and keep its figures; a failure is a figure too."""
+
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> None:
             started = time.perf_counter()
@@ -62,9 +64,13 @@ def part(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             except Exception as err:  # keep going: one device call must bring back everything
                 traceback.print_exc()
                 RESULTS[name] = {"error": f"{type(err).__name__}: {err}"}
-            print(f"[{name}] {time.perf_counter() - started:.1f}s "
-                  f"{json.dumps(RESULTS[name], default=str)}", flush=True)
+            print(
+                f"[{name}] {time.perf_counter() - started:.1f}s {json.dumps(RESULTS[name], default=str)}",
+                flush=True,
+            )
+
         return run
+
     return wrap
 
 
@@ -86,9 +92,10 @@ def counted_syncs(device: Device):
 
 
 def tiny_run_config(root: Path, **over: Any):
-    return load_config(REPO / "configs/demo.toml", {
-        "runs_root": str(root), "run_id": over.pop("run_id", "r"), "nproc": 1,
-        "metrics_port": 9900, **over})
+    return load_config(
+        REPO / "configs/demo.toml",
+        {"runs_root": str(root), "run_id": over.pop("run_id", "r"), "nproc": 1, "metrics_port": 9900, **over},
+    )
 
 
 @part("1 syncs per step")
@@ -97,8 +104,11 @@ def syncs_per_step(device: Device, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for watched in (False, True):
             cfg = tiny_run_config(Path(tmp), run_id=f"s{watched}")
-            mon = Monitor(MonitorConfig(run_dir=cfg.run_dir, metrics_port=None),
-                          probe=device.probe(), registry=CollectorRegistry())
+            mon = Monitor(
+                MonitorConfig(run_dir=cfg.run_dir, metrics_port=None),
+                probe=device.probe(),
+                registry=CollectorRegistry(),
+            )
             state = build(cfg, device, mon, rank=0, world_size=1)
             injector = Injector([], 0, lambda inj, step: None)
             for _ in range(3):
@@ -147,20 +157,28 @@ class Dense(nn.Module):
 @part("2 monitor overhead")
 def monitor_overhead(device: Device, blocks: int, block_steps: int) -> dict:
     out = {}
-    models = {"dense d1024": lambda: Dense(1024), "dense d256": lambda: Dense(256),
-              "moe d256": lambda: MoELM(ModelConfig(vocab_size=1024, seq_len=128, layers=4,
-                                                     d_model=256, heads=4, experts=8, top_k=2))}
+    models = {
+        "dense d1024": lambda: Dense(1024),
+        "dense d256": lambda: Dense(256),
+        "moe d256": lambda: MoELM(
+            ModelConfig(vocab_size=1024, seq_len=128, layers=4, d_model=256, heads=4, experts=8, top_k=2)
+        ),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name, make in models.items():
-            out[name] = overhead_pair(device, make, Path(tmp) / name.replace(" ", "_"),
-                                      blocks, block_steps)
+            out[name] = overhead_pair(device, make, Path(tmp) / name.replace(" ", "_"), blocks, block_steps)
     return out
 
 
-def overhead_pair(device: Device, make: Callable[[], nn.Module], run_dir: Path, blocks: int,
-                  block_steps: int) -> dict:
-    mon = Monitor(MonitorConfig(run_dir=run_dir, metrics_port=None), env=DistEnv(),
-                  probe=device.probe(), registry=CollectorRegistry())
+def overhead_pair(
+    device: Device, make: Callable[[], nn.Module], run_dir: Path, blocks: int, block_steps: int
+) -> dict:
+    mon = Monitor(
+        MonitorConfig(run_dir=run_dir, metrics_port=None),
+        env=DistEnv(),
+        probe=device.probe(),
+        registry=CollectorRegistry(),
+    )
     data = SyntheticTokens(vocab_size=1024, seq_len=128, batch_size=16, seed=0)
     pairs = []
     for watched in (True, False):
@@ -175,7 +193,7 @@ def overhead_pair(device: Device, make: Callable[[], nn.Module], run_dir: Path, 
     def one(watched: bool, i: int) -> None:
         model, ddp, opt = pairs[0 if watched else 1]
         x, y = map(device.upload, data.batch(i))
-        with (mon.step(tokens=x.numel()) if watched else contextlib.nullcontext()) as s:
+        with mon.step(tokens=x.numel()) if watched else contextlib.nullcontext() as s:
             loss, lm = model.loss(ddp(x), y)
             loss.backward()
             opt.step()
@@ -189,7 +207,7 @@ def overhead_pair(device: Device, make: Callable[[], nn.Module], run_dir: Path, 
         one(False, i)
     device.synchronize()
     for b in range(blocks):
-        for watched in ((True, False) if b % 2 == 0 else (False, True)):
+        for watched in (True, False) if b % 2 == 0 else (False, True):
             start = time.perf_counter()
             for i in range(block_steps):
                 one(watched, i)
@@ -197,8 +215,7 @@ def overhead_pair(device: Device, make: Callable[[], nn.Module], run_dir: Path, 
             times[watched].append((time.perf_counter() - start) / block_steps)
     mon.close()
     on, off = statistics.median(times[True]), statistics.median(times[False])
-    return {"on_ms": round(on * 1e3, 3), "off_ms": round(off * 1e3, 3),
-            "ratio": round(on / off, 4)}
+    return {"on_ms": round(on * 1e3, 3), "off_ms": round(off * 1e3, 3), "ratio": round(on / off, 4)}
 
 
 @part("3 moe dispatch steps/s")
@@ -206,12 +223,13 @@ def moe_dispatch(device: Device, steps: int) -> dict:
     sys.path.insert(0, str(REPO))
     from tests.trainer.test_moe_dispatch import loop_reference
 
-    cfg = ModelConfig(vocab_size=1024, seq_len=128, layers=4, d_model=256, heads=4, experts=8,
-                      top_k=2)
+    cfg = ModelConfig(vocab_size=1024, seq_len=128, layers=4, d_model=256, heads=4, experts=8, top_k=2)
     data = SyntheticTokens(vocab_size=1024, seq_len=128, batch_size=16, seed=0)
     out = {}
-    for name, forward in (("per-expert loop (before)", loop_reference),
-                          ("static capacity (now)", MoEFeedForward.forward)):
+    for name, forward in (
+        ("per-expert loop (before)", loop_reference),
+        ("static capacity (now)", MoEFeedForward.forward),
+    ):
         torch.manual_seed(0)
         model = MoELM(cfg).to(device.torch_device)
         for m in model.moe_layers():
@@ -229,30 +247,52 @@ def moe_dispatch(device: Device, steps: int) -> dict:
                 opt.zero_grad()
             device.synchronize()
         elapsed = time.perf_counter() - start
-        out[name] = {"steps_per_s": round(steps / elapsed, 2),
-                     "syncs_per_step": round(seen[0] / (steps + 3), 2)}
+        out[name] = {
+            "steps_per_s": round(steps / elapsed, 2),
+            "syncs_per_step": round(seen[0] / (steps + 3), 2),
+        }
     return out
 
 
-def meshscope_run(root: Path, run_id: str, *args: str, timeout: int = 240,
-                  config: Path = REPO / "configs/demo.toml") -> dict:
-    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(config),
-           "--run-dir", str(root), "--run-id", run_id, *args]
+def meshscope_run(
+    root: Path, run_id: str, *args: str, timeout: int = 240, config: Path = REPO / "configs/demo.toml"
+) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshscope",
+        "run",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(root),
+        "--run-id",
+        run_id,
+        *args,
+    ]
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     run_dir = root / run_id
     steps = load_steps(run_dir) if (run_dir / "store.sqlite").exists() else None
     events = load_events(run_dir) if steps is not None else None
     kinds = events["kind"].value_counts().to_dict() if events is not None else {}
-    anomalies = ([d.get("type") for d in events[events["kind"] == "anomaly"]["detail"]]
-                 if events is not None else [])
-    result = {"rc": done.returncode, "wall_s": round(time.perf_counter() - started, 1),
-              "events": kinds, "anomaly_types": sorted(set(anomalies))}
+    anomalies = (
+        [d.get("type") for d in events[events["kind"] == "anomaly"]["detail"]] if events is not None else []
+    )
+    result = {
+        "rc": done.returncode,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "events": kinds,
+        "anomaly_types": sorted(set(anomalies)),
+    }
     if steps is not None and not steps.empty:
-        result.update(steps=int(steps["step"].max()) + 1, ranks=int(steps["rank"].nunique()),
-                      step_ms=round(float(steps["step_s"].median()) * 1e3, 2),
-                      bytes_wire_per_step=float(steps.groupby("step")["bytes_wire"].mean().median()),
-                      bytes_raw_per_step=float(steps.groupby("step")["bytes_raw"].mean().median()))
+        result.update(
+            steps=int(steps["step"].max()) + 1,
+            ranks=int(steps["rank"].nunique()),
+            step_ms=round(float(steps["step_s"].median()) * 1e3, 2),
+            bytes_wire_per_step=float(steps.groupby("step")["bytes_wire"].mean().median()),
+            bytes_raw_per_step=float(steps.groupby("step")["bytes_raw"].mean().median()),
+        )
     if done.returncode != 0:
         result["tail"] = (done.stdout + done.stderr)[-1500:]
     return result
@@ -267,18 +307,50 @@ def runs_on_device(device: Device, steps: int) -> dict:
         return {
             "1 rank, own backend": meshscope_run(root, "own", *common, "--nproc", "1"),
             "2 ranks, gloo, nan injected": meshscope_run(
-                root, "gloo2", *common, "--nproc", "2", "--backend", "gloo",
-                "--inject", f"nan@step={steps // 2},rank=1"),
+                root,
+                "gloo2",
+                *common,
+                "--nproc",
+                "2",
+                "--backend",
+                "gloo",
+                "--inject",
+                f"nan@step={steps // 2},rank=1",
+            ),
             "2 ranks, gloo, kill -> restart (warm standby)": meshscope_run(
-                root, "kill", *common, "--nproc", "2", "--backend", "gloo", "--inject",
-                f"kill@step={steps // 2},rank=1", "--checkpoint-every", "5", "--max-restarts", "1"),
+                root,
+                "kill",
+                *common,
+                "--nproc",
+                "2",
+                "--backend",
+                "gloo",
+                "--inject",
+                f"kill@step={steps // 2},rank=1",
+                "--checkpoint-every",
+                "5",
+                "--max-restarts",
+                "1",
+            ),
         }
 
 
 @part("5 warm vs plain restarts")
 def restarts(device: Device, kills: int) -> dict:
-    cmd = [sys.executable, str(REPO / "benchmarks/fault_recovery.py"), "--kills", str(kills),
-           "--every", "10", "--device", device.kind, "--backend", "gloo", "--port", "9950"]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks/fault_recovery.py"),
+        "--kills",
+        str(kills),
+        "--every",
+        "10",
+        "--device",
+        device.kind,
+        "--backend",
+        "gloo",
+        "--port",
+        "9950",
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
     return {"rc": done.returncode, "report": done.stdout.strip().splitlines()[-4:]}
 
@@ -287,15 +359,29 @@ def restarts(device: Device, kills: int) -> dict:
 def wire_bytes(device: Device, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "no_warmup.toml"  # compress from the first step
-        config.write_text((REPO / "configs/demo.toml").read_text().replace(
-            "compression_warmup = 30", "compression_warmup = 0"))
+        config.write_text(
+            (REPO / "configs/demo.toml")
+            .read_text()
+            .replace("compression_warmup = 30", "compression_warmup = 0")
+        )
         out = {}
         for hook in ("none", "fp16", "powersgd", "onebit"):
-            r = meshscope_run(Path(tmp), hook, "--device", device.kind, "--nproc", "2",
-                              "--backend", "gloo", "--steps", str(steps), "--compression", hook,
-                              config=config)
-            out[hook] = {k: r.get(k) for k in ("rc", "bytes_wire_per_step", "bytes_raw_per_step",
-                                               "step_ms")}
+            r = meshscope_run(
+                Path(tmp),
+                hook,
+                "--device",
+                device.kind,
+                "--nproc",
+                "2",
+                "--backend",
+                "gloo",
+                "--steps",
+                str(steps),
+                "--compression",
+                hook,
+                config=config,
+            )
+            out[hook] = {k: r.get(k) for k in ("rc", "bytes_wire_per_step", "bytes_raw_per_step", "step_ms")}
         return out
 
 
@@ -303,26 +389,42 @@ def wire_bytes(device: Device, steps: int) -> dict:
 def debugging(device: Device, steps: int) -> dict:
     """The tracer names a poisoned module (forward and backward) and the watchdog a skipped
     collective, on the device, as tests/meshscope/test_{trace,hang}_run.py do on the CPU."""
+
     def found(root: Path, run_id: str, kind: str) -> list[dict]:
         events = load_events(root / run_id)
-        return [{k: d.get(k) for k in ("module", "where", "tensor", "type", "culprit_ranks",
-                                       "op", "seq", "why")} | {"rank": r}
-                for d, r in zip(events[events["kind"] == kind]["detail"],
-                                events[events["kind"] == kind]["rank"])]
+        return [
+            {k: d.get(k) for k in ("module", "where", "tensor", "type", "culprit_ranks", "op", "seq", "why")}
+            | {"rank": r}
+            for d, r in zip(events[events["kind"] == kind]["detail"], events[events["kind"] == kind]["rank"])
+        ]
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        common = ["--device", device.kind, "--backend", "gloo", "--nproc", "2",
-                  "--steps", str(steps)]
+        common = ["--device", device.kind, "--backend", "gloo", "--nproc", "2", "--steps", str(steps)]
         module = "blocks.1.moe.router.gate"
         for where in ("forward", "backward"):
-            r = meshscope_run(root, where, *common, "--inject",
-                              f"nan@step={steps // 2},rank=1,module={module},where={where}")
+            r = meshscope_run(
+                root,
+                where,
+                *common,
+                "--inject",
+                f"nan@step={steps // 2},rank=1,module={module},where={where}",
+            )
             out[f"tracer {where}"] = {"rc": r["rc"], "nan": found(root, where, "nan")}
-        r = meshscope_run(root, "skip", *common, "--inject", f"skip_collective@step={steps // 2},"
-                          "rank=1", "--checkpoint-every", "4", "--max-restarts", "1",
-                          "--on-hang", "abort")
+        r = meshscope_run(
+            root,
+            "skip",
+            *common,
+            "--inject",
+            f"skip_collective@step={steps // 2},rank=1",
+            "--checkpoint-every",
+            "4",
+            "--max-restarts",
+            "1",
+            "--on-hang",
+            "abort",
+        )
         out["hang: skip_collective"] = {"rc": r["rc"], "hang": found(root, "skip", "hang")}
     return out
 
@@ -337,8 +439,11 @@ def main() -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     device = Device(args.device)
     device.activate()
-    print(f"machine: {machine()}; device {device.kind}"
-          + (f" ({torch.cuda.get_device_name()})" if device.kind == "cuda" else ""), flush=True)
+    print(
+        f"machine: {machine()}; device {device.kind}"
+        + (f" ({torch.cuda.get_device_name()})" if device.kind == "cuda" else ""),
+        flush=True,
+    )
     q = args.quick
     if {"1", "2", "3"} & set(args.parts):
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29899", rank=0, world_size=1)
@@ -357,8 +462,9 @@ def main() -> None:
     if "7" in args.parts:
         debugging(device, steps=12 if q else 20)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_results.json").write_text(json.dumps(
-        {"machine": machine(), "device": device.kind, "results": RESULTS}, indent=2, default=str))
+    (args.out / "gpu_results.json").write_text(
+        json.dumps({"machine": machine(), "device": device.kind, "results": RESULTS}, indent=2, default=str)
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ connection), measured from the culprit's fault, and whether the error names the 
 
     .venv/bin/python benchmarks/hang_detection.py [--repeats 1 --pg-timeout 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,15 +28,25 @@ from tests.detectors.hang_cases import FAULT_STEP, rank_main
 from tests.helpers.ports import free_port_range
 
 WORLD, CULPRIT = 3, 2
-EXPECTED = {"skip": "desync", "compute": "compute", "op": "mismatch", "shape": "mismatch",
-            "dtype": "mismatch", "split": "mismatch", "kill": "dead", "error": "error"}
+EXPECTED = {
+    "skip": "desync",
+    "compute": "compute",
+    "op": "mismatch",
+    "shape": "mismatch",
+    "dtype": "mismatch",
+    "split": "mismatch",
+    "kill": "dead",
+    "error": "error",
+}
 
 
 def _spawn(live: Path, scenario: str, pg_timeout: float, flight: bool) -> list:
     ctx = mp.get_context("spawn")
     port = free_port_range(1)
-    procs = [ctx.Process(target=rank_main, args=(r, WORLD, port, str(live), scenario, pg_timeout,
-                                                 flight)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, WORLD, port, str(live), scenario, pg_timeout, flight))
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     return procs
@@ -63,10 +74,17 @@ def watched(scenario: str, pg_timeout: float) -> dict:
     if diag is None:
         return {"named": False, "delay_s": float("nan"), "kind": "none"}
     d = diag.detail()
-    right = (d["culprit_ranks"] == [CULPRIT] and d["type"] == EXPECTED[scenario]
-             and (d["seq"] == FAULT_STEP or d["type"] in ("dead", "error")))
-    return {"named": right, "delay_s": d["detected_at"] - d["stalled_since"], "kind": d["type"],
-            "why": d["why"]}
+    right = (
+        d["culprit_ranks"] == [CULPRIT]
+        and d["type"] == EXPECTED[scenario]
+        and (d["seq"] == FAULT_STEP or d["type"] in ("dead", "error"))
+    )
+    return {
+        "named": right,
+        "delay_s": d["detected_at"] - d["stalled_since"],
+        "kind": d["type"],
+        "why": d["why"],
+    }
 
 
 def plain(scenario: str, pg_timeout: float) -> dict:
@@ -79,15 +97,18 @@ def plain(scenario: str, pg_timeout: float) -> dict:
                 time.sleep(0.1)
             time.sleep(0.5)
             exits = [json.loads(p.read_text()) for p in live.glob("exit-rank*.json")]
-            fault = float((live / "fault_time").read_text()) if (live / "fault_time").exists() \
-                else float("nan")
+            fault = (
+                float((live / "fault_time").read_text()) if (live / "fault_time").exists() else float("nan")
+            )
         finally:
             _end(procs)
     errored = [e for e in exits if e["error"]]
     first = min((e["time"] for e in errored), default=float("nan"))
-    return {"delay_s": first - fault,
-            "named": any(f"rank {CULPRIT}" in e["error"] for e in errored),
-            "error": errored[0]["error"][:90] if errored else "(no error: the job still waits)"}
+    return {
+        "delay_s": first - fault,
+        "named": any(f"rank {CULPRIT}" in e["error"] for e in errored),
+        "error": errored[0]["error"][:90] if errored else "(no error: the job still waits)",
+    }
 
 
 def main() -> None:
@@ -96,19 +117,25 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=20.0)
     parser.add_argument("--scenarios", default=",".join(EXPECTED))
     args = parser.parse_args()
-    print(f"# {machine()}\n# 3 gloo ranks, culprit rank {CULPRIT} at step {FAULT_STEP}; "
-          f"watchdog defaults {HangConfig()}; plain process-group timeout {args.pg_timeout:g} s")
-    print(f"{'scenario':10} {'watchdog':>10} {'right':>6}  {'plain job':>10} {'named':>6}  "
-          "plain job's first error")
+    print(
+        f"# {machine()}\n# 3 gloo ranks, culprit rank {CULPRIT} at step {FAULT_STEP}; "
+        f"watchdog defaults {HangConfig()}; plain process-group timeout {args.pg_timeout:g} s"
+    )
+    print(
+        f"{'scenario':10} {'watchdog':>10} {'right':>6}  {'plain job':>10} {'named':>6}  "
+        "plain job's first error"
+    )
     delays = []
     for scenario in args.scenarios.split(","):
         for _ in range(args.repeats):
             w, p = watched(scenario, args.pg_timeout), plain(scenario, args.pg_timeout)
             delays.append(w["delay_s"])
-            print(f"{scenario:10} {w['delay_s']:9.2f}s {str(w['named']):>6}  "
-                  f"{p['delay_s']:9.2f}s {str(p['named']):>6}  {p['error']}", flush=True)
-    print(f"median watchdog delay {statistics.median(delays):.2f} s over {len(delays)} runs "
-          "(target <= 5 s)")
+            print(
+                f"{scenario:10} {w['delay_s']:9.2f}s {str(w['named']):>6}  "
+                f"{p['delay_s']:9.2f}s {str(p['named']):>6}  {p['error']}",
+                flush=True,
+            )
+    print(f"median watchdog delay {statistics.median(delays):.2f} s over {len(delays)} runs (target <= 5 s)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ holds for a large job.
 
     .venv/bin/python benchmarks/memory.py [--steps 300] [--ranks 1024 --engine-steps 10000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,8 +92,7 @@ print(json.dumps({{"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxr
 
 
 def child(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=3600)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -111,16 +111,20 @@ def main() -> None:
         plain = child(CHILD.format(repo=str(REPO), watched=False, steps=args.steps))
         watched = child(CHILD.format(repo=str(REPO), watched=True, steps=args.steps))
         deltas.append(watched["maxrss_mb"] - plain["maxrss_mb"])
-        print(f"rank, try {i + 1}: plain {plain['maxrss_mb']:.0f} MB, with Monitor + exporter + "
-              f"store {watched['maxrss_mb']:.0f} MB: +{deltas[-1]:.1f} MB ({args.steps} steps)")
+        print(
+            f"rank, try {i + 1}: plain {plain['maxrss_mb']:.0f} MB, with Monitor + exporter + "
+            f"store {watched['maxrss_mb']:.0f} MB: +{deltas[-1]:.1f} MB ({args.steps} steps)"
+        )
     print(f"Monitor adds {max(deltas):.1f} MB at most (target <= 50 MB)")
     t0 = time.time()
     eng = child(ENGINE.format(repo=str(REPO), ranks=args.ranks, steps=args.engine_steps))
     marks = {int(k): v for k, v in eng["marks"].items()}
-    print(f"engine, {args.ranks} ranks x {args.engine_steps} steps: peak RSS "
-          f"{eng['maxrss_mb']:.0f} MB (target <= 1024 MB); at step 2,000 "
-          f"{marks.get(2000, float('nan')):.0f} MB, at the end {marks.get(args.engine_steps, 0):.0f}"
-          f" MB; {eng['seconds']:.0f} s ({time.time() - t0:.0f} s with start-up)")
+    print(
+        f"engine, {args.ranks} ranks x {args.engine_steps} steps: peak RSS "
+        f"{eng['maxrss_mb']:.0f} MB (target <= 1024 MB); at step 2,000 "
+        f"{marks.get(2000, float('nan')):.0f} MB, at the end {marks.get(args.engine_steps, 0):.0f}"
+        f" MB; {eng['seconds']:.0f} s ({time.time() - t0:.0f} s with start-up)"
+    )
 
 
 if __name__ == "__main__":

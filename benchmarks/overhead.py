@@ -16,6 +16,7 @@ Printed per configuration:
 
     .venv/bin/python benchmarks/overhead.py [--ranks 2 --pairs 4 --blocks 6 --block-steps 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ class CostMeter:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.thread_time() - start
+
         return timed
 
     def wrap_context(self, factory):
@@ -64,6 +66,7 @@ class CostMeter:
 
         def enter(*args, **kwargs):  # a function, so it binds as a method too
             return Timed(*args, **kwargs)
+
         return enter
 
 
@@ -84,8 +87,16 @@ def thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def bench(rank: int, world_size: int, pairs: int, blocks: int, block_steps: int, run_dir: str,
-          d_model: int, bucket_mb: float) -> dict:
+def bench(
+    rank: int,
+    world_size: int,
+    pairs: int,
+    blocks: int,
+    block_steps: int,
+    run_dir: str,
+    d_model: int,
+    bucket_mb: float,
+) -> dict:
     import torch
     from prometheus_client import CollectorRegistry
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -95,15 +106,16 @@ def bench(rank: int, world_size: int, pairs: int, blocks: int, block_steps: int,
     from trainer.data import SyntheticTokens
     from trainer.model import MoELM
 
-    cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8,
-                      top_k=2)
+    cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8, top_k=2)
     env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
-    mon = Monitor(MonitorConfig(run_dir=run_dir, metrics_port=None, expert_every=5), env=env,
-                  registry=CollectorRegistry())
+    mon = Monitor(
+        MonitorConfig(run_dir=run_dir, metrics_port=None, expert_every=5),
+        env=env,
+        registry=CollectorRegistry(),
+    )
     cost = CostMeter()
     instrument_costs(mon, cost)
-    data = SyntheticTokens(vocab_size=128, seq_len=32, batch_size=8, seed=0, rank=rank,
-                           world_size=world_size)
+    data = SyntheticTokens(vocab_size=128, seq_len=32, batch_size=8, seed=0, rank=rank, world_size=world_size)
 
     def make():
         torch.manual_seed(0)
@@ -138,14 +150,14 @@ def bench(rank: int, world_size: int, pairs: int, blocks: int, block_steps: int,
     writer_before = thread_cpu(mon.store._thread)
     for pair in range(pairs):
         built = [make() for _ in modes]
-        order = modes[pair % 3:] + modes[:pair % 3]  # construction order rotates
+        order = modes[pair % 3 :] + modes[: pair % 3]  # construction order rotates
         models = dict(zip(order, built))
         mon.watch(models["on"][1])
         for i in range(3):  # warm-up all
             for m in modes:
                 (step_watched if m == "on" else step_plain)(*models[m], i)
         for b in range(blocks):
-            for m in modes[b % 3:] + modes[:b % 3]:
+            for m in modes[b % 3 :] + modes[: b % 3]:
                 for i in range(block_steps):
                     t0 = time.perf_counter()
                     (step_watched if m == "on" else step_plain)(*models[m], i)
@@ -162,26 +174,46 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3, help="fresh model triples")
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--block-steps", type=int, default=8)
-    ap.add_argument("--d-model", type=int, nargs="+", default=[64, 256],
-                    help="model widths to measure (64 = the demo model)")
-    ap.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0, 0.25],
-                    help="DDP bucket caps: 25 = torch's default; 0.25 = many buckets, worst case")
+    ap.add_argument(
+        "--d-model",
+        type=int,
+        nargs="+",
+        default=[64, 256],
+        help="model widths to measure (64 = the demo model)",
+    )
+    ap.add_argument(
+        "--bucket-mb",
+        type=float,
+        nargs="+",
+        default=[25.0, 0.25],
+        help="DDP bucket caps: 25 = torch's default; 0.25 = many buckets, worst case",
+    )
     args = ap.parse_args()
     print(f"machine: {machine()}")
-    print(f"ranks={args.ranks} triples={args.pairs} blocks={args.blocks}x{args.block_steps} "
-          "steps per mode per rank")
+    print(
+        f"ranks={args.ranks} triples={args.pairs} blocks={args.blocks}x{args.block_steps} "
+        "steps per mode per rank"
+    )
     for width, bucket_mb in itertools.product(args.d_model, args.bucket_mb):
         with tempfile.TemporaryDirectory() as d:
-            results = run_ranks(bench, args.ranks, pairs=args.pairs, blocks=args.blocks,
-                                block_steps=args.block_steps, run_dir=d, d_model=width,
-                                bucket_mb=bucket_mb)
-        med = {m: statistics.median(t for r in results for t in r[m])
-               for m in ("on", "off", "control")}
+            results = run_ranks(
+                bench,
+                args.ranks,
+                pairs=args.pairs,
+                blocks=args.blocks,
+                block_steps=args.block_steps,
+                run_dir=d,
+                d_model=width,
+                bucket_mb=bucket_mb,
+            )
+        med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
         cost = results[0]["cost_per_step"]
-        print(f"d_model={width:4d} bucket={bucket_mb:5.2f} MB  step on {med['on'] * 1e3:7.2f} ms  "
-              f"off {med['off'] * 1e3:7.2f} ms  on/off {med['on'] / med['off']:.4f}  "
-              f"control {med['control'] / med['off']:.4f}  cost {cost * 1e6:6.0f} us/step = "
-              f"{cost / med['off']:.2%}  (target <= 1.01)")
+        print(
+            f"d_model={width:4d} bucket={bucket_mb:5.2f} MB  step on {med['on'] * 1e3:7.2f} ms  "
+            f"off {med['off'] * 1e3:7.2f} ms  on/off {med['on'] / med['off']:.4f}  "
+            f"control {med['control'] / med['off']:.4f}  cost {cost * 1e6:6.0f} us/step = "
+            f"{cost / med['off']:.2%}  (target <= 1.01)"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ truth; explain sees only the steps, expert loads and the other events.
 
     .venv/bin/python benchmarks/root_cause.py [--record [RUN...]]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,26 +28,37 @@ from collector.store import load_events
 DATA = REPO / "benchmarks" / "data"
 # What each injection kind should be explained as, and whether the culprit rank is knowable
 # from what was recorded (a delayed link slows every rank alike).
-EXPECTED = {"slow": ("slow_host", True), "comm_delay": ("slow_link", False),
-            "nan": ("nonfinite", True), "expert_collapse": ("routing", False),
-            "memory_leak": ("leak", True), "hang": ("hang", True), "kill": ("crash", True),
-            "kill_loop": ("recovery_failing", True), "skip_collective": ("hang", True),
-            "collective_mismatch": ("hang", True)}
+EXPECTED = {
+    "slow": ("slow_host", True),
+    "comm_delay": ("slow_link", False),
+    "nan": ("nonfinite", True),
+    "expert_collapse": ("routing", False),
+    "memory_leak": ("leak", True),
+    "hang": ("hang", True),
+    "kill": ("crash", True),
+    "kill_loop": ("recovery_failing", True),
+    "skip_collective": ("hang", True),
+    "collective_mismatch": ("hang", True),
+}
 RECORDED_HERE = {
     "kill": ["kill@step=25,rank=1"],
     "kill_loop": ["kill@step=12,rank=1", "kill@step=14,rank=1", "kill@step=16,rank=1"],
     "skip_collective": ["skip_collective@step=20,rank=1"],
     "collective_mismatch": ["collective_mismatch@step=20,rank=0,what=shape"],
 }
-FLAGS = {"kill": ["--max-restarts", "2"], "kill_loop": ["--max-restarts", "2"],
-         "skip_collective": ["--max-restarts", "1", "--on-hang", "abort"],
-         "collective_mismatch": ["--max-restarts", "1", "--on-hang", "abort"]}
+FLAGS = {
+    "kill": ["--max-restarts", "2"],
+    "kill_loop": ["--max-restarts", "2"],
+    "skip_collective": ["--max-restarts", "1", "--on-hang", "abort"],
+    "collective_mismatch": ["--max-restarts", "1", "--on-hang", "abort"],
+}
 
 
 def runs() -> list[Path]:
     """Every recorded run with an injection, in a stable order."""
-    return sorted(p for p in DATA.iterdir() if (p / "store.sqlite").exists()
-                  and not p.name.startswith("clean"))
+    return sorted(
+        p for p in DATA.iterdir() if (p / "store.sqlite").exists() and not p.name.startswith("clean")
+    )
 
 
 def injection_kind(run: Path) -> tuple[str, int]:
@@ -69,9 +81,17 @@ def judge(run: Path) -> dict:
     took = time.perf_counter() - t0
     top = causes[0] if causes else None
     ok = top is not None and top.kind == want and (not rank_known or top.ranks == [rank])
-    return {"run": run.name, "kind": kind, "want": want, "top": top.kind if top else "-",
-            "ranks": top.ranks if top else [], "confidence": top.confidence if top else 0.0,
-            "ok": ok, "seconds": took, "causes": causes}
+    return {
+        "run": run.name,
+        "kind": kind,
+        "want": want,
+        "top": top.kind if top else "-",
+        "ranks": top.ranks if top else [],
+        "confidence": top.confidence if top else 0.0,
+        "ok": ok,
+        "seconds": took,
+        "causes": causes,
+    }
 
 
 def record(only: list[str] | None = None) -> None:
@@ -82,9 +102,23 @@ def record(only: list[str] | None = None) -> None:
         if only and name not in only:
             continue
         root = Path(tempfile.mkdtemp())
-        cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(config), "--run-dir",
-               str(root), "--run-id", name, "--steps", "50", "--checkpoint-every", "5",
-               *FLAGS[name]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshscope",
+            "run",
+            "--config",
+            str(config),
+            "--run-dir",
+            str(root),
+            "--run-id",
+            name,
+            "--steps",
+            "50",
+            "--checkpoint-every",
+            "5",
+            *FLAGS[name],
+        ]
         for spec in injections:
             cmd += ["--inject", spec]
         subprocess.run(cmd, cwd=REPO, capture_output=True, timeout=600)  # kill_loop fails
@@ -112,11 +146,15 @@ def main() -> None:
     print("| run | injected | expected first | ranked first | ranks | confidence | ok |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {r['kind']} | {r['want']} | {r['top']} | {r['ranks']} | "
-              f"{r['confidence']:.2f} | {'yes' if r['ok'] else 'NO'} |")
+        print(
+            f"| {r['run']} | {r['kind']} | {r['want']} | {r['top']} | {r['ranks']} | "
+            f"{r['confidence']:.2f} | {'yes' if r['ok'] else 'NO'} |"
+        )
     hits = sum(r["ok"] for r in rows)
-    print(f"\ninjected cause ranked first: {hits}/{len(rows)} = {hits / len(rows):.1%}; "
-          f"explain took {max(r['seconds'] for r in rows):.2f} s at most per run")
+    print(
+        f"\ninjected cause ranked first: {hits}/{len(rows)} = {hits / len(rows):.1%}; "
+        f"explain took {max(r['seconds'] for r in rows):.2f} s at most per run"
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ reported at the same tail probability as ours and at their best threshold in hin
 `labels.json` mapping file name to a list of onset row numbers), e.g. a public benchmark's
 files converted so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -116,22 +117,22 @@ def anomalous(rng: np.random.Generator) -> list[Series]:
     x[t:] = 50 + (x[t:] - 50) * 5
     add("variance_up", x, t)
     x, t = b["white_noise"].copy(), _onset(rng)
-    x[t:t + 300] = x[t - 1]
+    x[t : t + 300] = x[t - 1]
     add("stuck_sensor", x, t)
     x = b["daily_no_noise"].copy()
     day = int(rng.integers(5, 12))
     t = day * DAY + DAY // 4
-    x[t:t + DAY // 2] = x[t]
+    x[t : t + DAY // 2] = x[t]
     add("missing_peak", x, t)
     x, t = b["daily_noise"].copy(), int(rng.integers(5, 12)) * DAY
-    x[t:t + DAY] = 20 + (x[t:t + DAY] - 20) * 1.6
-    add("larger_day", x, t + int(np.argmax(x[t:t + DAY] > 82)))
+    x[t : t + DAY] = 20 + (x[t : t + DAY] - 20) * 1.6
+    add("larger_day", x, t + int(np.argmax(x[t : t + DAY] > 82)))
     x = b["square_wave"].copy()
     t = int(rng.integers(5, 12)) * DAY + DAY // 2
-    x[t:t + DAY // 2] = 20
+    x[t : t + DAY // 2] = 20
     add("missing_pulse", x, t)
     x, t = b["counter"].copy(), _onset(rng)
-    x[t:t + 200] = 0
+    x[t : t + 200] = 0
     add("counter_stuck_at_zero", x, t)
     x, t = b["heavy_tails"].copy(), _onset(rng)
     x[t:] += 8
@@ -164,7 +165,7 @@ def windowed_gaussian(x: np.ndarray, window: int = 6400, step: int = 100) -> np.
     mean = std = None
     for i in range(len(x)):
         if i >= 2 and (mean is None or i % step == 0):
-            past = x[max(0, i - window):i]
+            past = x[max(0, i - window) : i]
             mean, std = float(past.mean()), float(past.std())
         if mean is None:
             continue
@@ -180,11 +181,11 @@ def isolation_forest(x: np.ndarray, refit: int = 500, history: int = 2000) -> np
     scores = np.zeros(len(x))
     start = int(PROBATION * len(x))
     for lo in range(start, len(x), refit):
-        past = feats[max(0, lo - history):lo]
+        past = feats[max(0, lo - history) : lo]
         model = IsolationForest(n_estimators=50, random_state=0).fit(past)
         ref = np.sort(-model.score_samples(past))
-        now = -model.score_samples(feats[lo:lo + refit])
-        scores[lo:lo + refit] = np.searchsorted(ref, now, side="right") / (len(ref) + 1)
+        now = -model.score_samples(feats[lo : lo + refit])
+        scores[lo : lo + refit] = np.searchsorted(ref, now, side="right") / (len(ref) + 1)
     return scores
 
 
@@ -217,8 +218,15 @@ def judge(s: Series, flags: np.ndarray) -> dict[str, float]:
             raw -= 1.0
     false = int((~inside[rows]).sum())
     raw -= 0.11 * false
-    return {"windows": len(wins), "found": found, "false": false, "rows": len(flags) - start,
-            "raw": raw, "null": -float(len(wins)), "perfect": float(len(wins))}
+    return {
+        "windows": len(wins),
+        "found": found,
+        "false": false,
+        "rows": len(flags) - start,
+        "raw": raw,
+        "null": -float(len(wins)),
+        "perfect": float(len(wins)),
+    }
 
 
 def summarise(results: list[dict[str, float]], clean: list[bool]) -> dict[str, float]:
@@ -239,8 +247,7 @@ def best_in_hindsight(series: list[Series], scores: list[np.ndarray]) -> tuple[f
     clean = [not s.onsets for s in series]
     best = (-math.inf, {}, 0.0)
     for thr in [0.9, 0.95, 0.99, 0.995, 0.999, 0.9995, 0.9999, 0.99999, 0.999999]:
-        summary = summarise([judge(s, sc >= thr) for s, sc in zip(series, scores, strict=True)],
-                            clean)
+        summary = summarise([judge(s, sc >= thr) for s, sc in zip(series, scores, strict=True)], clean)
         if summary["score"] > best[0]:
             best = (summary["score"], summary, thr)
     return best[2], best[1]
@@ -253,21 +260,33 @@ def evaluate(series: list[Series], label: str) -> list[dict]:
     t0 = time.perf_counter()
     ours_flags = [ours(s.values, config)[1] for s in series]
     ours_s = time.perf_counter() - t0
-    rows.append({"set": label, "detector": "meshscope detect (default)", "threshold": "onsets",
-                 **summarise([judge(s, f) for s, f in zip(series, ours_flags, strict=True)],
-                             clean), "seconds": ours_s})
+    rows.append(
+        {
+            "set": label,
+            "detector": "meshscope detect (default)",
+            "threshold": "onsets",
+            **summarise([judge(s, f) for s, f in zip(series, ours_flags, strict=True)], clean),
+            "seconds": ours_s,
+        }
+    )
     same = 1 - config.alpha
-    for name, fn in [("windowed Gaussian", windowed_gaussian),
-                     ("IsolationForest", isolation_forest)]:
+    for name, fn in [("windowed Gaussian", windowed_gaussian), ("IsolationForest", isolation_forest)]:
         t0 = time.perf_counter()
         scores = [fn(s.values) for s in series]
         took = time.perf_counter() - t0
-        rows.append({"set": label, "detector": name, "threshold": f"{same}",
-                     **summarise([judge(s, sc >= same) for s, sc in zip(series, scores, strict=True)],
-                                 clean), "seconds": took})
+        rows.append(
+            {
+                "set": label,
+                "detector": name,
+                "threshold": f"{same}",
+                **summarise([judge(s, sc >= same) for s, sc in zip(series, scores, strict=True)], clean),
+                "seconds": took,
+            }
+        )
         thr, summary = best_in_hindsight(series, scores)
-        rows.append({"set": label, "detector": name, "threshold": f"{thr} (hindsight)",
-                     **summary, "seconds": took})
+        rows.append(
+            {"set": label, "detector": name, "threshold": f"{thr} (hindsight)", **summary, "seconds": took}
+        )
     return rows
 
 
@@ -296,8 +315,10 @@ def main() -> None:
         for s in series:
             flags = ours(s.values, config)[1]
             j = judge(s, flags)
-            print(f"{s.name:28s} windows {j['windows']} found {j['found']} false {j['false']}"
-                  f"  flags at {np.flatnonzero(flags)[:8].tolist()} onsets {s.onsets}")
+            print(
+                f"{s.name:28s} windows {j['windows']} found {j['found']} false {j['false']}"
+                f"  flags at {np.flatnonzero(flags)[:8].tolist()} onsets {s.onsets}"
+            )
     table = pd.DataFrame(rows)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table.round(3).to_string(index=False))

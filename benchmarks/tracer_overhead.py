@@ -13,6 +13,7 @@ per model size.
 
     .venv/bin/python benchmarks/tracer_overhead.py [--ranks 2 --blocks 6 --block-steps 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ from _common import machine, run_ranks
 VARIANTS = ("plain", "control", "flight", "nonfinite", "stats", "full")
 
 
-def bench(rank: int, world_size: int, blocks: int, block_steps: int, run_dir: str,
-          d_model: int, copies: int) -> dict:
+def bench(
+    rank: int, world_size: int, blocks: int, block_steps: int, run_dir: str, d_model: int, copies: int
+) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -36,10 +38,8 @@ def bench(rank: int, world_size: int, blocks: int, block_steps: int, run_dir: st
     from trainer.data import SyntheticTokens
     from trainer.model import MoELM
 
-    cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8,
-                      top_k=2)
-    data = SyntheticTokens(vocab_size=128, seq_len=32, batch_size=8, seed=0, rank=rank,
-                           world_size=world_size)
+    cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8, top_k=2)
+    data = SyntheticTokens(vocab_size=128, seq_len=32, batch_size=8, seed=0, rank=rank, world_size=world_size)
     flight = FlightLog(f"{run_dir}/live", rank=rank, world_size=world_size).install()
     FlightLog._active = None  # on only while the flight variant steps
 
@@ -67,21 +67,20 @@ def bench(rank: int, world_size: int, blocks: int, block_steps: int, run_dir: st
         opt.step()
         opt.zero_grad(set_to_none=False)
         if tracer is not None:
-            tracer.step_end(loss=loss, grad_norm=norm,
-                            rerun=lambda: model.loss(model(x), y)[0])
+            tracer.step_end(loss=loss, grad_norm=norm, rerun=lambda: model.loss(model(x), y)[0])
         if variant == "flight":
             flight.step_end()
             FlightLog._active = None
 
     times = {v: [] for v in VARIANTS}
     for copy in range(copies):
-        order = VARIANTS[copy % len(VARIANTS):] + VARIANTS[:copy % len(VARIANTS)]
+        order = VARIANTS[copy % len(VARIANTS) :] + VARIANTS[: copy % len(VARIANTS)]
         built = {v: make(v) for v in order}
         for i in range(3):
             for v in VARIANTS:
                 step(v, *built[v], i)
         for b in range(blocks):
-            for v in VARIANTS[b % len(VARIANTS):] + VARIANTS[:b % len(VARIANTS)]:
+            for v in VARIANTS[b % len(VARIANTS) :] + VARIANTS[: b % len(VARIANTS)]:
                 for i in range(block_steps):
                     t0 = time.perf_counter()
                     step(v, *built[v], i)
@@ -115,21 +114,33 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=3, help="fresh model sets, rotating order")
     ap.add_argument("--d-model", type=int, nargs="+", default=[64, 256])
     args = ap.parse_args()
-    print(f"# {machine()}\n# {args.ranks} gloo ranks, {args.copies} copies x {args.blocks} "
-          f"blocks x {args.block_steps} steps per variant; rank 0's median step time")
+    print(
+        f"# {machine()}\n# {args.ranks} gloo ranks, {args.copies} copies x {args.blocks} "
+        f"blocks x {args.block_steps} steps per variant; rank 0's median step time"
+    )
     print(f"{'d_model':>7} {'plain ms':>9} " + " ".join(f"{v:>10}" for v in VARIANTS[1:]))
     for d_model in args.d_model:
         with tempfile.TemporaryDirectory() as run_dir:
-            times = run_ranks(bench, args.ranks, blocks=args.blocks, block_steps=args.block_steps,
-                              run_dir=run_dir, d_model=d_model, copies=args.copies)[0]
+            times = run_ranks(
+                bench,
+                args.ranks,
+                blocks=args.blocks,
+                block_steps=args.block_steps,
+                run_dir=run_dir,
+                d_model=d_model,
+                copies=args.copies,
+            )[0]
         # two identical plain copies differ by a few percent (memory layout): the baseline is
         # both, and `control` shows how far one of them strays from it
         base = statistics.median(times["plain"] + times["control"])
         ratios = {v: statistics.median(times[v]) / base for v in VARIANTS[1:]}
-        print(f"{d_model:>7} {base * 1e3:9.2f} " + " ".join(f"{ratios[v]:10.3f}"
-                                                         for v in VARIANTS[1:]), flush=True)
-    print("targets: flight <= 1.01, nonfinite <= 1.01, stats <= 1.03, full <= 1.6 "
-          "(control = the noise floor)")
+        print(
+            f"{d_model:>7} {base * 1e3:9.2f} " + " ".join(f"{ratios[v]:10.3f}" for v in VARIANTS[1:]),
+            flush=True,
+        )
+    print(
+        "targets: flight <= 1.01, nonfinite <= 1.01, stats <= 1.03, full <= 1.6 (control = the noise floor)"
+    )
     print(f"nonfinite tracer's own cost: {nonfinite_cost_us():.1f} us of CPU per step")
 
 

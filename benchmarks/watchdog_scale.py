@@ -12,6 +12,7 @@ rank writes, one watcher per node reads its ranks, one per job reads the nodes).
 
     .venv/bin/python benchmarks/watchdog_scale.py [--ranks 1024 16384 --interval 1.0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,9 @@ class Simulation:
 
     def __init__(self, port: int, ranks: int, per_node: int, interval: float, threads: int):
         self.port, self.interval, self.threads = port, interval, threads
-        self.nodes = {n: list(range(n * per_node, min((n + 1) * per_node, ranks)))
-                      for n in range(-(-ranks // per_node))}
+        self.nodes = {
+            n: list(range(n * per_node, min((n + 1) * per_node, ranks))) for n in range(-(-ranks // per_node))
+        }
         self.ranks = ranks
         self.silent: set[int] = set()  # ranks that stopped beating
         self.gone_nodes: set[int] = set()  # nodes whose watcher stopped
@@ -98,8 +100,12 @@ class Simulation:
 
     def _watcher(self, nodes: list[int]) -> None:
         store = connect_store("127.0.0.1", self.port)
-        watchers = {n: NodeWatch(store, attempt=0, node=n, ranks=self.nodes[n],
-                                 interval_s=self.interval, on_dead=self._report) for n in nodes}
+        watchers = {
+            n: NodeWatch(
+                store, attempt=0, node=n, ranks=self.nodes[n], interval_s=self.interval, on_dead=self._report
+            )
+            for n in nodes
+        }
         while not self._stop.is_set():
             start = time.monotonic()
             for n, w in watchers.items():
@@ -109,8 +115,13 @@ class Simulation:
             self._stop.wait(max(0.0, self.interval / 2 - (time.monotonic() - start)))
 
     def _job(self) -> None:
-        job = JobWatch(connect_store("127.0.0.1", self.port), attempt=0, nodes=self.nodes,
-                       interval_s=self.interval, on_dead=self._report)
+        job = JobWatch(
+            connect_store("127.0.0.1", self.port),
+            attempt=0,
+            nodes=self.nodes,
+            interval_s=self.interval,
+            on_dead=self._report,
+        )
         while not self._stop.wait(self.interval / 2):
             job.look()
             self._count(2)
@@ -118,12 +129,13 @@ class Simulation:
     def run(self, settle_s: float, after_s: float) -> dict:
         ranks = list(range(self.ranks))
         nodes = list(self.nodes)
-        slices = [ranks[i::self.threads] for i in range(self.threads)]
-        node_slices = [nodes[i::max(1, self.threads // 2)] for i in range(max(1, self.threads // 2))]
-        pool = ([threading.Thread(target=self._beater, args=(s,), daemon=True) for s in slices]
-                + [threading.Thread(target=self._watcher, args=(s,), daemon=True)
-                   for s in node_slices]
-                + [threading.Thread(target=self._job, daemon=True)])
+        slices = [ranks[i :: self.threads] for i in range(self.threads)]
+        node_slices = [nodes[i :: max(1, self.threads // 2)] for i in range(max(1, self.threads // 2))]
+        pool = (
+            [threading.Thread(target=self._beater, args=(s,), daemon=True) for s in slices]
+            + [threading.Thread(target=self._watcher, args=(s,), daemon=True) for s in node_slices]
+            + [threading.Thread(target=self._job, daemon=True)]
+        )
         for t in pool:
             t.start()
         time.sleep(settle_s)
@@ -142,9 +154,12 @@ class Simulation:
         for t in pool:
             t.join(timeout=10)
         node_reports = [self.reports[r] for r in self.nodes[dead_node] if r in self.reports]
-        return {"rank_delay": self.reports.get(victim, float("nan")) - t_rank,
-                "node_delay": (min(node_reports) - t_node) if node_reports else float("nan"),
-                "ops_per_s": ops_rate, "lag": self.lag}
+        return {
+            "rank_delay": self.reports.get(victim, float("nan")) - t_rank,
+            "node_delay": (min(node_reports) - t_node) if node_reports else float("nan"),
+            "ops_per_s": ops_rate,
+            "lag": self.lag,
+        }
 
 
 def main() -> None:
@@ -157,21 +172,29 @@ def main() -> None:
     port = free_port_range(1)
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     cap = capacity(port)
-    print(f"# {machine()}\n# one TCPStore serves {cap:,.0f} ops/s to 8 client threads; "
-          f"interval {args.interval:g} s, {args.per_node} ranks per node")
-    print(f"{'ranks':>6} {'old ops/s':>13} {'old/capacity':>12} {'old sweep':>10} {'old series':>11}"
-          f" | {'new ops/s':>10} {'measured':>9} {'series':>7} {'rank dead→report':>17}"
-          f" {'node dead→report':>17} {'beat lag':>9}")
+    print(
+        f"# {machine()}\n# one TCPStore serves {cap:,.0f} ops/s to 8 client threads; "
+        f"interval {args.interval:g} s, {args.per_node} ranks per node"
+    )
+    print(
+        f"{'ranks':>6} {'old ops/s':>13} {'old/capacity':>12} {'old sweep':>10} {'old series':>11}"
+        f" | {'new ops/s':>10} {'measured':>9} {'series':>7} {'rank dead→report':>17}"
+        f" {'node dead→report':>17} {'beat lag':>9}"
+    )
     for ranks in args.ranks:
         nodes = -(-ranks // args.per_node)
         old = (ranks + 4 * ranks * (ranks - 1)) / args.interval
         new = (ranks + 8 * nodes + 4) / args.interval
         sweep = old_sweep_s(port, ranks)
         sim = Simulation(port, ranks, args.per_node, args.interval, args.threads).run(
-            settle_s=3 * args.interval, after_s=4 * args.interval)
-        print(f"{ranks:>6} {old:13,.0f} {old / cap:11.0f}x {sweep:9.2f}s {ranks * (ranks - 1):11,}"
-              f" | {new:10,.0f} {sim['ops_per_s']:9,.0f} {ranks:7,} {sim['rank_delay']:16.2f}s"
-              f" {sim['node_delay']:16.2f}s {sim['lag']:8.2f}s", flush=True)
+            settle_s=3 * args.interval, after_s=4 * args.interval
+        )
+        print(
+            f"{ranks:>6} {old:13,.0f} {old / cap:11.0f}x {sweep:9.2f}s {ranks * (ranks - 1):11,}"
+            f" | {new:10,.0f} {sim['ops_per_s']:9,.0f} {ranks:7,} {sim['rank_delay']:16.2f}s"
+            f" {sim['node_delay']:16.2f}s {sim['lag']:8.2f}s",
+            flush=True,
+        )
     print("old sweep: one rank reading every peer once; every rank does it each half interval")
     del master
 

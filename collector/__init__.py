@@ -10,6 +10,7 @@ A user adds three lines to a torchrun loop::
 
 Nothing in this package imports another meshscope package.
 """
+
 from collector.env import DistEnv
 from collector.monitor import Monitor, MonitorConfig
 from collector.probe import DeviceProbe, HostProbe

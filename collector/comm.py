@@ -5,6 +5,7 @@ collective it issues, by the standard algorithm costs (ring all-reduce 2(W-1)/W 
 all-to-all (W-1)/W, all-gather (W-1) times the own chunk). Hooks describe their collectives
 through a `wire_bytes(bucket, state, world_size)` function.
 """
+
 from __future__ import annotations
 
 import threading
@@ -127,8 +128,11 @@ def instrument_hook(hook: Hook, meter: CommMeter, wire_bytes: WireBytes, world_s
 
     timed_hook.__name__ = f"timed_{getattr(hook, '__name__', 'hook')}"
     # DDP checks real annotation objects, not the strings `from __future__` leaves.
-    timed_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
-                                  "return": torch.futures.Future[torch.Tensor]}
+    timed_hook.__annotations__ = {
+        "state": object,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
     return timed_hook
 
 
@@ -150,10 +154,10 @@ class BackwardWatch:
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        leaves = [output] if isinstance(output, torch.Tensor) else \
-            torch.utils._pytree.tree_leaves(output)
-        node = next((t.grad_fn for t in leaves
-                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        leaves = [output] if isinstance(output, torch.Tensor) else torch.utils._pytree.tree_leaves(output)
+        node = next(
+            (t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None), None
+        )
         if node is not None:  # a pre-hook on the output's node: C++, cheaper than a tensor hook
             node.register_prehook(self._on_backward_start)
 

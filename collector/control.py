@@ -17,6 +17,7 @@ backend type associated with device type cpu"); a tensor no group of ours can ca
 Building a plane is collective (the side group is a `new_group`): every rank builds it at the
 same point, after `init_process_group`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -61,19 +62,17 @@ class ControlPlane:
         if tensor.device.type not in self.device_types:
             raise ControlPlaneError(
                 f"control plane {op}: a {tensor.device.type} tensor cannot travel on the default "
-                f"group ({dist.get_backend(self.group)} takes {sorted(self.device_types)})")
+                f"group ({dist.get_backend(self.group)} takes {sorted(self.device_types)})"
+            )
         return self.group
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM,
-                   async_op: bool = False) -> Any:
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Any:
         """All-reduce in place on the group that fits; a Work handle when `async_op`."""
-        return dist.all_reduce(tensor, op=op, group=self.group_for(tensor, "all_reduce"),
-                               async_op=async_op)
+        return dist.all_reduce(tensor, op=op, group=self.group_for(tensor, "all_reduce"), async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
         """Broadcast from global rank `src` in place."""
-        return dist.broadcast(tensor, src=src, group=self.group_for(tensor, "broadcast"),
-                              async_op=async_op)
+        return dist.broadcast(tensor, src=src, group=self.group_for(tensor, "broadcast"), async_op=async_op)
 
     def barrier(self) -> None:
         """Wait for every rank on the host group (no device work is queued by it)."""

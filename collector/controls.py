@@ -6,6 +6,7 @@ hands it to every rank, all ranks apply it at the same step, and rank 0 settles 
 with the step, old and new values, or `refused` with why). Bounds are checked when a change is
 written and again when it is applied: a value outside them never reaches the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,12 +75,14 @@ class ControlChange(BaseModel):
         elif len(v) != 1:
             raise ValueError(f"values: {self.kind} takes one value")
         elif self.kind == "aux_loss_coef" and not 0 <= v[0] <= bounds.aux_loss_coef_max:
-            raise ValueError(f"values[0] (aux_loss_coef) {v[0]} outside "
-                             f"[0, {bounds.aux_loss_coef_max}]")
+            raise ValueError(f"values[0] (aux_loss_coef) {v[0]} outside [0, {bounds.aux_loss_coef_max}]")
         elif self.kind == "capacity_factor" and not (
-                bounds.capacity_factor_min <= v[0] <= bounds.capacity_factor_max):
-            raise ValueError(f"values[0] (capacity_factor) {v[0]} outside "
-                             f"[{bounds.capacity_factor_min}, {bounds.capacity_factor_max}]")
+            bounds.capacity_factor_min <= v[0] <= bounds.capacity_factor_max
+        ):
+            raise ValueError(
+                f"values[0] (capacity_factor) {v[0]} outside "
+                f"[{bounds.capacity_factor_min}, {bounds.capacity_factor_max}]"
+            )
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> ControlChange:
@@ -89,8 +92,9 @@ class ControlChange(BaseModel):
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise ControlError(f"control {where + ': ' if where else ''}"
-                               f"{first['msg'].removeprefix('Value error, ')}") from None
+            raise ControlError(
+                f"control {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}"
+            ) from None
         except TypeError as err:
             raise ControlError(f"control: {err}") from None
 
@@ -104,7 +108,8 @@ def submit(run_dir: str | Path, change: ControlChange, suggestion: int | None = 
             cur = conn.execute(
                 "INSERT INTO controls (created, kind, layer, payload, suggestion, status) "
                 "VALUES (?, ?, ?, ?, ?, 'pending')",
-                (time.time(), change.kind, change.layer, json.dumps(change.values), suggestion))
+                (time.time(), change.kind, change.layer, json.dumps(change.values), suggestion),
+            )
         return int(cur.lastrowid)
     finally:
         conn.close()
@@ -117,25 +122,37 @@ def pending(run_dir: str | Path) -> list[tuple[int, ControlChange]]:
         return []
     conn = _connect(path, readonly=True)
     try:
-        rows = conn.execute("SELECT id, kind, layer, payload FROM controls WHERE status = "
-                            "'pending' ORDER BY id").fetchall()
+        rows = conn.execute(
+            "SELECT id, kind, layer, payload FROM controls WHERE status = 'pending' ORDER BY id"
+        ).fetchall()
     except sqlite3.OperationalError:  # a store from before the controls table
         return []
     finally:
         conn.close()
-    return [(int(i), ControlChange.model_construct(kind=k, layer=int(layer),
-                                                    values=json.loads(p))) for i, k, layer, p in rows]
+    return [
+        (int(i), ControlChange.model_construct(kind=k, layer=int(layer), values=json.loads(p)))
+        for i, k, layer, p in rows
+    ]
 
 
-def settle(run_dir: str | Path, control_id: int, *, status: str, step: int | None,
-           old: Any = None, new: Any = None, note: str = "") -> None:
+def settle(
+    run_dir: str | Path,
+    control_id: int,
+    *,
+    status: str,
+    step: int | None,
+    old: Any = None,
+    new: Any = None,
+    note: str = "",
+) -> None:
     """Record what became of a change (applied or refused)."""
     conn = open_store(run_dir)
     try:
         with conn:
-            conn.execute("UPDATE controls SET status = ?, step = ?, old = ?, new = ?, note = ? "
-                         "WHERE id = ?", (status, step, json.dumps(old), json.dumps(new), note,
-                                          control_id))
+            conn.execute(
+                "UPDATE controls SET status = ?, step = ?, old = ?, new = ?, note = ? WHERE id = ?",
+                (status, step, json.dumps(old), json.dumps(new), note, control_id),
+            )
     finally:
         conn.close()
 
@@ -145,8 +162,7 @@ def record_outcome(run_dir: str | Path, control_id: int, outcome: dict[str, Any]
     conn = open_store(run_dir)
     try:
         with conn:
-            conn.execute("UPDATE controls SET outcome = ? WHERE id = ?",
-                         (json.dumps(outcome), control_id))
+            conn.execute("UPDATE controls SET outcome = ? WHERE id = ?", (json.dumps(outcome), control_id))
     finally:
         conn.close()
 
@@ -156,8 +172,20 @@ def load_controls(run_dir: str | Path):
     import pandas as pd
 
     path = store_path(run_dir)
-    cols = ["id", "created", "kind", "layer", "payload", "suggestion", "status", "step", "old",
-            "new", "note", "outcome"]
+    cols = [
+        "id",
+        "created",
+        "kind",
+        "layer",
+        "payload",
+        "suggestion",
+        "status",
+        "step",
+        "old",
+        "new",
+        "note",
+        "outcome",
+    ]
     if not path.exists():
         return pd.DataFrame(columns=cols)
     conn = _connect(path, readonly=True)

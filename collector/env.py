@@ -1,4 +1,5 @@
 """The one documented place that reads torchrun's environment variables."""
+
 from __future__ import annotations
 
 import os

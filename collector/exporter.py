@@ -1,4 +1,5 @@
 """The per-rank /metrics endpoint and the Prometheus file_sd targets of a run."""
+
 from __future__ import annotations
 
 import errno
@@ -28,7 +29,8 @@ def ensure_ports_free(host: str, ports: list[int]) -> None:
             except OSError as err:
                 raise PortInUseError(
                     f"metrics port {port} on {host} is already in use ({err.strerror}); "
-                    f"choose another base with --metrics-port") from None
+                    f"choose another base with --metrics-port"
+                ) from None
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1"):
@@ -39,8 +41,8 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1
     except OSError as err:
         if err.errno in (errno.EADDRINUSE, errno.EACCES):
             raise PortInUseError(
-                f"metrics port {port} on {host} is already in use; "
-                f"choose another base with --metrics-port") from None
+                f"metrics port {port} on {host} is already in use; choose another base with --metrics-port"
+            ) from None
         raise
 
 
@@ -56,23 +58,32 @@ def _atomic_write(path: Path, text: str) -> None:
 RANK_JOB, DETECTOR_JOB = "meshscope", "meshscope_detector"
 
 
-def write_targets(run_dir: Path, *, run_id: str, host: str, ports_by_rank: dict[int, int],
-                  node: str) -> Path:
+def write_targets(run_dir: Path, *, run_id: str, host: str, ports_by_rank: dict[int, int], node: str) -> Path:
     """Write `<run_dir>/targets.json` (file_sd), and the same into `<runs root>/_targets/<run_id>.json`.
 
     The copy exists because file_sd globs only the last path segment: one pattern,
     `<runs root>/_targets/*.json`, then finds every run.
     """
-    return _merge_targets(run_dir, run_id, [
-        {"targets": [f"{host}:{port}"],
-         "labels": {"job": RANK_JOB, "run": run_id, "rank": str(rank), "node": node}}
-        for rank, port in sorted(ports_by_rank.items())])
+    return _merge_targets(
+        run_dir,
+        run_id,
+        [
+            {
+                "targets": [f"{host}:{port}"],
+                "labels": {"job": RANK_JOB, "run": run_id, "rank": str(rank), "node": node},
+            }
+            for rank, port in sorted(ports_by_rank.items())
+        ],
+    )
 
 
 def write_detector_target(run_dir: Path, *, run_id: str, host: str, port: int, node: str) -> Path:
     """Add the detection engine's endpoint (job `meshscope_detector`, no rank) to the run's targets."""
-    return _merge_targets(run_dir, run_id, [
-        {"targets": [f"{host}:{port}"], "labels": {"job": DETECTOR_JOB, "run": run_id, "node": node}}])
+    return _merge_targets(
+        run_dir,
+        run_id,
+        [{"targets": [f"{host}:{port}"], "labels": {"job": DETECTOR_JOB, "run": run_id, "node": node}}],
+    )
 
 
 def _index_file(run_dir: Path, run_id: str) -> Path:

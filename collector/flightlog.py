@@ -21,6 +21,7 @@ Collectives are seen by wrapping the `torch.distributed` functions once per proc
 torch.distributed import all_reduce`) and DDP's C++ all-reduce are not seen: the Monitor gives
 DDP a Python all-reduce hook while a flight log is on.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -79,6 +80,7 @@ def flight_path(folder: Path, rank: int, pid: int) -> Path:
 
 
 # --- describing a call ------------------------------------------------------------------
+
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
     if name in kwargs:
@@ -140,8 +142,9 @@ _THIS_FILE = __file__
 
 def call_site(frame: Any) -> str:
     """The first frame outside torch and this module: the line that asked for the collective."""
-    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
-                                 or frame.f_code.co_filename == _THIS_FILE):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == _THIS_FILE
+    ):
         frame = frame.f_back
     if frame is None:
         return "?"
@@ -152,14 +155,16 @@ def call_site(frame: Any) -> str:
 
 # --- the log ----------------------------------------------------------------------------
 
+
 class FlightLog:
     """One rank's ring of collective records in a memory-mapped file (see the module doc)."""
 
     _active: FlightLog | None = None
     _originals: dict[str, Callable[..., Any]] = {}
 
-    def __init__(self, folder: Path, *, rank: int, world_size: int, capacity: int = 2048,
-                 attempt: int = 0) -> None:
+    def __init__(
+        self, folder: Path, *, rank: int, world_size: int, capacity: int = 2048, attempt: int = 0
+    ) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rank, self.world, self.capacity = rank, world_size, capacity
@@ -170,8 +175,23 @@ class FlightLog:
             f.truncate(size)
         self._file = open(self.path, "r+b")
         self._map = mmap.mmap(self._file.fileno(), size)
-        HEADER.pack_into(self._map, 0, MAGIC, rank, world_size, self.pid, capacity, 0, -1,
-                         time.time(), time.time(), 0.0, RUNNING, attempt, b"")
+        HEADER.pack_into(
+            self._map,
+            0,
+            MAGIC,
+            rank,
+            world_size,
+            self.pid,
+            capacity,
+            0,
+            -1,
+            time.time(),
+            time.time(),
+            0.0,
+            RUNNING,
+            attempt,
+            b"",
+        )
         self._written = 0
         self._seq: dict[str, int] = {}
         self._groups: dict[int, tuple[str, int]] = {}
@@ -218,10 +238,23 @@ class FlightLog:
             # every thread's collectives carry the step: a comm hook's second phase runs on a
             # callback thread and belongs to the step; a background checkpoint's does not, and
             # the diagnosis tells the two apart (see detectors.hang._desync)
-            RECORD.pack_into(self._map, HEADER_SIZE + slot * RECORD.size, seq, self._step,
-                             time.time(), 0.0, _fit(group, 16), _fit(op, 24), STATE_ISSUED,
-                             _fit(dtype, 15), _fit(shapes, 56), _fit(splits, 56),
-                             _fit(call_site(frame), 96), -1 if peer is None else int(peer), size)
+            RECORD.pack_into(
+                self._map,
+                HEADER_SIZE + slot * RECORD.size,
+                seq,
+                self._step,
+                time.time(),
+                0.0,
+                _fit(group, 16),
+                _fit(op, 24),
+                STATE_ISSUED,
+                _fit(dtype, 15),
+                _fit(shapes, 56),
+                _fit(splits, 56),
+                _fit(call_site(frame), 96),
+                -1 if peer is None else int(peer),
+                size,
+            )
             self._written += 1
             struct.pack_into("<q", self._map, _WRITTEN_OFFSET, self._written)
         return slot
@@ -231,8 +264,7 @@ class FlightLog:
         base = HEADER_SIZE + slot * RECORD.size
         now = time.time()
         struct.pack_into("<d", self._map, base + _T_DONE_OFFSET, now)
-        struct.pack_into("<b", self._map, base + _STATE_OFFSET,
-                         STATE_DONE if error is None else STATE_FAILED)
+        struct.pack_into("<b", self._map, base + _STATE_OFFSET, STATE_DONE if error is None else STATE_FAILED)
         if error is None:
             struct.pack_into("<d", self._map, _PROGRESS_OFFSET, now)
         else:
@@ -243,8 +275,7 @@ class FlightLog:
         if self._map[_ERROR_OFFSET] == 0:
             # gloo prefixes its source path: "[/__w/.../pair.cc:537] Read error ..."
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
-            struct.pack_into("128s", self._map, _ERROR_OFFSET,
-                             _fit(f"{type(error).__name__}: {text}", 127))
+            struct.pack_into("128s", self._map, _ERROR_OFFSET, _fit(f"{type(error).__name__}: {text}", 127))
 
     def step_begin(self, step: int) -> None:
         """The Monitor says a step starts: records carry it."""
@@ -286,8 +317,9 @@ class FlightLog:
         self._crash_file = open(self.path.with_suffix(".crash"), "w")
         self._faulthandler_was_on = faulthandler.is_enabled()
         faulthandler.enable(file=self._crash_file, all_threads=True)
-        self._responder = threading.Thread(target=self._respond, args=(poll_s,),
-                                           name="meshscope-flight", daemon=True)
+        self._responder = threading.Thread(
+            target=self._respond, args=(poll_s,), name="meshscope-flight", daemon=True
+        )
         self._responder.start()
         return self
 
@@ -310,13 +342,16 @@ class FlightLog:
         for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
             if names.get(ident, "").startswith("meshscope-flight"):
                 continue
-            lines = [f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno} {f.name}"
-                     for f in traceback.extract_stack(frame)]
+            lines = [
+                f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno} {f.name}"
+                for f in traceback.extract_stack(frame)
+            ]
             stacks[names.get(ident, str(ident))] = lines[-24:]
         out = self.path.with_suffix(".stacks.json")
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"request": request_id, "time": time.time(), "step": self._step,
-                                   "stacks": stacks}))
+        tmp.write_text(
+            json.dumps({"request": request_id, "time": time.time(), "step": self._step, "stacks": stacks})
+        )
         os.replace(tmp, out)
         return out
 
@@ -370,11 +405,15 @@ def allreduce_hook(process_group, bucket):  # noqa: ANN001,ANN201  (DDP checks a
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size(group))
-    return dist.all_reduce(buffer, group=process_group, async_op=True).get_future().then(
-        lambda fut: fut.value()[0])
+    return (
+        dist.all_reduce(buffer, group=process_group, async_op=True)
+        .get_future()
+        .then(lambda fut: fut.value()[0])
+    )
 
 
 # --- reading ------------------------------------------------------------------------------
+
 
 @dataclass
 class FlightRecord:
@@ -429,8 +468,7 @@ class FlightTail:
 
     def record(self, group: str, seq: int) -> FlightRecord | None:
         """This rank's record of collective #seq of `group`, if still in the ring."""
-        return next((r for r in self.records if r.group == group and r.seq == seq
-                     and not _is_p2p(r)), None)
+        return next((r for r in self.records if r.group == group and r.seq == seq and not _is_p2p(r)), None)
 
 
 def _is_p2p(r: FlightRecord) -> bool:
@@ -448,15 +486,28 @@ def read_flight(path: Path, last: int | None = None) -> FlightTail:
             head = f.read(HEADER_SIZE)
         if len(head) < HEADER_SIZE or head[:8] != MAGIC:
             raise FlightLogError(f"{path}: not a meshscope flight log")
-        (_, rank, world, pid, _cap, _n, step, progress_t, started_t, step_s, state, attempt,
-         error) = HEADER.unpack_from(head, 0)
-        return FlightTail(Path(path), rank, world, pid, step, progress_t, started_t, step_s,
-                          state == CLOSED, _text(error), attempt)
+        (_, rank, world, pid, _cap, _n, step, progress_t, started_t, step_s, state, attempt, error) = (
+            HEADER.unpack_from(head, 0)
+        )
+        return FlightTail(
+            Path(path),
+            rank,
+            world,
+            pid,
+            step,
+            progress_t,
+            started_t,
+            step_s,
+            state == CLOSED,
+            _text(error),
+            attempt,
+        )
     raw = Path(path).read_bytes()
     if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
         raise FlightLogError(f"{path}: not a meshscope flight log")
-    (_, rank, world, pid, capacity, written, step, progress_t, started_t, step_s, state,
-     attempt, error) = HEADER.unpack_from(raw, 0)
+    (_, rank, world, pid, capacity, written, step, progress_t, started_t, step_s, state, attempt, error) = (
+        HEADER.unpack_from(raw, 0)
+    )
     if capacity <= 0 or len(raw) < HEADER_SIZE + capacity * RECORD.size or written < 0:
         raise FlightLogError(f"{path}: flight log cut short or damaged")
     count = min(written, capacity, capacity if last is None else last)
@@ -464,16 +515,43 @@ def read_flight(path: Path, last: int | None = None) -> FlightTail:
     for n in range(written - count, written):
         fields = RECORD.unpack_from(raw, HEADER_SIZE + (n % capacity) * RECORD.size)
         seq, rstep, t_issue, t_done, group, op, rstate, dtype, shapes, splits, site, peer, size = fields
-        records.append(FlightRecord(seq, rstep, t_issue, t_done, _text(group), _text(op),
-                                    STATE_NAMES.get(rstate, "?"), _text(dtype), _text(shapes),
-                                    _text(splits), _text(site), peer, size))
+        records.append(
+            FlightRecord(
+                seq,
+                rstep,
+                t_issue,
+                t_done,
+                _text(group),
+                _text(op),
+                STATE_NAMES.get(rstate, "?"),
+                _text(dtype),
+                _text(shapes),
+                _text(splits),
+                _text(site),
+                peer,
+                size,
+            )
+        )
     groups_file = Path(path).with_suffix(".groups.json")
     try:
         groups = json.loads(groups_file.read_text())
     except (OSError, ValueError):
         groups = {}
-    return FlightTail(Path(path), rank, world, pid, step, progress_t, started_t, step_s,
-                      state == CLOSED, _text(error), attempt, records, groups)
+    return FlightTail(
+        Path(path),
+        rank,
+        world,
+        pid,
+        step,
+        progress_t,
+        started_t,
+        step_s,
+        state == CLOSED,
+        _text(error),
+        attempt,
+        records,
+        groups,
+    )
 
 
 def latest_logs(folder: Path) -> dict[int, FlightTail]:

@@ -3,6 +3,7 @@
 Topology (run, rank, node) comes from target labels in `targets.json`, never from metric labels;
 labels here are intrinsic and bounded (phase, kind, layer, expert, detector, type, peer).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,17 @@ from collector.schema import StepRecord
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PHASES = ("forward", "backward", "optimizer", "comm_exposed", "data")
 FAULT_KINDS = ("dead_rank", "hang", "nonfinite", "injected")
-ANOMALY_TYPES = ("straggler", "comm", "expert_imbalance", "loss_spike", "nan", "memory", "multivariate",
-                 "gradient_exploding", "gradient_vanishing")
+ANOMALY_TYPES = (
+    "straggler",
+    "comm",
+    "expert_imbalance",
+    "loss_spike",
+    "nan",
+    "memory",
+    "multivariate",
+    "gradient_exploding",
+    "gradient_vanishing",
+)
 
 
 class MeshscopeMetrics:
@@ -25,52 +35,79 @@ class MeshscopeMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         r = registry
         self.step_duration = Histogram(
-            "meshscope_step_duration_seconds", "Wall time of one training step on this rank.",
-            buckets=STEP_BUCKETS, registry=r)
+            "meshscope_step_duration_seconds",
+            "Wall time of one training step on this rank.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.step_phase = Gauge(
-            "meshscope_step_phase_seconds", "Last step's time per phase.", ["phase"], registry=r)
+            "meshscope_step_phase_seconds", "Last step's time per phase.", ["phase"], registry=r
+        )
         self.steps = Counter("meshscope_steps", "Training steps completed.", registry=r)
         self.tokens = Counter("meshscope_tokens", "Tokens processed; tokens/s = rate().", registry=r)
         self.comm_ratio = Gauge(
-            "meshscope_comm_ratio", "Exposed communication time / step time (0..1).", registry=r)
+            "meshscope_comm_ratio", "Exposed communication time / step time (0..1).", registry=r
+        )
         self.comm_seconds = Counter(
             "meshscope_comm_seconds",
             "Gradient communication time; kind=total (in flight, sampled and scaled)|exposed "
-            "(waited for after backward).", ["kind"], registry=r)
+            "(waited for after backward).",
+            ["kind"],
+            registry=r,
+        )
         self.comm_bytes = Counter(
             "meshscope_comm_bytes",
-            "Gradient bytes: raw before compression, wire as sent by this rank.", ["kind"], registry=r)
+            "Gradient bytes: raw before compression, wire as sent by this rank.",
+            ["kind"],
+            registry=r,
+        )
         self.loss = Gauge("meshscope_loss", "Last step's training loss.", registry=r)
         self.grad_norm = Gauge("meshscope_grad_norm", "Last step's global gradient norm.", registry=r)
         # the gradient inspector's, exported by rank 0 (gradients are all-reduced: one answer)
         self.layer_grad_norm = Gauge(
-            "meshscope_layer_grad_norm", "Gradient norm of one layer's parameters (sampled steps).",
-            ["module"], registry=r)
+            "meshscope_layer_grad_norm",
+            "Gradient norm of one layer's parameters (sampled steps).",
+            ["module"],
+            registry=r,
+        )
         self.layer_update_ratio = Gauge(
-            "meshscope_layer_update_ratio", "Norm of one layer's last update over its weights' norm.",
-            ["module"], registry=r)
+            "meshscope_layer_update_ratio",
+            "Norm of one layer's last update over its weights' norm.",
+            ["module"],
+            registry=r,
+        )
         self.memory = Gauge(
-            "meshscope_memory_bytes", "Memory; kind=allocated|reserved (device), rss (host).",
-            ["kind"], registry=r)
+            "meshscope_memory_bytes",
+            "Memory; kind=allocated|reserved (device), rss (host).",
+            ["kind"],
+            registry=r,
+        )
         self.expert_tokens = Counter(
-            "meshscope_expert_tokens", "Tokens routed to an expert, summed over ranks.",
-            ["layer", "expert"], registry=r)
+            "meshscope_expert_tokens",
+            "Tokens routed to an expert, summed over ranks.",
+            ["layer", "expert"],
+            registry=r,
+        )
         self.expert_load = Gauge(
             "meshscope_expert_load_ratio",
             "Expert's share of the layer's tokens times the number of experts (1 = balanced).",
-            ["layer", "expert"], registry=r)
+            ["layer", "expert"],
+            registry=r,
+        )
         self.expert_imbalance = Gauge(
-            "meshscope_expert_imbalance_ratio", "Max / mean expert load of a layer.", ["layer"],
-            registry=r)
+            "meshscope_expert_imbalance_ratio", "Max / mean expert load of a layer.", ["layer"], registry=r
+        )
         self.heartbeat_age = Gauge(
             "meshscope_heartbeat_age_seconds",
-            "Seconds since a rank's last heartbeat (exported by its node's watcher).", ["peer"],
-            registry=r)
+            "Seconds since a rank's last heartbeat (exported by its node's watcher).",
+            ["peer"],
+            registry=r,
+        )
         self.faults = Counter("meshscope_faults", "Faults seen, by kind.", ["kind"], registry=r)
         self.restarts = Counter("meshscope_restarts", "Elastic restarts of this job.", registry=r)
         self.recovery = Gauge(
-            "meshscope_recovery_seconds", "Time of the last recovery, failure to first step.",
-            registry=r)
+            "meshscope_recovery_seconds", "Time of the last recovery, failure to first step.", registry=r
+        )
         self.run_info = Info("meshscope_run", "What this run is.", registry=r)
         self._touch_known_children()
 
@@ -86,10 +123,18 @@ class MeshscopeMetrics:
         for kind in FAULT_KINDS:
             self.faults.labels(kind=kind)
 
-    def describe_run(self, *, device: str, backend: str, world_size: int, compression: str,
-                     version: str) -> None:
-        self.run_info.info({"device": device, "backend": backend, "world_size": str(world_size),
-                            "compression": compression, "version": version})
+    def describe_run(
+        self, *, device: str, backend: str, world_size: int, compression: str, version: str
+    ) -> None:
+        self.run_info.info(
+            {
+                "device": device,
+                "backend": backend,
+                "world_size": str(world_size),
+                "compression": compression,
+                "version": version,
+            }
+        )
 
     def observe_step(self, rec: StepRecord, comm_sample_every: int = 1) -> None:
         """Export one step (see `observe_steps`)."""
@@ -145,12 +190,20 @@ class DetectorMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.anomaly_score = Gauge(
-            "meshscope_anomaly_score", "Latest anomaly score (higher = more anomalous).",
-            ["detector"], registry=registry)
-        self.anomalies = Counter("meshscope_anomalies", "Anomalies opened, by type.", ["type"],
-                                 registry=registry)
+            "meshscope_anomaly_score",
+            "Latest anomaly score (higher = more anomalous).",
+            ["detector"],
+            registry=registry,
+        )
+        self.anomalies = Counter(
+            "meshscope_anomalies", "Anomalies opened, by type.", ["type"], registry=registry
+        )
         for kind in ANOMALY_TYPES:  # from 0, so increase() sees the first anomaly
             self.anomalies.labels(type=kind)
-        self.faults = Counter("meshscope_faults", "Faults the watchers beside the run found, by kind.",
-                              ["kind"], registry=registry)
+        self.faults = Counter(
+            "meshscope_faults",
+            "Faults the watchers beside the run found, by kind.",
+            ["kind"],
+            registry=registry,
+        )
         self.faults.labels(kind="hang")

@@ -5,6 +5,7 @@ tensor, one entry per expert, holding the tokens routed to each expert in its la
 (before capacity dropping, so the entries sum to tokens x top_k). The tensor may live on the
 device; the Monitor reads it without a sync and sums it over ranks every few steps.
 """
+
 from __future__ import annotations
 
 import torch

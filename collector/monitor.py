@@ -7,6 +7,7 @@ the copy landed, normally one window later (`collector.readback`). At each windo
 finished steps (every event completed: `query()`, never `synchronize()`) go to the store and
 /metrics in step order. Only `flush()` and `close()` wait, and say so ("# sync point").
 """
+
 from __future__ import annotations
 
 import logging
@@ -86,8 +87,7 @@ class MonitorConfig:
         if self.sync_every < 1:
             raise ValueError(f"MonitorConfig.sync_every must be >= 1, got {self.sync_every}")
         if self.comm_sample_every < 1:
-            raise ValueError("MonitorConfig.comm_sample_every must be >= 1, "
-                             f"got {self.comm_sample_every}")
+            raise ValueError(f"MonitorConfig.comm_sample_every must be >= 1, got {self.comm_sample_every}")
         if self.flight_capacity < 16:
             raise ValueError(f"MonitorConfig.flight_capacity must be >= 16, got {self.flight_capacity}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
@@ -172,9 +172,16 @@ class Monitor:
     Under torch.distributed, build it on every rank at the same point: without a `control`
     plane given, it builds one, which may create a gloo side group (a collective call)."""
 
-    def __init__(self, config: MonitorConfig, *, env: DistEnv | None = None,
-                 probe: DeviceProbe | None = None, registry: CollectorRegistry | None = None,
-                 store: RunStore | None = None, control: ControlPlane | None = None) -> None:
+    def __init__(
+        self,
+        config: MonitorConfig,
+        *,
+        env: DistEnv | None = None,
+        probe: DeviceProbe | None = None,
+        registry: CollectorRegistry | None = None,
+        store: RunStore | None = None,
+        control: ControlPlane | None = None,
+    ) -> None:
         self.config = config
         self.env = env or DistEnv()
         self.probe = probe or HostProbe()
@@ -205,10 +212,17 @@ class Monitor:
         self._loss_was_finite = True
         self.flight: FlightLog | None = None
         if config.flight_log:
-            self.flight = FlightLog(config.run_dir / "live", rank=self.env.rank,
-                                    world_size=self.env.world_size,
-                                    attempt=self.env.restart_count,
-                                    capacity=config.flight_capacity).install().start_responder()
+            self.flight = (
+                FlightLog(
+                    config.run_dir / "live",
+                    rank=self.env.rank,
+                    world_size=self.env.world_size,
+                    attempt=self.env.restart_count,
+                    capacity=config.flight_capacity,
+                )
+                .install()
+                .start_responder()
+            )
         if config.metrics_port is not None:
             self._start_exporter()
 
@@ -224,22 +238,43 @@ class Monitor:
         port = port_for(self.config.metrics_port, self.env.local_rank)
         self._server = serve_metrics(self.registry, port, self.config.metrics_host)
         if self.env.local_rank == 0:
-            ports = {r: port_for(self.config.metrics_port, i)
-                     for i, r in enumerate(self.env.local_ranks())}
-            write_targets(self.config.run_dir, run_id=self.config.run_id,
-                          host=self.config.metrics_host, ports_by_rank=ports, node=self.env.node)
+            ports = {r: port_for(self.config.metrics_port, i) for i, r in enumerate(self.env.local_ranks())}
+            write_targets(
+                self.config.run_dir,
+                run_id=self.config.run_id,
+                host=self.config.metrics_host,
+                ports_by_rank=ports,
+                node=self.env.node,
+            )
 
     def describe_run(self, *, device: str, backend: str, compression: str) -> None:
         """Fill `meshscope_run_info` and write a run_start event."""
-        self.metrics.describe_run(device=device, backend=backend, world_size=self.env.world_size,
-                                  compression=compression, version=VERSION)
+        self.metrics.describe_run(
+            device=device,
+            backend=backend,
+            world_size=self.env.world_size,
+            compression=compression,
+            version=VERSION,
+        )
         if self.env.rank == 0:
-            self.event("run_start", detail={"device": device, "backend": backend,
-                                            "world_size": self.env.world_size,
-                                            "compression": compression})
+            self.event(
+                "run_start",
+                detail={
+                    "device": device,
+                    "backend": backend,
+                    "world_size": self.env.world_size,
+                    "compression": compression,
+                },
+            )
 
-    def watch(self, model: torch.nn.Module, *, comm_hook: Hook | None = None,
-              hook_state: Any = None, wire_bytes: WireBytes | None = None) -> torch.nn.Module:
+    def watch(
+        self,
+        model: torch.nn.Module,
+        *,
+        comm_hook: Hook | None = None,
+        hook_state: Any = None,
+        wire_bytes: WireBytes | None = None,
+    ) -> torch.nn.Module:
         """Instrument a (DDP) model: time its gradient communication and read its MoE layers.
 
         A DDP model with `comm_hook` gets it wrapped with byte counting and, on sampled steps,
@@ -260,8 +295,7 @@ class Monitor:
                 self._ddp_bytes = (raw, allreduce_sent_bytes(raw, world))
             else:
                 wire = wire_bytes or allreduce_wire_bytes
-                model.register_comm_hook(hook_state,
-                                         instrument_hook(comm_hook, self.meter, wire, world))
+                model.register_comm_hook(hook_state, instrument_hook(comm_hook, self.meter, wire, world))
             BackwardWatch(self.meter).attach(model)
         self._moe_layers = find_moe_layers(model)
         self._layer_index = {id(m): i for i, m in enumerate(self._moe_layers)}
@@ -275,8 +309,7 @@ class Monitor:
         layer = self._layer_index[id(module)]
         acc = self._expert_acc[layer]
         if acc is None:
-            self._expert_acc[layer] = module.expert_token_counts.detach().to(torch.float64,
-                                                                             copy=True)
+            self._expert_acc[layer] = module.expert_token_counts.detach().to(torch.float64, copy=True)
         else:
             acc.add_(module.expert_token_counts.detach())
 
@@ -295,9 +328,15 @@ class Monitor:
         return StepScope(self.probe), time.time(), self.probe.mark()
 
     def _end(self, scope: StepScope, tokens: int, wall: float, start: Any) -> None:
-        pending = _Pending(step=self._step, tokens=tokens, wall_time=wall,
-                           bounds=(start, self.probe.mark()), phases=scope.phases,
-                           comm=self._take_comm(), memory=self.probe.memory())
+        pending = _Pending(
+            step=self._step,
+            tokens=tokens,
+            wall_time=wall,
+            bounds=(start, self.probe.mark()),
+            phases=scope.phases,
+            comm=self._take_comm(),
+            memory=self.probe.memory(),
+        )
         self._take_scalars(pending, scope.scalars)
         self._pending.append(pending)
         if self.flight is not None:
@@ -401,17 +440,30 @@ class Monitor:
         nonfinite = ",".join(sorted(k for k, v in scalars.items() if _is_nonfinite(v)))
         mem = p.memory
         return StepRecord(
-            run_id=self.config.run_id, rank=self.env.rank, world_size=self.env.world_size,
-            step=p.step, time=p.wall_time, step_s=step_s,
-            forward_s=phases.get("forward", 0.0), backward_s=phases.get("backward", 0.0),
-            optimizer_s=phases.get("optimizer", 0.0), data_s=phases.get("data", 0.0),
-            comm_total_s=comm_total, comm_exposed_s=comm_exposed,
+            run_id=self.config.run_id,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            step=p.step,
+            time=p.wall_time,
+            step_s=step_s,
+            forward_s=phases.get("forward", 0.0),
+            backward_s=phases.get("backward", 0.0),
+            optimizer_s=phases.get("optimizer", 0.0),
+            data_s=phases.get("data", 0.0),
+            comm_total_s=comm_total,
+            comm_exposed_s=comm_exposed,
             comm_ratio=min(1.0, comm_exposed / step_s) if step_s > 0 else 0.0,
-            bytes_raw=p.comm.bytes_raw, bytes_wire=p.comm.bytes_wire,
-            loss=scalars.get("loss", math.nan), grad_norm=scalars.get("grad_norm", math.nan),
-            tokens=p.tokens, tokens_per_s=p.tokens / step_s if step_s > 0 else 0.0,
-            mem_allocated=mem.get("allocated", 0), mem_reserved=mem.get("reserved", 0),
-            mem_rss=mem.get("rss", 0), nonfinite=nonfinite)
+            bytes_raw=p.comm.bytes_raw,
+            bytes_wire=p.comm.bytes_wire,
+            loss=scalars.get("loss", math.nan),
+            grad_norm=scalars.get("grad_norm", math.nan),
+            tokens=p.tokens,
+            tokens_per_s=p.tokens / step_s if step_s > 0 else 0.0,
+            mem_allocated=mem.get("allocated", 0),
+            mem_reserved=mem.get("reserved", 0),
+            mem_rss=mem.get("rss", 0),
+            nonfinite=nonfinite,
+        )
 
     def _comm_seconds(self, p: _Pending) -> tuple[float, float]:
         """(communication in flight, communication the step waited for after compute).
@@ -435,15 +487,28 @@ class Monitor:
         if not finite and self._loss_was_finite and self.config.nan_events:
             # one event when the loss turns non-finite
             self.metrics.faults.labels(kind="nonfinite").inc()
-            self.event("nan", severity="critical", step=rec.step,
-                       detail={"what": "loss", "value": str(rec.loss)})
+            self.event(
+                "nan", severity="critical", step=rec.step, detail={"what": "loss", "value": str(rec.loss)}
+            )
         self._loss_was_finite = finite
 
     # --- events and shutdown ----------------------------------------------------------------
-    def event(self, kind: str, *, severity: str = "info", step: int | None = None,
-              detail: dict[str, Any] | None = None) -> Event:
-        ev = Event(kind=kind, run_id=self.config.run_id, severity=severity, rank=self.env.rank,
-                   step=self._step if step is None else step, detail=detail or {})
+    def event(
+        self,
+        kind: str,
+        *,
+        severity: str = "info",
+        step: int | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> Event:
+        ev = Event(
+            kind=kind,
+            run_id=self.config.run_id,
+            severity=severity,
+            rank=self.env.rank,
+            step=self._step if step is None else step,
+            detail=detail or {},
+        )
         self.store.add_event(ev)
         return ev
 

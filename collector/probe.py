@@ -3,6 +3,7 @@
 The trainer's device layer supplies an accelerator probe (CUDA/NPU events); the host probe
 here serves CPUs and any loop that does not say otherwise.
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ an event on the same stream. Its value is read once `ready()` (the event says th
 typically a window later; `wait()` blocks and is kept for flush and shutdown. A host tensor
 needs none of this: it is ready at once.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -89,4 +90,4 @@ class ScalarWindow:
         """Host floats of one step's scalars; the window must be ready."""
         if self._host is None:
             self._host = self.readback.value().tolist()  # host memory: already landed
-        return self._host[offset:offset + count]
+        return self._host[offset : offset + count]

@@ -1,4 +1,5 @@
 """A run's headline figures, computed from the store's DataFrames (pure functions)."""
+
 from __future__ import annotations
 
 import math

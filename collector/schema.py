@@ -1,4 +1,5 @@
 """StepRecord and Event: the two records every meshscope component speaks."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 EVENT_KINDS = frozenset(
-    {"anomaly", "fault", "restart", "resume", "hang", "nan", "snapshot", "suggestion",
-     "suggestion_applied", "outcome", "injected", "run_start", "run_end", "checkpoint", "info"}
+    {
+        "anomaly",
+        "fault",
+        "restart",
+        "resume",
+        "hang",
+        "nan",
+        "snapshot",
+        "suggestion",
+        "suggestion_applied",
+        "outcome",
+        "injected",
+        "run_start",
+        "run_end",
+        "checkpoint",
+        "info",
+    }
 )
 SEVERITIES = ("info", "warning", "critical")
 
@@ -62,8 +78,7 @@ def nonfinite_mask(steps: Any, name: str = "loss") -> Any:
         notes = steps["nonfinite"]
         if not notes.astype(bool).any():  # the usual case, and cheap at 1,024 ranks a step
             return np.isinf(values)
-        said = notes.fillna("").astype(str).str.contains(
-            rf"(?:^|,){name}(?:,|$)", regex=True).to_numpy()
+        said = notes.fillna("").astype(str).str.contains(rf"(?:^|,){name}(?:,|$)", regex=True).to_numpy()
         return said | np.isinf(values)
     finite = np.isfinite(values)
     ranks = steps["rank"].to_numpy()

@@ -4,6 +4,7 @@ Writers queue records and a background thread commits them in batches, so the tr
 never waits on the disk. Each batch is one transaction: a killed process loses at most the
 batch in flight, never the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,13 @@ if TYPE_CHECKING:  # the loaders return DataFrames; writing a store (the Monitor
 
 STORE_NAME = "store.sqlite"
 
-_STEP_TYPES = {"run_id": "TEXT", "rank": "INTEGER", "world_size": "INTEGER", "step": "INTEGER",
-               "nonfinite": "TEXT"}
+_STEP_TYPES = {
+    "run_id": "TEXT",
+    "rank": "INTEGER",
+    "world_size": "INTEGER",
+    "step": "INTEGER",
+    "nonfinite": "TEXT",
+}
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS steps (
   {", ".join(f"{c} {_STEP_TYPES.get(c, 'REAL')}" for c in STEP_COLUMNS)},
@@ -52,8 +58,7 @@ CREATE TABLE IF NOT EXISTS grad_stats (
   update_ratio REAL, PRIMARY KEY (step, module)
 );
 """
-TENSOR_STAT_COLUMNS = ("step", "rank", "module", "where", "absmax", "norm", "mean", "std",
-                       "nonfinite")
+TENSOR_STAT_COLUMNS = ("step", "rank", "module", "where", "absmax", "norm", "mean", "std", "nonfinite")
 GRAD_STAT_COLUMNS = ("step", "module", "grad_norm", "weight_norm", "update_ratio")
 
 
@@ -173,12 +178,24 @@ class RunStore:
             if kind == "step":
                 steps.append(_STEP_ROW(payload))
             elif kind == "event":
-                events.append((payload.time, payload.run_id, payload.kind, payload.severity,
-                               payload.rank, payload.step, json.dumps(payload.detail, default=str)))
+                events.append(
+                    (
+                        payload.time,
+                        payload.run_id,
+                        payload.kind,
+                        payload.severity,
+                        payload.rank,
+                        payload.step,
+                        json.dumps(payload.detail, default=str),
+                    )
+                )
             elif kind == "experts":
                 step, table = payload
-                experts.extend((step, layer, expert, float(tok))
-                               for layer, row in enumerate(table) for expert, tok in enumerate(row))
+                experts.extend(
+                    (step, layer, expert, float(tok))
+                    for layer, row in enumerate(table)
+                    for expert, tok in enumerate(row)
+                )
             elif kind == "stats":
                 stats.extend(payload)
             elif kind == "grads":
@@ -189,24 +206,32 @@ class RunStore:
             if steps:
                 marks = ",".join("?" * len(STEP_COLUMNS))
                 self._conn.executemany(
-                    f"INSERT OR REPLACE INTO steps ({','.join(STEP_COLUMNS)}) VALUES ({marks})", steps)
+                    f"INSERT OR REPLACE INTO steps ({','.join(STEP_COLUMNS)}) VALUES ({marks})", steps
+                )
             if events:
                 self._conn.executemany(
                     "INSERT INTO events (time, run_id, kind, severity, rank, step, detail) "
-                    "VALUES (?,?,?,?,?,?,?)", events)
+                    "VALUES (?,?,?,?,?,?,?)",
+                    events,
+                )
             if experts:
                 self._conn.executemany(
-                    "INSERT OR REPLACE INTO expert_load (step, layer, expert, tokens) "
-                    "VALUES (?,?,?,?)", experts)
+                    "INSERT OR REPLACE INTO expert_load (step, layer, expert, tokens) VALUES (?,?,?,?)",
+                    experts,
+                )
             if stats:
                 cols = ",".join(f'"{c}"' for c in TENSOR_STAT_COLUMNS)
                 self._conn.executemany(
                     f"INSERT OR REPLACE INTO tensor_stats ({cols}) VALUES "
-                    f"({','.join('?' * len(TENSOR_STAT_COLUMNS))})", stats)
+                    f"({','.join('?' * len(TENSOR_STAT_COLUMNS))})",
+                    stats,
+                )
             if grads:
                 self._conn.executemany(
                     f"INSERT OR REPLACE INTO grad_stats ({','.join(GRAD_STAT_COLUMNS)}) VALUES "
-                    f"({','.join('?' * len(GRAD_STAT_COLUMNS))})", grads)
+                    f"({','.join('?' * len(GRAD_STAT_COLUMNS))})",
+                    grads,
+                )
         for done in barriers:
             done.set()
 
@@ -227,8 +252,7 @@ def check_store(run_dir: str | Path) -> None:
     try:
         conn = _connect(path, readonly=True)
         try:
-            columns = {t: {row[1] for row in conn.execute(f"PRAGMA table_info({t})")}
-                       for t in _REQUIRED}
+            columns = {t: {row[1] for row in conn.execute(f"PRAGMA table_info({t})")} for t in _REQUIRED}
         finally:
             conn.close()
     except sqlite3.DatabaseError as err:
@@ -236,8 +260,7 @@ def check_store(run_dir: str | Path) -> None:
     for table, needed in _REQUIRED.items():
         missing = [c for c in needed if c not in columns[table]]
         if missing:
-            raise StoreError(f"{path}: not a meshscope run store (table {table} lacks "
-                             f"{', '.join(missing)})")
+            raise StoreError(f"{path}: not a meshscope run store (table {table} lacks {', '.join(missing)})")
 
 
 def insert_events(run_dir: str | Path, events: list[Event]) -> list[int]:
@@ -246,11 +269,24 @@ def insert_events(run_dir: str | Path, events: list[Event]) -> list[int]:
     conn = open_store(run_dir)
     try:
         with conn:
-            return [int(conn.execute(
-                "INSERT INTO events (time, run_id, kind, severity, rank, step, detail) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (e.time, e.run_id, e.kind, e.severity, e.rank, e.step,
-                 json.dumps(e.detail, default=str))).lastrowid) for e in events]
+            return [
+                int(
+                    conn.execute(
+                        "INSERT INTO events (time, run_id, kind, severity, rank, step, detail) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (
+                            e.time,
+                            e.run_id,
+                            e.kind,
+                            e.severity,
+                            e.rank,
+                            e.step,
+                            json.dumps(e.detail, default=str),
+                        ),
+                    ).lastrowid
+                )
+                for e in events
+            ]
     finally:
         conn.close()
 
@@ -264,8 +300,10 @@ def _read(run_dir: str | Path, sql: str, params: tuple = ()) -> pd.DataFrame:
         return pd.read_sql_query(sql, conn, params=params)
     except (sqlite3.OperationalError, pd.errors.DatabaseError) as err:
         # A file with no tables yet is a store a rank is creating right now: not there yet.
-        if "no such table" in str(err) and not conn.execute(
-                "SELECT count(*) FROM sqlite_master").fetchone()[0]:
+        if (
+            "no such table" in str(err)
+            and not conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        ):
             raise FileNotFoundError(f"no run store at {path} yet (being created)") from None
         raise
     finally:
@@ -279,8 +317,9 @@ def load_steps(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
 
 def load_expert_load(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
     """Expert tokens per (step, layer, expert), summed over ranks over the window ending at step."""
-    return _read(run_dir, "SELECT * FROM expert_load WHERE step > ? ORDER BY step, layer, expert",
-                 (since_step,))
+    return _read(
+        run_dir, "SELECT * FROM expert_load WHERE step > ? ORDER BY step, layer, expert", (since_step,)
+    )
 
 
 def load_events(run_dir: str | Path, kind: str | None = None) -> pd.DataFrame:
@@ -297,8 +336,7 @@ def load_tensor_stats(run_dir: str | Path, *, module: str | None = None) -> pd.D
     """The tracer's per-module statistics, by step, rank and module."""
     if module is None:
         return _read(run_dir, "SELECT * FROM tensor_stats ORDER BY step, rank, module")
-    return _read(run_dir, "SELECT * FROM tensor_stats WHERE module = ? ORDER BY step, rank",
-                 (module,))
+    return _read(run_dir, "SELECT * FROM tensor_stats WHERE module = ? ORDER BY step, rank", (module,))
 
 
 def load_grad_stats(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
@@ -306,8 +344,7 @@ def load_grad_stats(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFram
     import pandas as pd
 
     try:
-        return _read(run_dir, "SELECT * FROM grad_stats WHERE step > ? ORDER BY step, module",
-                     (since_step,))
+        return _read(run_dir, "SELECT * FROM grad_stats WHERE step > ? ORDER BY step, module", (since_step,))
     except (sqlite3.OperationalError, pd.errors.DatabaseError) as err:
         if "no such table" in str(err):  # a store written before the inspector existed
             return pd.DataFrame(columns=list(GRAD_STAT_COLUMNS))

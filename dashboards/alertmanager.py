@@ -4,6 +4,7 @@ grouped per run, RankDown silencing StragglerRank for the same rank.
 Secrets never enter the generated file: the Slack webhook URL and the SMTP password are read by
 Alertmanager from files (`api_url_file`, `smtp_auth_password_file`).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,47 +47,71 @@ def _abs(path: Path, r: AlertRouting) -> Path:
 def _slack(r: AlertRouting) -> list[dict[str, Any]]:
     if r.slack_webhook_file is None:
         return []
-    return [{"api_url_file": str(_abs(r.slack_webhook_file, r)), "send_resolved": True,
-             "title": '{{ template "meshscope.title" . }}',
-             "text": '{{ template "meshscope.text" . }}'}]
+    return [
+        {
+            "api_url_file": str(_abs(r.slack_webhook_file, r)),
+            "send_resolved": True,
+            "title": '{{ template "meshscope.title" . }}',
+            "text": '{{ template "meshscope.text" . }}',
+        }
+    ]
 
 
 def _email(r: AlertRouting) -> list[dict[str, Any]]:
     if not r.email_to:
         return []
-    return [{"to": ", ".join(r.email_to), "send_resolved": True,
-             "headers": {"Subject": '{{ template "meshscope.title" . }}'},
-             "text": '{{ template "meshscope.text" . }}',
-             "html": '{{ template "meshscope.html" . }}'}]
+    return [
+        {
+            "to": ", ".join(r.email_to),
+            "send_resolved": True,
+            "headers": {"Subject": '{{ template "meshscope.title" . }}'},
+            "text": '{{ template "meshscope.text" . }}',
+            "html": '{{ template "meshscope.html" . }}',
+        }
+    ]
 
 
 def alertmanager_config(routing: AlertRouting, templates: list[str]) -> dict[str, Any]:
     wait, interval, repeat = ("1s", "1s", "1h") if routing.fast else ("10s", "1m", "4h")
     config: dict[str, Any] = {
         "route": {
-            "receiver": "slack", "group_by": ["alertname", "run"],
-            "group_wait": wait, "group_interval": interval, "repeat_interval": repeat,
+            "receiver": "slack",
+            "group_by": ["alertname", "run"],
+            "group_wait": wait,
+            "group_interval": interval,
+            "repeat_interval": repeat,
             "routes": [{"matchers": ['severity="critical"'], "receiver": "slack-and-email"}],
         },
         "receivers": [
             {"name": "slack", **({"slack_configs": _slack(routing)} if routing.slack_webhook_file else {})},
-            {"name": "slack-and-email",
-             **({"slack_configs": _slack(routing)} if routing.slack_webhook_file else {}),
-             **({"email_configs": _email(routing)} if routing.email_to else {})},
+            {
+                "name": "slack-and-email",
+                **({"slack_configs": _slack(routing)} if routing.slack_webhook_file else {}),
+                **({"email_configs": _email(routing)} if routing.email_to else {}),
+            },
         ],
         "inhibit_rules": [
             # a dead rank is slow too: say it is dead, once
-            {"source_matchers": ['alertname="RankDown"'],
-             "target_matchers": ['alertname="StragglerRank"'], "equal": ["run", "rank"]},
+            {
+                "source_matchers": ['alertname="RankDown"'],
+                "target_matchers": ['alertname="StragglerRank"'],
+                "equal": ["run", "rank"],
+            },
             # a run that failed to recover: one page, not one per rank
-            {"source_matchers": ['alertname="RecoveryFailed"'],
-             "target_matchers": ['alertname="RankDown"'], "equal": ["run"]},
+            {
+                "source_matchers": ['alertname="RecoveryFailed"'],
+                "target_matchers": ['alertname="RankDown"'],
+                "equal": ["run"],
+            },
         ],
         "templates": templates,
     }
     if routing.email_to:
-        smtp = {"smtp_smarthost": routing.smtp_smarthost, "smtp_from": routing.smtp_from,
-                "smtp_require_tls": routing.smtp_require_tls}
+        smtp = {
+            "smtp_smarthost": routing.smtp_smarthost,
+            "smtp_from": routing.smtp_from,
+            "smtp_require_tls": routing.smtp_require_tls,
+        }
         if routing.smtp_username:
             smtp["smtp_auth_username"] = routing.smtp_username
         if routing.smtp_password_file:

@@ -6,6 +6,7 @@ Four boards: Training, Experts, Faults and anomalies, Debug; variables `run` and
 Every query is listed by `board_queries()`, which the e2e test runs against a real Prometheus
 that scraped a real run: a panel that returns nothing fails the build.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,121 +36,277 @@ def _ts(title: str, unit: str, *queries: prometheus.Dataquery, w: int = 12, desc
 
 
 def _stat(title: str, unit: str, query: prometheus.Dataquery, w: int = 6):
-    return (stat.Panel().title(title).unit(unit).datasource(DATASOURCE).height(4).span(w)
-            .with_target(query))
+    return stat.Panel().title(title).unit(unit).datasource(DATASOURCE).height(4).span(w).with_target(query)
 
 
 def _base(uid: str, title: str, *, layer: bool = False) -> dashboard.Dashboard:
-    board = (dashboard.Dashboard(title).uid(uid).tags(["meshscope"]).refresh("10s")
-             .time("now-30m", "now").timezone("browser")
-             .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus")
-                            .type("prometheus"))
-             .with_variable(dashboard.QueryVariable("run").label("Run").datasource(DATASOURCE)
-                            .query("label_values(meshscope_steps_total, run)")
-                            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)))
+    board = (
+        dashboard.Dashboard(title)
+        .uid(uid)
+        .tags(["meshscope"])
+        .refresh("10s")
+        .time("now-30m", "now")
+        .timezone("browser")
+        .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
+        .with_variable(
+            dashboard.QueryVariable("run")
+            .label("Run")
+            .datasource(DATASOURCE)
+            .query("label_values(meshscope_steps_total, run)")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        )
+    )
     if layer:
         board = board.with_variable(
-            dashboard.QueryVariable("layer").label("Layer").datasource(DATASOURCE)
+            dashboard.QueryVariable("layer")
+            .label("Layer")
+            .datasource(DATASOURCE)
             .query(f"label_values(meshscope_expert_load_ratio{{{RUN}}}, layer)")
-            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).multi(True).include_all(True))
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .multi(True)
+            .include_all(True)
+        )
     return board.annotation(
-        dashboard.AnnotationQuery().name("Anomalies").datasource(DATASOURCE).enable(True)
+        dashboard.AnnotationQuery()
+        .name("Anomalies")
+        .datasource(DATASOURCE)
+        .enable(True)
         .icon_color("red")
-        .expr(f'sum by (type) (changes(meshscope_anomalies_total{{{RUN}}}[1m])) > 0'))
+        .expr(f"sum by (type) (changes(meshscope_anomalies_total{{{RUN}}}[1m])) > 0")
+    )
 
 
 def training() -> dashboard.Dashboard:
-    return (_base("meshscope-training", "meshscope / Training")
-            .with_row(dashboard.Row("Progress"))
-            .with_panel(_stat("Tokens/s", "short", _q(f'run:meshscope_tokens:rate1m{{{RUN}}}')))
-            .with_panel(_stat("Steps", "short", _q(f'max(meshscope_steps_total{{{RUN}}})')))
-            .with_panel(_stat("Exposed comm", "percentunit", _q(f'run:meshscope_comm_ratio:avg{{{RUN}}}')))
-            .with_panel(_stat("Compression (raw / wire)", "x",
-                              _q(f'run:meshscope_compression:ratio_1m{{{RUN}}}')))
-            .with_panel(_ts("Step time p50 / p99 per rank", "s",
-                            _q(f'run_rank:meshscope_step_duration_seconds:p50_1m{{{RUN}}}', "p50 rank {{rank}}"),
-                            _q(f'run_rank:meshscope_step_duration_seconds:p99_1m{{{RUN}}}', "p99 rank {{rank}}", "B")))
-            .with_panel(_ts("Step phases (rank)", "s",
-                            _q(f'meshscope_step_phase_seconds{{{RUN}}}', "{{phase}} rank {{rank}}")))
-            .with_panel(_ts("Tokens/s", "short", _q(f'run:meshscope_tokens:rate1m{{{RUN}}}', "tokens/s")))
-            .with_panel(_ts("Exposed communication ratio per rank", "percentunit",
-                            _q(f'meshscope_comm_ratio{{{RUN}}}', "rank {{rank}}")))
-            .with_panel(_ts("Gradient bytes per second (raw vs wire)", "Bps",
-                            _q(f'sum by (kind) (rate(meshscope_comm_bytes_total{{{RUN}}}[$__rate_interval]))', "{{kind}}")))
-            .with_panel(_ts("Memory per rank", "bytes",
-                            _q(f'meshscope_memory_bytes{{{RUN},kind="rss"}}', "rss rank {{rank}}"),
-                            _q(f'meshscope_memory_bytes{{{RUN},kind="allocated"}}', "allocated rank {{rank}}", "B")))
-            .with_panel(_ts("Loss and gradient norm", "short",
-                            _q(f'avg(meshscope_loss{{{RUN}}})', "loss"),
-                            _q(f'avg(meshscope_grad_norm{{{RUN}}})', "grad norm", "B"))))
+    return (
+        _base("meshscope-training", "meshscope / Training")
+        .with_row(dashboard.Row("Progress"))
+        .with_panel(_stat("Tokens/s", "short", _q(f"run:meshscope_tokens:rate1m{{{RUN}}}")))
+        .with_panel(_stat("Steps", "short", _q(f"max(meshscope_steps_total{{{RUN}}})")))
+        .with_panel(_stat("Exposed comm", "percentunit", _q(f"run:meshscope_comm_ratio:avg{{{RUN}}}")))
+        .with_panel(
+            _stat("Compression (raw / wire)", "x", _q(f"run:meshscope_compression:ratio_1m{{{RUN}}}"))
+        )
+        .with_panel(
+            _ts(
+                "Step time p50 / p99 per rank",
+                "s",
+                _q(f"run_rank:meshscope_step_duration_seconds:p50_1m{{{RUN}}}", "p50 rank {{rank}}"),
+                _q(f"run_rank:meshscope_step_duration_seconds:p99_1m{{{RUN}}}", "p99 rank {{rank}}", "B"),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Step phases (rank)",
+                "s",
+                _q(f"meshscope_step_phase_seconds{{{RUN}}}", "{{phase}} rank {{rank}}"),
+            )
+        )
+        .with_panel(_ts("Tokens/s", "short", _q(f"run:meshscope_tokens:rate1m{{{RUN}}}", "tokens/s")))
+        .with_panel(
+            _ts(
+                "Exposed communication ratio per rank",
+                "percentunit",
+                _q(f"meshscope_comm_ratio{{{RUN}}}", "rank {{rank}}"),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Gradient bytes per second (raw vs wire)",
+                "Bps",
+                _q(
+                    f"sum by (kind) (rate(meshscope_comm_bytes_total{{{RUN}}}[$__rate_interval]))", "{{kind}}"
+                ),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Memory per rank",
+                "bytes",
+                _q(f'meshscope_memory_bytes{{{RUN},kind="rss"}}', "rss rank {{rank}}"),
+                _q(f'meshscope_memory_bytes{{{RUN},kind="allocated"}}', "allocated rank {{rank}}", "B"),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Loss and gradient norm",
+                "short",
+                _q(f"avg(meshscope_loss{{{RUN}}})", "loss"),
+                _q(f"avg(meshscope_grad_norm{{{RUN}}})", "grad norm", "B"),
+            )
+        )
+    )
 
 
 def experts() -> dashboard.Dashboard:
     sel = f'{RUN},layer=~"$layer"'
     load_heatmap = (
-        heatmap.Panel().title("Expert load over time (layer × expert; 1 = fair share)")
-        .datasource(DATASOURCE).height(10).span(24).calculate(False)
+        heatmap.Panel()
+        .title("Expert load over time (layer × expert; 1 = fair share)")
+        .datasource(DATASOURCE)
+        .height(10)
+        .span(24)
+        .calculate(False)
         .rows_frame(heatmap.RowsHeatmapOptions().layout(HeatmapCellLayout.UNKNOWN))
-        .with_target(_q(f'max by (layer, expert) (meshscope_expert_load_ratio{{{sel}}})',
-                        "L{{layer}} E{{expert}}")))
-    top = (bargauge.Panel().title("Top experts by share of their layer (last minute)")
-           .datasource(DATASOURCE).height(8).span(12).unit("percentunit")
-           .with_target(_q(f'topk(8, run_layer_expert:meshscope_expert_load:share_1m{{{sel}}})',
-                           "L{{layer}} E{{expert}}").instant()))
-    return (_base("meshscope-experts", "meshscope / Experts", layer=True)
-            .with_panel(load_heatmap)
-            .with_panel(_ts("Imbalance per layer (max / mean)", "x",
-                            _q(f'run_layer:meshscope_expert_imbalance:ratio{{{sel}}}', "layer {{layer}}")))
-            .with_panel(top)
-            .with_panel(_ts("Tokens routed per expert", "short",
-                            _q(f'sum by (layer, expert) (rate(meshscope_expert_tokens_total{{{sel}}}[$__rate_interval]))',
-                               "L{{layer}} E{{expert}}"), w=24)))
+        .with_target(
+            _q(f"max by (layer, expert) (meshscope_expert_load_ratio{{{sel}}})", "L{{layer}} E{{expert}}")
+        )
+    )
+    top = (
+        bargauge.Panel()
+        .title("Top experts by share of their layer (last minute)")
+        .datasource(DATASOURCE)
+        .height(8)
+        .span(12)
+        .unit("percentunit")
+        .with_target(
+            _q(
+                f"topk(8, run_layer_expert:meshscope_expert_load:share_1m{{{sel}}})", "L{{layer}} E{{expert}}"
+            ).instant()
+        )
+    )
+    return (
+        _base("meshscope-experts", "meshscope / Experts", layer=True)
+        .with_panel(load_heatmap)
+        .with_panel(
+            _ts(
+                "Imbalance per layer (max / mean)",
+                "x",
+                _q(f"run_layer:meshscope_expert_imbalance:ratio{{{sel}}}", "layer {{layer}}"),
+            )
+        )
+        .with_panel(top)
+        .with_panel(
+            _ts(
+                "Tokens routed per expert",
+                "short",
+                _q(
+                    f"sum by (layer, expert) (rate(meshscope_expert_tokens_total{{{sel}}}[$__rate_interval]))",
+                    "L{{layer}} E{{expert}}",
+                ),
+                w=24,
+            )
+        )
+    )
 
 
 def faults() -> dashboard.Dashboard:
-    return (_base("meshscope-faults", "meshscope / Faults and anomalies")
-            .with_panel(_stat("Restarts", "short", _q(f'max(meshscope_restarts_total{{{RUN}}})')))
-            .with_panel(_stat("Last recovery", "s", _q(f'max(meshscope_recovery_seconds{{{RUN}}})')))
-            .with_panel(_stat("Ranks up", "short", _q(f'sum(up{{job="meshscope",{RUN}}})')))
-            .with_panel(_stat("Anomalies opened", "short",
-                              _q(f'sum(meshscope_anomalies_total{{{RUN}}})')))
-            .with_panel(_ts("Anomaly score per detector", "short",
-                            _q(f'meshscope_anomaly_score{{{RUN}}}', "{{detector}}"),
-                            desc="Straggler: slowest rank's compute / median (alarm at 1.8). "
-                                 "IsolationForest: -score (alarm at 0.8)."))
-            .with_panel(_ts("Anomalies opened by type", "short",
-                            _q(f'sum by (type) (increase(meshscope_anomalies_total{{{RUN}}}[$__rate_interval]))', "{{type}}")))
-            .with_panel(_ts("Faults by kind", "short",
-                            _q(f'sum by (kind) (increase(meshscope_faults_total{{{RUN}}}[$__rate_interval]))', "{{kind}}")))
-            .with_panel(_ts("Restarts and recovery time", "s",
-                            _q(f'max(meshscope_recovery_seconds{{{RUN}}})', "recovery s"),
-                            _q(f'max(meshscope_restarts_total{{{RUN}}})', "restarts", "B"))))
+    return (
+        _base("meshscope-faults", "meshscope / Faults and anomalies")
+        .with_panel(_stat("Restarts", "short", _q(f"max(meshscope_restarts_total{{{RUN}}})")))
+        .with_panel(_stat("Last recovery", "s", _q(f"max(meshscope_recovery_seconds{{{RUN}}})")))
+        .with_panel(_stat("Ranks up", "short", _q(f'sum(up{{job="meshscope",{RUN}}})')))
+        .with_panel(_stat("Anomalies opened", "short", _q(f"sum(meshscope_anomalies_total{{{RUN}}})")))
+        .with_panel(
+            _ts(
+                "Anomaly score per detector",
+                "short",
+                _q(f"meshscope_anomaly_score{{{RUN}}}", "{{detector}}"),
+                desc="Straggler: slowest rank's compute / median (alarm at 1.8). "
+                "IsolationForest: -score (alarm at 0.8).",
+            )
+        )
+        .with_panel(
+            _ts(
+                "Anomalies opened by type",
+                "short",
+                _q(
+                    f"sum by (type) (increase(meshscope_anomalies_total{{{RUN}}}[$__rate_interval]))",
+                    "{{type}}",
+                ),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Faults by kind",
+                "short",
+                _q(
+                    f"sum by (kind) (increase(meshscope_faults_total{{{RUN}}}[$__rate_interval]))", "{{kind}}"
+                ),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Restarts and recovery time",
+                "s",
+                _q(f"max(meshscope_recovery_seconds{{{RUN}}})", "recovery s"),
+                _q(f"max(meshscope_restarts_total{{{RUN}}})", "restarts", "B"),
+            )
+        )
+    )
 
 
 def debug() -> dashboard.Dashboard:
-    return (_base("meshscope-debug", "meshscope / Debug")
-            .with_panel(_ts("Steps per minute per rank (0 = hung)", "short",
-                            _q(f'increase(meshscope_steps_total{{{RUN}}}[1m])', "rank {{rank}}"),
-                            desc="A rank at 0 while up is stuck: in a collective if its peers are also at 0."))
-            .with_panel(_ts("Heartbeat age per peer", "s",
-                            _q(f'max by (peer) (meshscope_heartbeat_age_seconds{{{RUN}}})', "peer {{peer}}")))
-            .with_panel(_ts("Non-finite losses", "short",
-                            _q(f'increase(meshscope_faults_total{{{RUN},kind="nonfinite"}}[$__rate_interval])', "rank {{rank}}")))
-            .with_panel(_ts("Hangs and dead ranks", "short",
-                            _q(f'increase(meshscope_faults_total{{{RUN},kind=~"hang|dead_rank"}}[$__rate_interval])', "{{kind}} rank {{rank}}")))
-            .with_panel(_ts("Compute per rank vs the median", "x",
-                            _q(f'run_rank:meshscope_compute_vs_median:ratio{{{RUN}}}', "rank {{rank}}")))
-            .with_panel(_ts("Slowest step (max over ranks)", "s",
-                            _q(f'max(run_rank:meshscope_step_duration_seconds:p99_1m{{{RUN}}})', "p99")))
-            .with_panel(_ts("Gradient norm per layer", "short",
-                            _q(f'max by (module) (meshscope_layer_grad_norm{{{RUN}}})', "{{module}}"),
-                            desc="Sampled steps, before clipping. A layer 100x above its usual "
-                                 "norm is a gradient_exploding anomaly, 1000x below "
-                                 "gradient_vanishing (events in the run store)."))
-            .with_panel(_ts("Update / weight ratio per layer", "short",
-                            _q(f'max by (module) (meshscope_layer_update_ratio{{{RUN}}})', "{{module}}"),
-                            desc="Norm of the optimizer's update over the weights' norm; around "
-                                 "1e-3 is healthy, far below: the layer has stopped learning.")))
+    return (
+        _base("meshscope-debug", "meshscope / Debug")
+        .with_panel(
+            _ts(
+                "Steps per minute per rank (0 = hung)",
+                "short",
+                _q(f"increase(meshscope_steps_total{{{RUN}}}[1m])", "rank {{rank}}"),
+                desc="A rank at 0 while up is stuck: in a collective if its peers are also at 0.",
+            )
+        )
+        .with_panel(
+            _ts(
+                "Heartbeat age per peer",
+                "s",
+                _q(f"max by (peer) (meshscope_heartbeat_age_seconds{{{RUN}}})", "peer {{peer}}"),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Non-finite losses",
+                "short",
+                _q(
+                    f'increase(meshscope_faults_total{{{RUN},kind="nonfinite"}}[$__rate_interval])',
+                    "rank {{rank}}",
+                ),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Hangs and dead ranks",
+                "short",
+                _q(
+                    f'increase(meshscope_faults_total{{{RUN},kind=~"hang|dead_rank"}}[$__rate_interval])',
+                    "{{kind}} rank {{rank}}",
+                ),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Compute per rank vs the median",
+                "x",
+                _q(f"run_rank:meshscope_compute_vs_median:ratio{{{RUN}}}", "rank {{rank}}"),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Slowest step (max over ranks)",
+                "s",
+                _q(f"max(run_rank:meshscope_step_duration_seconds:p99_1m{{{RUN}}})", "p99"),
+            )
+        )
+        .with_panel(
+            _ts(
+                "Gradient norm per layer",
+                "short",
+                _q(f"max by (module) (meshscope_layer_grad_norm{{{RUN}}})", "{{module}}"),
+                desc="Sampled steps, before clipping. A layer 100x above its usual "
+                "norm is a gradient_exploding anomaly, 1000x below "
+                "gradient_vanishing (events in the run store).",
+            )
+        )
+        .with_panel(
+            _ts(
+                "Update / weight ratio per layer",
+                "short",
+                _q(f"max by (module) (meshscope_layer_update_ratio{{{RUN}}})", "{{module}}"),
+                desc="Norm of the optimizer's update over the weights' norm; around "
+                "1e-3 is healthy, far below: the layer has stopped learning.",
+            )
+        )
+    )
 
 
 BOARDS = {"training": training, "experts": experts, "faults": faults, "debug": debug}
@@ -157,8 +314,9 @@ BOARDS = {"training": training, "experts": experts, "faults": faults, "debug": d
 
 def build_all() -> dict[str, dict]:
     """Board name -> Grafana dashboard JSON (a plain dict)."""
-    return {name: json.loads(JSONEncoder(sort_keys=True).encode(make().build()))
-            for name, make in BOARDS.items()}
+    return {
+        name: json.loads(JSONEncoder(sort_keys=True).encode(make().build())) for name, make in BOARDS.items()
+    }
 
 
 def render(board: dict) -> str:
@@ -167,13 +325,19 @@ def render(board: dict) -> str:
 
 def board_queries(board: dict) -> list[tuple[str, str]]:
     """(where, PromQL) for every panel target and annotation of a board."""
-    out = [(f"annotation {a['name']}", a["expr"]) for a in board.get("annotations", {}).get("list", [])
-           if a.get("expr")]
+    out = [
+        (f"annotation {a['name']}", a["expr"])
+        for a in board.get("annotations", {}).get("list", [])
+        if a.get("expr")
+    ]
     for panel in board.get("panels", []):
         for target in panel.get("targets", []):
             out.append((f"panel {panel.get('title')!r} {target.get('refId')}", target["expr"]))
-    out += [(f"variable {v['name']}", v["query"] if isinstance(v["query"], str) else v["query"]["query"])
-            for v in board.get("templating", {}).get("list", []) if v.get("type") == "query"]
+    out += [
+        (f"variable {v['name']}", v["query"] if isinstance(v["query"], str) else v["query"]["query"])
+        for v in board.get("templating", {}).get("list", [])
+        if v.get("type") == "query"
+    ]
     return out
 
 

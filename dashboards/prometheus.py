@@ -1,4 +1,5 @@
 """Prometheus configuration for meshscope runs: file_sd over every run's targets.json."""
+
 from __future__ import annotations
 
 import json
@@ -32,18 +33,28 @@ def write_rules(path: Path, thresholds: Thresholds | None = None) -> Path:
     return path
 
 
-def prometheus_config(runs_root: Path, *, scrape_interval_s: float = 5.0,
-                      rule_files: list[str] | None = None,
-                      alertmanager: str | None = None) -> dict[str, Any]:
+def prometheus_config(
+    runs_root: Path,
+    *,
+    scrape_interval_s: float = 5.0,
+    rule_files: list[str] | None = None,
+    alertmanager: str | None = None,
+) -> dict[str, Any]:
     """Scrape every rank of every run under `runs_root`; topology comes from target labels."""
     interval = f"{scrape_interval_s:g}s"
     config: dict[str, Any] = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
-        "scrape_configs": [{
-            "job_name": "meshscope",
-            "file_sd_configs": [{"files": [str(Path(runs_root).resolve() / TARGETS_INDEX / "*.json")],
-                                 "refresh_interval": interval}],
-        }],
+        "scrape_configs": [
+            {
+                "job_name": "meshscope",
+                "file_sd_configs": [
+                    {
+                        "files": [str(Path(runs_root).resolve() / TARGETS_INDEX / "*.json")],
+                        "refresh_interval": interval,
+                    }
+                ],
+            }
+        ],
     }
     if rule_files:
         config["rule_files"] = rule_files

@@ -2,6 +2,7 @@
 
 The token is read from a file and handed to grafana-client only: never printed, never logged.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,15 +50,27 @@ def publish(url: str, token: str, *, timeout_s: float = 10.0) -> list[Published]
             api.folder.create_folder(FOLDER_TITLE, uid=FOLDER_UID)
         out = []
         for name, board in build_all().items():
-            answer = api.dashboard.update_dashboard({
-                "dashboard": {**board, "id": None}, "folderUid": FOLDER_UID, "overwrite": True,
-                "message": "meshscope dashboards publish"})
-            out.append(Published(name, answer.get("uid", board["uid"]),
-                                 url.rstrip("/") + answer.get("url", ""), answer.get("version")))
+            answer = api.dashboard.update_dashboard(
+                {
+                    "dashboard": {**board, "id": None},
+                    "folderUid": FOLDER_UID,
+                    "overwrite": True,
+                    "message": "meshscope dashboards publish",
+                }
+            )
+            out.append(
+                Published(
+                    name,
+                    answer.get("uid", board["uid"]),
+                    url.rstrip("/") + answer.get("url", ""),
+                    answer.get("version"),
+                )
+            )
         return out
     except GrafanaClientError as err:
         said = err.response.get("message") if isinstance(err.response, dict) else None
-        raise PublishError(f"Grafana at {url} answered {err.status_code}: {err.message}"
-                           + (f" ({said})" if said else "")) from err
+        raise PublishError(
+            f"Grafana at {url} answered {err.status_code}: {err.message}" + (f" ({said})" if said else "")
+        ) from err
     except Exception as err:  # connection refused, timeouts: one clear line, not a traceback
         raise PublishError(f"Grafana at {url} could not be reached: {type(err).__name__}: {err}") from err

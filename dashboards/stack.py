@@ -4,6 +4,7 @@ pointed at a runs folder, with their configs, data, logs and pid files under one
 The processes outlive the command that started them (their own session); `down` stops them
 through the pid files, and a pid is only trusted while its command line is still that binary.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ from collector.exporter import TARGETS_INDEX
 from dashboards.alertmanager import AlertRouting, write_alertmanager_config
 from dashboards.prometheus import write_prometheus_config, write_rules
 
-BINARIES = {"prometheus": ("prometheus",),
-            "alertmanager": ("prometheus-alertmanager", "alertmanager")}  # Debian's name, upstream's
+BINARIES = {
+    "prometheus": ("prometheus",),
+    "alertmanager": ("prometheus-alertmanager", "alertmanager"),
+}  # Debian's name, upstream's
 INSTALL_HINT = "apt-get install prometheus prometheus-alertmanager (Debian), or put the binaries on PATH"
 
 
@@ -65,19 +68,29 @@ def _commands(cfg: StackConfig) -> dict[str, list[str]]:
     home = cfg.home.resolve()
     am = f"127.0.0.1:{cfg.alertmanager_port}"
     rules = write_rules(home / "rules.yml")
-    prom_config = write_prometheus_config(home / "prometheus.yml", cfg.runs_root,
-                                          scrape_interval_s=cfg.scrape_interval_s,
-                                          rule_files=[str(rules)], alertmanager=am)
+    prom_config = write_prometheus_config(
+        home / "prometheus.yml",
+        cfg.runs_root,
+        scrape_interval_s=cfg.scrape_interval_s,
+        rule_files=[str(rules)],
+        alertmanager=am,
+    )
     am_config = write_alertmanager_config(home / "alertmanager", cfg.routing)
     return {
-        "prometheus": [find_binary("prometheus"), f"--config.file={prom_config}",
-                       f"--storage.tsdb.path={home / 'prometheus-data'}",
-                       f"--web.listen-address=127.0.0.1:{cfg.prometheus_port}",
-                       "--web.enable-lifecycle"],
-        "alertmanager": [find_binary("alertmanager"), f"--config.file={am_config}",
-                         f"--storage.path={home / 'alertmanager-data'}",
-                         f"--web.listen-address={am}",
-                         "--cluster.listen-address="],  # no gossip port on 0.0.0.0:9094
+        "prometheus": [
+            find_binary("prometheus"),
+            f"--config.file={prom_config}",
+            f"--storage.tsdb.path={home / 'prometheus-data'}",
+            f"--web.listen-address=127.0.0.1:{cfg.prometheus_port}",
+            "--web.enable-lifecycle",
+        ],
+        "alertmanager": [
+            find_binary("alertmanager"),
+            f"--config.file={am_config}",
+            f"--storage.path={home / 'alertmanager-data'}",
+            f"--web.listen-address={am}",
+            "--cluster.listen-address=",
+        ],  # no gossip port on 0.0.0.0:9094
     }
 
 
@@ -86,12 +99,15 @@ def _ensure_free(name: str, port: int) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError as err:
-            raise StackError(f"cannot start {name}: port {port} on 127.0.0.1 is already in use "
-                             f"({err.strerror}); choose another with --{name}-port") from None
+            raise StackError(
+                f"cannot start {name}: port {port} on 127.0.0.1 is already in use "
+                f"({err.strerror}); choose another with --{name}-port"
+            ) from None
 
 
-def _http(url: str, *, method: str = "GET", params: dict[str, str] | None = None,
-          timeout: float = 5) -> bytes:
+def _http(
+    url: str, *, method: str = "GET", params: dict[str, str] | None = None, timeout: float = 5
+) -> bytes:
     """One HTTP call to a local part, with the standard library: the CLI needs no extra."""
     if params:
         url += "?" + urllib.parse.urlencode(params)
@@ -143,26 +159,41 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
             try:
                 _http(f"{comp.url}/-/reload", method="POST")
             except OSError as err:
-                raise StackError(f"{comp.name} at {comp.url} did not reload its rewritten "
-                                 f"configuration ({err}); see {cfg.home / 'logs'}") from None
+                raise StackError(
+                    f"{comp.name} at {comp.url} did not reload its rewritten "
+                    f"configuration ({err}); see {cfg.home / 'logs'}"
+                ) from None
     started: dict[str, subprocess.Popen] = {}
     for name in todo:
         log = cfg.home / "logs" / f"{name}.log"
         with open(log, "ab") as out:  # the child keeps its own descriptor
-            started[name] = subprocess.Popen(commands[name], stdout=out, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
-        (cfg.home / f"{name}.json").write_text(json.dumps({
-            "name": name, "pid": started[name].pid, "port": ports[name],
-            "binary": commands[name][0], "url": f"http://127.0.0.1:{ports[name]}",
-            "log": str(log), "cmd": commands[name]}))
+            started[name] = subprocess.Popen(
+                commands[name],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        (cfg.home / f"{name}.json").write_text(
+            json.dumps(
+                {
+                    "name": name,
+                    "pid": started[name].pid,
+                    "port": ports[name],
+                    "binary": commands[name][0],
+                    "url": f"http://127.0.0.1:{ports[name]}",
+                    "log": str(log),
+                    "cmd": commands[name],
+                }
+            )
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for name, proc in started.items():
             if proc.poll() is not None:  # ours: its exit status is the truth, not /proc
                 tail = (cfg.home / "logs" / f"{name}.log").read_text(errors="replace")[-1500:]
                 down(cfg.home)
-                raise StackError(f"{name} exited at start (status {proc.returncode}); "
-                                 f"its log ends:\n{tail}")
+                raise StackError(f"{name} exited at start (status {proc.returncode}); its log ends:\n{tail}")
         comps = status(cfg.home)
         if all(c.ready for c in comps):
             _record_runs_root(cfg.home, cfg.runs_root)
@@ -214,8 +245,9 @@ def down(home: Path, timeout_s: float = 10.0) -> list[str]:
 
 def targets_by_run(prometheus_url: str) -> dict[str, dict[str, int]]:
     """Per run: how many of its scrape targets are up and down (what `status` reports)."""
-    active = json.loads(_http(f"{prometheus_url}/api/v1/targets",
-                              params={"state": "active"}))["data"]["activeTargets"]
+    active = json.loads(_http(f"{prometheus_url}/api/v1/targets", params={"state": "active"}))["data"][
+        "activeTargets"
+    ]
     out: dict[str, dict[str, int]] = {}
     for t in active:
         run = t["labels"].get("run", "?")

@@ -5,6 +5,7 @@ self; `score_samples(X)` is higher for more normal rows; `decision_function(X)` 
 anomalies; `predict(X)` returns -1 (anomaly) or +1. Using an unfitted detector raises
 sklearn's NotFittedError.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,7 +55,7 @@ class WindowedDetector(Detector):
 
     def fit(self, X, y=None):
         self._check()
-        self.history_ = as_matrix(X)[-self.window:]
+        self.history_ = as_matrix(X)[-self.window :]
         self._learn()
         return self
 

@@ -2,6 +2,7 @@
 
 Each follows the estimator contract on its own input and can say who is to blame (`culprits`).
 """
+
 from __future__ import annotations
 
 from numbers import Integral, Real
@@ -18,8 +19,9 @@ def _median_of_others(X: np.ndarray) -> np.ndarray:
     n = X.shape[1]
     if n > 16:  # leaving one rank out barely moves the median of many: O(n) not O(n^2)
         return np.repeat(np.median(X, axis=1, keepdims=True), n, axis=1)
-    return np.stack([np.median(np.delete(X, r, axis=1), axis=1) if n > 1 else X[:, r]
-                     for r in range(n)], axis=1)
+    return np.stack(
+        [np.median(np.delete(X, r, axis=1), axis=1) if n > 1 else X[:, r] for r in range(n)], axis=1
+    )
 
 
 class Straggler(WindowedDetector):
@@ -30,8 +32,10 @@ class Straggler(WindowedDetector):
     step that is slow for everyone.
     """
 
-    _parameter_constraints = {"ratio": [Interval(Real, 1, None, closed="neither")],
-                              "window": [Interval(Integral, 1, None, closed="left")]}
+    _parameter_constraints = {
+        "ratio": [Interval(Real, 1, None, closed="neither")],
+        "window": [Interval(Integral, 1, None, closed="left")],
+    }
 
     def __init__(self, ratio: float = 1.5, window: int = 50) -> None:
         self.ratio = ratio
@@ -69,17 +73,26 @@ class PersistentStraggler(WindowedDetector):
     shared host comes in bursts). Several ranks can straggle at once, up to half.
     """
 
-    _parameter_constraints = {"min_excess": [Interval(Real, 0, None, closed="neither")],
-                              "z": [Interval(Real, 0, None, closed="neither")],
-                              "margin": [Interval(Real, 0, None, closed="left")],
-                              "span": [Interval(Integral, 1, None, closed="left")],
-                              "min_history": [Interval(Integral, 1, None, closed="left")],
-                              "relearn_every": [Interval(Integral, 1, None, closed="left")],
-                              "window": [Interval(Integral, 2, None, closed="left")]}
+    _parameter_constraints = {
+        "min_excess": [Interval(Real, 0, None, closed="neither")],
+        "z": [Interval(Real, 0, None, closed="neither")],
+        "margin": [Interval(Real, 0, None, closed="left")],
+        "span": [Interval(Integral, 1, None, closed="left")],
+        "min_history": [Interval(Integral, 1, None, closed="left")],
+        "relearn_every": [Interval(Integral, 1, None, closed="left")],
+        "window": [Interval(Integral, 2, None, closed="left")],
+    }
 
-    def __init__(self, min_excess: float = 0.08, z: float = 4.0, margin: float = 1.5,
-                 span: int = 5, min_history: int = 50, relearn_every: int = 10,
-                 window: int = 100) -> None:
+    def __init__(
+        self,
+        min_excess: float = 0.08,
+        z: float = 4.0,
+        margin: float = 1.5,
+        span: int = 5,
+        min_history: int = 50,
+        relearn_every: int = 10,
+        window: int = 100,
+    ) -> None:
         self.min_excess = min_excess
         self.z = z
         self.margin = margin
@@ -97,11 +110,11 @@ class PersistentStraggler(WindowedDetector):
         `relearn_every` rows (at 1,024 ranks a full relearn costs more than judging)."""
         check_is_fitted(self)
         X = as_matrix(X)
-        self.history_ = np.vstack([self.history_, X])[-self.window:]
+        self.history_ = np.vstack([self.history_, X])[-self.window :]
         for rel in self.relative(X):
-            self.rel_ = np.vstack([self.rel_, rel])[-self.window:]
-            span_rel = np.median(self.rel_[-self.span:], axis=0)
-            self.span_rel_ = np.vstack([self.span_rel_, span_rel])[-self.window:]
+            self.rel_ = np.vstack([self.rel_, rel])[-self.window :]
+            span_rel = np.median(self.rel_[-self.span :], axis=0)
+            self.span_rel_ = np.vstack([self.span_rel_, span_rel])[-self.window :]
             self.worst_ = np.maximum(self.worst_, span_rel / np.maximum(self.pace_, 1e-12) - 1)
             self.unlearnt_ += 1
         if self.unlearnt_ >= self.relearn_every or len(self.history_) == self.min_history:
@@ -124,8 +137,7 @@ class PersistentStraggler(WindowedDetector):
     def _learn_pace(self) -> None:
         self.pace_ = np.median(self.rel_, axis=0)  # each rank's usual pace against its peers
         spans = self.span_rel_ / np.maximum(self.pace_, 1e-12) - 1
-        self.noise_ = np.maximum(
-            1.4826 * np.median(np.abs(spans - np.median(spans, axis=0)), axis=0), 1e-3)
+        self.noise_ = np.maximum(1.4826 * np.median(np.abs(spans - np.median(spans, axis=0)), axis=0), 1e-3)
         self.worst_ = spans.max(axis=0)  # the largest horizon median the normal past showed
         self.unlearnt_ = 0
 
@@ -134,12 +146,13 @@ class PersistentStraggler(WindowedDetector):
         check_is_fitted(self)
         if len(self.history_) < self.min_history:  # too little normal past to tell its noise
             return np.full_like(self.noise_, np.inf)
-        return np.maximum.reduce([np.full_like(self.noise_, self.min_excess),
-                                  self.z * self.noise_, self.margin * self.worst_])
+        return np.maximum.reduce(
+            [np.full_like(self.noise_, self.min_excess), self.z * self.noise_, self.margin * self.worst_]
+        )
 
     def _span_medians(self, dev: np.ndarray) -> np.ndarray:
         """Row i: the median of rows i - span + 1 .. i (fewer at the start)."""
-        head = [np.median(dev[:i + 1], axis=0) for i in range(min(self.span - 1, len(dev)))]
+        head = [np.median(dev[: i + 1], axis=0) for i in range(min(self.span - 1, len(dev)))]
         if len(dev) < self.span:
             return np.asarray(head).reshape(len(dev), -1)
         full = np.median(np.lib.stride_tricks.sliding_window_view(dev, self.span, axis=0), axis=-1)
@@ -154,7 +167,7 @@ class PersistentStraggler(WindowedDetector):
         """Per rank: `excess` of the last row only, given rows of `relative(X)` (the live rule
         computes each step's relative pace once and keeps the recent ones)."""
         check_is_fitted(self)
-        return np.median(relative[-self.span:] / np.maximum(self.pace_, 1e-12), axis=0) - 1
+        return np.median(relative[-self.span :] / np.maximum(self.pace_, 1e-12), axis=0) - 1
 
     def score_samples(self, X) -> np.ndarray:
         return -(self.excess(X) / self.thresholds()).max(axis=1)
@@ -171,9 +184,11 @@ class ExpertBalance(WindowedDetector):
     starves below `starve` times it; the score is the worst such factor.
     """
 
-    _parameter_constraints = {"hog": [Interval(Real, 1, None, closed="neither")],
-                              "starve": [Interval(Real, 0, 1, closed="neither")],
-                              "window": [Interval(Integral, 1, None, closed="left")]}
+    _parameter_constraints = {
+        "hog": [Interval(Real, 1, None, closed="neither")],
+        "starve": [Interval(Real, 0, 1, closed="neither")],
+        "window": [Interval(Integral, 1, None, closed="left")],
+    }
 
     def __init__(self, hog: float = 2.0, starve: float = 0.2, window: int = 6) -> None:
         self.hog = hog
@@ -212,19 +227,27 @@ class ExpertLoad(WindowedDetector):
     serving engines report it.
     """
 
-    def __init__(self, top_k: int = 1, hog_min: float = 0.5, starve_min: float = 0.9,
-                 margin: float = 0.25, window: int = 6) -> None:
+    def __init__(
+        self,
+        top_k: int = 1,
+        hog_min: float = 0.5,
+        starve_min: float = 0.9,
+        margin: float = 0.25,
+        window: int = 6,
+    ) -> None:
         self.top_k = top_k
         self.hog_min = hog_min
         self.starve_min = starve_min
         self.margin = margin
         self.window = window
 
-    _parameter_constraints = {"top_k": [Interval(Integral, 1, None, closed="left")],
-                              "hog_min": [Interval(Real, 0, 1, closed="both")],
-                              "starve_min": [Interval(Real, 0, 1, closed="both")],
-                              "margin": [Interval(Real, 0, 1, closed="both")],
-                              "window": [Interval(Integral, 1, None, closed="left")]}
+    _parameter_constraints = {
+        "top_k": [Interval(Integral, 1, None, closed="left")],
+        "hog_min": [Interval(Real, 0, 1, closed="both")],
+        "starve_min": [Interval(Real, 0, 1, closed="both")],
+        "margin": [Interval(Real, 0, 1, closed="both")],
+        "window": [Interval(Integral, 1, None, closed="left")],
+    }
 
     def _offset(self) -> float:
         return 0.0
@@ -253,10 +276,10 @@ class ExpertLoad(WindowedDetector):
         """Per expert, bounded: (hog severity, starvation severity), 0 where not anomalous."""
         hot, usual_hot = self.hotness(X), self.hotness(self.usual_.reshape(1, -1))
         starve, usual_starve = self.starvation(X), self.starvation(self.usual_.reshape(1, -1))
-        hog = np.where(hot >= np.maximum(self.hog_min, usual_hot + self.margin),
-                       np.clip(hot, 0, 1), 0.0)
-        low = np.where(starve >= np.maximum(self.starve_min, usual_starve + self.margin),
-                       np.clip(starve, 0, 1), 0.0)
+        hog = np.where(hot >= np.maximum(self.hog_min, usual_hot + self.margin), np.clip(hot, 0, 1), 0.0)
+        low = np.where(
+            starve >= np.maximum(self.starve_min, usual_starve + self.margin), np.clip(starve, 0, 1), 0.0
+        )
         return hog, low
 
     def factors(self, X) -> np.ndarray:
@@ -293,8 +316,10 @@ class MemoryGrowth(WindowedDetector):
     """X: resident memory per rank, one row per step. Growth faster than `mb_per_step` over the
     last `window` steps, on any rank, is a leak."""
 
-    _parameter_constraints = {"mb_per_step": [Interval(Real, 0, None, closed="neither")],
-                              "window": [Interval(Integral, 2, None, closed="left")]}
+    _parameter_constraints = {
+        "mb_per_step": [Interval(Real, 0, None, closed="neither")],
+        "window": [Interval(Integral, 2, None, closed="left")],
+    }
 
     def __init__(self, mb_per_step: float = 2.0, window: int = 5) -> None:
         self.mb_per_step = mb_per_step

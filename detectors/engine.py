@@ -7,6 +7,7 @@ ones move the baselines on. Each episode
 becomes one `anomaly` event (detail: type, ranks, layer/expert, score, start_step, end_step,
 evidence) when it closes, and counts in `meshscope_anomalies_total{type}` when it opens.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -78,11 +79,14 @@ class EngineConfig:
 class DetectionEngine:
     """Holds the rules (`detectors.rules`) and asks them in order; see the module doc."""
 
-    def __init__(self, config: EngineConfig | None = None,
-                 on_open: Callable[[Episode], None] = lambda ep: None,
-                 on_close: Callable[[Episode], None] = lambda ep: None,
-                 on_score: Callable[[str, float], None] = lambda name, score: None,
-                 top_k: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        on_open: Callable[[Episode], None] = lambda ep: None,
+        on_close: Callable[[Episode], None] = lambda ep: None,
+        on_score: Callable[[str, float], None] = lambda name, score: None,
+        top_k: int | None = None,
+    ) -> None:
         """`top_k`: experts each token is routed to, for the expert judgement (None: read
         from the counts, which hold top-k x the tokens)."""
         self.config = config or EngineConfig()
@@ -92,18 +96,22 @@ class DetectionEngine:
         self.rules: list[StepRule] = [
             NonFiniteRule(),
             StallRule(factor=10.0 / s),  # a step 10x the usual: a stuck collective
-            StragglerRule(ratio=1 + (self.config.thresholds.straggler_ratio - 1) / s,
-                          on_score=self._score,
-                          persistent=[PersistentStraggler(min_excess=0.08 / s, z=4.0 / s, span=span)
-                                      for span in (5, 20)]),
+            StragglerRule(
+                ratio=1 + (self.config.thresholds.straggler_ratio - 1) / s,
+                on_score=self._score,
+                persistent=[
+                    PersistentStraggler(min_excess=0.08 / s, z=4.0 / s, span=span) for span in (5, 20)
+                ],
+            ),
             CommRule(threshold=4.0 / s, slowdown=1 + 0.3 / s),  # ...and the step that much slower
             LossSpikeRule(threshold=8.0 / s),
             MemoryRule(mb_per_step=2.0 / s),
             MultivariateRule(on_score=self._score),
         ]
-        self.window_rules: list[WindowRule] = [ExpertRule(self.config.warmup, top_k=top_k,
-                                                              hog_min=self.config.thresholds.expert_hotness),
-                                               GradientRule()]
+        self.window_rules: list[WindowRule] = [
+            ExpertRule(self.config.warmup, top_k=top_k, hog_min=self.config.thresholds.expert_hotness),
+            GradientRule(),
+        ]
         self.tracker = EpisodeTracker(gap=self.config.gap)
         self.last_step = -1
         self._fitted = False
@@ -126,8 +134,12 @@ class DetectionEngine:
         return next(r for r in self.window_rules if r.table == table)
 
     # --- feeding --------------------------------------------------------------------------
-    def process(self, steps: pd.DataFrame, expert_load: pd.DataFrame | None = None,
-                grad_stats: pd.DataFrame | None = None) -> None:
+    def process(
+        self,
+        steps: pd.DataFrame,
+        expert_load: pd.DataFrame | None = None,
+        grad_stats: pd.DataFrame | None = None,
+    ) -> None:
         """Judge the steps after the last one seen (only steps every rank has recorded), then
         the windowed tables."""
         for view in step_views(steps, after=self.last_step):
@@ -153,9 +165,14 @@ class DetectionEngine:
 
     # --- one step -------------------------------------------------------------------------
     def _step(self, view: StepView) -> None:
-        row = _Row(self.featurizer.row(view).reshape(1, -1), view.compute_s.reshape(1, -1),
-                   view.cols["loss"].reshape(1, -1), view.cols["mem_rss"].reshape(1, -1),
-                   [int(r) for r in view.ranks], view.cols["loss_bad"].reshape(1, -1))
+        row = _Row(
+            self.featurizer.row(view).reshape(1, -1),
+            view.compute_s.reshape(1, -1),
+            view.cols["loss"].reshape(1, -1),
+            view.cols["mem_rss"].reshape(1, -1),
+            [int(r) for r in view.ranks],
+            view.cols["loss_bad"].reshape(1, -1),
+        )
         if row.ranks != self._ranks:  # elastic shrink or grow: per-rank baselines start over
             self._ranks, self._fitted, self._warm = row.ranks, False, []
         if not self._fitted:
@@ -171,8 +188,10 @@ class DetectionEngine:
             self.on_close(ep)
 
     def _fit(self) -> None:
-        warm = _Row(*(np.vstack([getattr(w, f) for w in self._warm])
-                      for f in ("feats", "compute", "loss", "rss")), self._ranks)
+        warm = _Row(
+            *(np.vstack([getattr(w, f) for w in self._warm]) for f in ("feats", "compute", "loss", "rss")),
+            self._ranks,
+        )
         for rule in self.rules:
             rule.learn(warm)
         self._fitted = True
@@ -191,8 +210,17 @@ class DetectionEngine:
 
     def _flag(self, step: int, flag: Flag) -> None:
         """Feed the episode tracker; a new episode is announced at once."""
-        opened = self.tracker.flag(step, flag.type, flag.score, ranks=flag.ranks,
-                                   layer=flag.layer, expert=flag.expert, module=flag.module,
-                                   evidence=flag.evidence, gap=flag.gap, confirm=flag.confirm)
+        opened = self.tracker.flag(
+            step,
+            flag.type,
+            flag.score,
+            ranks=flag.ranks,
+            layer=flag.layer,
+            expert=flag.expert,
+            module=flag.module,
+            evidence=flag.evidence,
+            gap=flag.gap,
+            confirm=flag.confirm,
+        )
         if opened is not None:
             self.on_open(opened)

@@ -1,5 +1,6 @@
 """One ongoing anomaly is one episode: opened at its first flagged step, extended while flagged,
 closed after `gap` quiet steps. Pure bookkeeping, no I/O."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,8 +28,14 @@ class Episode:
         return self.count >= self.confirm
 
     def detail(self) -> dict[str, Any]:
-        d = {"type": self.type, "ranks": self.ranks, "score": round(self.score, 4),
-             "start_step": self.start_step, "end_step": self.end_step, "evidence": self.evidence}
+        d = {
+            "type": self.type,
+            "ranks": self.ranks,
+            "score": round(self.score, 4),
+            "start_step": self.start_step,
+            "end_step": self.end_step,
+            "evidence": self.evidence,
+        }
         if self.layer is not None:
             d["layer"] = self.layer
         if self.expert is not None:
@@ -43,18 +50,39 @@ class EpisodeTracker:
         self.gap = gap
         self.open: dict[tuple, Episode] = {}
 
-    def flag(self, step: int, type: str, score: float, *, ranks: list[int] | None = None,
-             layer: int | None = None, expert: int | None = None, module: str | None = None,
-             evidence: dict[str, Any] | None = None, gap: int | None = None,
-             confirm: int = 1) -> Episode | None:
+    def flag(
+        self,
+        step: int,
+        type: str,
+        score: float,
+        *,
+        ranks: list[int] | None = None,
+        layer: int | None = None,
+        expert: int | None = None,
+        module: str | None = None,
+        evidence: dict[str, Any] | None = None,
+        gap: int | None = None,
+        confirm: int = 1,
+    ) -> Episode | None:
         """Record a flagged step; returns the episode when this step confirms it (after
         `confirm` flagged steps: one noisy step is not an anomaly)."""
         key = (type, tuple(ranks or ()), layer, expert, module)
         ep = self.open.get(key)
         if ep is None:
-            self.open[key] = ep = Episode(type, key, step, step, score, list(ranks or ()), layer,
-                                          expert, dict(evidence or {}), gap or self.gap, confirm,
-                                          module=module)
+            self.open[key] = ep = Episode(
+                type,
+                key,
+                step,
+                step,
+                score,
+                list(ranks or ()),
+                layer,
+                expert,
+                dict(evidence or {}),
+                gap or self.gap,
+                confirm,
+                module=module,
+            )
             return ep if ep.confirmed else None
         ep.end_step, ep.score, ep.count = step, max(ep.score, score), ep.count + 1
         return ep if ep.count == ep.confirm else None

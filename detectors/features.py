@@ -7,6 +7,7 @@ The engine's path is numpy end to end (`step_views` then `StepFeaturizer`): one 
 ranks must be judged in a few milliseconds, and pandas' groupby/pivot machinery alone costs more.
 `step_features` gives the same numbers as a DataFrame for people and notebooks.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -19,12 +20,31 @@ import pandas as pd
 from collector.schema import nonfinite_mask
 
 STEP_FEATURES = [
-    "step_s", "step_spread", "compute_spread", "comm_ratio", "comm_ratio_max", "wire_bytes",
-    "loss", "loss_delta", "grad_norm", "tokens_per_s", "mem_rss", "mem_slope",
+    "step_s",
+    "step_spread",
+    "compute_spread",
+    "comm_ratio",
+    "comm_ratio_max",
+    "wire_bytes",
+    "loss",
+    "loss_delta",
+    "grad_norm",
+    "tokens_per_s",
+    "mem_rss",
+    "mem_slope",
 ]
 COLUMN = {name: i for i, name in enumerate(STEP_FEATURES)}
-_PER_RANK = ["step_s", "comm_exposed_s", "data_s", "comm_ratio", "bytes_wire", "loss",
-             "grad_norm", "tokens", "mem_rss"]
+_PER_RANK = [
+    "step_s",
+    "comm_exposed_s",
+    "data_s",
+    "comm_ratio",
+    "bytes_wire",
+    "loss",
+    "grad_norm",
+    "tokens",
+    "mem_rss",
+]
 
 
 @dataclass
@@ -58,7 +78,7 @@ def step_views(steps: pd.DataFrame, after: int = -1) -> Iterator[StepView]:
     uniq, first, counts = np.unique(step, return_index=True, return_counts=True)
     for s, a, n in zip(uniq, first, counts):
         if n == world[a]:
-            yield StepView(int(s), rank[a:a + n], {c: v[a:a + n] for c, v in cols.items()})
+            yield StepView(int(s), rank[a : a + n], {c: v[a : a + n] for c, v in cols.items()})
 
 
 class StepFeaturizer:
@@ -82,12 +102,22 @@ class StepFeaturizer:
             self._last_loss = loss
         slope = (rss - self._rss[0]) / self.slope_window if len(self._rss) == self.slope_window else 0.0
         self._rss.append(rss)
-        return np.array([
-            step_s.max(), step_s.max() / max(np.median(step_s), 1e-9),
-            compute.max() / max(np.median(compute), 1e-9),
-            c["comm_ratio"].mean(), c["comm_ratio"].max(), c["bytes_wire"].mean(),
-            loss, delta, _finite_mean(c["grad_norm"]), c["tokens"].sum() / slowest, rss, slope,
-        ])
+        return np.array(
+            [
+                step_s.max(),
+                step_s.max() / max(np.median(step_s), 1e-9),
+                compute.max() / max(np.median(compute), 1e-9),
+                c["comm_ratio"].mean(),
+                c["comm_ratio"].max(),
+                c["bytes_wire"].mean(),
+                loss,
+                delta,
+                _finite_mean(c["grad_norm"]),
+                c["tokens"].sum() / slowest,
+                rss,
+                slope,
+            ]
+        )
 
 
 def _finite_mean(x: np.ndarray) -> float:
@@ -100,24 +130,33 @@ def step_features(steps: pd.DataFrame, slope_window: int = 10) -> pd.DataFrame:
     featurizer = StepFeaturizer(slope_window)
     views = list(step_views(steps))
     rows = [featurizer.row(v) for v in views]
-    return pd.DataFrame(rows or None, index=pd.Index([v.step for v in views], name="step"),
-                        columns=STEP_FEATURES)
+    return pd.DataFrame(
+        rows or None, index=pd.Index([v.step for v in views], name="step"), columns=STEP_FEATURES
+    )
 
 
 def expert_features(expert_load: pd.DataFrame) -> pd.DataFrame:
     """Per (step, layer): imbalance (max/mean), cv, normalised entropy, hot/starved expert."""
     if expert_load.empty:
-        return pd.DataFrame(columns=["step", "layer", "imbalance", "cv", "entropy",
-                                     "hot_expert", "hot_share", "starved"])
+        return pd.DataFrame(
+            columns=["step", "layer", "imbalance", "cv", "entropy", "hot_expert", "hot_share", "starved"]
+        )
     rows = []
     for (step, layer), grp in expert_load.groupby(["step", "layer"]):
         tokens = grp.sort_values("expert")["tokens"].to_numpy(dtype=float)
         total, n = tokens.sum(), len(tokens)
         share = tokens / total if total > 0 else np.full(n, 1 / n)
         nz = share[share > 0]
-        rows.append({
-            "step": step, "layer": layer, "imbalance": share.max() * n,
-            "cv": share.std() / share.mean(), "entropy": float(-(nz * np.log(nz)).sum() / np.log(n)),
-            "hot_expert": int(share.argmax()), "hot_share": float(share.max()),
-            "starved": int((share < 0.1 / n).sum())})
+        rows.append(
+            {
+                "step": step,
+                "layer": layer,
+                "imbalance": share.max() * n,
+                "cv": share.std() / share.mean(),
+                "entropy": float(-(nz * np.log(nz)).sum() / np.log(n)),
+                "hot_expert": int(share.argmax()),
+                "hot_share": float(share.max()),
+                "starved": int((share < 0.1 / n).sum()),
+            }
+        )
     return pd.DataFrame(rows)

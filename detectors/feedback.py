@@ -16,6 +16,7 @@ measured and remembered.
 - **Learn** (`measure_outcome`, `KnowledgeBase`): after K steps, balancedness, step time and loss
   against the prediction, stored as cause → action → outcome.
 """
+
 from __future__ import annotations
 
 import io
@@ -48,19 +49,21 @@ class FeedbackError(ValueError):
 class ServingLoad:
     """Tokens (and optionally latency) per layer and logical expert, as serving measured them."""
 
-    tokens: np.ndarray                 # [layers, experts]
-    latency_ms: np.ndarray | None      # [layers, experts] or None
+    tokens: np.ndarray  # [layers, experts]
+    latency_ms: np.ndarray | None  # [layers, experts] or None
     source: str
 
 
 # --- in ---------------------------------------------------------------------------------------
 
+
 def read_serving_load(data: bytes, name: str) -> ServingLoad:
     """Parse an upload by its content (a zip/pickle .pt or CSV text); FeedbackError when it is
     not one of the formats the loop reads."""
     if len(data) > MAX_UPLOAD_BYTES:
-        raise FeedbackError(f"{name}: {len(data) / 2**20:.0f} MiB is over the "
-                            f"{MAX_UPLOAD_BYTES // 2**20} MiB limit")
+        raise FeedbackError(
+            f"{name}: {len(data) / 2**20:.0f} MiB is over the {MAX_UPLOAD_BYTES // 2**20} MiB limit"
+        )
     if not data:
         raise FeedbackError(f"{name}: the file is empty")
     if data[:2] == b"PK" or data[:1] == b"\x80" or name.endswith((".pt", ".pth")):
@@ -76,9 +79,11 @@ def _read_pt(data: bytes, name: str) -> ServingLoad:
             warnings.simplefilter("ignore")  # protocol notes on foreign pickles
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many kinds for foreign or hostile files
-        raise FeedbackError(f"{name}: not a tensor file that can be read safely: only tensors "
-                            f"and plain containers are accepted, never code "
-                            f"({type(err).__name__})") from None
+        raise FeedbackError(
+            f"{name}: not a tensor file that can be read safely: only tensors "
+            f"and plain containers are accepted, never code "
+            f"({type(err).__name__})"
+        ) from None
     if isinstance(obj, dict) and "logical_count" in obj:
         counts, source = _as_array(obj["logical_count"], name, "logical_count"), "sglang"
     elif isinstance(obj, dict) and "expert_load_window" in obj:
@@ -90,13 +95,13 @@ def _read_pt(data: bytes, name: str) -> ServingLoad:
         counts, source = _as_array(obj, name, "tensor"), "tensor"
     else:
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise FeedbackError(f"{name}: expected SGLang's `logical_count` or vLLM's "
-                            f"`expert_load_window`, found {keys}")
+        raise FeedbackError(
+            f"{name}: expected SGLang's `logical_count` or vLLM's `expert_load_window`, found {keys}"
+        )
     if counts.ndim == 2:
         counts = counts[None]
     if counts.ndim != 3:
-        raise FeedbackError(f"{name}: expected [steps, layers, experts], got shape "
-                            f"{list(counts.shape)}")
+        raise FeedbackError(f"{name}: expected [steps, layers, experts], got shape {list(counts.shape)}")
     return _checked(counts.sum(axis=0), None, f"{source}:{name}")
 
 
@@ -114,8 +119,10 @@ def _as_array(value: Any, name: str, key: str) -> np.ndarray:
 def _logical(window: np.ndarray, mapping: np.ndarray, name: str) -> np.ndarray:
     """Physical-expert loads summed onto logical experts (vLLM replicates hot experts)."""
     if window.ndim != 3 or mapping.ndim != 2 or mapping.shape != window.shape[1:]:
-        raise FeedbackError(f"{name}: physical_to_logical_map {list(mapping.shape)} does not "
-                            f"match expert_load_window {list(window.shape)}")
+        raise FeedbackError(
+            f"{name}: physical_to_logical_map {list(mapping.shape)} does not "
+            f"match expert_load_window {list(window.shape)}"
+        )
     experts = int(mapping.max()) + 1
     out = np.zeros((window.shape[0], window.shape[1], experts))
     for layer in range(window.shape[1]):
@@ -133,18 +140,22 @@ def _read_csv(data: bytes, name: str) -> ServingLoad:
     df.columns = [str(c).strip().lower() for c in df.columns]
     missing = {"layer", "expert", "tokens"} - set(df.columns)
     if missing:
-        raise FeedbackError(f"{name}: CSV needs columns layer, expert, tokens[, latency_ms]; "
-                            f"missing {', '.join(sorted(missing))} (found {list(df.columns)})")
+        raise FeedbackError(
+            f"{name}: CSV needs columns layer, expert, tokens[, latency_ms]; "
+            f"missing {', '.join(sorted(missing))} (found {list(df.columns)})"
+        )
     for col in ("layer", "expert", "tokens", "latency_ms"):
         if col in df.columns:
             bad = pd.to_numeric(df[col], errors="coerce").isna()
             if bad.any():
                 row = int(bad.idxmax()) + 2  # 1-based, after the header
-                raise FeedbackError(f"{name}: row {row}: {col} {df[col][bad].iloc[0]!r} is not "
-                                    "a number")
+                raise FeedbackError(f"{name}: row {row}: {col} {df[col][bad].iloc[0]!r} is not a number")
             df[col] = pd.to_numeric(df[col])
-    if (df[["layer", "expert"]] < 0).any().any() or (df["layer"] % 1 != 0).any() \
-            or (df["expert"] % 1 != 0).any():
+    if (
+        (df[["layer", "expert"]] < 0).any().any()
+        or (df["layer"] % 1 != 0).any()
+        or (df["expert"] % 1 != 0).any()
+    ):
         raise FeedbackError(f"{name}: layer and expert must be whole numbers >= 0")
     layers, experts = int(df["layer"].max()) + 1, int(df["expert"].max()) + 1
     if layers * experts > 1_000_000:
@@ -167,6 +178,7 @@ def _checked(tokens: np.ndarray, latency: np.ndarray | None, source: str) -> Ser
 
 
 # --- diagnose ---------------------------------------------------------------------------------
+
 
 def balancedness(load: np.ndarray) -> float:
     """Mean over max load of one layer (1 = balanced; 1/E = one expert takes everything; 1
@@ -203,9 +215,11 @@ def training_load(run_dir: Path, last: int = 5) -> np.ndarray | None:
 def diagnose(serving: ServingLoad, training: np.ndarray | None) -> list[LayerDiagnosis]:
     """Per layer: serving vs training balancedness, hot and cold experts, latency they cost."""
     if training is not None and training.shape != serving.tokens.shape:
-        raise FeedbackError(f"{serving.source}: {serving.tokens.shape[0]} layers x "
-                            f"{serving.tokens.shape[1]} experts, but the run has "
-                            f"{training.shape[0]} x {training.shape[1]}")
+        raise FeedbackError(
+            f"{serving.source}: {serving.tokens.shape[0]} layers x "
+            f"{serving.tokens.shape[1]} experts, but the run has "
+            f"{training.shape[0]} x {training.shape[1]}"
+        )
     out = []
     for layer, load in enumerate(serving.tokens):
         shares = load / load.sum() if load.sum() > 0 else np.zeros_like(load)
@@ -217,20 +231,29 @@ def diagnose(serving: ServingLoad, training: np.ndarray | None) -> list[LayerDia
             lat = serving.latency_ms[layer]
             usual = np.nanmedian(lat)
             cost = float(np.nansum(np.clip(lat[hot] - usual, 0, None)))
-        out.append(LayerDiagnosis(
-            layer, balancedness(load), None if training is None else balancedness(training[layer]),
-            hot, cold, [round(float(s), 4) for s in shares], cost))
+        out.append(
+            LayerDiagnosis(
+                layer,
+                balancedness(load),
+                None if training is None else balancedness(training[layer]),
+                hot,
+                cold,
+                [round(float(s), 4) for s in shares],
+                cost,
+            )
+        )
     return out
 
 
 # --- suggest ----------------------------------------------------------------------------------
 
+
 @dataclass
 class Suggestion:
     """A change in practitioners' terms, with the effect we expect and why."""
 
-    action: str                 # router_bias | aux_loss_coef | capacity_factor | placement
-    target: str                 # "training" or "serving"
+    action: str  # router_bias | aux_loss_coef | capacity_factor | placement
+    target: str  # "training" or "serving"
     layer: int
     params: dict[str, Any]
     expected: dict[str, float]
@@ -271,9 +294,15 @@ def predicted_balancedness(load: np.ndarray, bias: np.ndarray) -> float:
     return balancedness(np.asarray(load, dtype=float) * np.exp(bias))
 
 
-def suggest(diagnoses: list[LayerDiagnosis], serving: ServingLoad, *,
-            model: dict[str, Any] | None = None, devices: int = 8,
-            kb: KnowledgeBase | None = None, skew_below: float = 0.8) -> list[Suggestion]:
+def suggest(
+    diagnoses: list[LayerDiagnosis],
+    serving: ServingLoad,
+    *,
+    model: dict[str, Any] | None = None,
+    devices: int = 8,
+    kb: KnowledgeBase | None = None,
+    skew_below: float = 0.8,
+) -> list[Suggestion]:
     """Suggestions for the layers whose serving load is skewed, ranked by expected gain and by
     how such suggestions worked before."""
     model = model or {}
@@ -285,57 +314,94 @@ def suggest(diagnoses: list[LayerDiagnosis], serving: ServingLoad, *,
         bias = bias_correction(load)
         after = predicted_balancedness(load, bias)
         gamma = bias_rate(load)
-        out.append(Suggestion(
-            "router_bias", "training", d.layer, {"gamma": gamma, "bias": bias.round(4).tolist()},
-            {"balancedness_before": round(d.serving_balancedness, 3),
-             "balancedness_after": round(after, 3)},
-            f"layer {d.layer}: experts {d.hot} take {sum(d.shares[e] for e in d.hot):.0%} of "
-            f"serving tokens (balanced {len(load) and 1 / len(load):.0%} each); the aux-loss-free "
-            f"bias update (DeepSeek-V3) shifts routing only, the gates stay, so the loss is not "
-            f"pulled by a balancing term; a one-shot correction from the measured shares, then "
-            f"sign updates with γ={gamma:g}" + (
-                "" if gamma == GAMMA else f" (DeepSeek-V3's {GAMMA:g} would take "
-                f"{np.abs(bias).max() / GAMMA:.0f} steps to move the bias as far as the shares "
-                f"say; this closes it within {HORIZON_STEPS})"),
-            control={"kind": "router_bias", "layer": d.layer,
-                     "values": [gamma, *bias.round(4).tolist()]}))
+        out.append(
+            Suggestion(
+                "router_bias",
+                "training",
+                d.layer,
+                {"gamma": gamma, "bias": bias.round(4).tolist()},
+                {
+                    "balancedness_before": round(d.serving_balancedness, 3),
+                    "balancedness_after": round(after, 3),
+                },
+                f"layer {d.layer}: experts {d.hot} take {sum(d.shares[e] for e in d.hot):.0%} of "
+                f"serving tokens (balanced {len(load) and 1 / len(load):.0%} each); the aux-loss-free "
+                f"bias update (DeepSeek-V3) shifts routing only, the gates stay, so the loss is not "
+                f"pulled by a balancing term; a one-shot correction from the measured shares, then "
+                f"sign updates with γ={gamma:g}"
+                + (
+                    ""
+                    if gamma == GAMMA
+                    else f" (DeepSeek-V3's {GAMMA:g} would take "
+                    f"{np.abs(bias).max() / GAMMA:.0f} steps to move the bias as far as the shares "
+                    f"say; this closes it within {HORIZON_STEPS})"
+                ),
+                control={"kind": "router_bias", "layer": d.layer, "values": [gamma, *bias.round(4).tolist()]},
+            )
+        )
         coef = float(model.get("aux_loss_coef", 0.01))
         new_coef = min(BOUNDS.aux_loss_coef_max, max(2 * coef, 1e-3))
-        out.append(Suggestion(
-            "aux_loss_coef", "training", -1, {"from": coef, "to": new_coef},
-            {"balancedness_before": round(d.serving_balancedness, 3),
-             "balancedness_after": round(min(1.0, d.serving_balancedness + 0.1), 3)},
-            "a stronger load-balancing loss evens routing through the gradient: slower than the "
-            "bias, and it trades some language-model loss for balance",
-            control={"kind": "aux_loss_coef", "layer": -1, "values": [new_coef]}))
+        out.append(
+            Suggestion(
+                "aux_loss_coef",
+                "training",
+                -1,
+                {"from": coef, "to": new_coef},
+                {
+                    "balancedness_before": round(d.serving_balancedness, 3),
+                    "balancedness_after": round(min(1.0, d.serving_balancedness + 0.1), 3),
+                },
+                "a stronger load-balancing loss evens routing through the gradient: slower than the "
+                "bias, and it trades some language-model loss for balance",
+                control={"kind": "aux_loss_coef", "layer": -1, "values": [new_coef]},
+            )
+        )
         factor = float(model.get("capacity_factor", 1.25))
         need = max(d.shares) * len(load)  # the hottest expert's share over the fair share
         if need > factor:
             new = min(BOUNDS.capacity_factor_max, round(need + 0.05, 2))
-            out.append(Suggestion(
-                "capacity_factor", "training", d.layer, {"from": factor, "to": new},
-                {"dropped_share_before": round(_dropped(load, factor), 3),
-                 "dropped_share_after": round(_dropped(load, new), 3)},
-                f"at this load the hottest expert needs {need:.2f}x its fair share; tokens over "
-                f"capacity skip it (memory and compute grow with the factor)",
-                control={"kind": "capacity_factor", "layer": d.layer, "values": [new]}))
+            out.append(
+                Suggestion(
+                    "capacity_factor",
+                    "training",
+                    d.layer,
+                    {"from": factor, "to": new},
+                    {
+                        "dropped_share_before": round(_dropped(load, factor), 3),
+                        "dropped_share_after": round(_dropped(load, new), 3),
+                    },
+                    f"at this load the hottest expert needs {need:.2f}x its fair share; tokens over "
+                    f"capacity skip it (memory and compute grow with the factor)",
+                    control={"kind": "capacity_factor", "layer": d.layer, "values": [new]},
+                )
+            )
         plan = place_experts(load, devices=devices, redundant=max(1, devices // 2))
         if plan.after <= plan.before + 0.01:  # the default layout is as good: nothing to move
             continue
-        out.append(Suggestion(
-            "placement", "serving", d.layer, {"devices": devices, "replicas": plan.replicas,
-                                              "device_of_slot": plan.device_of_slot,
-                                              "slot_expert": plan.slot_expert},
-            {"device_balancedness_before": round(plan.before, 3),
-             "device_balancedness_after": round(plan.after, 3)},
-            f"replicate the heaviest experts ({plan.redundant} extra slots) and pack them onto "
-            f"{devices} devices by load (as DeepSeek's EPLB does)"))
+        out.append(
+            Suggestion(
+                "placement",
+                "serving",
+                d.layer,
+                {
+                    "devices": devices,
+                    "replicas": plan.replicas,
+                    "device_of_slot": plan.device_of_slot,
+                    "slot_expert": plan.slot_expert,
+                },
+                {
+                    "device_balancedness_before": round(plan.before, 3),
+                    "device_balancedness_after": round(plan.after, 3),
+                },
+                f"replicate the heaviest experts ({plan.redundant} extra slots) and pack them onto "
+                f"{devices} devices by load (as DeepSeek's EPLB does)",
+            )
+        )
     for s in out:
         if kb is not None and "balancedness_after" in s.expected:
             # what such changes delivered before calibrates what this one promises
             b0, b1 = s.expected["balancedness_before"], s.expected["balancedness_after"]
-            s.expected["balancedness_after"] = round(b0 + (b1 - b0) * kb.realised(s.cause,
-                                                                                s.action), 3)
+            s.expected["balancedness_after"] = round(b0 + (b1 - b0) * kb.realised(s.cause, s.action), 3)
             s.expected["calibrated_by_outcomes"] = True
         s.score = _gain(s) * (kb.weight(s.cause, s.action) if kb is not None else 1.0)
     return sorted(out, key=lambda s: -s.score)
@@ -360,10 +426,10 @@ def _dropped(load: np.ndarray, factor: float) -> float:
 class Placement:
     """Physical slots for one layer: which expert each holds and on which device."""
 
-    replicas: list[int]          # per logical expert
-    slot_expert: list[int]       # per physical slot
+    replicas: list[int]  # per logical expert
+    slot_expert: list[int]  # per physical slot
     device_of_slot: list[int]
-    before: float                # device balancedness without replicas (experts dealt round-robin)
+    before: float  # device balancedness without replicas (experts dealt round-robin)
     after: float
     redundant: int = 0
 
@@ -382,8 +448,9 @@ def place_experts(load: np.ndarray, *, devices: int, redundant: int) -> Placemen
     replicas = np.ones(experts, dtype=int)
     for _ in range(redundant):
         replicas[int(np.argmax(load / replicas))] += 1
-    weights = sorted(((load[e] / replicas[e], e) for e in range(experts)
-                      for _ in range(replicas[e])), key=lambda x: -x[0])
+    weights = sorted(
+        ((load[e] / replicas[e], e) for e in range(experts) for _ in range(replicas[e])), key=lambda x: -x[0]
+    )
     capacity = slots // devices
     bins: list[list[tuple[float, int]]] = [[] for _ in range(devices)]
     for item in weights:
@@ -397,8 +464,14 @@ def place_experts(load: np.ndarray, *, devices: int, redundant: int) -> Placemen
     default = np.zeros(devices)
     for e in range(experts):
         default[min(e // per_device, devices - 1)] += load[e]
-    return Placement(replicas.tolist(), slot_expert, device_of_slot, balancedness(default),
-                     balancedness(np.array(device_load)), redundant)
+    return Placement(
+        replicas.tolist(),
+        slot_expert,
+        device_of_slot,
+        balancedness(default),
+        balancedness(np.array(device_load)),
+        redundant,
+    )
 
 
 def _refine(bins: list[list[tuple[float, int]]], rounds: int = 200) -> None:
@@ -422,30 +495,41 @@ def _refine(bins: list[list[tuple[float, int]]], rounds: int = 200) -> None:
 def export_placement(suggestions: list[Suggestion], path: Path) -> Path:
     """Serving placements as one JSON file: per layer, each slot's logical expert and device
     (vLLM's physical_to_logical_map and SGLang's init_expert_location take this shape)."""
-    layers = {str(s.layer): {"physical_to_logical_map": s.params["slot_expert"],
-                             "device_of_slot": s.params["device_of_slot"],
-                             "replicas": s.params["replicas"], "expected": s.expected}
-              for s in suggestions if s.action == "placement"}
+    layers = {
+        str(s.layer): {
+            "physical_to_logical_map": s.params["slot_expert"],
+            "device_of_slot": s.params["device_of_slot"],
+            "replicas": s.params["replicas"],
+            "expected": s.expected,
+        }
+        for s in suggestions
+        if s.action == "placement"
+    }
     path.write_text(json.dumps({"format": "meshscope-placement/1", "layers": layers}, indent=1))
     return path
 
 
 # --- apply ------------------------------------------------------------------------------------
 
+
 def control_for(suggestion: dict[str, Any]) -> ControlChange:
     """The bounded change that applies a stored suggestion; ControlError when none does."""
     from collector.controls import ControlError
 
     if not suggestion.get("control"):
-        raise ControlError(f"suggestion {suggestion.get('action')!r} is for "
-                           f"{suggestion.get('target')}: export it, it does not change training")
+        raise ControlError(
+            f"suggestion {suggestion.get('action')!r} is for "
+            f"{suggestion.get('target')}: export it, it does not change training"
+        )
     return ControlChange.parse(suggestion["control"])
 
 
 # --- learn ------------------------------------------------------------------------------------
 
-def measure_outcome(steps: pd.DataFrame, experts: pd.DataFrame, applied_step: int, layer: int,
-                    after: int) -> dict[str, Any] | None:
+
+def measure_outcome(
+    steps: pd.DataFrame, experts: pd.DataFrame, applied_step: int, layer: int, after: int
+) -> dict[str, Any] | None:
     """Balancedness, step time and loss in the `after` steps after a change against the
     `after` steps before it (from a run's steps and expert load); None until the run has gone
     `after` steps past it."""
@@ -454,22 +538,28 @@ def measure_outcome(steps: pd.DataFrame, experts: pd.DataFrame, applied_step: in
     ex = experts
     if layer >= 0:
         ex = ex[ex["layer"] == layer]
-    bal = ex.groupby(["step", "layer"])["tokens"].apply(
-        lambda t: balancedness(t.to_numpy())).groupby("step").mean()
+    bal = (
+        ex.groupby(["step", "layer"])["tokens"]
+        .apply(lambda t: balancedness(t.to_numpy()))
+        .groupby("step")
+        .mean()
+    )
     before = bal[(bal.index < applied_step) & (bal.index >= applied_step - after)]
     late = bal[(bal.index >= applied_step + after // 2) & (bal.index < applied_step + after)]
     per_step = steps.groupby("step").agg(step_s=("step_s", "max"), loss=("loss", "mean"))
     pre = per_step[(per_step.index < applied_step) & (per_step.index >= applied_step - after)]
-    post = per_step[(per_step.index >= applied_step + after // 2)
-                    & (per_step.index < applied_step + after)]
+    post = per_step[(per_step.index >= applied_step + after // 2) & (per_step.index < applied_step + after)]
     if before.empty or late.empty or pre.empty or post.empty:
         return None
     b0, b1 = float(before.mean()), float(late.mean())
-    return {"balancedness_before": round(b0, 4), "balancedness_after": round(b1, 4),
-            "balancedness_gain": round(b1 / b0 - 1, 4) if b0 > 0 else math.nan,
-            "step_s_ratio": round(float(post["step_s"].median() / pre["step_s"].median()), 4),
-            "loss_ratio": round(float(post["loss"].mean() / pre["loss"].mean()), 4),
-            "steps": after}
+    return {
+        "balancedness_before": round(b0, 4),
+        "balancedness_after": round(b1, 4),
+        "balancedness_gain": round(b1 / b0 - 1, 4) if b0 > 0 else math.nan,
+        "step_s_ratio": round(float(post["step_s"].median() / pre["step_s"].median()), 4),
+        "loss_ratio": round(float(post["loss"].mean() / pre["loss"].mean()), 4),
+        "steps": after,
+    }
 
 
 class KnowledgeBase:
@@ -479,40 +569,55 @@ class KnowledgeBase:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._conn() as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS outcomes (id INTEGER PRIMARY KEY "
-                         "AUTOINCREMENT, time REAL, run TEXT, cause TEXT, action TEXT, "
-                         "params TEXT, predicted TEXT, measured TEXT, success INTEGER)")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS outcomes (id INTEGER PRIMARY KEY "
+                "AUTOINCREMENT, time REAL, run TEXT, cause TEXT, action TEXT, "
+                "params TEXT, predicted TEXT, measured TEXT, success INTEGER)"
+            )
 
     def _conn(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=30)
         conn.execute("PRAGMA journal_mode=WAL")
         return conn
 
-    def record(self, *, run: str, cause: str, action: str, params: dict, predicted: dict,
-               measured: dict) -> bool:
+    def record(
+        self, *, run: str, cause: str, action: str, params: dict, predicted: dict, measured: dict
+    ) -> bool:
         """Store an outcome; success = balance rose and the loss is no more than 2 % worse."""
-        success = (measured.get("balancedness_gain", 0) > 0.05
-                   and measured.get("loss_ratio", 2.0) <= 1.02)
+        success = measured.get("balancedness_gain", 0) > 0.05 and measured.get("loss_ratio", 2.0) <= 1.02
         with self._conn() as conn:
-            conn.execute("INSERT INTO outcomes (time, run, cause, action, params, predicted, "
-                         "measured, success) VALUES (?,?,?,?,?,?,?,?)",
-                         (time.time(), run, cause, action, json.dumps(params),
-                          json.dumps(predicted), json.dumps(measured), int(success)))
+            conn.execute(
+                "INSERT INTO outcomes (time, run, cause, action, params, predicted, "
+                "measured, success) VALUES (?,?,?,?,?,?,?,?)",
+                (
+                    time.time(),
+                    run,
+                    cause,
+                    action,
+                    json.dumps(params),
+                    json.dumps(predicted),
+                    json.dumps(measured),
+                    int(success),
+                ),
+            )
         return success
 
     def weight(self, cause: str, action: str) -> float:
         """How much to trust an action for a cause: (successes + 1) / (tries + 2)."""
         with self._conn() as conn:
-            n, ok = conn.execute("SELECT count(*), coalesce(sum(success), 0) FROM outcomes "
-                                 "WHERE cause = ? AND action = ?", (cause, action)).fetchone()
+            n, ok = conn.execute(
+                "SELECT count(*), coalesce(sum(success), 0) FROM outcomes WHERE cause = ? AND action = ?",
+                (cause, action),
+            ).fetchone()
         return (ok + 1) / (n + 2) * 2  # 1.0 with no history
 
     def realised(self, cause: str, action: str) -> float:
         """The share of the predicted balancedness gain earlier outcomes actually delivered
         (1.0 with no history): what the next prediction is scaled by."""
         with self._conn() as conn:
-            rows = conn.execute("SELECT predicted, measured FROM outcomes WHERE cause = ? AND "
-                                "action = ?", (cause, action)).fetchall()
+            rows = conn.execute(
+                "SELECT predicted, measured FROM outcomes WHERE cause = ? AND action = ?", (cause, action)
+            ).fetchall()
         fractions = []
         for predicted, measured in rows:
             p, m = json.loads(predicted), json.loads(measured)
@@ -540,6 +645,7 @@ class FeedbackReport:
 
 # --- the loop, end to end (the CLI and the view call these) -----------------------------------
 
+
 def knowledge_base(runs_dir: Path) -> KnowledgeBase:
     """The knowledge base shared by every run under `runs_dir`."""
     return KnowledgeBase(Path(runs_dir) / "knowledge.sqlite")
@@ -552,8 +658,9 @@ def _run_model(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def ingest(run_dir: Path, data: bytes, name: str, *, devices: int = 8,
-           kb: KnowledgeBase | None = None) -> FeedbackReport:
+def ingest(
+    run_dir: Path, data: bytes, name: str, *, devices: int = 8, kb: KnowledgeBase | None = None
+) -> FeedbackReport:
     """Read a serving load, diagnose it against the run, store the suggestions as events."""
     from collector.schema import Event
     from collector.store import insert_events
@@ -566,10 +673,18 @@ def ingest(run_dir: Path, data: bytes, name: str, *, devices: int = 8,
 
     step = latest_step(run_dir)
     step = step if step >= 0 else None
-    ids = insert_events(run_dir, [Event(kind="suggestion", run_id=run_dir.name, step=step,
-                                        detail={**s.as_dict(), "status": "proposed",
-                                                "source": serving.source})
-                                  for s in suggestions])
+    ids = insert_events(
+        run_dir,
+        [
+            Event(
+                kind="suggestion",
+                run_id=run_dir.name,
+                step=step,
+                detail={**s.as_dict(), "status": "proposed", "source": serving.source},
+            )
+            for s in suggestions
+        ],
+    )
     return FeedbackReport(serving.source, diagnoses, suggestions, ids)
 
 
@@ -581,8 +696,9 @@ def approve(run_dir: Path, suggestion_id: int) -> int:
     events = load_events(run_dir, kind="suggestion")
     row = events[events["id"] == suggestion_id]
     if row.empty:
-        raise FeedbackError(f"no suggestion {suggestion_id} in {run_dir} (ids: "
-                            f"{events['id'].tolist()[-10:] or 'none'})")
+        raise FeedbackError(
+            f"no suggestion {suggestion_id} in {run_dir} (ids: {events['id'].tolist()[-10:] or 'none'})"
+        )
     return controls.submit(run_dir, control_for(row.iloc[0]["detail"]), suggestion=suggestion_id)
 
 
@@ -598,8 +714,7 @@ def settle_outcomes(run_dir: Path, kb: KnowledgeBase, *, after: int) -> list[dic
     unsettled = rows[(rows["status"] == "applied") & rows["outcome"].isna()]
     if unsettled.empty:
         return []
-    suggestions = {int(r["id"]): r["detail"] for _, r in
-                   load_events(run_dir, kind="suggestion").iterrows()}
+    suggestions = {int(r["id"]): r["detail"] for _, r in load_events(run_dir, kind="suggestion").iterrows()}
     steps, experts = load_steps(run_dir), load_expert_load(run_dir)  # once for every change
     done = []
     for _, row in unsettled.iterrows():
@@ -610,13 +725,25 @@ def settle_outcomes(run_dir: Path, kb: KnowledgeBase, *, after: int) -> list[dic
         cause = (s or {}).get("cause", "operator")
         action = (s or {}).get("action", row["kind"])
         predicted = (s or {}).get("expected", {})
-        success = kb.record(run=run_dir.name, cause=cause, action=action,
-                            params={"values": row["payload"], "layer": int(row["layer"])},
-                            predicted=predicted, measured=measured)
-        outcome = {**measured, "success": success, "predicted": predicted,
-                   "control": int(row["id"]), "action": action}
+        success = kb.record(
+            run=run_dir.name,
+            cause=cause,
+            action=action,
+            params={"values": row["payload"], "layer": int(row["layer"])},
+            predicted=predicted,
+            measured=measured,
+        )
+        outcome = {
+            **measured,
+            "success": success,
+            "predicted": predicted,
+            "control": int(row["id"]),
+            "action": action,
+        }
         controls.record_outcome(run_dir, int(row["id"]), outcome)
-        insert_events(run_dir, [Event(kind="outcome", run_id=run_dir.name,
-                                      step=int(row["step"]) + after, detail=outcome)])
+        insert_events(
+            run_dir,
+            [Event(kind="outcome", run_id=run_dir.name, step=int(row["step"]) + after, detail=outcome)],
+        )
         done.append(outcome)
     return done

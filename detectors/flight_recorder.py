@@ -10,6 +10,7 @@ in, op/shape/dtype mismatches, and all-to-all split sizes when the dump lists pe
 Dumps are pickles; they are read with an unpickler that refuses every class, so a dump can
 hold only plain data (dicts, lists, strings, numbers) and a hostile file cannot run code.
 """
+
 from __future__ import annotations
 
 import io
@@ -34,8 +35,9 @@ class _PlainData(pickle.Unpickler):
     """Unpickles builtin containers and scalars only."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: a Flight Recorder dump "
-                                     "holds plain data only")
+        raise pickle.UnpicklingError(
+            f"refusing to load {module}.{name}: a Flight Recorder dump holds plain data only"
+        )
 
 
 def load_dump(path: Path) -> dict[str, Any]:
@@ -43,8 +45,18 @@ def load_dump(path: Path) -> dict[str, Any]:
     raw = Path(path).read_bytes()
     try:
         data = json.loads(raw) if raw[:1] in (b"{", b"[") else _PlainData(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, IndexError, KeyError,
-            AttributeError, OverflowError, MemoryError, RecursionError) as err:
+    except (
+        pickle.UnpicklingError,
+        ValueError,
+        EOFError,
+        TypeError,
+        IndexError,
+        KeyError,
+        AttributeError,
+        OverflowError,
+        MemoryError,
+        RecursionError,
+    ) as err:
         # a truncated or hostile pickle fails in many ways; none of them is ours to raise
         raise DumpError(f"{path}: not a Flight Recorder dump ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
@@ -75,19 +87,29 @@ def to_record(entry: dict[str, Any]) -> FlightRecord:
     sizes_out = entry.get("output_sizes") or []
     splits = ""
     if op in ("all_to_all", "alltoall") and len(sizes_in) > 1:  # one tensor per peer
-        splits = (f"in={','.join(str(_numel(s)) for s in sizes_in)} "
-                  f"out={','.join(str(_numel(s)) for s in sizes_out)}")
+        splits = (
+            f"in={','.join(str(_numel(s)) for s in sizes_in)} "
+            f"out={','.join(str(_numel(s)) for s in sizes_out)}"
+        )
     done = entry.get("state") == "completed" or bool(entry.get("retired"))
     created = entry.get("time_created_ns") or 0
     finished = entry.get("time_discovered_completed_ns") or 0
     group = entry.get("process_group") or ("?", "")
     return FlightRecord(
         seq=int(entry.get("p2p_seq_id" if p2p else "collective_seq_id", -1) or 0),
-        step=-1, t_issue=created / 1e9, t_done=finished / 1e9, group=str(group[0]), op=op,
+        step=-1,
+        t_issue=created / 1e9,
+        t_done=finished / 1e9,
+        group=str(group[0]),
+        op=op,
         state="completed" if done else "issued",
         dtype=",".join(str(d).lower() for d in (entry.get("input_dtypes") or [])[:1]),
         shapes=";".join("x".join(map(str, s)) or "scalar" for s in sizes_in),
-        splits=splits, site=_site(entry.get("frames")), peer=-1, group_size=0)
+        splits=splits,
+        site=_site(entry.get("frames")),
+        peer=-1,
+        group_size=0,
+    )
 
 
 def _groups(dump: dict[str, Any]) -> dict[str, list[int]]:
@@ -112,8 +134,7 @@ def read_dumps(folder: Path, prefix: str | None = None) -> dict[int, FlightTail]
         rank = int(match.group(2))
         records = [to_record(e) for e in dump["entries"] if isinstance(e, dict)]
         records.sort(key=lambda r: r.t_issue)
-        tails[rank] = FlightTail(path, rank, 0, -1, -1, 0.0, 0.0, 0.0, False, "", 0, records,
-                                 _groups(dump))
+        tails[rank] = FlightTail(path, rank, 0, -1, -1, 0.0, 0.0, 0.0, False, "", 0, records, _groups(dump))
     if not tails:
         raise DumpError(f"{folder}: no Flight Recorder dumps (files named <prefix><rank>)")
     world = max(tails) + 1

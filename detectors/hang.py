@@ -21,6 +21,7 @@ A run directory is per node, so each node's watchdog reads its own ranks. With s
 it asks the others through the rendezvous store (`NodeExchange`) for their tails and stacks
 before diagnosing; without the store, ranks it cannot see are reported as unseen, never blamed.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,15 @@ from collector.flightlog import (
 log = logging.getLogger("meshscope.hang")
 ALL_TO_ALL = ("all_to_all", "all_to_all_single")
 # Errors a rank gets because a peer went away: it is a victim, not the culprit.
-PEER_LOST = ("Connection closed", "Connection reset", "Read error", "Broken pipe",
-             "Timed out waiting", "NCCL communicator was aborted", "Socket Timeout")
+PEER_LOST = (
+    "Connection closed",
+    "Connection reset",
+    "Read error",
+    "Broken pipe",
+    "Timed out waiting",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+)
 
 
 @dataclass(kw_only=True)
@@ -98,13 +106,21 @@ class Diagnosis:
 
     def detail(self) -> dict[str, Any]:
         """The `hang` event's detail (JSON-ready)."""
-        return {"type": self.kind, "culprit_ranks": self.culprit_ranks,
-                "waiting_ranks": self.waiting_ranks, "op": self.op, "seq": self.seq,
-                "group": self.group, "why": self.why,
-                "stacks": {str(r): s for r, s in self.stacks.items()}, **self.evidence}
+        return {
+            "type": self.kind,
+            "culprit_ranks": self.culprit_ranks,
+            "waiting_ranks": self.waiting_ranks,
+            "op": self.op,
+            "seq": self.seq,
+            "group": self.group,
+            "why": self.why,
+            "stacks": {str(r): s for r, s in self.stacks.items()},
+            **self.evidence,
+        }
 
 
 # --- diagnosis ------------------------------------------------------------------------------
+
 
 def _ranks(ranks: Any) -> str:
     ranks = sorted(ranks)
@@ -124,8 +140,7 @@ def _where(tail: FlightTail | None, stack: list[str] | None) -> str:
     opened = tail.open_records() if tail is not None else []
     flying = ", ".join(f"{r.op} #{r.seq} on group {r.group} from {r.site}" for r in opened[-2:])
     if stack:
-        return f"at {stack[-1]}" + (f" with {flying} in flight" if flying else
-                                    " (no collective in flight)")
+        return f"at {stack[-1]}" + (f" with {flying} in flight" if flying else " (no collective in flight)")
     if flying:
         return f"with {flying} in flight"
     return "somewhere unknown (no stack, no collective in flight)"
@@ -142,6 +157,7 @@ def _majority(values: dict[int, Any]) -> tuple[Any, list[int]]:
 
 def _split_culprits(records: dict[int, FlightRecord], members: list[int]) -> list[int]:
     """Ranks whose all-to-all sends do not match what the receivers expect."""
+
     def sizes(text: str, key: str) -> list[int] | None:
         part = next((p for p in text.split() if p.startswith(key + "=")), None)
         if part is None or part.endswith("=even"):
@@ -192,13 +208,28 @@ def _mismatch(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
         sample = records[odd[0]]
         others = [r for r in records if r not in odd]
         theirs = records[others[0]] if others else None
-        why = (f"{_ranks(odd)} issued {sample.op} #{seq} on group {group} with "
-               f"{_signature_text(sample)}"
-               + (f" while {_ranks(others)} issued {_signature_text(theirs)}" if theirs else "")
-               + f" ({what} mismatch, at {sample.site})")
+        why = (
+            f"{_ranks(odd)} issued {sample.op} #{seq} on group {group} with "
+            f"{_signature_text(sample)}"
+            + (f" while {_ranks(others)} issued {_signature_text(theirs)}" if theirs else "")
+            + f" ({what} mismatch, at {sample.site})"
+        )
         t = min(r.t_issue for r in records.values())
-        found.append((t, Diagnosis("mismatch", odd, others, why, op=sample.op, seq=seq,
-                                   group=group, evidence={"mismatch": what})))
+        found.append(
+            (
+                t,
+                Diagnosis(
+                    "mismatch",
+                    odd,
+                    others,
+                    why,
+                    op=sample.op,
+                    seq=seq,
+                    group=group,
+                    evidence={"mismatch": what},
+                ),
+            )
+        )
     return min(found, key=lambda x: x[0])[1] if found else None
 
 
@@ -217,8 +248,9 @@ def _same_place_before(tail: FlightTail, rec: FlightRecord) -> FlightRecord | No
     return before[place] if place < len(before) else None
 
 
-def _changed_from_history(tails: dict[int, FlightTail], records: dict[int, FlightRecord],
-                          a2a: bool) -> list[int]:
+def _changed_from_history(
+    tails: dict[int, FlightTail], records: dict[int, FlightRecord], a2a: bool
+) -> list[int]:
     """Ranks whose record differs from what they issued at the same place one step earlier;
     [] unless only some ranks changed."""
     changed = []
@@ -261,17 +293,19 @@ def _desync(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
             if not agreed:
                 break  # never in step: not a training-loop group
             offset = {r: steps[r] - _majority(steps)[0] for r in odd}
-            later = [seqs[k] for k in order[i + 1:] if len(seqs[k]) > 1]
+            later = [seqs[k] for k in order[i + 1 :] if len(seqs[k]) > 1]
             # ...over steps to come, not one burst (a checkpoint's two barriers)
-            spans_steps = len({rec.step for recs in later for q, rec in recs.items()
-                               if q not in odd}) >= 2
+            spans_steps = len({rec.step for recs in later for q, rec in recs.items() if q not in odd}) >= 2
             persistent = spans_steps and all(
-                all(r not in recs or recs[r].step - _majority(
-                    {q: x.step for q, x in recs.items()})[0] == offset[r] for r in odd)
-                for recs in later)
+                all(
+                    r not in recs
+                    or recs[r].step - _majority({q: x.step for q, x in recs.items()})[0] == offset[r]
+                    for r in odd
+                )
+                for recs in later
+            )
             if persistent:
-                found.append((min(r.t_issue for r in records.values()), group, seq, records,
-                              steps, odd))
+                found.append((min(r.t_issue for r in records.values()), group, seq, records, steps, odd))
             break
     if not found:
         return None
@@ -280,15 +314,21 @@ def _desync(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
     first = min(steps[r] for r in others)
     behind = [r for r in odd if steps[r] > first]  # their #seq came a step later
     return Diagnosis(
-        "desync", odd, others,
+        "desync",
+        odd,
+        others,
         f"{_ranks(odd)} issued {records[odd[0]].op} #{seq} on group {group} at step "
         f"{steps[odd[0]]} while {_ranks(others)} did at step {first}: "
         + ("it" if len(odd) == 1 else "they")
         + (" skipped a collective" if behind else " issued an extra collective")
         + f" around step {min(first, steps[odd[0]])} and "
-        + ("has" if len(odd) == 1 else "have") + " paired with the wrong partner since",
-        op=records[odd[0]].op, seq=seq, group=group,
-        evidence={"desync_since_step": min(first, steps[odd[0]])})
+        + ("has" if len(odd) == 1 else "have")
+        + " paired with the wrong partner since",
+        op=records[odd[0]].op,
+        seq=seq,
+        group=group,
+        evidence={"desync_since_step": min(first, steps[odd[0]])},
+    )
 
 
 def _reference_order(tails: dict[int, FlightTail], before: int) -> list[str]:
@@ -304,8 +344,7 @@ def _reference_order(tails: dict[int, FlightTail], before: int) -> list[str]:
                     sites.append(r.site)
     for step in sorted(by_step, reverse=True):
         orders = by_step[step]
-        if len(orders) == len(tails) and all(o == orders[next(iter(orders))]
-                                             for o in orders.values()):
+        if len(orders) == len(tails) and all(o == orders[next(iter(orders))] for o in orders.values()):
             return orders[next(iter(orders))]
     return []
 
@@ -340,8 +379,13 @@ def _frontier(tails: dict[int, FlightTail]) -> tuple[str, int, str, list[int]] |
     return group, seq, oldest[waiting[0]].op, waiting
 
 
-def diagnose(tails: dict[int, FlightTail], world: int, *, alive: dict[int, bool] | None = None,
-             stacks: dict[int, list[str]] | None = None) -> Diagnosis:
+def diagnose(
+    tails: dict[int, FlightTail],
+    world: int,
+    *,
+    alive: dict[int, bool] | None = None,
+    stacks: dict[int, list[str]] | None = None,
+) -> Diagnosis:
     """Explain a stall from every rank's flight-log tail, liveness and stacks (module doc)."""
     alive = alive or {}
     stacks = stacks or {}
@@ -350,8 +394,9 @@ def diagnose(tails: dict[int, FlightTail], world: int, *, alive: dict[int, bool]
     return diag
 
 
-def _diagnose(tails: dict[int, FlightTail], world: int, alive: dict[int, bool],
-              stacks: dict[int, list[str]]) -> Diagnosis:
+def _diagnose(
+    tails: dict[int, FlightTail], world: int, alive: dict[int, bool], stacks: dict[int, list[str]]
+) -> Diagnosis:
     frontier = _frontier(tails)
     waiting = frontier[3] if frontier else []
     mismatch = _mismatch(tails, world)
@@ -360,65 +405,105 @@ def _diagnose(tails: dict[int, FlightTail], world: int, alive: dict[int, bool],
     desync = _desync(tails, world)
     if desync is not None:
         return desync
-    raised = sorted(r for r, t in tails.items() if t.last_error and t.closed
-                    and not any(p in t.last_error for p in PEER_LOST))
+    raised = sorted(
+        r
+        for r, t in tails.items()
+        if t.last_error and t.closed and not any(p in t.last_error for p in PEER_LOST)
+    )
     if raised:
         t = tails[raised[0]]
-        return Diagnosis("error", raised, waiting,
-                         f"{_ranks(raised)} stopped with an error at step {t.step} "
-                         f"({t.last_error}) while {_ranks(waiting) if waiting else 'its peers'} "
-                         "waited", evidence={"error": t.last_error})
-    dead = sorted(r for r in range(world)
-                  if (r not in tails or not tails[r].closed) and alive.get(r) is False)
+        return Diagnosis(
+            "error",
+            raised,
+            waiting,
+            f"{_ranks(raised)} stopped with an error at step {t.step} "
+            f"({t.last_error}) while {_ranks(waiting) if waiting else 'its peers'} "
+            "waited",
+            evidence={"error": t.last_error},
+        )
+    dead = sorted(
+        r for r in range(world) if (r not in tails or not tails[r].closed) and alive.get(r) is False
+    )
     victims = [r for r, t in tails.items() if any(p in t.last_error for p in PEER_LOST)]
     dead = [r for r in dead if r not in victims] or dead
     if dead:
         steps = {r: tails[r].step for r in dead if r in tails}
         where = f"in {frontier[2]} #{frontier[1]} on group {frontier[0]}" if frontier else ""
-        return Diagnosis("dead", dead, [r for r in waiting if r not in dead],
-                         f"{_ranks(dead)} died without a clean exit (last step "
-                         f"{max(steps.values(), default=-1)})"
-                         + (f" while {_ranks(set(waiting) - set(dead))} waited {where}"
-                            if set(waiting) - set(dead) else ""),
-                         op=frontier[2] if frontier else None,
-                         seq=frontier[1] if frontier else None,
-                         group=frontier[0] if frontier else None)
+        return Diagnosis(
+            "dead",
+            dead,
+            [r for r in waiting if r not in dead],
+            f"{_ranks(dead)} died without a clean exit (last step "
+            f"{max(steps.values(), default=-1)})"
+            + (
+                f" while {_ranks(set(waiting) - set(dead))} waited {where}"
+                if set(waiting) - set(dead)
+                else ""
+            ),
+            op=frontier[2] if frontier else None,
+            seq=frontier[1] if frontier else None,
+            group=frontier[0] if frontier else None,
+        )
     if frontier is None:
-        return Diagnosis("compute", sorted(tails), [],
-                         "no rank is in a collective and none progresses: all are stuck "
-                         "in compute or input (" + "; ".join(
-                             f"rank {r} {_where(None, stacks.get(r))}" for r in sorted(tails))
-                         + ")")
+        return Diagnosis(
+            "compute",
+            sorted(tails),
+            [],
+            "no rank is in a collective and none progresses: all are stuck "
+            "in compute or input ("
+            + "; ".join(f"rank {r} {_where(None, stacks.get(r))}" for r in sorted(tails))
+            + ")",
+        )
     group, seq, op, waiting = frontier
     members = _members(tails, group, world)
     unseen = [r for r in members if r not in tails]  # another node's, not shared with us
     absent = [r for r in members if r in tails and tails[r].last_seq(group) < seq]
     if not absent and unseen:
-        return Diagnosis("remote", unseen, waiting,
-                         f"every rank seen here entered {op} #{seq} on group {group}; "
-                         f"{_ranks(unseen)} left nothing to read here (another node's ranks, "
-                         "or no dump): one of them is behind",
-                         op=op, seq=seq, group=group, evidence={"unseen_ranks": unseen})
+        return Diagnosis(
+            "remote",
+            unseen,
+            waiting,
+            f"every rank seen here entered {op} #{seq} on group {group}; "
+            f"{_ranks(unseen)} left nothing to read here (another node's ranks, "
+            "or no dump): one of them is behind",
+            op=op,
+            seq=seq,
+            group=group,
+            evidence={"unseen_ranks": unseen},
+        )
     if absent:
         # compute: its stack shows it outside any collective; without a stack (a post-mortem)
         # or with a collective in flight elsewhere it is only known to be missing
-        in_compute = all(stacks.get(r) and not (tails.get(r) and tails[r].open_records())
-                         for r in absent)
+        in_compute = all(stacks.get(r) and not (tails.get(r) and tails[r].open_records()) for r in absent)
         kind = "compute" if in_compute else "missing"
         places = "; ".join(f"rank {r} is {_where(tails.get(r), stacks.get(r))}" for r in absent)
-        return Diagnosis(kind, absent, waiting,
-                         f"{_ranks(absent)} never entered {op} #{seq} on group {group} that "
-                         f"{_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in "
-                         f"({places})", op=op, seq=seq, group=group)
-    return Diagnosis("stuck", [], waiting,
-                     f"every rank of group {group} entered {op} #{seq} and it does not "
-                     "complete: the transport or a device is at fault, not a rank's code",
-                     op=op, seq=seq, group=group)
+        return Diagnosis(
+            kind,
+            absent,
+            waiting,
+            f"{_ranks(absent)} never entered {op} #{seq} on group {group} that "
+            f"{_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in "
+            f"({places})",
+            op=op,
+            seq=seq,
+            group=group,
+        )
+    return Diagnosis(
+        "stuck",
+        [],
+        waiting,
+        f"every rank of group {group} entered {op} #{seq} and it does not "
+        "complete: the transport or a device is at fault, not a rank's code",
+        op=op,
+        seq=seq,
+        group=group,
+    )
 
 
 # --- watching -------------------------------------------------------------------------------
 
 # --- several nodes ----------------------------------------------------------------------------
+
 
 def tail_to_json(tail: FlightTail) -> dict[str, Any]:
     """A flight-log tail as JSON-ready data, to send to another node's watchdog."""
@@ -476,18 +561,25 @@ class NodeExchange:
                 out.append(request_id)
         return out
 
-    def publish(self, request_id: str, tails: dict[int, FlightTail],
-                stacks: dict[int, list[str]]) -> None:
+    def publish(self, request_id: str, tails: dict[int, FlightTail], stacks: dict[int, list[str]]) -> None:
         """Answer `request_id` with this node's tails and stacks."""
         self._answered_ids.add(request_id)
-        blob = json.dumps({"tails": [tail_to_json(t) for t in tails.values()],
-                           "stacks": {str(r): st for r, st in stacks.items()}})
+        blob = json.dumps(
+            {
+                "tails": [tail_to_json(t) for t in tails.values()],
+                "stacks": {str(r): st for r, st in stacks.items()},
+            }
+        )
         index = self.store.add(f"{self.prefix}/{request_id}/count", 1) - 1
         self.store.set(f"{self.prefix}/{request_id}/{index}", blob)
 
-    def gather(self, request_id: str, world: int, wait_s: float,
-               mine: tuple[dict[int, FlightTail], dict[int, list[str]]] | None = None
-               ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
+    def gather(
+        self,
+        request_id: str,
+        world: int,
+        wait_s: float,
+        mine: tuple[dict[int, FlightTail], dict[int, list[str]]] | None = None,
+    ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
         """Every answer that arrives within `wait_s` (or until all `world` ranks are in).
         While it waits it answers other nodes' requests with `mine`: nodes that saw the
         stall at the same moment all get the whole picture."""
@@ -532,11 +624,15 @@ def pid_alive(pid: int) -> bool:
 class HangWatch:
     """Watches one node's ranks through their flight logs; see the module doc."""
 
-    def __init__(self, live_dir: Path, config: HangConfig | None = None,
-                 on_hang: Callable[[Diagnosis], None] = lambda d: None,
-                 clock: Callable[[], float] = time.time,
-                 leader: Callable[[], bool] = lambda: True,
-                 exchange: NodeExchange | None = None) -> None:
+    def __init__(
+        self,
+        live_dir: Path,
+        config: HangConfig | None = None,
+        on_hang: Callable[[Diagnosis], None] = lambda d: None,
+        clock: Callable[[], float] = time.time,
+        leader: Callable[[], bool] = lambda: True,
+        exchange: NodeExchange | None = None,
+    ) -> None:
         self.live_dir = Path(live_dir)
         self.exchange = exchange  # several nodes: tails and stacks through the store
         self.leader = leader  # agents sharing a run directory: one watches
@@ -595,16 +691,18 @@ class HangWatch:
             return None
         # a crash is judged once per attempt; a stall again if progress resumes and stops
         self.diagnosed[attempt] = float("inf") if dead or failed else progress
-        tails, stacks = self._local_picture(
-            heads, [r for r, h in heads.items() if alive[r] and not h.closed])
+        tails, stacks = self._local_picture(heads, [r for r, h in heads.items() if alive[r] and not h.closed])
         if self.exchange is not None and len(tails) < world:
             try:
                 request_id = f"{os.getpid()}-{self.clock():.6f}"
                 self.exchange.request(request_id)
                 self.exchange.publish(request_id, tails, stacks)
                 remote_tails, remote_stacks = self.exchange.gather(
-                    request_id, world, self.config.stacks_wait_s + 4 * self.config.poll_s,
-                    mine=(tails, stacks))
+                    request_id,
+                    world,
+                    self.config.stacks_wait_s + 4 * self.config.poll_s,
+                    mine=(tails, stacks),
+                )
                 tails = {**remote_tails, **tails}
                 stacks = {**remote_stacks, **stacks}
             except Exception as err:  # no store: diagnose what this node sees
@@ -624,12 +722,14 @@ class HangWatch:
         if not requests:
             return
         tails, stacks = self._local_picture(
-            heads, [r for r, h in heads.items() if not h.closed and pid_alive(h.pid)])
+            heads, [r for r, h in heads.items() if not h.closed and pid_alive(h.pid)]
+        )
         for request_id in requests:
             self.exchange.publish(request_id, tails, stacks)
 
-    def _local_picture(self, heads: dict[int, FlightTail], live: list[int]
-                       ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
+    def _local_picture(
+        self, heads: dict[int, FlightTail], live: list[int]
+    ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
         """This node's ranks: every flight-log tail, the live ranks' stacks, and the crash
         stacks of the ranks that could not answer."""
         stacks = self._gather_stacks(live, heads)
@@ -688,7 +788,7 @@ def _crash_stack(path: Path) -> list[str]:
     frames = []
     for line in current.splitlines():
         line = line.strip()
-        if line.startswith("File \"") and "line " in line:
+        if line.startswith('File "') and "line " in line:
             where = "/".join(line.split('"')[1].rsplit("/", 2)[-2:])
             frames.append(f"{where}:{line.split('line ', 1)[1]}")
     return frames[::-1]

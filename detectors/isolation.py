@@ -4,6 +4,7 @@ Fitted on a warm-up window of robustly scaled features, refitted on a schedule o
 judged normal, so drift is learnt and anomalies are not. `explain(X)` names the features that
 drove each score (largest robust deviations from the training data).
 """
+
 from __future__ import annotations
 
 from numbers import Integral, Real
@@ -68,9 +69,15 @@ class PackedForest:
 
 
 class OnlineIsolationForest(Detector):
-    def __init__(self, n_estimators: int = 100, window: int = 400, refit_every: int = 100,
-                 threshold: float = 0.8, min_scale: tuple[float, ...] | None = None,
-                 random_state: int = 0) -> None:
+    def __init__(
+        self,
+        n_estimators: int = 100,
+        window: int = 400,
+        refit_every: int = 100,
+        threshold: float = 0.8,
+        min_scale: tuple[float, ...] | None = None,
+        random_state: int = 0,
+    ) -> None:
         self.n_estimators = n_estimators
         self.window = window
         self.refit_every = refit_every
@@ -78,25 +85,30 @@ class OnlineIsolationForest(Detector):
         self.min_scale = min_scale
         self.random_state = random_state
 
-    _parameter_constraints = {"n_estimators": [Interval(Integral, 1, None, closed="left")],
-                              "window": [Interval(Integral, 2, None, closed="left")],
-                              "refit_every": [Interval(Integral, 1, None, closed="left")],
-                              "threshold": [Interval(Real, 0, 1, closed="neither")],
-                              "min_scale": [tuple, None], "random_state": [Integral, None]}
+    _parameter_constraints = {
+        "n_estimators": [Interval(Integral, 1, None, closed="left")],
+        "window": [Interval(Integral, 2, None, closed="left")],
+        "refit_every": [Interval(Integral, 1, None, closed="left")],
+        "threshold": [Interval(Real, 0, 1, closed="neither")],
+        "min_scale": [tuple, None],
+        "random_state": [Integral, None],
+    }
 
     def fit(self, X, y=None) -> OnlineIsolationForest:
         self._check()
-        X = np.nan_to_num(as_matrix(X))[-self.window:]
+        X = np.nan_to_num(as_matrix(X))[-self.window :]
         self.center_ = np.median(X, axis=0)
         iqr = np.subtract(*np.percentile(X, [75, 25], axis=0))
         # A feature that sat still in the window (IQR 0: memory that did not grow) must not turn
         # the first wiggle into a million IQRs: floor by 5 % of its level and by `min_scale`,
         # the smallest change per feature that can matter.
         floor = np.asarray(self.min_scale if self.min_scale is not None else 0.0, dtype=float)
-        self.scale_ = np.maximum.reduce([iqr, np.abs(self.center_) * 0.05,
-                                         np.broadcast_to(floor, iqr.shape), np.full(iqr.shape, 1e-9)])
-        self.forest_ = IsolationForest(n_estimators=self.n_estimators,
-                                       random_state=self.random_state).fit(self._scaled(X))
+        self.scale_ = np.maximum.reduce(
+            [iqr, np.abs(self.center_) * 0.05, np.broadcast_to(floor, iqr.shape), np.full(iqr.shape, 1e-9)]
+        )
+        self.forest_ = IsolationForest(n_estimators=self.n_estimators, random_state=self.random_state).fit(
+            self._scaled(X)
+        )
         self.packed_ = PackedForest(self.forest_)
         self.buffer_ = X
         self.since_fit_ = 0
@@ -119,7 +131,7 @@ class OnlineIsolationForest(Detector):
 
     def partial_fit(self, X, y=None) -> OnlineIsolationForest:
         """Add rows judged normal; refit every `refit_every` rows on the last `window`."""
-        self.buffer_ = np.vstack([self.buffer_, np.nan_to_num(as_matrix(X))])[-self.window:]
+        self.buffer_ = np.vstack([self.buffer_, np.nan_to_num(as_matrix(X))])[-self.window :]
         self.since_fit_ += len(as_matrix(X))
         if self.since_fit_ >= self.refit_every:
             self.fit(self.buffer_)
@@ -127,5 +139,4 @@ class OnlineIsolationForest(Detector):
 
     def explain(self, X, names: list[str], top: int = 3) -> list[list[tuple[str, float]]]:
         dev = np.abs(self._scaled(np.nan_to_num(as_matrix(X))))
-        return [[(names[i], round(float(row[i]), 2)) for i in np.argsort(-row)[:top]]
-                for row in dev]
+        return [[(names[i], round(float(row[i]), 2)) for i in np.argsort(-row)[:top]] for row in dev]

@@ -1,4 +1,5 @@
 """The engine beside a training run: tails the store, writes anomaly events, exports scores."""
+
 from __future__ import annotations
 
 import fcntl
@@ -35,26 +36,45 @@ def run_top_k(run_dir: Path) -> int | None:
 
 def episode_key(detail: dict) -> tuple:
     """What makes two anomaly events the same episode: judging a run twice writes it once."""
-    return (detail.get("type"), detail.get("start_step"), detail.get("end_step"),
-            tuple(detail.get("ranks") or ()), detail.get("layer"), detail.get("expert"),
-            detail.get("module"))
+    return (
+        detail.get("type"),
+        detail.get("start_step"),
+        detail.get("end_step"),
+        tuple(detail.get("ranks") or ()),
+        detail.get("layer"),
+        detail.get("expert"),
+        detail.get("module"),
+    )
 
 
 class LiveDetection:
     """Polls `<run>/store.sqlite` every `poll_s`; anomalies become events when they close, and
     count in `meshscope_anomalies_total{type}` when they open."""
 
-    def __init__(self, run_dir: Path, run_id: str, config: EngineConfig | None = None,
-                 registry: CollectorRegistry | None = None, poll_s: float = 1.0,
-                 outbox: Outbox | None = None, hang: HangConfig | None = None,
-                 exchange: NodeExchange | None = None, view_url: str | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        run_id: str,
+        config: EngineConfig | None = None,
+        registry: CollectorRegistry | None = None,
+        poll_s: float = 1.0,
+        outbox: Outbox | None = None,
+        hang: HangConfig | None = None,
+        exchange: NodeExchange | None = None,
+        view_url: str | None = None,
+    ) -> None:
         self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
         self.view_url = view_url.rstrip("/") if view_url else None
         self.registry = registry or CollectorRegistry()
         self.metrics = DetectorMetrics(self.registry)
         self.store: RunStore | None = None
-        self.engine = DetectionEngine(config, on_open=self._opened, on_close=self._closed,
-                                      on_score=self._score, top_k=run_top_k(self.run_dir))
+        self.engine = DetectionEngine(
+            config,
+            on_open=self._opened,
+            on_close=self._closed,
+            on_score=self._score,
+            top_k=run_top_k(self.run_dir),
+        )
         self.closed: list[Episode] = []
         self.outbox = outbox
         self._written: set[tuple] | None = None  # anomaly events already in the store
@@ -62,8 +82,11 @@ class LiveDetection:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-detect", daemon=True)
         # the moment rule: judges the present, so it sees a hang in progress
-        self.hang = HangWatch(self.run_dir / "live", hang, on_hang=self._hung,
-                              leader=self._leader, exchange=exchange) if hang is not None else None
+        self.hang = (
+            HangWatch(self.run_dir / "live", hang, on_hang=self._hung, leader=self._leader, exchange=exchange)
+            if hang is not None
+            else None
+        )
 
     def start(self) -> LiveDetection:
         self._thread.start()
@@ -123,9 +146,18 @@ class LiveDetection:
         """Alert as soon as an anomaly is confirmed; the event follows when it ends."""
         self.metrics.anomalies.labels(type=ep.type).inc()
         if self.outbox is not None:
-            self.outbox.put(Alert.from_anomaly(self.run_id, ep.detail(), self._link(
-                type=ep.type, start=ep.start_step, rank=ep.ranks[0] if len(ep.ranks) == 1
-                else None, layer=ep.layer)))
+            self.outbox.put(
+                Alert.from_anomaly(
+                    self.run_id,
+                    ep.detail(),
+                    self._link(
+                        type=ep.type,
+                        start=ep.start_step,
+                        rank=ep.ranks[0] if len(ep.ranks) == 1 else None,
+                        layer=ep.layer,
+                    ),
+                )
+            )
 
     def _closed(self, ep: Episode) -> None:
         self.closed.append(ep)
@@ -134,8 +166,11 @@ class LiveDetection:
             return
         if self.store is None:
             self.store = RunStore(self.run_dir)
-        self.store.add_event(Event(kind="anomaly", run_id=self.run_id, severity="warning",
-                                   step=ep.start_step, detail=ep.detail()))
+        self.store.add_event(
+            Event(
+                kind="anomaly", run_id=self.run_id, severity="warning", step=ep.start_step, detail=ep.detail()
+            )
+        )
         self._written.add(key)
 
     def _already_written(self) -> set[tuple]:
@@ -155,13 +190,23 @@ class LiveDetection:
         detail["action"] = self.hang.config.on_hang
         store = RunStore(self.run_dir)  # this thread's own connection (SQLite is per thread)
         try:
-            store.add_event(Event(kind="hang", run_id=self.run_id, severity="critical",
-                                  step=diag.evidence.get("step"), detail=detail))
+            store.add_event(
+                Event(
+                    kind="hang",
+                    run_id=self.run_id,
+                    severity="critical",
+                    step=diag.evidence.get("step"),
+                    detail=detail,
+                )
+            )
         finally:
             store.close()
         if self.outbox is not None:
-            self.outbox.put(Alert.from_hang(self.run_id, detail, self._link(
-                alert="HangDetected", step=detail.get("step"))))
+            self.outbox.put(
+                Alert.from_hang(
+                    self.run_id, detail, self._link(alert="HangDetected", step=detail.get("step"))
+                )
+            )
             self.outbox.deliver()
         if self.hang.config.on_hang == "abort":
             for pid in diag.evidence.get("pids", {}).values():
@@ -177,8 +222,7 @@ class LiveDetection:
         not stored yet when its alert goes out, so the link names it by type and step."""
         if not self.view_url:
             return ""
-        query = urlencode({"run": self.run_id, **{k: v for k, v in params.items()
-                                                   if v is not None}})
+        query = urlencode({"run": self.run_id, **{k: v for k, v in params.items() if v is not None}})
         return f"{self.view_url}/?{query}"
 
     def _score(self, detector: str, score: float) -> None:

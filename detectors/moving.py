@@ -4,6 +4,7 @@ Both learn a baseline on a warm-up window and score each row by its worst column
 moves the baseline on with normal data, so a slow wave (seasonality, a falling loss) is followed,
 not flagged, while a jump is.
 """
+
 from __future__ import annotations
 
 from numbers import Integral, Real
@@ -20,9 +21,11 @@ MAD_TO_SIGMA = 1.4826
 class RobustZ(WindowedDetector):
     """|x - median| / (1.4826 MAD) over a rolling window of normal rows; anomaly above `threshold`."""
 
-    _parameter_constraints = {"threshold": [Interval(Real, 0, None, closed="neither")],
-                              "window": [Interval(Integral, 1, None, closed="left")],
-                              "min_scale": [Interval(Real, 0, None, closed="neither")]}
+    _parameter_constraints = {
+        "threshold": [Interval(Real, 0, None, closed="neither")],
+        "window": [Interval(Integral, 1, None, closed="left")],
+        "min_scale": [Interval(Real, 0, None, closed="neither")],
+    }
 
     def __init__(self, threshold: float = 6.0, window: int = 200, min_scale: float = 1e-9) -> None:
         self.threshold = threshold
@@ -49,9 +52,11 @@ class RobustZ(WindowedDetector):
 class EWMA(Detector):
     """Exponentially weighted mean and variance; z = (x - mean) / std, anomaly above `threshold`."""
 
-    _parameter_constraints = {"alpha": [Interval(Real, 0, 1, closed="right")],
-                              "threshold": [Interval(Real, 0, None, closed="neither")],
-                              "min_std": [Interval(Real, 0, None, closed="neither")]}
+    _parameter_constraints = {
+        "alpha": [Interval(Real, 0, 1, closed="right")],
+        "threshold": [Interval(Real, 0, None, closed="neither")],
+        "min_std": [Interval(Real, 0, None, closed="neither")],
+    }
 
     def __init__(self, alpha: float = 0.05, threshold: float = 6.0, min_std: float = 1e-9) -> None:
         self.alpha = alpha
@@ -70,7 +75,7 @@ class EWMA(Detector):
             ok = np.isfinite(row)
             diff = np.where(ok, row - self.mean_, 0.0)
             self.mean_ = self.mean_ + self.alpha * diff
-            self.var_ = (1 - self.alpha) * (self.var_ + self.alpha * diff ** 2)
+            self.var_ = (1 - self.alpha) * (self.var_ + self.alpha * diff**2)
         return self
 
     def score_samples(self, X) -> np.ndarray:

@@ -6,6 +6,7 @@ exponential backoff. An endpoint that is down keeps its alerts in the outbox unt
 Secrets (webhook URL, SMTP password) come from a file or an environment variable and are never
 logged: messages name the channel, not its address.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,8 +38,13 @@ def parse_host_port(value: str, flag: str = "--smtp") -> tuple[str, int]:
     return host, int(port)
 
 
-def read_secret(*, file: str | Path | None = None, env: str | None = None,
-                environ: dict[str, str] | None = None, flag: str = "secret file") -> str | None:
+def read_secret(
+    *,
+    file: str | Path | None = None,
+    env: str | None = None,
+    environ: dict[str, str] | None = None,
+    flag: str = "secret file",
+) -> str | None:
     """A secret from a file (first line) or an environment variable; None when neither is set.
     An unreadable or empty file is an AlertSettingError naming `flag`."""
     if file:
@@ -67,31 +73,57 @@ class Alert:
     @classmethod
     def from_anomaly(cls, run_id: str, detail: dict[str, Any], link: str = "") -> Alert:
         where = ", ".join(f"{k}={detail[k]}" for k in ("ranks", "layer", "expert") if k in detail)
-        facts = {"run": run_id, **{k: detail[k] for k in ("type", "ranks", "layer", "expert",
-                                                          "score", "start_step", "end_step")
-                                   if k in detail}}
+        facts = {
+            "run": run_id,
+            **{
+                k: detail[k]
+                for k in ("type", "ranks", "layer", "expert", "score", "start_step", "end_step")
+                if k in detail
+            },
+        }
         if link:
             facts["link"] = link
-        ident = json.dumps([run_id, detail.get("type"), detail.get("ranks"), detail.get("layer"),
-                            detail.get("expert"), detail.get("start_step")], default=str)
-        return cls(title=f"[meshscope] {detail.get('type', 'anomaly')} in {run_id} ({where})",
-                   severity="warning", facts=facts,
-                   key=hashlib.sha1(ident.encode()).hexdigest()[:16])
+        ident = json.dumps(
+            [
+                run_id,
+                detail.get("type"),
+                detail.get("ranks"),
+                detail.get("layer"),
+                detail.get("expert"),
+                detail.get("start_step"),
+            ],
+            default=str,
+        )
+        return cls(
+            title=f"[meshscope] {detail.get('type', 'anomaly')} in {run_id} ({where})",
+            severity="warning",
+            facts=facts,
+            key=hashlib.sha1(ident.encode()).hexdigest()[:16],
+        )
 
     @classmethod
     def from_hang(cls, run_id: str, detail: dict[str, Any], link: str = "") -> Alert:
         """A hang or broken collective: who is to blame, in which collective, and why."""
-        facts = {"run": run_id, **{k: detail[k] for k in ("type", "culprit_ranks", "op", "seq",
-                                                          "group", "waiting_ranks", "why")
-                                   if detail.get(k) is not None}}
+        facts = {
+            "run": run_id,
+            **{
+                k: detail[k]
+                for k in ("type", "culprit_ranks", "op", "seq", "group", "waiting_ranks", "why")
+                if detail.get(k) is not None
+            },
+        }
         if link:
             facts["link"] = link
-        ident = json.dumps([run_id, "hang", detail.get("culprit_ranks"), detail.get("group"),
-                            detail.get("seq")], default=str)
-        return cls(title=f"[meshscope] hang in {run_id}: culprit ranks "
-                         f"{detail.get('culprit_ranks')} ({detail.get('type')})",
-                   severity="critical", facts=facts,
-                   key=hashlib.sha1(ident.encode()).hexdigest()[:16])
+        ident = json.dumps(
+            [run_id, "hang", detail.get("culprit_ranks"), detail.get("group"), detail.get("seq")], default=str
+        )
+        return cls(
+            title=f"[meshscope] hang in {run_id}: culprit ranks "
+            f"{detail.get('culprit_ranks')} ({detail.get('type')})",
+            severity="critical",
+            facts=facts,
+            key=hashlib.sha1(ident.encode()).hexdigest()[:16],
+        )
 
     def text(self) -> str:
         return self.title + "\n" + "\n".join(f"{k}: {v}" for k, v in self.facts.items())
@@ -110,8 +142,7 @@ class SlackWebhook:
 
     def send(self, alert: Alert) -> None:
         body = json.dumps({"text": alert.text()}).encode()
-        req = urllib.request.Request(self._url, data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(self._url, data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
             if resp.status >= 300:
                 raise OSError(f"{self.name}: HTTP {resp.status}")
@@ -121,9 +152,19 @@ class SlackWebhook:
 
 
 class Email:
-    def __init__(self, host: str, port: int, sender: str, to: list[str], *,
-                 username: str | None = None, password: str | None = None,
-                 starttls: bool = True, name: str = "email", timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        sender: str,
+        to: list[str],
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        starttls: bool = True,
+        name: str = "email",
+        timeout_s: float = 5.0,
+    ) -> None:
         self.name, self.host, self.port, self.sender, self.to = name, host, port, sender, to
         self.username, self._password, self.starttls = username, password, starttls
         self.timeout_s = timeout_s
@@ -159,16 +200,22 @@ class OutboxConfig:
 class Outbox:
     """A folder of pending alerts and the bookkeeping to deliver them exactly once."""
 
-    def __init__(self, folder: Path, channels: list[Channel], config: OutboxConfig | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        channels: list[Channel],
+        config: OutboxConfig | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.channels = {c.name: c for c in channels}
         self.config = config or OutboxConfig()
         self.clock = clock
         self._sent_path = self.folder / "sent.json"
-        self._sent: dict[str, float] = json.loads(self._sent_path.read_text()) \
-            if self._sent_path.exists() else {}
+        self._sent: dict[str, float] = (
+            json.loads(self._sent_path.read_text()) if self._sent_path.exists() else {}
+        )
         self._recent: dict[str, list[float]] = {}
 
     def put(self, alert: Alert, channels: list[str] | None = None) -> list[Path]:
@@ -203,12 +250,12 @@ class Outbox:
                 self.channels[name].send(alert)
             except (OSError, smtplib.SMTPException, urllib.error.URLError) as err:
                 record["attempts"] += 1
-                delay = min(self.config.backoff_s * 2 ** (record["attempts"] - 1),
-                            self.config.max_backoff_s)
+                delay = min(self.config.backoff_s * 2 ** (record["attempts"] - 1), self.config.max_backoff_s)
                 record["due"] = now + delay
                 path.write_text(json.dumps(record, default=str))
-                log.warning("alert %s to %s failed (%s); retry in %.0f s", alert.key, name,
-                            type(err).__name__, delay)
+                log.warning(
+                    "alert %s to %s failed (%s); retry in %.0f s", alert.key, name, type(err).__name__, delay
+                )
                 continue
             self._recent.setdefault(name, []).append(now)
             self._sent[sent_key] = now

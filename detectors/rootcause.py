@@ -11,6 +11,7 @@ than a slow link does, and a hang the watchdog diagnosed outranks any reading of
 
 Pure reading: the store is opened read-only, nothing is written.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,10 +39,10 @@ CAUSE_KINDS = {
     "crash": "a rank's process died",
     "recovery_failing": "restarts keep failing at the same place",
 }
-STALL_MIN_S = 1.0      # a wait shorter than this is slowness, not a stall
-STALL_FACTOR = 20.0    # ... or shorter than this many typical steps
-SLOW_RATIO = 1.5       # compute this many times its peers' makes a straggler
-LINK_RISE = 3.0        # exposed communication this many times its usual on every rank
+STALL_MIN_S = 1.0  # a wait shorter than this is slowness, not a stall
+STALL_FACTOR = 20.0  # ... or shorter than this many typical steps
+SLOW_RATIO = 1.5  # compute this many times its peers' makes a straggler
+LINK_RISE = 3.0  # exposed communication this many times its usual on every rank
 LEAK_MIN_BYTES = 16 * 2**20
 BASELINE_STEPS = 30
 
@@ -87,11 +88,19 @@ class Anomaly:
     def from_event(cls, row: Any) -> Anomaly:
         """From a row of `load_events(run, "anomaly")`."""
         d = row["detail"]
-        return cls(int(row["id"]), d.get("type", "?"), list(d.get("ranks") or []),
-                   int(d.get("start_step", row["step"] if row["step"] is not None else 0)),
-                   int(d.get("end_step", d.get("start_step", 0))), float(d.get("score", 0.0)),
-                   d.get("layer"), d.get("expert"), d.get("module"), d.get("evidence") or {},
-                   row["severity"])
+        return cls(
+            int(row["id"]),
+            d.get("type", "?"),
+            list(d.get("ranks") or []),
+            int(d.get("start_step", row["step"] if row["step"] is not None else 0)),
+            int(d.get("end_step", d.get("start_step", 0))),
+            float(d.get("score", 0.0)),
+            d.get("layer"),
+            d.get("expert"),
+            d.get("module"),
+            d.get("evidence") or {},
+            row["severity"],
+        )
 
 
 @dataclass
@@ -123,8 +132,7 @@ class RunFacts:
                 return a
         ids = [a.id for a in self.anomalies if a.id is not None]
         hint = "" if ids else f"; `meshscope detect --run {self.run_dir}` stores them"
-        raise KeyError(f"no anomaly {anomaly_id} in {self.run_dir} (anomaly ids: "
-                       f"{ids or 'none'}{hint})")
+        raise KeyError(f"no anomaly {anomaly_id} in {self.run_dir} (anomaly ids: {ids or 'none'}{hint})")
 
 
 def replay_anomalies(run_dir: Path, steps: pd.DataFrame, experts: pd.DataFrame) -> list[Anomaly]:
@@ -132,15 +140,30 @@ def replay_anomalies(run_dir: Path, steps: pd.DataFrame, experts: pd.DataFrame) 
     if steps.empty:
         return []
     found: list[Anomaly] = []
-    engine = DetectionEngine(top_k=run_top_k(run_dir), on_close=lambda ep: found.append(
-        Anomaly(None, ep.type, list(ep.ranks), ep.start_step, ep.end_step, ep.score, ep.layer,
-                ep.expert, ep.module, ep.evidence)))
+    engine = DetectionEngine(
+        top_k=run_top_k(run_dir),
+        on_close=lambda ep: found.append(
+            Anomaly(
+                None,
+                ep.type,
+                list(ep.ranks),
+                ep.start_step,
+                ep.end_step,
+                ep.score,
+                ep.layer,
+                ep.expert,
+                ep.module,
+                ep.evidence,
+            )
+        ),
+    )
     engine.process(steps, experts)
     engine.finish()
     return found
 
 
 # --- hypotheses -------------------------------------------------------------------------------
+
 
 @dataclass
 class Window:
@@ -191,12 +214,19 @@ def _hang_events(facts: RunFacts, w: Window) -> list[Cause]:
             evidence.append(f"rank {culprits[0]} was at {stack[-1]}")
         if d.get("waiting_ranks"):
             evidence.append(f"{_who(d['waiting_ranks'])} waited in the collective")
-        out.append(Cause(
-            "hang", f"{_who(culprits)}: {d.get('type', 'hang')} at " + (
-                f"{d['op']} #{d.get('seq')}" if d.get("op") else "a collective"), 0.97,
-            culprits, None if pd.isna(step) else int(step), [e for e in evidence if e],
-            f"`meshscope hang-report --run {facts.run_dir}` shows every rank's stack; fix the "
-            "call site above so every rank issues the same collectives in the same order"))
+        out.append(
+            Cause(
+                "hang",
+                f"{_who(culprits)}: {d.get('type', 'hang')} at "
+                + (f"{d['op']} #{d.get('seq')}" if d.get("op") else "a collective"),
+                0.97,
+                culprits,
+                None if pd.isna(step) else int(step),
+                [e for e in evidence if e],
+                f"`meshscope hang-report --run {facts.run_dir}` shows every rank's stack; fix the "
+                "call site above so every rank issues the same collectives in the same order",
+            )
+        )
     return out
 
 
@@ -218,16 +248,27 @@ def _stall(facts: RunFacts, w: Window) -> list[Cause]:
             continue
         waiting = [int(r) for r in row.index if int(r) not in culprits]
         inside = all(compute.loc[step, r] >= 0.5 * longest for r in culprits)
-        where = "in its own compute" if inside else \
-            "outside the timed step (between steps: a sleep, the host, data, a lock)"
-        out.append(Cause(
-            "hang", f"{_who(culprits)} stalled {longest:.1f} s at step {step}", 0.9, culprits,
-            int(step),
-            [f"{_who(waiting)} waited {longest:.2f} s in communication at step {step} "
-             f"(a typical step takes {typical:.3f} s)",
-             f"{_who(culprits)} did not wait: the time went {where}"],
-            f"if it recurs, run with `--on-hang abort` (or `report`) to get the stalled rank's "
-            f"stack; py-spy dump --pid <rank {culprits[0]}'s pid> shows it now"))
+        where = (
+            "in its own compute"
+            if inside
+            else "outside the timed step (between steps: a sleep, the host, data, a lock)"
+        )
+        out.append(
+            Cause(
+                "hang",
+                f"{_who(culprits)} stalled {longest:.1f} s at step {step}",
+                0.9,
+                culprits,
+                int(step),
+                [
+                    f"{_who(waiting)} waited {longest:.2f} s in communication at step {step} "
+                    f"(a typical step takes {typical:.3f} s)",
+                    f"{_who(culprits)} did not wait: the time went {where}",
+                ],
+                f"if it recurs, run with `--on-hang abort` (or `report`) to get the stalled rank's "
+                f"stack; py-spy dump --pid <rank {culprits[0]}'s pid> shows it now",
+            )
+        )
     return out[:1]
 
 
@@ -244,20 +285,29 @@ def _slow_host(facts: RunFacts, w: Window) -> list[Cause]:
     if ratio < SLOW_RATIO:
         return []
     rank = int(best)
-    phases = {p: steps[steps["rank"] == rank][p].median() / max(
-        steps[steps["rank"] != rank][p].median(), 1e-9) for p in
-        ("forward_s", "backward_s", "optimizer_s", "data_s")}
+    phases = {
+        p: steps[steps["rank"] == rank][p].median() / max(steps[steps["rank"] != rank][p].median(), 1e-9)
+        for p in ("forward_s", "backward_s", "optimizer_s", "data_s")
+    }
     phase = max(phases, key=phases.get).removesuffix("_s")
     waited = float(_pivot(steps, "comm_exposed_s").drop(columns=best).median().median())
-    return [Cause(
-        "slow_host", f"rank {rank} computes {ratio:.1f}× slower than its peers", min(
-            0.92, 0.55 + 0.1 * ratio), [rank], w.lo,
-        [f"rank {rank}'s compute {med[best]:.3f} s per step vs its peers' {others.median():.3f} s "
-         f"over {_span(w.lo, w.hi)} (mostly in {phase}, {phases[phase + '_s']:.1f}× theirs)",
-         f"its peers waited {waited:.3f} s per step in communication for it"],
-        f"check rank {rank}'s host and device: other processes, clocks and thermal throttling "
-        "(nvidia-smi -q -d PERFORMANCE / npu-smi info), its data-loader workers; if it stays "
-        "slow, cordon the node and let the job shrink around it")]
+    return [
+        Cause(
+            "slow_host",
+            f"rank {rank} computes {ratio:.1f}× slower than its peers",
+            min(0.92, 0.55 + 0.1 * ratio),
+            [rank],
+            w.lo,
+            [
+                f"rank {rank}'s compute {med[best]:.3f} s per step vs its peers' {others.median():.3f} s "
+                f"over {_span(w.lo, w.hi)} (mostly in {phase}, {phases[phase + '_s']:.1f}× theirs)",
+                f"its peers waited {waited:.3f} s per step in communication for it",
+            ],
+            f"check rank {rank}'s host and device: other processes, clocks and thermal throttling "
+            "(nvidia-smi -q -d PERFORMANCE / npu-smi info), its data-loader workers; if it stays "
+            "slow, cordon the node and let the job shrink around it",
+        )
+    ]
 
 
 def _slow_link(facts: RunFacts, w: Window) -> list[Cause]:
@@ -280,21 +330,31 @@ def _slow_link(facts: RunFacts, w: Window) -> list[Cause]:
     if comm_growth <= compute_growth or float(cwin.max() / max(cwin.min(), 1e-9)) >= SLOW_RATIO:
         return []
     compute_rise = float((cwin / cbase.clip(lower=floor)).max())
-    evidence = [f"exposed communication rose {rise.min():.0f}–{rise.max():.0f}× on every rank "
-                f"({comm_base.median():.3f} → {comm_win.median():.3f} s per step) over "
-                f"{_span(w.lo, w.hi)}",
-                f"compute stayed within {compute_rise:.1f}× of its usual on every rank"]
+    evidence = [
+        f"exposed communication rose {rise.min():.0f}–{rise.max():.0f}× on every rank "
+        f"({comm_base.median():.3f} → {comm_win.median():.3f} s per step) over "
+        f"{_span(w.lo, w.hi)}",
+        f"compute stayed within {compute_rise:.1f}× of its usual on every rank",
+    ]
     wire_win, wire_base = win["bytes_wire"].median(), base["bytes_wire"].median()
     if wire_base > 0 and wire_win <= 1.1 * wire_base:
-        evidence.append(f"the same bytes on the wire ({wire_win / 2**20:.1f} MiB per step): the "
-                        "link got slower, the traffic did not grow")
-    return [Cause(
-        "slow_link", f"communication {rise.min():.0f}× slower on every rank, compute unchanged",
-        min(0.9, 0.5 + 0.05 * float(rise.min())), sorted(int(r) for r in rise.index), w.lo,
-        evidence,
-        "check the interconnect between these ranks' hosts: NCCL_DEBUG=INFO / HCCL logs for "
-        "retries, nccl-tests or hccl_test for bandwidth, link errors on the NICs; gradient "
-        "compression (fp16, powersgd) lowers the bytes in the meantime")]
+        evidence.append(
+            f"the same bytes on the wire ({wire_win / 2**20:.1f} MiB per step): the "
+            "link got slower, the traffic did not grow"
+        )
+    return [
+        Cause(
+            "slow_link",
+            f"communication {rise.min():.0f}× slower on every rank, compute unchanged",
+            min(0.9, 0.5 + 0.05 * float(rise.min())),
+            sorted(int(r) for r in rise.index),
+            w.lo,
+            evidence,
+            "check the interconnect between these ranks' hosts: NCCL_DEBUG=INFO / HCCL logs for "
+            "retries, nccl-tests or hccl_test for bandwidth, link errors on the NICs; gradient "
+            "compression (fp16, powersgd) lowers the bytes in the meantime",
+        )
+    ]
 
 
 def _routing(facts: RunFacts, w: Window) -> list[Cause]:
@@ -314,10 +374,10 @@ def _routing(facts: RunFacts, w: Window) -> list[Cause]:
         bal = by_step.apply(lambda r: balancedness(r.to_numpy()), axis=1)
         usual = 1.0
         if not base.empty:
-            b = base[base["layer"] == layer].pivot_table(index="step", columns="expert",
-                                                         values="tokens")
-            usual = float(b.apply(lambda r: balancedness(r.to_numpy()), axis=1).median()) \
-                if not b.empty else 1.0
+            b = base[base["layer"] == layer].pivot_table(index="step", columns="expert", values="tokens")
+            usual = (
+                float(b.apply(lambda r: balancedness(r.to_numpy()), axis=1).median()) if not b.empty else 1.0
+            )
         worst_step = bal.idxmin()
         drop = usual - float(bal.min())
         if drop < 0.15 or float(bal.min()) > 0.8 * usual:
@@ -326,10 +386,11 @@ def _routing(facts: RunFacts, w: Window) -> list[Cause]:
         share = counts / counts.sum()
         hog, n = int(share.idxmax()), len(share)
         confidence = min(0.93, 0.6 + 0.5 * drop)
-        evidence = [f"layer {layer}: balancedness (mean/max load) {usual:.2f} → "
-                    f"{bal.min():.2f} at step {worst_step}",
-                    f"expert {hog} took {share[hog]:.2f} of the routed tokens (balanced "
-                    f"{1 / n:.2f}, at most {1 / top_k:.2f} with top-{top_k})"]
+        evidence = [
+            f"layer {layer}: balancedness (mean/max load) {usual:.2f} → {bal.min():.2f} at step {worst_step}",
+            f"expert {hog} took {share[hog]:.2f} of the routed tokens (balanced "
+            f"{1 / n:.2f}, at most {1 / top_k:.2f} with top-{top_k})",
+        ]
         starving = [int(e) for e, s in share.items() if s < 0.25 / n]
         if starving:
             evidence.append(f"starving: expert(s) {', '.join(map(str, starving))}")
@@ -337,10 +398,15 @@ def _routing(facts: RunFacts, w: Window) -> list[Cause]:
         if slow >= 1.2:
             evidence.append(f"step time rose {slow:.1f}× over the same steps")
         cause = Cause(
-            "routing", f"layer {layer}'s router sends {share[hog]:.0%} of tokens to expert {hog}",
-            confidence, [], int(worst_step), evidence,
+            "routing",
+            f"layer {layer}'s router sends {share[hog]:.0%} of tokens to expert {hog}",
+            confidence,
+            [],
+            int(worst_step),
+            evidence,
             f"apply the auxiliary-loss-free bias update to layer {layer} (`meshscope feedback "
-            f"suggest --run {facts.run_dir}`), or raise the aux-loss coefficient")
+            f"suggest --run {facts.run_dir}`), or raise the aux-loss coefficient",
+        )
         if best is None or cause.confidence > best.confidence:
             best = cause
     return [best] if best else []
@@ -352,8 +418,7 @@ def _top_k(facts: RunFacts, every: int) -> int:
     known = run_top_k(facts.run_dir)
     if known is not None:
         return known
-    per_step = facts.steps.groupby("step")["tokens"].sum().median() if not facts.steps.empty \
-        else 0
+    per_step = facts.steps.groupby("step")["tokens"].sum().median() if not facts.steps.empty else 0
     routed = facts.experts.groupby(["step", "layer"])["tokens"].sum().median()
     experts = facts.experts["expert"].nunique()
     if not per_step or not routed:
@@ -365,8 +430,10 @@ def _step_time_rise(facts: RunFacts, w: Window) -> float:
     win, base = w.of(facts.steps), w.before(facts.steps)
     if win.empty or base.empty:
         return 1.0
-    return float(win.groupby("step")["step_s"].max().median()
-                 / max(base.groupby("step")["step_s"].max().median(), 1e-9))
+    return float(
+        win.groupby("step")["step_s"].max().median()
+        / max(base.groupby("step")["step_s"].max().median(), 1e-9)
+    )
 
 
 def _leak(facts: RunFacts, w: Window) -> list[Cause]:
@@ -376,8 +443,11 @@ def _leak(facts: RunFacts, w: Window) -> list[Cause]:
         return []
     growth: dict[int, tuple[float, float, str]] = {}
     for rank, rows in steps.groupby("rank"):
-        column = "mem_allocated" if rows["mem_allocated"].max() > 0 and \
-            rows["mem_allocated"].std() > rows["mem_rss"].std() else "mem_rss"
+        column = (
+            "mem_allocated"
+            if rows["mem_allocated"].max() > 0 and rows["mem_allocated"].std() > rows["mem_rss"].std()
+            else "mem_rss"
+        )
         x, y = rows["step"].to_numpy(float), rows[column].to_numpy(float)
         slope, intercept = np.polyfit(x, y, 1)
         resid = y - (slope * x + intercept)
@@ -391,15 +461,23 @@ def _leak(facts: RunFacts, w: Window) -> list[Cause]:
         return []
     span = steps["step"].max() - steps["step"].min()
     what = "device memory" if column == "mem_allocated" else "host memory (RSS)"
-    return [Cause(
-        "leak", f"rank {rank}'s {what} grows {grown / span / 2**20:.1f} MiB per step",
-        min(0.9, 0.55 + 0.35 * r2), [rank], w.lo,
-        [f"rank {rank}: +{grown / 2**20:.0f} MiB over {_span(int(steps['step'].min()), w.hi)}, "
-         f"steadily (linear fit r² {r2:.2f})",
-         f"its peers: +{max(peers, 0) / 2**20:.0f} MiB at most"],
-        f"look for what rank {rank} keeps across steps (a loss kept with its graph, a growing "
-        "list or cache); tracemalloc or torch.cuda.memory._record_memory_history on that rank "
-        "names the allocation")]
+    return [
+        Cause(
+            "leak",
+            f"rank {rank}'s {what} grows {grown / span / 2**20:.1f} MiB per step",
+            min(0.9, 0.55 + 0.35 * r2),
+            [rank],
+            w.lo,
+            [
+                f"rank {rank}: +{grown / 2**20:.0f} MiB over {_span(int(steps['step'].min()), w.hi)}, "
+                f"steadily (linear fit r² {r2:.2f})",
+                f"its peers: +{max(peers, 0) / 2**20:.0f} MiB at most",
+            ],
+            f"look for what rank {rank} keeps across steps (a loss kept with its graph, a growing "
+            "list or cache); tracemalloc or torch.cuda.memory._record_memory_history on that rank "
+            "names the allocation",
+        )
+    ]
 
 
 def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
@@ -417,19 +495,22 @@ def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
     snaps = facts.events[(facts.events["kind"] == "snapshot") & (facts.events["step"] == step)]
     if d.get("module"):
         title = f"first non-finite value: {d['module']} ({d.get('where', '?')}) at step {step}"
-        evidence = [f"{d.get('tensor', 'output')} of {d['module']} ({d.get('class', '')}) on "
-                    f"{_who(ranks)}, the first module in execution order"]
+        evidence = [
+            f"{d.get('tensor', 'output')} of {d['module']} ({d.get('class', '')}) on "
+            f"{_who(ranks)}, the first module in execution order"
+        ]
     else:
         title = f"{d.get('what', 'loss')} became {d.get('value', 'non-finite')} at step {step}"
-        evidence = [f"{d.get('what', 'loss')} = {d.get('value')} on {_who(ranks)}; no module "
-                    "was localised (tracer off?)"]
+        evidence = [
+            f"{d.get('what', 'loss')} = {d.get('value')} on {_who(ranks)}; no module "
+            "was localised (tracer off?)"
+        ]
     action = "rerun with `--trace nonfinite` (the default) to name the module and snapshot it"
     if len(snaps):
         path = snaps.iloc[0]["detail"].get("path")
         evidence.append(f"snapshot: {path}")
         action = f"`meshscope replay {path}` re-runs the module on the saved inputs"
-    return [Cause("nonfinite", title, 0.95 if d.get("module") else 0.88, ranks, step, evidence,
-                  action)]
+    return [Cause("nonfinite", title, 0.95 if d.get("module") else 0.88, ranks, step, evidence, action)]
 
 
 def _nonfinite_from_steps(facts: RunFacts, w: Window) -> list[Cause]:
@@ -439,9 +520,17 @@ def _nonfinite_from_steps(facts: RunFacts, w: Window) -> list[Cause]:
         return []
     step = int(bad["step"].min())
     ranks = sorted(int(r) for r in bad[bad["step"] == step]["rank"])
-    return [Cause("nonfinite", f"loss became non-finite at step {step}", 0.8, ranks, step,
-                  [f"loss non-finite on {_who(ranks)} at step {step}"],
-                  "rerun with `--trace nonfinite` to name the first module and snapshot it")]
+    return [
+        Cause(
+            "nonfinite",
+            f"loss became non-finite at step {step}",
+            0.8,
+            ranks,
+            step,
+            [f"loss non-finite on {_who(ranks)} at step {step}"],
+            "rerun with `--trace nonfinite` to name the first module and snapshot it",
+        )
+    ]
 
 
 def _crash(facts: RunFacts, w: Window) -> list[Cause]:
@@ -456,8 +545,10 @@ def _crash(facts: RunFacts, w: Window) -> list[Cause]:
     if faults.empty and seen.empty:
         return []
     restarts = int((ev["kind"] == "restart").sum())
-    dead = sorted({int(d["rank"]) for d in faults["detail"] if "rank" in d}
-                  | {int(r) for d in seen["detail"] for r in d.get("culprit_ranks") or []})
+    dead = sorted(
+        {int(d["rank"]) for d in faults["detail"] if "rank" in d}
+        | {int(r) for d in seen["detail"] for r in d.get("culprit_ranks") or []}
+    )
     aborted = ev[(ev["kind"] == "hang")]
     aborted = aborted[[d.get("action") == "abort" for d in aborted["detail"]]]
     finished = bool((ev["kind"] == "run_end").any())
@@ -467,29 +558,63 @@ def _crash(facts: RunFacts, w: Window) -> list[Cause]:
     at = at[at >= 0]
     first_step = int(at.min()) if len(at) else None
     steps_at = sorted({int(s) for s in at})
-    evidence = [f"{_who(dead)} died without an exit mark (no clean stop) at "
-                f"step(s) {', '.join(map(str, steps_at)) or '?'}",
-                f"{restarts} restart(s); the run {'finished' if finished else 'did not finish'}"]
+    evidence = [
+        f"{_who(dead)} died without an exit mark (no clean stop) at "
+        f"step(s) {', '.join(map(str, steps_at)) or '?'}",
+        f"{restarts} restart(s); the run {'finished' if finished else 'did not finish'}",
+    ]
     if len(aborted):
         # The watchdog killed them on purpose: the hang is the cause, the deaths its cure.
         evidence.append("the hang watchdog aborted these processes (see the hang)")
-        return [Cause("crash", f"{_who(dead)} stopped by the hang watchdog", 0.4, dead,
-                      first_step, evidence, "see the hang cause")]
+        return [
+            Cause(
+                "crash",
+                f"{_who(dead)} stopped by the hang watchdog",
+                0.4,
+                dead,
+                first_step,
+                evidence,
+                "see the hang cause",
+            )
+        ]
     if repeated:
-        return [Cause(
-            "recovery_failing", f"recovery keeps failing: {_who(dead)} died in "
-            f"{deaths} attempts", min(0.95, 0.8 + 0.05 * restarts),
-            dead, first_step, evidence,
-            "stop restarting: the fault comes back after every resume from the checkpoint (a "
-            "bad host, a bad sample at that step, a code path that always fails); drain that "
-            "rank's host or skip the data at that step")]
-    return [Cause("crash", f"{_who(dead)} died at step {first_step}", 0.9, dead, first_step,
-                  evidence, f"read rank {dead[0]}'s log and `dmesg` on its host (OOM killer, "
-                  "signal 9, a hardware error); torchrun restarted it from the last checkpoint")]
+        return [
+            Cause(
+                "recovery_failing",
+                f"recovery keeps failing: {_who(dead)} died in {deaths} attempts",
+                min(0.95, 0.8 + 0.05 * restarts),
+                dead,
+                first_step,
+                evidence,
+                "stop restarting: the fault comes back after every resume from the checkpoint (a "
+                "bad host, a bad sample at that step, a code path that always fails); drain that "
+                "rank's host or skip the data at that step",
+            )
+        ]
+    return [
+        Cause(
+            "crash",
+            f"{_who(dead)} died at step {first_step}",
+            0.9,
+            dead,
+            first_step,
+            evidence,
+            f"read rank {dead[0]}'s log and `dmesg` on its host (OOM killer, "
+            "signal 9, a hardware error); torchrun restarted it from the last checkpoint",
+        )
+    ]
 
 
 HYPOTHESES: list[Callable[[RunFacts, Window], list[Cause]]] = [
-    _hang_events, _stall, _slow_host, _slow_link, _routing, _leak, _nonfinite, _crash]
+    _hang_events,
+    _stall,
+    _slow_host,
+    _slow_link,
+    _routing,
+    _leak,
+    _nonfinite,
+    _crash,
+]
 
 
 def _rank_causes(causes: list[Cause]) -> list[Cause]:
@@ -511,8 +636,7 @@ def _rank_causes(causes: list[Cause]) -> list[Cause]:
                 merged[key] = c
         else:
             merged[key] = c
-    return sorted(merged.values(), key=lambda c: (-c.confidence, c.step if c.step is not None
-                                                  else 1 << 62))
+    return sorted(merged.values(), key=lambda c: (-c.confidence, c.step if c.step is not None else 1 << 62))
 
 
 def causes_for(facts: RunFacts, anomaly: Anomaly) -> list[Cause]:

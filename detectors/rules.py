@@ -15,6 +15,7 @@ Adding a detector: a class here following one protocol, an entry in the engine's
 (`DetectionEngine.rules` / `window_rules`), its type in `collector.metrics.ANOMALY_TYPES`,
 and a board panel if it exports a score.
 """
+
 from __future__ import annotations
 
 import collections
@@ -108,6 +109,7 @@ class MomentRule(Protocol):
 
 # --- step rules ---------------------------------------------------------------------------
 
+
 class NonFiniteRule:
     """A rank's loss is NaN or Inf."""
 
@@ -125,8 +127,14 @@ class NonFiniteRule:
         bad = self.detector.culprits(marked)[0]
         if not bad:
             return []
-        return [Flag("nan", 1.0, ranks=[row.ranks[i] for i in bad],
-                     evidence={"loss": [str(v) for v in row.loss[0]]})]
+        return [
+            Flag(
+                "nan",
+                1.0,
+                ranks=[row.ranks[i] for i in bad],
+                evidence={"loss": [str(v) for v in row.loss[0]]},
+            )
+        ]
 
     def update(self, row: Any, normal: bool) -> None:
         pass
@@ -150,8 +158,15 @@ class StallRule:
         verdict.usual_step_s = usual
         step_s = row.value("step_s")
         if step_s > self.factor * usual:
-            return [Flag("comm", step_s / usual, ranks=row.ranks, final=True,
-                         evidence={"stall_s": round(step_s, 3), "usual_step_s": round(usual, 4)})]
+            return [
+                Flag(
+                    "comm",
+                    step_s / usual,
+                    ranks=row.ranks,
+                    final=True,
+                    evidence={"stall_s": round(step_s, 3), "usual_step_s": round(usual, 4)},
+                )
+            ]
         return []
 
     def update(self, row: Any, normal: bool) -> None:
@@ -166,16 +181,14 @@ class StragglerRule:
 
     name, during_warmup = "straggler", False
 
-    def __init__(self, ratio: float, on_score: Any,
-                 persistent: list[PersistentStraggler]) -> None:
+    def __init__(self, ratio: float, on_score: Any, persistent: list[PersistentStraggler]) -> None:
         """`persistent`: one detector per horizon (a few steps on a quiet cluster; longer
         ones see through the bursts of a shared host)."""
         self.detector = Straggler(ratio=ratio)
         self.persistent = persistent
         self.on_score = on_score
         # the recent steps' compute relative to the other ranks, one row per step
-        self.recent: collections.deque[np.ndarray] = collections.deque(
-            maxlen=max(p.span for p in persistent))
+        self.recent: collections.deque[np.ndarray] = collections.deque(maxlen=max(p.span for p in persistent))
 
     def learn(self, warm: Any) -> None:
         self.detector.fit(warm.compute)
@@ -189,8 +202,15 @@ class StragglerRule:
         self.recent.append(PersistentStraggler.relative(row.compute)[0])
         slow = self.detector.culprits(row.compute)[0]
         if slow:
-            return [Flag("straggler", ratio, ranks=[row.ranks[i] for i in slow], confirm=3,
-                         evidence=self._evidence(row, ratio=round(ratio, 2)))]
+            return [
+                Flag(
+                    "straggler",
+                    ratio,
+                    ranks=[row.ranks[i] for i in slow],
+                    confirm=3,
+                    evidence=self._evidence(row, ratio=round(ratio, 2)),
+                )
+            ]
         return self._persistent(row)
 
     def _persistent(self, row: Any) -> list[Flag]:
@@ -216,18 +236,25 @@ class StragglerRule:
         if not slow or len(slow) > len(row.ranks) // 2:
             return []  # more than half slower than the median is not how a median works
         worst = max(e for e, _ in slow.values())
-        return [Flag("straggler", 1 + worst, ranks=[row.ranks[i] for i in sorted(slow)],
-                     evidence=self._evidence(
-                         row, ratio=round(1 + worst, 3), persistent=True,
-                         excess={str(row.ranks[i]): round(e, 3) for i, (e, _) in slow.items()},
-                         over_steps={str(row.ranks[i]): h for i, (_, h) in slow.items()},
-                         usual_pace={str(row.ranks[i]): round(float(shortest.pace_[i]), 3)
-                                     for i in slow}))]
+        return [
+            Flag(
+                "straggler",
+                1 + worst,
+                ranks=[row.ranks[i] for i in sorted(slow)],
+                evidence=self._evidence(
+                    row,
+                    ratio=round(1 + worst, 3),
+                    persistent=True,
+                    excess={str(row.ranks[i]): round(e, 3) for i, (e, _) in slow.items()},
+                    over_steps={str(row.ranks[i]): h for i, (_, h) in slow.items()},
+                    usual_pace={str(row.ranks[i]): round(float(shortest.pace_[i]), 3) for i in slow},
+                ),
+            )
+        ]
 
     @staticmethod
     def _evidence(row: Any, **extra: Any) -> dict[str, Any]:
-        return {"compute_s": {str(r): round(float(v), 4) for r, v in zip(row.ranks, row.compute[0])},
-                **extra}
+        return {"compute_s": {str(r): round(float(v), 4) for r, v in zip(row.ranks, row.compute[0])}, **extra}
 
     def update(self, row: Any, normal: bool) -> None:
         if normal:
@@ -253,10 +280,16 @@ class CommRule:
         if verdict.has("straggler"):
             return []
         comm = row.col("comm_ratio")
-        if self.detector.predict(comm)[0] < 0 and \
-                row.value("step_s") > self.slowdown * verdict.usual_step_s:
-            return [Flag("comm", -float(self.detector.score_samples(comm)[0]), ranks=row.ranks,
-                         confirm=3, evidence={"comm_ratio": round(row.value("comm_ratio"), 4)})]
+        if self.detector.predict(comm)[0] < 0 and row.value("step_s") > self.slowdown * verdict.usual_step_s:
+            return [
+                Flag(
+                    "comm",
+                    -float(self.detector.score_samples(comm)[0]),
+                    ranks=row.ranks,
+                    confirm=3,
+                    evidence={"comm_ratio": round(row.value("comm_ratio"), 4)},
+                )
+            ]
         return []
 
     def update(self, row: Any, normal: bool) -> None:
@@ -278,8 +311,13 @@ class LossSpikeRule:
     def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
         delta = row.col("loss_delta")
         if np.isfinite(delta).all() and self.detector.predict(delta)[0] < 0:
-            return [Flag("loss_spike", -float(self.detector.score_samples(delta)[0]),
-                         evidence={"loss_delta": round(row.value("loss_delta"), 4)})]
+            return [
+                Flag(
+                    "loss_spike",
+                    -float(self.detector.score_samples(delta)[0]),
+                    evidence={"loss_delta": round(row.value("loss_delta"), 4)},
+                )
+            ]
         return []
 
     def update(self, row: Any, normal: bool) -> None:
@@ -303,9 +341,15 @@ class MemoryRule:
         if not leak:
             return []
         rate = float(self.detector.slopes(row.rss)[0].max() * self.detector.mb_per_step)
-        return [Flag("memory", -float(self.detector.score_samples(row.rss)[0]),
-                     ranks=[row.ranks[i] for i in leak], confirm=2,
-                     evidence={"mb_per_step": round(rate, 2)})]
+        return [
+            Flag(
+                "memory",
+                -float(self.detector.score_samples(row.rss)[0]),
+                ranks=[row.ranks[i] for i in leak],
+                confirm=2,
+                evidence={"mb_per_step": round(rate, 2)},
+            )
+        ]
 
     def update(self, row: Any, normal: bool) -> None:
         self.detector.partial_fit(row.rss)
@@ -329,8 +373,14 @@ class MultivariateRule:
         self.on_score("isolation_forest", -score)
         trusted = len(self.forest.buffer_) >= 50  # too few rows make IQRs, and so alarms, noisy
         if verdict.normal and trusted and score < -self.forest.threshold:
-            return [Flag("multivariate", -score, confirm=3, evidence={
-                "drivers": self.forest.explain(row.multivariate, MULTIVARIATE)[0]})]
+            return [
+                Flag(
+                    "multivariate",
+                    -score,
+                    confirm=3,
+                    evidence={"drivers": self.forest.explain(row.multivariate, MULTIVARIATE)[0]},
+                )
+            ]
         return []
 
     def update(self, row: Any, normal: bool) -> None:
@@ -339,6 +389,7 @@ class MultivariateRule:
 
 
 # --- window rules ----------------------------------------------------------------------------
+
 
 class ExpertRule:
     """An expert takes far more tokens than balance and its usual share (it hogs), or almost
@@ -371,8 +422,7 @@ class ExpertRule:
                     warm.append(share)
                     if step >= self.warmup - 1 or det is not None:
                         k = self._top_k(tokens.sum(), int(step), len(tokens))
-                        self.detectors[layer] = ExpertLoad(top_k=k, hog_min=self.hog_min).fit(
-                            np.vstack(warm))
+                        self.detectors[layer] = ExpertLoad(top_k=k, hog_min=self.hog_min).fit(np.vstack(warm))
                     continue
                 out += self._flags(int(step), int(layer), det, share)
             self.last_step = int(step)
@@ -388,23 +438,34 @@ class ExpertRule:
             return 1
         return int(min(experts, max(1, round(routed / (self.tokens_per_step * span)))))
 
-    def _flags(self, step: int, layer: int, det: ExpertLoad,
-               share: np.ndarray) -> list[tuple[int, Flag]]:
+    def _flags(self, step: int, layer: int, det: ExpertLoad, share: np.ndarray) -> list[tuple[int, Flag]]:
         hog, low = det.severities(share)
         experts = share.shape[1]
         flagged = [e for e in range(experts) if hog[0][e] > 0 or low[0][e] > 0]
         if not flagged:
             det.partial_fit(share)  # routing drifts as the router learns: follow it
         balance = float(det.balancedness(share)[0])
-        return [(step, Flag(
-            "expert_imbalance", float(max(hog[0][e], low[0][e])), layer=layer, expert=e,
-            gap=2 * self.spacing, evidence={
-                "kind": "hog" if hog[0][e] > 0 else "starve",
-                "share": round(float(share[0][e]), 4),
-                "usual_share": round(float(det.usual_[e]), 4),
-                "balanced_share": round(1 / experts, 4),
-                "max_share": round(1 / max(1, min(det.top_k, experts)), 4),
-                "balancedness": round(balance, 4)})) for e in flagged]
+        return [
+            (
+                step,
+                Flag(
+                    "expert_imbalance",
+                    float(max(hog[0][e], low[0][e])),
+                    layer=layer,
+                    expert=e,
+                    gap=2 * self.spacing,
+                    evidence={
+                        "kind": "hog" if hog[0][e] > 0 else "starve",
+                        "share": round(float(share[0][e]), 4),
+                        "usual_share": round(float(det.usual_[e]), 4),
+                        "balanced_share": round(1 / experts, 4),
+                        "max_share": round(1 / max(1, min(det.top_k, experts)), 4),
+                        "balancedness": round(balance, 4),
+                    },
+                ),
+            )
+            for e in flagged
+        ]
 
 
 class GradientRule:
@@ -413,8 +474,7 @@ class GradientRule:
 
     name, table = "gradient", "grad_stats"
 
-    def __init__(self, explode_factor: float = 100.0, vanish_factor: float = 1000.0,
-                 warmup: int = 5) -> None:
+    def __init__(self, explode_factor: float = 100.0, vanish_factor: float = 1000.0, warmup: int = 5) -> None:
         self.explode, self.vanish, self.warmup = explode_factor, vanish_factor, warmup
         self.history: dict[str, collections.deque] = {}
         self.last_step = -1
@@ -428,12 +488,26 @@ class GradientRule:
                 continue  # non-finite gradients are the tracer's (a `nan` event)
             if len(history) >= self.warmup:
                 usual = statistics.median(history)
-                kind = ("gradient_exploding" if usual > 0 and g > usual * self.explode else
-                        "gradient_vanishing" if usual > 0 and g < usual / self.vanish else None)
+                kind = (
+                    "gradient_exploding"
+                    if usual > 0 and g > usual * self.explode
+                    else "gradient_vanishing"
+                    if usual > 0 and g < usual / self.vanish
+                    else None
+                )
                 if kind is not None:
-                    out.append((int(row.step), Flag(
-                        kind, g / usual, module=row.module, gap=1,
-                        evidence={"module": row.module, "grad_norm": g, "usual": usual})))
+                    out.append(
+                        (
+                            int(row.step),
+                            Flag(
+                                kind,
+                                g / usual,
+                                module=row.module,
+                                gap=1,
+                                evidence={"module": row.module, "grad_norm": g, "usual": usual},
+                            ),
+                        )
+                    )
                     continue  # an outlier does not become the new usual
             history.append(g)
         if not frame.empty:

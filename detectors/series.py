@@ -17,6 +17,7 @@ Online: each row is judged from the rows before it only. Per value column:
    stays true until the series has been unsurprising for `quiet_rows` rows, so a level shift
    or a burst of spikes gives one flag, not one per row.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -39,8 +40,9 @@ def read_series(path: str, time_column: str, value_columns: list[str] | None) ->
     except pd.errors.EmptyDataError:
         raise SeriesError(f"{path}: the file is empty") from None
     except UnicodeDecodeError as err:
-        raise SeriesError(f"{path}: not UTF-8 text (found byte {err.object[err.start]:#04x}); "
-                          "save the CSV as UTF-8") from None
+        raise SeriesError(
+            f"{path}: not UTF-8 text (found byte {err.object[err.start]:#04x}); save the CSV as UTF-8"
+        ) from None
     except (OSError, pd.errors.ParserError) as err:
         raise SeriesError(f"{path}: cannot read CSV ({err})") from None
     if df.empty:
@@ -50,15 +52,17 @@ def read_series(path: str, time_column: str, value_columns: list[str] | None) ->
     columns = value_columns or [c for c in df.columns if c != time_column]
     missing = [c for c in columns if c not in df.columns]
     if missing:
-        raise SeriesError(f"{path}: no column(s) {', '.join(map(repr, missing))} "
-                          f"(columns: {', '.join(df.columns)})")
+        raise SeriesError(
+            f"{path}: no column(s) {', '.join(map(repr, missing))} (columns: {', '.join(df.columns)})"
+        )
     for c in columns:
         values = pd.to_numeric(df[c], errors="coerce")
         bad = values.isna() & df[c].notna()
         if bad.any():
             row = int(np.flatnonzero(bad.to_numpy())[0])
-            raise SeriesError(f"{path}: column {c!r} has a non-numeric value {df[c].iloc[row]!r} "
-                              f"at data row {row + 1}")
+            raise SeriesError(
+                f"{path}: column {c!r} has a non-numeric value {df[c].iloc[row]!r} at data row {row + 1}"
+            )
         df[c] = values
     if not columns:
         raise SeriesError(f"{path}: no value columns besides {time_column!r}")
@@ -222,7 +226,7 @@ class ColumnDetector:
         if len(past) >= c.min_rows:
             self._refresh_period()
             floor = self._floor()
-            r_level = x - _median(past[-c.level_rows:])
+            r_level = x - _median(past[-c.level_rows :])
             r_season = self._seasonal_residual(x)
             model, residual = self.level, r_level
             if r_season is not None and self.seasonal.ready() and self.seasonal.scale() < self.level.scale():
@@ -250,8 +254,8 @@ class ColumnDetector:
         w, ref_rows, past = self.config.shift_rows, self.config.reference_rows, self.history
         if len(past) < w - 1 + ref_rows:
             return None
-        recent = (sum(past[len(past) - w + 1:]) + x) / w
-        return recent - _median(past[len(past) - w + 1 - ref_rows:len(past) - w + 1])
+        recent = (sum(past[len(past) - w + 1 :]) + x) / w
+        return recent - _median(past[len(past) - w + 1 - ref_rows : len(past) - w + 1])
 
     def _stuck_tail(self, x: float) -> float:
         """P(a run of repeated values this long), for a series that seldom repeats itself (a
@@ -278,7 +282,7 @@ class ColumnDetector:
             return
         # Often while young (a season needs two cycles to show), then every `period_every`.
         self._next_period_check = n + min(self.config.period_every, max(10, n // 4))
-        recent = np.asarray(self.history[-4 * self.config.max_period:], float)
+        recent = np.asarray(self.history[-4 * self.config.max_period :], float)
         period = estimate_period(recent, self.config.max_period, self.config.min_autocorrelation)
         if period is None or self.period is None or abs(period - self.period) > 1:
             self.period = period  # within a row of the old one: the phase tolerance covers it
@@ -291,9 +295,12 @@ class ColumnDetector:
         if p is None or len(past) < p + 1 + k:
             return None
         level_now = _median(past[-k:])
-        predictions = [past[-lag] + level_now - _median(past[-lag - k:-lag])
-                       for cycle in range(1, 4) for lag in (cycle * p - 1, cycle * p, cycle * p + 1)
-                       if lag + k <= len(past)]
+        predictions = [
+            past[-lag] + level_now - _median(past[-lag - k : -lag])
+            for cycle in range(1, 4)
+            for lag in (cycle * p - 1, cycle * p, cycle * p + 1)
+            if lag + k <= len(past)
+        ]
         return x - _median(predictions)
 
     def _floor(self) -> float:
@@ -308,8 +315,9 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def score_frame(df: pd.DataFrame, time_column: str, *, sensitivity: float = 1.0,
-                config: SeriesConfig | None = None) -> pd.DataFrame:
+def score_frame(
+    df: pd.DataFrame, time_column: str, *, sensitivity: float = 1.0, config: SeriesConfig | None = None
+) -> pd.DataFrame:
     """Return `df` with `anomaly_score` (1 - tail probability, in [0, 1]), `is_anomaly` (the
     onset of an anomalous episode) and `in_episode` per row. Online: row t reads rows < t only."""
     config = config or SeriesConfig.with_sensitivity(sensitivity)

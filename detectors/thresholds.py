@@ -5,6 +5,7 @@ rules.yml` is rendered from it (`dashboards.prometheus.render_rules`), so a thre
 once. `tests/dashboards/test_thresholds.py` proves the rendered rules and the engine reach the
 same verdict on the same numbers.
 """
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,15 +17,29 @@ class Thresholds(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     straggler_ratio: float = Field(
-        1.8, gt=1, description="a rank's compute time over the median of the other ranks' "
-        "(with two ranks: the other's) at which it is a straggler")
+        1.8,
+        gt=1,
+        description="a rank's compute time over the median of the other ranks' "
+        "(with two ranks: the other's) at which it is a straggler",
+    )
     expert_hotness: float = Field(
-        0.5, gt=0, le=1, description="an expert's hotness (0 at its fair share 1/E, 1 when "
-        "every token goes to it) at which it hogs its layer")
+        0.5,
+        gt=0,
+        le=1,
+        description="an expert's hotness (0 at its fair share 1/E, 1 when "
+        "every token goes to it) at which it hogs its layer",
+    )
     expert_load_ratio: float = Field(
-        2.0, gt=1, description="an expert's share times the number of experts at which the "
+        2.0,
+        gt=1,
+        description="an expert's share times the number of experts at which the "
         "ExpertImbalance alert fires (the metrics-only backstop: Prometheus does not know top-k; "
-        "the engine judges hotness and reaches people through AnomalyDetected)")
+        "the engine judges hotness and reaches people through AnomalyDetected)",
+    )
     comm_ratio: float = Field(
-        0.5, gt=0, lt=1, description="share of the step spent waiting for communication, "
-        "over a minute, at which CommRatioHigh fires")
+        0.5,
+        gt=0,
+        lt=1,
+        description="share of the step spent waiting for communication, "
+        "over a minute, at which CommRatioHigh fires",
+    )

@@ -1,4 +1,5 @@
 """`meshscope` command line: parse, build, run, close. The work lives in the packages."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,11 @@ from meshscope import launcher
 from trainer.config import ConfigError, RunConfig, load_config
 from trainer.device import DeviceUnavailable
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Observability and debugging for distributed (MoE) training.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Observability and debugging for distributed (MoE) training.",
+)
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay whole for grep
 
@@ -78,8 +82,11 @@ def _merge_settings(settings: list[str], flags: dict[str, Any]) -> dict[str, Any
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in top.items():
-        merged[key] = (_deep_merge(merged[key], value)
-                       if isinstance(value, dict) and isinstance(merged.get(key), dict) else value)
+        merged[key] = (
+            _deep_merge(merged[key], value)
+            if isinstance(value, dict) and isinstance(merged.get(key), dict)
+            else value
+        )
     return merged
 
 
@@ -97,78 +104,123 @@ def run(
     no_overlap: bool = typer.Option(False, "--no-overlap", help="all-reduce after backward"),
     device: str | None = typer.Option(None, help="auto | cpu | cuda | npu"),
     backend: str | None = typer.Option(
-        None, help="auto | gloo | nccl | hccl (auto = the device's; gloo shares one device)"),
+        None, help="auto | gloo | nccl | hccl (auto = the device's; gloo shares one device)"
+    ),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="runs are created under this folder"),
     run_id: str | None = typer.Option(None, "--run-id", help="name of the run (default: timestamp)"),
     metrics_port: int | None = typer.Option(None, "--metrics-port", help="base port; rank r = base + r"),
     linger: float | None = typer.Option(None, help="keep /metrics up N s after the last step"),
     inject: list[str] | None = typer.Option(
-        None, help="fault to inject, repeatable: KIND@step=S,rank=R[,steps=N][,k=v]"),
+        None, help="fault to inject, repeatable: KIND@step=S,rank=R[,steps=N][,k=v]"
+    ),
     checkpoint_every: int | None = typer.Option(None, help="checkpoint every N steps"),
     max_restarts: int | None = typer.Option(None, help="torchrun restarts after a failure"),
     nnodes: str | None = typer.Option(None, help="agents MIN[:MAX] (elastic membership)"),
     rdzv_endpoint: str | None = typer.Option(None, help="c10d rendezvous host:port"),
-    rdzv_external: bool = typer.Option(False, "--rdzv-external",
-                                       help="the rendezvous store runs apart (meshscope rendezvous)"),
+    rdzv_external: bool = typer.Option(
+        False, "--rdzv-external", help="the rendezvous store runs apart (meshscope rendezvous)"
+    ),
     slack_webhook_file: Path | None = typer.Option(
-        None, help="file holding a Slack incoming-webhook URL (or env MESHSCOPE_SLACK_WEBHOOK)"),
+        None, help="file holding a Slack incoming-webhook URL (or env MESHSCOPE_SLACK_WEBHOOK)"
+    ),
     email_to: str | None = typer.Option(None, help="alert recipients, a@x,b@y"),
     smtp: str | None = typer.Option(None, help="SMTP host:port for email alerts (127.0.0.1:25)"),
     smtp_from: str | None = typer.Option(None, help="sender of email alerts"),
     smtp_user: str | None = typer.Option(None, help="SMTP login"),
     smtp_password_file: Path | None = typer.Option(None, help="file holding the SMTP password"),
     on_hang: str = typer.Option(
-        "report", "--on-hang", help="report: a hang event and alert naming the culprit; abort: "
-                                    "also kill the workers so torchrun restarts them from the "
-                                    "last checkpoint"),
+        "report",
+        "--on-hang",
+        help="report: a hang event and alert naming the culprit; abort: "
+        "also kill the workers so torchrun restarts them from the "
+        "last checkpoint",
+    ),
     trace: str | None = typer.Option(
-        None, help="tensor tracer: off | nonfinite (default: first non-finite module) | stats "
-                   "(+ per-module statistics) | full (+ snapshots)"),
+        None,
+        help="tensor tracer: off | nonfinite (default: first non-finite module) | stats "
+        "(+ per-module statistics) | full (+ snapshots)",
+    ),
     hang_after: float | None = typer.Option(
-        None, "--hang-after", help="seconds without progress before a stall is a hang (at "
-                                   "least; slow steps raise it; default 3)"),
+        None,
+        "--hang-after",
+        help="seconds without progress before a stall is a hang (at least; slow steps raise it; default 3)",
+    ),
     view_url: str | None = typer.Option(
-        None, "--view-url", help="the root-cause view alerts link to (default "
-                                 "http://127.0.0.1:8501)"),
+        None, "--view-url", help="the root-cause view alerts link to (default http://127.0.0.1:8501)"
+    ),
     alerts: str | None = typer.Option(
-        None, "--alerts", help="auto (default): through Alertmanager when a `meshscope stack` "
-                               "watches this runs folder, else from the run itself; "
-                               "alertmanager; embedded"),
-    smtp_tls: bool | None = typer.Option(None, "--smtp-tls/--no-smtp-tls",
-                                         help="require STARTTLS for email (default; as `stack "
-                                              "up` does)"),
-    stack_home: Path | None = typer.Option(None, "--stack-home",
-                                           help="where `meshscope stack up` keeps its state"),
+        None,
+        "--alerts",
+        help="auto (default): through Alertmanager when a `meshscope stack` "
+        "watches this runs folder, else from the run itself; "
+        "alertmanager; embedded",
+    ),
+    smtp_tls: bool | None = typer.Option(
+        None, "--smtp-tls/--no-smtp-tls", help="require STARTTLS for email (default; as `stack up` does)"
+    ),
+    stack_home: Path | None = typer.Option(
+        None, "--stack-home", help="where `meshscope stack up` keeps its state"
+    ),
     set_: list[str] | None = typer.Option(
-        None, "--set", help="any config field, repeatable: PATH=VALUE, e.g. train.powersgd_rank=8 "
-                            "or elastic.keep=5 (every field: `meshscope config`)"),
+        None,
+        "--set",
+        help="any config field, repeatable: PATH=VALUE, e.g. train.powersgd_rank=8 "
+        "or elastic.keep=5 (every field: `meshscope config`)",
+    ),
 ) -> None:
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
-        cfg = load_config(config, _merge_settings(set_ or [], _overrides(
-            train__steps=steps, nproc=nproc, train__compression=compression,
-            train__overlap=False if no_overlap else None, device=device, backend=backend,
-            runs_root=run_dir,
-            run_id=run_id, metrics_port=metrics_port, linger_s=linger, inject=inject or None,
-            elastic__checkpoint_every=checkpoint_every, elastic__max_restarts=max_restarts,
-            elastic__nnodes=nnodes, elastic__rdzv_endpoint=rdzv_endpoint,
-            elastic__rdzv_external=True if rdzv_external else None, trace=trace,
-            view_url=view_url, alerts__mode=alerts, alerts__slack_webhook_file=slack_webhook_file,
-            alerts__email_to=email_to, alerts__smtp=smtp, alerts__smtp_from=smtp_from,
-            alerts__smtp_user=smtp_user, alerts__smtp_password_file=smtp_password_file,
-            alerts__smtp_tls=smtp_tls, alerts__stack_home=stack_home)))
+        cfg = load_config(
+            config,
+            _merge_settings(
+                set_ or [],
+                _overrides(
+                    train__steps=steps,
+                    nproc=nproc,
+                    train__compression=compression,
+                    train__overlap=False if no_overlap else None,
+                    device=device,
+                    backend=backend,
+                    runs_root=run_dir,
+                    run_id=run_id,
+                    metrics_port=metrics_port,
+                    linger_s=linger,
+                    inject=inject or None,
+                    elastic__checkpoint_every=checkpoint_every,
+                    elastic__max_restarts=max_restarts,
+                    elastic__nnodes=nnodes,
+                    elastic__rdzv_endpoint=rdzv_endpoint,
+                    elastic__rdzv_external=True if rdzv_external else None,
+                    trace=trace,
+                    view_url=view_url,
+                    alerts__mode=alerts,
+                    alerts__slack_webhook_file=slack_webhook_file,
+                    alerts__email_to=email_to,
+                    alerts__smtp=smtp,
+                    alerts__smtp_from=smtp_from,
+                    alerts__smtp_user=smtp_user,
+                    alerts__smtp_password_file=smtp_password_file,
+                    alerts__smtp_tls=smtp_tls,
+                    alerts__stack_home=stack_home,
+                ),
+            ),
+        )
         channels = _alert_channels(cfg.alerts)  # checked before any write
         channels = _alert_route(cfg.alerts.mode, channels, cfg.runs_root, cfg.alerts.stack_home)
         hang = _hang_config(on_hang, hang_after)
         cfg = launcher.prepare_run(cfg)
     except (ConfigError, DeviceUnavailable, PortInUseError, ValueError) as err:
         fail(str(err))
-    console.print(f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device} "
-                  f"({cfg.backend}), "
-                  f"compression={cfg.train.compression}, overlap={cfg.train.overlap}")
+    console.print(
+        f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device} "
+        f"({cfg.backend}), "
+        f"compression={cfg.train.compression}, overlap={cfg.train.overlap}"
+    )
     console.print(f"  store    {store_path(cfg.run_dir)}")
-    console.print(f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
-                  f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})")
+    console.print(
+        f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
+        f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})"
+    )
     outbox = Outbox(cfg.run_dir / "outbox", channels) if channels else None
     detection = _start_detection(cfg, outbox, hang)
     code = _train_with_progress(cfg)
@@ -179,8 +231,10 @@ def run(
     remove_from_index(cfg.run_dir, cfg.run_id)
     _print_summary(cfg)
     if episodes:
-        console.print(f"{len(episodes)} anomaly episode(s): " + "; ".join(
-            f"{e.type} ranks={e.ranks} steps {e.start_step}-{e.end_step}" for e in episodes))
+        console.print(
+            f"{len(episodes)} anomaly episode(s): "
+            + "; ".join(f"{e.type} ranks={e.ranks} steps {e.start_step}-{e.end_step}" for e in episodes)
+        )
 
 
 def _alert_route(alerts: str, channels: list, runs_root: Path, stack_home: Path) -> list:
@@ -193,15 +247,19 @@ def _alert_route(alerts: str, channels: list, runs_root: Path, stack_home: Path)
         raise ValueError(f"--alerts {alerts!r}: expected auto, alertmanager or embedded")
     alertmanager = alerting_for(stack_home, runs_root) if alerts != "embedded" else None
     if alerts == "alertmanager" and alertmanager is None:
-        raise ValueError(f"--alerts alertmanager: no meshscope stack in {stack_home} watches "
-                         f"{runs_root} (start one: meshscope stack up --runs {runs_root})")
+        raise ValueError(
+            f"--alerts alertmanager: no meshscope stack in {stack_home} watches "
+            f"{runs_root} (start one: meshscope stack up --runs {runs_root})"
+        )
     if alertmanager is None:
         return channels
     console.print(f"  alerts   through Alertmanager at {alertmanager} (its receivers)")
     if channels:
-        err_console.print("[yellow]warning:[/] --slack-webhook-file/--email-to ignored: this run "
-                          "alerts through Alertmanager, which pages once; --alerts embedded "
-                          "sends from the run instead")
+        err_console.print(
+            "[yellow]warning:[/] --slack-webhook-file/--email-to ignored: this run "
+            "alerts through Alertmanager, which pages once; --alerts embedded "
+            "sends from the run instead"
+        )
     return []
 
 
@@ -211,17 +269,24 @@ def _alert_channels(alerts: Any) -> list:
     from detectors.notify import Email, SlackWebhook, parse_host_port, read_secret
 
     channels = []
-    url = read_secret(file=alerts.slack_webhook_file, env="MESHSCOPE_SLACK_WEBHOOK",
-                      flag="--slack-webhook-file")
+    url = read_secret(
+        file=alerts.slack_webhook_file, env="MESHSCOPE_SLACK_WEBHOOK", flag="--slack-webhook-file"
+    )
     if url:
         channels.append(SlackWebhook(url))
     if alerts.email_to:
         host, port = parse_host_port(alerts.smtp, "--smtp")
-        channels.append(Email(host, port, alerts.smtp_from, alerts.email_to.split(","),
-                              username=alerts.smtp_user,
-                              password=read_secret(file=alerts.smtp_password_file,
-                                                   flag="--smtp-password-file"),
-                              starttls=alerts.smtp_tls))
+        channels.append(
+            Email(
+                host,
+                port,
+                alerts.smtp_from,
+                alerts.email_to.split(","),
+                username=alerts.smtp_user,
+                password=read_secret(file=alerts.smtp_password_file, flag="--smtp-password-file"),
+                starttls=alerts.smtp_tls,
+            )
+        )
     return channels
 
 
@@ -251,9 +316,10 @@ def _hang_exchange(cfg: RunConfig):
     from detectors.notify import parse_host_port
 
     host, port = parse_host_port(cfg.elastic.rdzv_endpoint, "--rdzv-endpoint")
-    return NodeExchange(lambda: dist.TCPStore(host, port, is_master=False,
-                                              timeout=timedelta(seconds=5)),
-                        prefix=f"meshscope/hang/{cfg.elastic.rdzv_id or cfg.run_id}")
+    return NodeExchange(
+        lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5)),
+        prefix=f"meshscope/hang/{cfg.elastic.rdzv_id or cfg.run_id}",
+    )
 
 
 def _start_detection(cfg: RunConfig, outbox=None, hang=None):
@@ -262,14 +328,20 @@ def _start_detection(cfg: RunConfig, outbox=None, hang=None):
     from collector.exporter import serve_metrics, write_detector_target
     from detectors.live import LiveDetection
 
-    live = LiveDetection(cfg.run_dir, cfg.run_id, outbox=outbox, hang=hang,
-                         exchange=_hang_exchange(cfg) if hang is not None else None,
-                         view_url=cfg.view_url)
+    live = LiveDetection(
+        cfg.run_dir,
+        cfg.run_id,
+        outbox=outbox,
+        hang=hang,
+        exchange=_hang_exchange(cfg) if hang is not None else None,
+        view_url=cfg.view_url,
+    )
     port = cfg.metrics_port + cfg.nproc
     try:
         serve_metrics(live.registry, port, host="127.0.0.1")
-        write_detector_target(cfg.run_dir, run_id=cfg.run_id, host="127.0.0.1", port=port,
-                              node=socket.gethostname())
+        write_detector_target(
+            cfg.run_dir, run_id=cfg.run_id, host="127.0.0.1", port=port, node=socket.gethostname()
+        )
         console.print(f"  detector http://127.0.0.1:{port}/metrics")
     except PortInUseError as err:
         err_console.print(f"[yellow]warning:[/] detector metrics not exported: {err}")
@@ -277,15 +349,26 @@ def _start_detection(cfg: RunConfig, outbox=None, hang=None):
 
 
 def _train_with_progress(cfg: RunConfig) -> int:
-    columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[stats]}"))
+    columns = (
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[stats]}"),
+    )
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=cfg.train.steps, stats="starting torchrun...")
 
         def on_progress(done: int, last: dict) -> None:
-            stats = (f"loss {last.get('loss', math.nan):.3f}  "
-                     f"{last.get('tokens_per_s', 0) * cfg.nproc:,.0f} tok/s  "
-                     f"comm {last.get('comm_ratio', 0):.0%}") if last else ""
+            stats = (
+                (
+                    f"loss {last.get('loss', math.nan):.3f}  "
+                    f"{last.get('tokens_per_s', 0) * cfg.nproc:,.0f} tok/s  "
+                    f"comm {last.get('comm_ratio', 0):.0%}"
+                )
+                if last
+                else ""
+            )
             progress.update(task, completed=done, stats=stats)
 
         return launcher.follow(cfg, launcher.launch(cfg), on_progress)
@@ -310,10 +393,14 @@ def _print_summary(cfg: RunConfig) -> None:
         ("comm ratio (exposed)", f"{s['comm_ratio_mean']:.1%}"),
         ("compression ratio (raw / wire)", _compression_cell(s)),
         ("loss first -> last", f"{s['loss_first']:.3f} -> {s['loss_last']:.3f}"),
-        ("expert imbalance max / mean",
-         f"{s['expert_imbalance_max']:.2f} / {s['expert_imbalance_mean']:.2f}"),
-        ("injected / faults / restarts / resumes", " / ".join(
-            str(int(kinds.get(k, 0))) for k in ("injected", "fault", "restart", "resume"))),
+        (
+            "expert imbalance max / mean",
+            f"{s['expert_imbalance_max']:.2f} / {s['expert_imbalance_mean']:.2f}",
+        ),
+        (
+            "injected / faults / restarts / resumes",
+            " / ".join(str(int(kinds.get(k, 0))) for k in ("injected", "fault", "restart", "resume")),
+        ),
     ]
     for k, v in rows:
         table.add_row(k, v)
@@ -344,8 +431,9 @@ def config_fields(model: type[Any] = RunConfig, prefix: str = "") -> list[tuple[
 
 @app.command("config")
 def config_cmd(
-    config: Path | None = typer.Option(None, "--config", "-c",
-                                       help="also validate this TOML and show its values"),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="also validate this TOML and show its values"
+    ),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per field"),
 ) -> None:
     """Every config field (TOML section.key, or `meshscope run --set section.key=VALUE`)."""
@@ -358,8 +446,17 @@ def config_cmd(
         values = {path: repr(_get_path(cfg, path)) for path, *_ in config_fields()}
     if as_json:
         for path, kind, default, description in config_fields():
-            print(json.dumps({"field": path, "type": kind, "default": default,
-                              "value": values.get(path), "meaning": description}))
+            print(
+                json.dumps(
+                    {
+                        "field": path,
+                        "type": kind,
+                        "default": default,
+                        "value": values.get(path),
+                        "meaning": description,
+                    }
+                )
+            )
         return
     table = Table(title="meshscope run configuration")
     for column in ("field", "type", "default", *(("value",) if values else ()), "meaning"):
@@ -380,8 +477,9 @@ def detect(
     csv: Path | None = typer.Argument(None, help="a CSV time series to score"),
     run: Path | None = typer.Option(None, "--run", help="a run directory to judge"),
     time_column: str = typer.Option("time", "--time-column", help="CSV: the time column"),
-    value_columns: str | None = typer.Option(None, "--value-columns",
-                                                help="CSV: columns to score, A,B (default: all)"),
+    value_columns: str | None = typer.Option(
+        None, "--value-columns", help="CSV: columns to score, A,B (default: all)"
+    ),
     output: Path | None = typer.Option(None, "--output", "-o", help="CSV: where to write"),
     sensitivity: float = typer.Option(1.0, help="> 1 flags more, < 1 flags less"),
 ) -> None:
@@ -394,20 +492,22 @@ def detect(
         _detect_run(run, sensitivity)
 
 
-def _detect_csv(path: Path, time_column: str, value_columns: str | None,
-                output: Path | None, sensitivity: float) -> None:
+def _detect_csv(
+    path: Path, time_column: str, value_columns: str | None, output: Path | None, sensitivity: float
+) -> None:
     from detectors.series import SeriesError, read_series, score_frame
 
     try:
         cols = [c.strip() for c in value_columns.split(",")] if value_columns else None
-        scored = score_frame(read_series(str(path), time_column, cols), time_column,
-                             sensitivity=sensitivity)
+        scored = score_frame(read_series(str(path), time_column, cols), time_column, sensitivity=sensitivity)
     except SeriesError as err:
         fail(str(err))
     output = output or path.with_name(path.stem + ".scored.csv")
     scored.to_csv(output, index=False)
-    console.print(f"{int(scored['is_anomaly'].sum())} anomalous episode(s) "
-                  f"({int(scored['in_episode'].sum())} of {len(scored)} rows); scores written to {output}")
+    console.print(
+        f"{int(scored['is_anomaly'].sum())} anomalous episode(s) "
+        f"({int(scored['in_episode'].sum())} of {len(scored)} rows); scores written to {output}"
+    )
 
 
 def _detect_run(run: Path, sensitivity: float) -> None:
@@ -430,8 +530,14 @@ def _detect_run(run: Path, sensitivity: float) -> None:
         table.add_column(col)
     for ep in sorted(episodes, key=lambda e: e.start_step):
         where = f"{ep.layer}/{ep.expert}" if ep.layer is not None else ""
-        table.add_row(ep.type, ",".join(map(str, ep.ranks)), where,
-                      f"{ep.start_step}-{ep.end_step}", f"{ep.score:.2f}", str(ep.evidence)[:60])
+        table.add_row(
+            ep.type,
+            ",".join(map(str, ep.ranks)),
+            where,
+            f"{ep.start_step}-{ep.end_step}",
+            f"{ep.score:.2f}",
+            str(ep.evidence)[:60],
+        )
     console.print(table)
     console.print(f"{len(episodes)} anomaly episode(s) written to {store_path(run)}")
 
@@ -452,8 +558,10 @@ def _readable_store(run: Path) -> None:
 def hang_report(
     run: Path | None = typer.Option(None, "--run", help="a meshscope run directory"),
     flight_recorder: Path | None = typer.Option(
-        None, "--flight-recorder", help="a folder of PyTorch Flight Recorder dumps "
-                                        "(<prefix><rank>) of a job that did not run meshscope"),
+        None,
+        "--flight-recorder",
+        help="a folder of PyTorch Flight Recorder dumps (<prefix><rank>) of a job that did not run meshscope",
+    ),
     prefix: str | None = typer.Option(None, help="Flight Recorder dump names: <prefix><rank>"),
 ) -> None:
     """The last hang diagnosis of a run (else one from its flight logs), or a diagnosis of a
@@ -507,8 +615,9 @@ def _print_hang(detail: dict, source: str) -> None:
 @app.command()
 def explain(
     run: Path = typer.Option(..., "--run", help="a meshscope run directory"),
-    anomaly: int | None = typer.Option(None, "--anomaly", help="one anomaly's event id "
-                                                                  "(as the view and alerts link it)"),
+    anomaly: int | None = typer.Option(
+        None, "--anomaly", help="one anomaly's event id (as the view and alerts link it)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the causes as JSON"),
     limit: int = typer.Option(5, min=1, help="causes to print"),
 ) -> None:
@@ -531,8 +640,7 @@ def explain(
         console.print(f"{run}: nothing to explain (no anomaly, hang, NaN or death recorded)")
         return
     for i, c in enumerate(causes[:limit], 1):
-        console.print(f"[bold]{i}. {c.kind}[/] ({c.confidence:.0%}) {c.title}", markup=True,
-                      highlight=False)
+        console.print(f"[bold]{i}. {c.kind}[/] ({c.confidence:.0%}) {c.title}", markup=True, highlight=False)
         for line in c.evidence:
             console.print(f"     - {line}", markup=False, highlight=False)
         console.print(f"     next: {c.action}", markup=False, highlight=False)
@@ -542,8 +650,8 @@ def explain(
 def replay(
     snapshot: Path = typer.Argument(..., help="a snapshot (.json or .safetensors) a run wrote"),
     config: Path | None = typer.Option(
-        None, "--config", "-c", help="the run's config (default: config.json of the run the "
-                                     "snapshot is in)"),
+        None, "--config", "-c", help="the run's config (default: config.json of the run the snapshot is in)"
+    ),
 ) -> None:
     """Re-run a snapshot's module on the CPU; exit 0 when the non-finite value comes back."""
     from tracer.replay import replay as replay_module
@@ -556,13 +664,14 @@ def replay(
         try:
             module = MoELM(cfg.model).get_submodule(snap.meta.module)
         except AttributeError:
-            raise SnapshotError(f"{snapshot}: the run's model has no module "
-                                f"{snap.meta.module!r}") from None
+            raise SnapshotError(f"{snapshot}: the run's model has no module {snap.meta.module!r}") from None
         result = replay_module(snap, module)
     except (SnapshotError, ConfigError) as err:
         fail(str(err))
-    console.print(f"{snap.meta.module} ({snap.meta.module_class}), {snap.meta.where}, step "
-                  f"{snap.meta.step}, rank {snap.meta.rank}: {result.message}")
+    console.print(
+        f"{snap.meta.module} ({snap.meta.module_class}), {snap.meta.where}, step "
+        f"{snap.meta.step}, rank {snap.meta.rank}: {result.message}"
+    )
     if result.nonfinite:
         console.print("non-finite: " + ", ".join(result.nonfinite))
     raise typer.Exit(0 if result.reproduced else 1)
@@ -613,20 +722,35 @@ def stack_up(
 
     try:
         routing = AlertRouting(
-            slack_webhook_file=slack_webhook_file, email_to=email_to.split(",") if email_to else [],
-            smtp_smarthost=smtp, smtp_from=smtp_from, smtp_username=smtp_user,
-            smtp_password_file=smtp_password_file, smtp_require_tls=smtp_tls, view_url=view_url,
-            fast=fast)
-        comps = up(StackConfig(runs_root=runs, home=home, prometheus_port=prometheus_port,
-                               alertmanager_port=alertmanager_port,
-                               scrape_interval_s=scrape_interval, routing=routing))
+            slack_webhook_file=slack_webhook_file,
+            email_to=email_to.split(",") if email_to else [],
+            smtp_smarthost=smtp,
+            smtp_from=smtp_from,
+            smtp_username=smtp_user,
+            smtp_password_file=smtp_password_file,
+            smtp_require_tls=smtp_tls,
+            view_url=view_url,
+            fast=fast,
+        )
+        comps = up(
+            StackConfig(
+                runs_root=runs,
+                home=home,
+                prometheus_port=prometheus_port,
+                alertmanager_port=alertmanager_port,
+                scrape_interval_s=scrape_interval,
+                routing=routing,
+            )
+        )
     except (ValueError, StackError) as err:
         fail(str(err))
     for c in comps:
         console.print(f"{c.name:12} {c.url}  pid {c.pid}  log {c.log}")
     if routing.slack_webhook_file is None and not routing.email_to:
-        err_console.print("[yellow]warning:[/] no --slack-webhook-file or --email-to: alerts are "
-                          "visible in Alertmanager only")
+        err_console.print(
+            "[yellow]warning:[/] no --slack-webhook-file or --email-to: alerts are "
+            "visible in Alertmanager only"
+        )
 
 
 @stack_app.command("down")
@@ -663,8 +787,10 @@ def stack_status(home: Path = typer.Option(Path(".meshscope/stack"), help=HOME_H
                 console.print(f"run {run_id}: {counts['up']} target(s) up, {counts['down']} down")
             for alert in firing_alerts(prom.url):
                 labels = alert["labels"]
-                console.print(f"[red]firing[/] {labels['alertname']} run={labels.get('run', '')} "
-                              f"{alert['annotations'].get('summary', '')}")
+                console.print(
+                    f"[red]firing[/] {labels['alertname']} run={labels.get('run', '')} "
+                    f"{alert['annotations'].get('summary', '')}"
+                )
         except requests.RequestException as err:
             err_console.print(f"[yellow]warning:[/] Prometheus did not answer: {err}")
     if not all(c.ready for c in comps):
@@ -732,24 +858,42 @@ def view(
     from dashboards.app.settings import ViewSettings
 
     try:
-        settings = ViewSettings(runs_dir=runs, port=port, host=host, grafana_url=grafana_url,
-                                prometheus_url=prometheus_url)
+        settings = ViewSettings(
+            runs_dir=runs, port=port, host=host, grafana_url=grafana_url, prometheus_url=prometheus_url
+        )
     except ValueError as err:
         fail(str(err).splitlines()[0])
     if not runs.is_dir():
-        err_console.print(f"[yellow]warning:[/] {runs} does not exist yet: the view will show "
-                          "runs as they appear there")
+        err_console.print(
+            f"[yellow]warning:[/] {runs} does not exist yet: the view will show runs as they appear there"
+        )
     app_py = Path(__file__).resolve().parents[1] / "dashboards" / "app" / "app.py"
-    cmd = [sys.executable, "-m", "streamlit", "run", str(app_py), "--server.headless", "true",
-           "--server.address", host, "--server.port", str(port),
-           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-           "--client.toolbarMode", "viewer"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(app_py),
+        "--server.headless",
+        "true",
+        "--server.address",
+        host,
+        "--server.port",
+        str(port),
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--client.toolbarMode",
+        "viewer",
+    ]
     console.print(f"meshscope view on http://{host}:{port} (runs in {runs.resolve()})")
     raise typer.Exit(subprocess.call(cmd, env={**os.environ, **settings.env()}))
 
 
-feedback_app = typer.Typer(no_args_is_help=True,
-                           help="Serving-side expert load in, suggestions out, outcomes measured.")
+feedback_app = typer.Typer(
+    no_args_is_help=True, help="Serving-side expert load in, suggestions out, outcomes measured."
+)
 app.add_typer(feedback_app, name="feedback")
 
 
@@ -760,8 +904,11 @@ def _run_dir(run: Path) -> Path:
 
 @feedback_app.command("ingest")
 def feedback_ingest(
-    file: Path = typer.Argument(..., help="SGLang expert-distribution .pt, vLLM EPLB load .pt, "
-                                          "or CSV (layer, expert, tokens[, latency_ms])"),
+    file: Path = typer.Argument(
+        ...,
+        help="SGLang expert-distribution .pt, vLLM EPLB load .pt, "
+        "or CSV (layer, expert, tokens[, latency_ms])",
+    ),
     run: Path = typer.Option(..., "--run", help="the training run it feeds back into"),
     devices: int = typer.Option(8, min=1, help="serving devices for the placement suggestion"),
 ) -> None:
@@ -774,24 +921,28 @@ def feedback_ingest(
     except OSError as err:
         fail(f"{file}: cannot read ({err.strerror})")
     try:
-        report = ingest(run, data, file.name, devices=devices,
-                        kb=knowledge_base(run.parent))
+        report = ingest(run, data, file.name, devices=devices, kb=knowledge_base(run.parent))
     except FeedbackError as err:
         fail(str(err))
     table = Table(title=f"serving load ({report.source}) against {run.name}")
     for col in ("layer", "serving bal.", "training bal.", "hot", "cold", "latency cost ms"):
         table.add_column(col)
     for d in report.diagnoses:
-        table.add_row(str(d.layer), f"{d.serving_balancedness:.2f}",
-                      "-" if d.training_balancedness is None else f"{d.training_balancedness:.2f}",
-                      str(d.hot), str(d.cold),
-                      "-" if d.latency_cost_ms is None else f"{d.latency_cost_ms:.1f}")
+        table.add_row(
+            str(d.layer),
+            f"{d.serving_balancedness:.2f}",
+            "-" if d.training_balancedness is None else f"{d.training_balancedness:.2f}",
+            str(d.hot),
+            str(d.cold),
+            "-" if d.latency_cost_ms is None else f"{d.latency_cost_ms:.1f}",
+        )
     console.print(table)
     if not report.suggestions:
         console.print("every layer is balanced enough: nothing to suggest")
     for sid, s in zip(report.event_ids, report.suggestions):
-        console.print(f"[bold]#{sid}[/] {s.action} ({s.target}, layer {s.layer}) "
-                      f"expected {s.expected}", highlight=False)
+        console.print(
+            f"[bold]#{sid}[/] {s.action} ({s.target}, layer {s.layer}) expected {s.expected}", highlight=False
+        )
         console.print(f"     {s.why}", markup=False, highlight=False)
     console.print(f"approve one: meshscope feedback apply --run {run} --suggestion ID")
 
@@ -810,8 +961,10 @@ def feedback_apply(
         cid = approve(run, suggestion)
     except (FeedbackError, ControlError) as err:
         fail(str(err))
-    console.print(f"change #{cid} queued: the trainer applies it at its next control step "
-                  "(see `suggestion_applied` events)")
+    console.print(
+        f"change #{cid} queued: the trainer applies it at its next control step "
+        "(see `suggestion_applied` events)"
+    )
 
 
 @feedback_app.command("outcomes")
@@ -825,11 +978,14 @@ def feedback_outcomes(
     run = _run_dir(run)
     done = settle_outcomes(run, knowledge_base(run.parent), after=after)
     for o in done:
-        console.print(f"change #{o['control']} ({o['action']}): balancedness "
-                      f"{o['balancedness_before']:.2f} → {o['balancedness_after']:.2f} "
-                      f"({o['balancedness_gain']:+.0%}), loss x{o['loss_ratio']:.3f}, "
-                      f"step time x{o['step_s_ratio']:.2f}: "
-                      f"{'worked' if o['success'] else 'did not work'}", highlight=False)
+        console.print(
+            f"change #{o['control']} ({o['action']}): balancedness "
+            f"{o['balancedness_before']:.2f} → {o['balancedness_after']:.2f} "
+            f"({o['balancedness_gain']:+.0%}), loss x{o['loss_ratio']:.3f}, "
+            f"step time x{o['step_s_ratio']:.2f}: "
+            f"{'worked' if o['success'] else 'did not work'}",
+            highlight=False,
+        )
     if not done:
         console.print("no applied change has run long enough to judge")
 
@@ -844,8 +1000,11 @@ def feedback_export(
 
     run = _run_dir(run)
     events = load_events(run, kind="suggestion")
-    rows = [Suggestion(**{k: v for k, v in d.items() if k in Suggestion.__dataclass_fields__})
-            for d in events["detail"] if d.get("action") == "placement"]
+    rows = [
+        Suggestion(**{k: v for k, v in d.items() if k in Suggestion.__dataclass_fields__})
+        for d in events["detail"]
+        if d.get("action") == "placement"
+    ]
     if not rows:
         fail(f"{run}: no placement suggestion; run `meshscope feedback ingest` first")
     latest = {s.layer: s for s in rows}  # the newest per layer

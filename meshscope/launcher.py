@@ -1,4 +1,5 @@
 """Launch the reference trainer under torchrun and follow it through the run store."""
+
 from __future__ import annotations
 
 import os
@@ -55,18 +56,35 @@ def torchrun_command(cfg: RunConfig, warm: bool) -> list[str]:
     if e.nnodes == "1" and not e.rdzv_endpoint:
         topology = ["--standalone"]
     else:
-        topology = [f"--nnodes={e.nnodes}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint={e.rdzv_endpoint or '127.0.0.1:29400'}",
-                    f"--rdzv-id={e.rdzv_id or cfg.run_id}"]
+        topology = [
+            f"--nnodes={e.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={e.rdzv_endpoint or '127.0.0.1:29400'}",
+            f"--rdzv-id={e.rdzv_id or cfg.run_id}",
+        ]
         # a dead agent is noticed after 3 missed 1 s keep-alives (torch default: 3 x 5 s)
-        conf = [f"last_call_timeout={e.last_call_s:g}", "keep_alive_interval=1",
-                "keep_alive_max_attempt=3"] + (["is_host=false"] if e.rdzv_external else [])
+        conf = [
+            f"last_call_timeout={e.last_call_s:g}",
+            "keep_alive_interval=1",
+            "keep_alive_max_attempt=3",
+        ] + (["is_host=false"] if e.rdzv_external else [])
         topology.append(f"--rdzv-conf={','.join(conf)}")
-    return [sys.executable, "-m", "torch.distributed.run", *topology,
-            f"--nproc-per-node={cfg.nproc}", f"--max-restarts={e.max_restarts}",
-            "--log-dir", str(cfg.run_dir / "logs" / "torchrun"), "--redirects", "3",
-            "-m", "trainer.spawn" if warm else WORKER_ENTRY,
-            "--config", str(agent_config(cfg))]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *topology,
+        f"--nproc-per-node={cfg.nproc}",
+        f"--max-restarts={e.max_restarts}",
+        "--log-dir",
+        str(cfg.run_dir / "logs" / "torchrun"),
+        "--redirects",
+        "3",
+        "-m",
+        "trainer.spawn" if warm else WORKER_ENTRY,
+        "--config",
+        str(agent_config(cfg)),
+    ]
 
 
 def worker_environment(cfg: RunConfig) -> dict[str, str]:
@@ -93,8 +111,13 @@ def start_zygote(cfg: RunConfig, env: dict[str, str], timeout_s: float = 60) -> 
     sock = zygote_socket()
     sock.unlink(missing_ok=True)
     log = open(cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.zygote", "--socket", str(sock)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.zygote", "--socket", str(sock)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT,
+    )
     deadline = time.monotonic() + timeout_s
     while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -102,10 +125,14 @@ def start_zygote(cfg: RunConfig, env: dict[str, str], timeout_s: float = 60) -> 
         log.close()
         text = (cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log").read_text(errors="replace")
         lines = text.strip().splitlines()
-        why = next((line for line in lines if "meshscope zygote:" in line),
-                   lines[-1] if lines else f"exit {proc.returncode}")
-        print(f"meshscope: warning: warm standby off for this run ({why}); workers start plainly",
-              file=sys.stderr)
+        why = next(
+            (line for line in lines if "meshscope zygote:" in line),
+            lines[-1] if lines else f"exit {proc.returncode}",
+        )
+        print(
+            f"meshscope: warning: warm standby off for this run ({why}); workers start plainly",
+            file=sys.stderr,
+        )
         return None
     return proc
 
@@ -120,8 +147,9 @@ class Launch:
             env["MESHSCOPE_ZYGOTE"] = str(zygote_socket())
         log = open(cfg.run_dir / "logs" / f"launcher-{os.getpid()}.log", "wb")
         command = torchrun_command(cfg, warm=self.zygote is not None)
-        self.torchrun = subprocess.Popen(command, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        self.torchrun = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+        )
 
     def poll(self) -> int | None:
         code = self.torchrun.poll()
@@ -144,8 +172,9 @@ def launch(cfg: RunConfig) -> Launch:
     return Launch(cfg)
 
 
-def follow(cfg: RunConfig, proc: Launch,
-           on_progress: Callable[[int, dict], None], poll_s: float = 0.5) -> int:
+def follow(
+    cfg: RunConfig, proc: Launch, on_progress: Callable[[int, dict], None], poll_s: float = 0.5
+) -> int:
     """Poll the store until the workers exit; report (steps done, last rank-0 record)."""
     seen = -1
     while True:
@@ -176,8 +205,10 @@ def host_rendezvous(host: str, port: int) -> None:
     import torch.distributed as dist
 
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
-    print(f"rendezvous store on {host}:{port}; agents: --rdzv-endpoint {host}:{port} "
-          f"--rdzv-external", flush=True)
+    print(
+        f"rendezvous store on {host}:{port}; agents: --rdzv-endpoint {host}:{port} --rdzv-external",
+        flush=True,
+    )
     try:
         while True:
             time.sleep(3600)

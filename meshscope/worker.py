@@ -3,6 +3,7 @@
 trainer/ does not import tracer/ (each package owns one job); this is where they meet, as the
 CLI is for the launcher.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,9 @@ from tracer.trace import TensorTracer, TracerConfig  # noqa: E402
 from trainer.config import RunConfig, load_config  # noqa: E402
 
 
-def make_tracer(cfg: RunConfig, env: DistEnv, mon: Monitor,
-                model: Any) -> tuple[TensorTracer | None, GradientInspector | None]:
+def make_tracer(
+    cfg: RunConfig, env: DistEnv, mon: Monitor, model: Any
+) -> tuple[TensorTracer | None, GradientInspector | None]:
     """The tensor tracer on this rank's model and, on rank 0, the gradient inspector
     (gradients are all-reduced: every rank would say the same), reporting through the Monitor."""
     if cfg.trace == "off":
@@ -28,26 +30,30 @@ def make_tracer(cfg: RunConfig, env: DistEnv, mon: Monitor,
     def report(kind: str, step: int, detail: dict) -> None:
         if kind == "nan":
             mon.metrics.faults.labels(kind="nonfinite").inc()
-        mon.event(kind, severity="critical" if kind == "nan" else "info", step=step,
-                  detail=detail)
+        mon.event(kind, severity="critical" if kind == "nan" else "info", step=step, detail=detail)
 
     def export(module: str, grad_norm: float, update_ratio: float) -> None:
         mon.metrics.layer_grad_norm.labels(module=module).set(grad_norm)
         mon.metrics.layer_update_ratio.labels(module=module).set(update_ratio)
 
-    tracer = TensorTracer(model, TracerConfig(mode=cfg.trace), rank=env.rank,
-                          snapshot_dir=cfg.run_dir / "snapshots", report=report,
-                          stats_sink=mon.store.add_tensor_stats)
-    inspector = (GradientInspector(model, sink=mon.store.add_grad_stats, export=export)
-                 if env.rank == 0 else None)
+    tracer = TensorTracer(
+        model,
+        TracerConfig(mode=cfg.trace),
+        rank=env.rank,
+        snapshot_dir=cfg.run_dir / "snapshots",
+        report=report,
+        stats_sink=mon.store.add_tensor_stats,
+    )
+    inspector = (
+        GradientInspector(model, sink=mon.store.add_grad_stats, export=export) if env.rank == 0 else None
+    )
     return tracer, inspector
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run one rank of the reference trainer with the tracer (torchrun or the zygote calls)."""
     args = trainer.worker.parse_args(argv)
-    trainer.worker.run_worker(load_config(args.config), DistEnv.from_environ(),
-                              make_tracer=make_tracer)
+    trainer.worker.run_worker(load_config(args.config), DistEnv.from_environ(), make_tracer=make_tracer)
 
 
 if __name__ == "__main__":

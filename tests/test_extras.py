@@ -1,6 +1,7 @@
 """Each install extra imports: its modules load with every distribution its requirements (from
 pyproject.toml, followed through installed metadata) do not pull in hidden, as in a clean venv
 holding only that extra. A module that imports what its extra does not install fails here."""
+
 import json
 import subprocess
 import sys
@@ -19,19 +20,31 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 # What each part's user imports.
 MODULES = {
-    "": ["collector", "collector.monitor", "collector.store", "collector.metrics",
-         "collector.exporter"],
-    "detectors": ["detectors.engine", "detectors.live", "detectors.rootcause", "detectors.feedback",
-                  "detectors.hang", "detectors.series", "collector.report", "collector.controls",
-                  "meshscope.cli"],
-    "trainer": ["trainer.loop", "trainer.worker", "trainer.controls", "tracer", "meshscope.launcher",
-                "meshscope.cli"],
-    "view": ["dashboards.app.data", "dashboards.app.ui", "dashboards.app.settings", "streamlit",
-             "plotly"],
+    "": ["collector", "collector.monitor", "collector.store", "collector.metrics", "collector.exporter"],
+    "detectors": [
+        "detectors.engine",
+        "detectors.live",
+        "detectors.rootcause",
+        "detectors.feedback",
+        "detectors.hang",
+        "detectors.series",
+        "collector.report",
+        "collector.controls",
+        "meshscope.cli",
+    ],
+    "trainer": [
+        "trainer.loop",
+        "trainer.worker",
+        "trainer.controls",
+        "tracer",
+        "meshscope.launcher",
+        "meshscope.cli",
+    ],
+    "view": ["dashboards.app.data", "dashboards.app.ui", "dashboards.app.settings", "streamlit", "plotly"],
     "stack": ["dashboards.stack", "dashboards.boards", "dashboards.publish", "dashboards.compose"],
 }
 
-CHECK = textwrap.dedent('''
+CHECK = textwrap.dedent("""
     import importlib, importlib.metadata as md, json, re, sys
     from packaging.requirements import Requirement
 
@@ -75,7 +88,7 @@ CHECK = textwrap.dedent('''
     for module in modules:
         importlib.import_module(module)
     print("ok", len(allowed), "distributions")
-''')
+""")
 
 
 def _requirements() -> dict[str, list[str]]:
@@ -84,9 +97,13 @@ def _requirements() -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("extra", list(MODULES), ids=lambda e: e or "core")
 def test_each_extra_imports_with_only_what_it_installs(extra):
-    out = subprocess.run([sys.executable, "-c", CHECK, extra, json.dumps(MODULES[extra]),
-                          json.dumps(_requirements())],
-                         cwd=REPO, capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK, extra, json.dumps(MODULES[extra]), json.dumps(_requirements())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -99,7 +116,11 @@ def test_all_holds_every_part_and_make_installs_it():
 
 def test_the_hiding_works():
     """The check can fail: the core does not install pandas, so importing it must fail."""
-    out = subprocess.run([sys.executable, "-c", CHECK, "", json.dumps(["pandas"]),
-                          json.dumps(_requirements())], cwd=REPO, capture_output=True, text=True,
-                         timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK, "", json.dumps(["pandas"]), json.dumps(_requirements())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode != 0 and "not installed by this extra" in out.stderr

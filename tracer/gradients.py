@@ -10,6 +10,7 @@ The numbers go to the run store (`grad_stats`) and to /metrics; judging them is 
 engine's (`detectors.rules.GradientRule`: `gradient_exploding` / `gradient_vanishing`
 anomalies). DDP all-reduces gradients, so every rank sees the same numbers: rank 0 measures.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,8 +24,11 @@ from collector.readback import Readback
 
 def layer_names(model: torch.nn.Module) -> dict[str, str]:
     """Parameter name -> its layer: `blocks.3` for a block of a list, else the top module."""
-    containers = {name for name, m in model.named_children()
-                  if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))}
+    containers = {
+        name
+        for name, m in model.named_children()
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))
+    }
     out = {}
     for name, _ in model.named_parameters():
         parts = name.split(".")
@@ -47,9 +51,14 @@ class InspectorConfig:
 class GradientInspector:
     """Call `before_clip(step)` after backward and `after_update()` after the optimizer."""
 
-    def __init__(self, model: torch.nn.Module, config: InspectorConfig | None = None, *,
-                 sink: Callable[[list[dict[str, Any]]], None] | None = None,
-                 export: Callable[[str, float, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: InspectorConfig | None = None,
+        *,
+        sink: Callable[[list[dict[str, Any]]], None] | None = None,
+        export: Callable[[str, float, float], None] | None = None,
+    ) -> None:
         self.config = config or InspectorConfig()
         self.sink, self.export = sink, export
         names = layer_names(model)
@@ -66,8 +75,7 @@ class GradientInspector:
         """Per-parameter norms -> per-layer norms (square root of the summed squares)."""
         squares = torch.stack([n.float() for n in norms]) ** 2
         group = self._group.to(squares.device)
-        return torch.zeros(len(self.layers), device=squares.device).index_add_(0, group,
-                                                                                squares).sqrt()
+        return torch.zeros(len(self.layers), device=squares.device).index_add_(0, group, squares).sqrt()
 
     def before_clip(self, step: int) -> None:
         """On a sampled step: gradient norms per layer and a copy of the weights."""
@@ -104,8 +112,9 @@ class GradientInspector:
         rows = []
         for layer, g, w, u in zip(self.layers, grads, weights, updates):
             ratio = u / w if w > 0 else 0.0
-            rows.append({"step": step, "module": layer, "grad_norm": g, "weight_norm": w,
-                         "update_ratio": ratio})
+            rows.append(
+                {"step": step, "module": layer, "grad_norm": g, "weight_norm": w, "update_ratio": ratio}
+            )
             if self.export is not None:
                 self.export(layer, g, ratio)
         if self.sink is not None:

@@ -6,6 +6,7 @@ backward, which tensor went non-finite, step, rank, and how the module was calle
 holds raw tensors only: loading one runs no code, and a malformed or hostile file is refused
 with a `SnapshotError` that says what is wrong.
 """
+
 from __future__ import annotations
 
 import re
@@ -60,8 +61,11 @@ class Snapshot:
 
     def group(self, prefix: str) -> list[torch.Tensor]:
         """input/output/grad_* tensors in their original order."""
-        items = [(int(k.split(".", 1)[1]), v) for k, v in self.tensors.items()
-                 if k.startswith(prefix + ".") and k.split(".", 1)[1].isdigit()]
+        items = [
+            (int(k.split(".", 1)[1]), v)
+            for k, v in self.tensors.items()
+            if k.startswith(prefix + ".") and k.split(".", 1)[1].isdigit()
+        ]
         return [v for _, v in sorted(items)]
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -81,9 +85,21 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def write_snapshot(folder: Path, *, module_path: str, module: torch.nn.Module, where: str,
-                   tensor: str, step: int, rank: int, args: tuple, outputs: Any,
-                   grad_input: Any = None, grad_output: Any = None, note: str = "") -> Path:
+def write_snapshot(
+    folder: Path,
+    *,
+    module_path: str,
+    module: torch.nn.Module,
+    where: str,
+    tensor: str,
+    step: int,
+    rank: int,
+    args: tuple,
+    outputs: Any,
+    grad_input: Any = None,
+    grad_output: Any = None,
+    note: str = "",
+) -> Path:
     """Write a snapshot; returns the path of its JSON half."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -107,10 +123,17 @@ def write_snapshot(folder: Path, *, module_path: str, module: torch.nn.Module, w
         for i, t in enumerate(values or ()):
             if isinstance(t, torch.Tensor):
                 tensors[f"{prefix}.{i}"] = _cpu(t)
-    meta = SnapshotMeta(format=FORMAT, module=module_path,
-                        module_class=f"{type(module).__module__}.{type(module).__qualname__}",
-                        where=where, tensor=tensor, step=step, rank=rank, args=specs,
-                        note=note.strip())
+    meta = SnapshotMeta(
+        format=FORMAT,
+        module=module_path,
+        module_class=f"{type(module).__module__}.{type(module).__qualname__}",
+        where=where,
+        tensor=tensor,
+        step=step,
+        rank=rank,
+        args=specs,
+        note=note.strip(),
+    )
     tmp = folder / f"{name}.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": FORMAT})
     tmp.replace(folder / f"{name}.safetensors")
@@ -132,8 +155,9 @@ def load_snapshot(path: Path) -> Snapshot:
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise SnapshotError(f"{meta_path}: not a meshscope snapshot "
-                            f"({where + ': ' if where else ''}{first['msg']})") from None
+        raise SnapshotError(
+            f"{meta_path}: not a meshscope snapshot ({where + ': ' if where else ''}{first['msg']})"
+        ) from None
     try:
         size = data_path.stat().st_size
     except OSError as err:
@@ -149,8 +173,7 @@ def load_snapshot(path: Path) -> Snapshot:
         raise SnapshotError(f"{data_path}: unexpected tensors {bad[:5]}")
     for spec in meta.args:
         if spec.tensor is not None and spec.tensor not in tensors:
-            raise SnapshotError(f"{meta_path}: argument tensor {spec.tensor!r} is not in "
-                                f"{data_path.name}")
+            raise SnapshotError(f"{meta_path}: argument tensor {spec.tensor!r} is not in {data_path.name}")
     return Snapshot(meta, tensors, meta_path)
 
 

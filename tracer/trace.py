@@ -24,6 +24,7 @@ whose output gradient is finite and whose input gradient is not. It becomes a `n
 (detail: `module`, `where`, `tensor`, `class`, `note`, `snapshot`) and, for the first
 `max_snapshots`, a snapshot (`tracer.snapshot`) that `meshscope replay` re-runs on the CPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -120,8 +121,14 @@ class Finding:
 
     def detail(self) -> dict[str, Any]:
         """The `nan` event's detail."""
-        return {"module": self.module, "where": self.where, "tensor": self.tensor,
-                "class": self.module_class, "note": self.note, "snapshot": self.snapshot}
+        return {
+            "module": self.module,
+            "where": self.where,
+            "tensor": self.tensor,
+            "class": self.module_class,
+            "note": self.note,
+            "snapshot": self.snapshot,
+        }
 
 
 @dataclass(kw_only=True)
@@ -150,10 +157,16 @@ class TensorTracer:
     """Hooks one model; call `step_begin(step)` before its forward and `step_end()` after the
     optimizer (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module, config: TracerConfig | None = None, *,
-                 rank: int = 0, snapshot_dir: Path | None = None,
-                 report: Report = lambda kind, step, detail: None,
-                 stats_sink: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: TracerConfig | None = None,
+        *,
+        rank: int = 0,
+        snapshot_dir: Path | None = None,
+        report: Report = lambda kind, step, detail: None,
+        stats_sink: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> None:
         self.config = config or TracerConfig()
         self.rank, self.snapshot_dir, self.report = rank, snapshot_dir, report
         self.stats_sink = stats_sink
@@ -189,11 +202,13 @@ class TensorTracer:
     def _forward_hook(self, index: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             self._forward.append((index, args, output))
+
         return hook
 
     def _backward_hook(self, index: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
             self._backward.append((index, grad_input, grad_output))
+
         return hook
 
     def _detach(self) -> None:
@@ -226,8 +241,12 @@ class TensorTracer:
         if self._wants_stats():
             self._attach()
 
-    def step_end(self, loss: torch.Tensor | None = None, grad_norm: torch.Tensor | None = None,
-                 rerun: Callable[[], torch.Tensor] | None = None) -> None:
+    def step_end(
+        self,
+        loss: torch.Tensor | None = None,
+        grad_norm: torch.Tensor | None = None,
+        rerun: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
         """The step ended (after the optimizer): check it (see the module doc). `loss` and
         `grad_norm` are the step's own tensors (read without blocking); `rerun()` recomputes
         this step's loss from its batch on the bare module (no DDP, no collective)."""
@@ -240,11 +259,17 @@ class TensorTracer:
             self._forward, self._backward = [], []
             # the loss first: a rank whose own loss is finite but whose (all-reduced) gradient
             # norm is not only saw a peer's NaN, unless its own backward made it
-            flags = [t.detach().float().reshape(()) for t in (loss, grad_norm)
-                     if isinstance(t, torch.Tensor)]
+            flags = [t.detach().float().reshape(()) for t in (loss, grad_norm) if isinstance(t, torch.Tensor)]
             if flags:
-                self._flags.append((self._step, Readback(torch.stack(flags)), rerun, self._rng,
-                                    isinstance(loss, torch.Tensor)))
+                self._flags.append(
+                    (
+                        self._step,
+                        Readback(torch.stack(flags)),
+                        rerun,
+                        self._rng,
+                        isinstance(loss, torch.Tensor),
+                    )
+                )
             while self._flags and self._flags[0][1].ready():
                 self._check_flags(*self._flags.pop(0))
             del self._flags[:-2]  # an accelerator falls behind by a step at most
@@ -272,8 +297,14 @@ class TensorTracer:
         for index, grad_input, grad_output in self._backward:
             gout, gin = _floats(grad_output), _floats(grad_input)
             start = len(tensors)
-            spans.append(_Span("backward", index, (start, start + len(gout)),
-                               (start + len(gout), start + len(gout) + len(gin))))
+            spans.append(
+                _Span(
+                    "backward",
+                    index,
+                    (start, start + len(gout)),
+                    (start + len(gout), start + len(gout) + len(gin)),
+                )
+            )
             tensors += gout + gin
         return tensors, spans
 
@@ -282,21 +313,29 @@ class TensorTracer:
             return True
         return self.config.mode == "stats" and self._step % self.config.stats_every == 0
 
-    def _check_flags(self, step: int, flags: Readback, rerun: Any, rng: Any,
-                     has_loss: bool = False) -> None:
+    def _check_flags(self, step: int, flags: Readback, rerun: Any, rng: Any, has_loss: bool = False) -> None:
         values = flags.value().tolist()
         if all(math.isfinite(v) for v in values):
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])
         if rerun is None:
-            self._emit(Finding("", "forward", "output", step, self.rank, "",
-                               note="loss or gradient norm non-finite; no re-run given to "
-                                    "localise it"))
+            self._emit(
+                Finding(
+                    "",
+                    "forward",
+                    "output",
+                    step,
+                    self.rank,
+                    "",
+                    note="loss or gradient norm non-finite; no re-run given to localise it",
+                )
+            )
             return
         self._localise(step, rerun, rng, report_transient=own_loss_bad or not has_loss)
 
-    def _localise(self, step: int, rerun: Callable[[], torch.Tensor], rng: Any,
-                  report_transient: bool = True) -> None:
+    def _localise(
+        self, step: int, rerun: Callable[[], torch.Tensor], rng: Any, report_transient: bool = True
+    ) -> None:
         """Re-run the step with hooks on the bare module and judge it on the host."""
         attached = bool(self._handles)
         self._attach()
@@ -312,9 +351,18 @@ class TensorTracer:
             before = len(self.findings)
             self._judge_now(step)
             if len(self.findings) == before and report_transient:
-                self._emit(Finding("", "forward", "output", step, self.rank, "",
-                                   note="non-finite loss, but finite when the step was re-run "
-                                        "on this rank: a transient fault"))
+                self._emit(
+                    Finding(
+                        "",
+                        "forward",
+                        "output",
+                        step,
+                        self.rank,
+                        "",
+                        note="non-finite loss, but finite when the step was re-run "
+                        "on this rank: a transient fault",
+                    )
+                )
         finally:
             _set_rng(self.model, saved)
             self._forward, self._backward = [], []
@@ -324,8 +372,14 @@ class TensorTracer:
     def _judge_now(self, step: int) -> None:
         """Judge the hooked tensors of a re-run on the host."""
         tensors, spans = self._collect()
-        values = ([float(v) for v in torch.stack([n.float() for n in torch._foreach_norm(
-            tensors, float("inf"))]).tolist()] if tensors else [])  # sync point: localising
+        values = (
+            [
+                float(v)
+                for v in torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))]).tolist()
+            ]
+            if tensors
+            else []
+        )  # sync point: localising
         self._judge(_Step(step, spans, _Ready(values), self._forward, self._backward))
 
     # --- judging --------------------------------------------------------------------------
@@ -335,7 +389,7 @@ class TensorTracer:
         values = pending.readback.value().tolist()
 
         def bad(span: tuple[int, int]) -> bool:
-            return any(not math.isfinite(v) for v in values[span[0]:span[1]])
+            return any(not math.isfinite(v) for v in values[span[0] : span[1]])
 
         finding = None
         forward = [s for s in pending.spans if s.where == "forward"]
@@ -351,17 +405,32 @@ class TensorTracer:
                 if bad(span.second) and not bad(span.first):
                     index, gin, gout = pending.backward[order]
                     args, output = calls.get(index, ((), None))
-                    finding = self._make(pending.step, index, "backward", "gradient", args=args,
-                                         output=output, grad_input=gin, grad_output=gout)
+                    finding = self._make(
+                        pending.step,
+                        index,
+                        "backward",
+                        "gradient",
+                        args=args,
+                        output=output,
+                        grad_input=gin,
+                        grad_output=gout,
+                    )
                     break
                 if bad(span.first) and order == 0:
                     index, gin, gout = pending.backward[order]
                     args, output = calls.get(index, ((), None))
                     finding = self._make(
-                        pending.step, index, "backward", "gradient", args=args, output=output,
-                        grad_input=gin, grad_output=gout,
+                        pending.step,
+                        index,
+                        "backward",
+                        "gradient",
+                        args=args,
+                        output=output,
+                        grad_input=gin,
+                        grad_output=gout,
                         note="the gradient reaching the model's last module was already "
-                             "non-finite: the loss or code after the model")
+                        "non-finite: the loss or code after the model",
+                    )
                     break
         if finding is not None:
             self._emit(finding)
@@ -371,17 +440,42 @@ class TensorTracer:
         if not _finite(list(module.parameters(recurse=False))):
             return self._make(step, index, "forward", "parameter", args=args, output=output)
         if not _finite(list(args)):
-            return self._make(step, index, "forward", "input", args=args, output=output,
-                              note="its input was already non-finite while every module before "
-                                   "it gave finite outputs: code outside modules (in its "
-                                   "parent's forward) or the data made it")
+            return self._make(
+                step,
+                index,
+                "forward",
+                "input",
+                args=args,
+                output=output,
+                note="its input was already non-finite while every module before "
+                "it gave finite outputs: code outside modules (in its "
+                "parent's forward) or the data made it",
+            )
         return self._make(step, index, "forward", "output", args=args, output=output)
 
-    def _make(self, step: int, index: int, where: str, tensor: str, *, args: tuple, output: Any,
-              grad_input: Any = None, grad_output: Any = None, note: str = "") -> Finding:
+    def _make(
+        self,
+        step: int,
+        index: int,
+        where: str,
+        tensor: str,
+        *,
+        args: tuple,
+        output: Any,
+        grad_input: Any = None,
+        grad_output: Any = None,
+        note: str = "",
+    ) -> Finding:
         module = self.modules[index]
-        finding = Finding(self.names[index], where, tensor, step, self.rank,
-                          f"{type(module).__module__}.{type(module).__qualname__}", note)
+        finding = Finding(
+            self.names[index],
+            where,
+            tensor,
+            step,
+            self.rank,
+            f"{type(module).__module__}.{type(module).__qualname__}",
+            note,
+        )
         key = (finding.module, where, tensor)
         last = self._reported.get(key)
         if last is not None and step - last < self.config.repeat_after:
@@ -390,10 +484,22 @@ class TensorTracer:
         limit = self.config.max_snapshots
         if self.snapshot_dir is not None and self._snapshots < limit:
             self._snapshots += 1
-            finding.snapshot = str(write_snapshot(
-                self.snapshot_dir, module_path=finding.module, module=module, where=where,
-                tensor=tensor, step=step, rank=self.rank, args=tuple(args), outputs=output,
-                grad_input=grad_input, grad_output=grad_output, note=note))
+            finding.snapshot = str(
+                write_snapshot(
+                    self.snapshot_dir,
+                    module_path=finding.module,
+                    module=module,
+                    where=where,
+                    tensor=tensor,
+                    step=step,
+                    rank=self.rank,
+                    args=tuple(args),
+                    outputs=output,
+                    grad_input=grad_input,
+                    grad_output=grad_output,
+                    note=note,
+                )
+            )
         return finding
 
     def _emit(self, finding: Finding) -> None:
@@ -403,9 +509,11 @@ class TensorTracer:
         self.findings.append(finding)
         self.report("nan", finding.step, finding.detail())
         if finding.snapshot:
-            self.report("snapshot", finding.step, {"module": finding.module,
-                                                    "path": finding.snapshot,
-                                                    "where": finding.where})
+            self.report(
+                "snapshot",
+                finding.step,
+                {"module": finding.module, "path": finding.snapshot, "where": finding.where},
+            )
 
     # --- stats ----------------------------------------------------------------------------
     def _stats(self) -> None:
@@ -419,15 +527,35 @@ class TensorTracer:
         ts = [t for _, t in outs]
         absmax = torch._foreach_norm(ts, float("inf"))
         norm = torch._foreach_norm(ts, 2)
-        stacked = torch.stack([torch.stack([a.float(), n.float(), t.float().mean(),
-                                            t.float().std() if t.numel() > 1 else t.new_zeros(()),
-                                            (~torch.isfinite(t)).sum().float()])
-                               for a, n, t in zip(absmax, norm, ts)])
+        stacked = torch.stack(
+            [
+                torch.stack(
+                    [
+                        a.float(),
+                        n.float(),
+                        t.float().mean(),
+                        t.float().std() if t.numel() > 1 else t.new_zeros(()),
+                        (~torch.isfinite(t)).sum().float(),
+                    ]
+                )
+                for a, n, t in zip(absmax, norm, ts)
+            ]
+        )
         values = stacked.cpu().tolist()  # sync point: sampled stats steps only
         for (index, _t), (a, n, mean, std, nonfinite) in zip(outs, values):
-            rows.append({"step": self._step, "rank": self.rank, "module": self.names[index] or "model",
-                         "where": "forward", "absmax": a, "norm": n, "mean": mean, "std": std,
-                         "nonfinite": int(nonfinite)})
+            rows.append(
+                {
+                    "step": self._step,
+                    "rank": self.rank,
+                    "module": self.names[index] or "model",
+                    "where": "forward",
+                    "absmax": a,
+                    "norm": n,
+                    "mean": mean,
+                    "std": std,
+                    "nonfinite": int(nonfinite),
+                }
+            )
         if self.stats_sink is not None:
             self.stats_sink(rows)
 

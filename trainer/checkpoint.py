@@ -7,6 +7,7 @@ for the replicated DDP state), `local_rank<r>.pt` per rank (RNG, compression err
 so a kill at any moment leaves either the old set or the new one. Loading verifies the
 checksums; a bad checkpoint is refused with the reason and the previous one is used.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,8 +77,9 @@ class Restored:
 class CheckpointManager:
     """Save every N steps (asynchronously on a process group of its own), keep the last K."""
 
-    def __init__(self, root: Path, *, rank: int, world_size: int, keep: int = 3,
-                 async_save: bool = True) -> None:
+    def __init__(
+        self, root: Path, *, rank: int, world_size: int, keep: int = 3, async_save: bool = True
+    ) -> None:
         self.root = Path(root)
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.async_save = async_save and dist.is_initialized()
@@ -87,8 +89,9 @@ class CheckpointManager:
         self.root.mkdir(parents=True, exist_ok=True)
 
     # --- saving -------------------------------------------------------------------------
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             local: dict[str, Any]) -> None:
+    def save(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, local: dict[str, Any]
+    ) -> None:
         """Checkpoint the state after `step` steps. Returns once the state is staged."""
         self.wait()
         partial = self.root / f".step_{step:08d}.partial"
@@ -101,8 +104,9 @@ class CheckpointManager:
         torch.save(local, partial / f"local_rank{self.rank}.pt")
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
-            self._pending = threading.Thread(target=self._finish, args=(step, partial, future),
-                                             name="meshscope-ckpt", daemon=True)
+            self._pending = threading.Thread(
+                target=self._finish, args=(step, partial, future), name="meshscope-ckpt", daemon=True
+            )
             self._pending.start()
         else:
             dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
@@ -134,7 +138,7 @@ class CheckpointManager:
             self._pending = None
 
     def _prune(self) -> None:
-        for old in self.checkpoints()[:-self.keep]:
+        for old in self.checkpoints()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     def _barrier(self) -> None:
@@ -157,8 +161,9 @@ class CheckpointManager:
                 refused.append(str(err))
         return None, refused
 
-    def restore(self, model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer) -> tuple[Restored | None, list[str]]:
+    def restore(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[Restored | None, list[str]]:
         """Load the newest valid checkpoint into model and optimizer.
 
         Returns (what was restored or None, reasons newer checkpoints were refused)."""
@@ -169,10 +174,8 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        return Restored(step=manifest["step"], path=path,
-                        world_size=manifest["world_size"]), refused
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return Restored(step=manifest["step"], path=path, world_size=manifest["world_size"]), refused
 
     def local_state(self, restored: Restored) -> dict[str, Any] | None:
         """This rank's local state, when the checkpoint was written at the same world size."""

@@ -3,6 +3,7 @@
 Each is a `HookSpec`: the hook, its state, and how many bytes it puts on the wire per bucket,
 counted the same way for all (see collector.comm). The Monitor wraps the hook with timing.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,8 +35,7 @@ def fp16_wire_bytes(state: Any, bucket: dist.GradBucket, world_size: int) -> int
     return allreduce_sent_bytes(bucket_bytes(bucket) // 2, world_size)
 
 
-def powersgd_wire_bytes(state: powersgd.PowerSGDState, bucket: dist.GradBucket,
-                        world_size: int) -> int:
+def powersgd_wire_bytes(state: powersgd.PowerSGDState, bucket: dist.GradBucket, world_size: int) -> int:
     """Mirror torch's PowerSGD: plain all-reduce while warming up; then P and Q all-reduces for
     the matrices worth compressing, and one all-reduce of everything else."""
     if state.iter < state.start_powerSGD_iter:
@@ -49,13 +49,15 @@ def powersgd_wire_bytes(state: powersgd.PowerSGDState, bucket: dist.GradBucket,
             continue
         rows, cols = grad.shape[0], grad.numel() // grad.shape[0]
         compress, uncompressed, compressed = powersgd._should_compress(
-            rows, cols, rank, state.min_compression_rate)
+            rows, cols, rank, state.min_compression_rate
+        )
         payload += (compressed if compress else uncompressed) * size
     return allreduce_sent_bytes(payload, world_size)
 
 
-def build_hook(name: str, *, process_group: Any = None, powersgd_rank: int = 4,
-               seed: int = 0, warmup_steps: int = 0) -> HookSpec:
+def build_hook(
+    name: str, *, process_group: Any = None, powersgd_rank: int = 4, seed: int = 0, warmup_steps: int = 0
+) -> HookSpec:
     """The communication hook called `name` (the `train.compression` values)."""
     if name == "none":  # the Monitor's own timed all-reduce: the cheapest way to time it
         return HookSpec(name, None, process_group, allreduce_wire_bytes)
@@ -63,9 +65,14 @@ def build_hook(name: str, *, process_group: Any = None, powersgd_rank: int = 4,
         return HookSpec(name, default_hooks.fp16_compress_hook, process_group, fp16_wire_bytes)
     if name == "powersgd":
         state = powersgd.PowerSGDState(
-            process_group=process_group, matrix_approximation_rank=powersgd_rank,
-            start_powerSGD_iter=max(2, warmup_steps), min_compression_rate=2, use_error_feedback=True,
-            warm_start=True, random_seed=seed)
+            process_group=process_group,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=max(2, warmup_steps),
+            min_compression_rate=2,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=seed,
+        )
         hook = serial_hook(wait_for(powersgd.powerSGD_hook), "powersgd")  # see trainer/serial.py
         return HookSpec(name, hook, state, powersgd_wire_bytes)
     if name == "onebit":

@@ -2,6 +2,7 @@
 
 A bad value raises `ConfigError` whose message names the field (e.g. `train.steps`).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,13 @@ class ModelConfig(_Strict):
     capacity_factor: float = Field(1.25, gt=0, description="expert capacity = factor x fair share")
     ffn_mult: int = Field(2, gt=0, description="expert hidden size = ffn_mult x d_model")
     aux_loss_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss")
-    router_skew: float = Field(0.0, ge=0, le=20, description="logit added to expert 0 in every "
-                               "router: a router that prefers one expert, for experiments")
+    router_skew: float = Field(
+        0.0,
+        ge=0,
+        le=20,
+        description="logit added to expert 0 in every "
+        "router: a router that prefers one expert, for experiments",
+    )
     z_loss_coef: float = Field(0.001, ge=0, description="weight of the router z-loss")
 
     @model_validator(mode="after")
@@ -68,7 +74,8 @@ class TrainConfig(_Strict):
     compression: Compression = Field("none", description="gradient compression hook")
     powersgd_rank: int = Field(4, gt=0, description="matrix approximation rank of PowerSGD")
     compression_warmup: int = Field(
-        0, ge=0, description="steps of plain all-reduce before powersgd/onebit compress")
+        0, ge=0, description="steps of plain all-reduce before powersgd/onebit compress"
+    )
     overlap: bool = Field(True, description="bucketed all-reduce overlapping backward")
     bucket_cap_mb: float = Field(1.0, gt=0, description="DDP bucket size when overlapping")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
@@ -86,12 +93,16 @@ class ElasticConfig(_Strict):
     rdzv_endpoint: str = Field("", description="c10d rendezvous host:port for several agents")
     rdzv_id: str = Field("", description="rendezvous id shared by the agents (default: run id)")
     last_call_s: float = Field(
-        3.0, gt=0, description="after MIN agents joined, wait this long for more (rendezvous)")
+        3.0, gt=0, description="after MIN agents joined, wait this long for more (rendezvous)"
+    )
     warm_standby: bool = Field(
-        True, description="fork workers from a pre-imported zygote: restarts skip ~4 s of imports")
+        True, description="fork workers from a pre-imported zygote: restarts skip ~4 s of imports"
+    )
     rdzv_external: bool = Field(
-        False, description="the rendezvous store is hosted elsewhere (`meshscope rendezvous`), "
-                           "so the job outlives any one agent")
+        False,
+        description="the rendezvous store is hosted elsewhere (`meshscope rendezvous`), "
+        "so the job outlives any one agent",
+    )
 
     @field_validator("nnodes")
     @classmethod
@@ -107,8 +118,10 @@ class AlertsConfig(_Strict):
     Secrets stay in files (or MESHSCOPE_SLACK_WEBHOOK), never in the config."""
 
     mode: Literal["auto", "alertmanager", "embedded"] = Field(
-        "auto", description="auto: through Alertmanager when a `meshscope stack` watches the runs "
-                            "folder, else from the run itself")
+        "auto",
+        description="auto: through Alertmanager when a `meshscope stack` watches the runs "
+        "folder, else from the run itself",
+    )
     slack_webhook_file: Path | None = Field(None, description="file holding a Slack webhook URL")
     email_to: str = Field("", description="alert recipients, a@x,b@y (empty: no email)")
     smtp: str = Field("127.0.0.1:25", description="SMTP host:port for email alerts")
@@ -116,8 +129,9 @@ class AlertsConfig(_Strict):
     smtp_user: str | None = Field(None, description="SMTP login")
     smtp_password_file: Path | None = Field(None, description="file holding the SMTP password")
     smtp_tls: bool = Field(True, description="require STARTTLS for email (as `stack up` does)")
-    stack_home: Path = Field(Path(".meshscope/stack"),
-                             description="where `meshscope stack up` keeps its state")
+    stack_home: Path = Field(
+        Path(".meshscope/stack"), description="where `meshscope stack up` keeps its state"
+    )
 
 
 class RunConfig(_Strict):
@@ -127,27 +141,43 @@ class RunConfig(_Strict):
     runs_root: Path = Field(Path("runs"), description="runs are created under this folder")
     device: DeviceKind = Field("auto", description="auto = npu, else cuda, else cpu")
     backend: BackendKind = Field(
-        "auto", description="collective backend: auto = the device's (hccl, nccl, gloo); "
-                            "gloo lets several ranks share one accelerator")
+        "auto",
+        description="collective backend: auto = the device's (hccl, nccl, gloo); "
+        "gloo lets several ranks share one accelerator",
+    )
     nproc: int = Field(4, gt=0, description="worker processes on this node")
     metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
-    expert_every: int = Field(MonitorConfig.expert_every, gt=0,
-                              description="sum expert load over ranks every N steps (an expert "
-                                          "alarm can come up to N-1 steps after the fault)")
-    control_every: int = Field(10, gt=0, description="read approved changes (router bias, "
-                               "aux-loss coefficient, capacity) every N steps")
+    expert_every: int = Field(
+        MonitorConfig.expert_every,
+        gt=0,
+        description="sum expert load over ranks every N steps (an expert "
+        "alarm can come up to N-1 steps after the fault)",
+    )
+    control_every: int = Field(
+        10,
+        gt=0,
+        description="read approved changes (router bias, aux-loss coefficient, capacity) every N steps",
+    )
     comm_sample_every: int = Field(
-        MonitorConfig.comm_sample_every, gt=0,
+        MonitorConfig.comm_sample_every,
+        gt=0,
         description="time gradient buckets on one step in N (the wait for communication is "
-                    "measured every step)")
+        "measured every step)",
+    )
     linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
-    view_url: str = Field("http://127.0.0.1:8501", pattern=r"^https?://\S+$",
-                          description="the root-cause view (`meshscope view`) alerts link to")
+    view_url: str = Field(
+        "http://127.0.0.1:8501",
+        pattern=r"^https?://\S+$",
+        description="the root-cause view (`meshscope view`) alerts link to",
+    )
     trace: TraceMode = Field(
-        "nonfinite", description="tensor tracer: off | nonfinite (first non-finite module, every "
-                                 "step) | stats (+ per-module statistics) | full (+ snapshots)")
-    inject: list[str] = Field(default_factory=list,
-                              description="faults to inject: KIND@step=S,rank=R[,steps=N][,k=v]")
+        "nonfinite",
+        description="tensor tracer: off | nonfinite (first non-finite module, every "
+        "step) | stats (+ per-module statistics) | full (+ snapshots)",
+    )
+    inject: list[str] = Field(
+        default_factory=list, description="faults to inject: KIND@step=S,rank=R[,steps=N][,k=v]"
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
@@ -156,6 +186,7 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _injections(self) -> RunConfig:
         from trainer.inject import InjectionError, parse_injection
+
         for spec in self.inject:
             try:
                 parse_injection(spec)
@@ -200,8 +231,9 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         except OSError as err:
             raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
         except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at "
-                              f"offset {err.start})") from None
+            raise ConfigError(
+                f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start})"
+            ) from None
         try:
             data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:

@@ -11,6 +11,7 @@ The aux-loss-free bias update (DeepSeek-V3: b_e += γ·sign(mean load − load_e
 rank from the expert load the Monitor already sums over ranks, on the device: no extra
 collective, no readback, and identical biases everywhere.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,17 @@ _HEADER = 4  # id, kind code, layer, number of values
 class ControlApplier:
     """Reads, agrees on and applies approved changes; updates routing biases from loads."""
 
-    def __init__(self, model: torch.nn.Module, mon: Monitor, run_dir: Path, *, rank: int,
-                 every: int, plane: ControlPlane | None, expert_every: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mon: Monitor,
+        run_dir: Path,
+        *,
+        rank: int,
+        every: int,
+        plane: ControlPlane | None,
+        expert_every: int,
+    ) -> None:
         self.model, self.mon, self.run_dir = model, mon, Path(run_dir)
         self.rank, self.every, self.plane = rank, every, plane
         self.expert_every = expert_every
@@ -45,8 +55,9 @@ class ControlApplier:
         rows = controls.load_controls(self.run_dir)
         for _, row in rows[rows["status"] == "applied"].iterrows():
             try:
-                change = ControlChange.parse({"kind": row["kind"], "layer": int(row["layer"]),
-                                              "values": row["payload"]})
+                change = ControlChange.parse(
+                    {"kind": row["kind"], "layer": int(row["layer"]), "values": row["payload"]}
+                )
                 self._set(change, self._targets(change.layer))
             except (controls.ControlError, ValueError):
                 continue
@@ -59,8 +70,9 @@ class ControlApplier:
         header = torch.zeros(_HEADER, dtype=torch.float64)
         if found:
             cid, change = found[0]
-            header[:] = torch.tensor([cid, KIND_CODES.get(change.kind, 0), change.layer,
-                                      len(change.values)], dtype=torch.float64)
+            header[:] = torch.tensor(
+                [cid, KIND_CODES.get(change.kind, 0), change.layer, len(change.values)], dtype=torch.float64
+            )
         values = self._agree(header, found[0][1].values if found else [])
         if values is None:
             return
@@ -72,8 +84,7 @@ class ControlApplier:
             self.plane.broadcast(header, src=0)
         if int(header[0]) == 0:
             return None
-        payload = torch.tensor(values if self.rank == 0 else [0.0] * int(header[3]),
-                               dtype=torch.float64)
+        payload = torch.tensor(values if self.rank == 0 else [0.0] * int(header[3]), dtype=torch.float64)
         if self.plane is not None:
             self.plane.broadcast(payload, src=0)
         return payload.tolist()
@@ -115,8 +126,10 @@ class ControlApplier:
         old, new = {}, {}
         for i in targets:
             router = self.layers[i].router
-            old[i] = {"rate": router.bias_rate, "bias": None if router.routing_bias is None
-                      else router.routing_bias.tolist()}  # a change is rare: one readback
+            old[i] = {
+                "rate": router.bias_rate,
+                "bias": None if router.routing_bias is None else router.routing_bias.tolist(),
+            }  # a change is rare: one readback
             device = router.gate.weight.device
             router.routing_bias = torch.tensor(bias, dtype=torch.float32, device=device)
             router.bias_rate = rate
@@ -127,9 +140,12 @@ class ControlApplier:
         if self.rank != 0:
             return
         controls.settle(self.run_dir, cid, status=status, step=step, old=old, new=new, note=note)
-        self.mon.event("suggestion_applied", severity="info" if status == "applied" else
-                       "warning", step=step, detail={"control": cid, "status": status,
-                                                     "old": old, "new": new, "note": note})
+        self.mon.event(
+            "suggestion_applied",
+            severity="info" if status == "applied" else "warning",
+            step=step,
+            detail={"control": cid, "status": status, "old": old, "new": new, "note": note},
+        )
 
     # --- aux-loss-free bias ---------------------------------------------------------------
     def _update_biases(self, step: int, load: torch.Tensor) -> None:
@@ -140,5 +156,4 @@ class ControlApplier:
                 continue
             counts = load[i].to(router.routing_bias.device, torch.float32)
             push = torch.sign(counts.mean() - counts) * (router.bias_rate * self.expert_every)
-            router.routing_bias = (router.routing_bias + push).clamp(-BOUNDS.bias_max,
-                                                                     BOUNDS.bias_max)
+            router.routing_bias = (router.routing_bias + push).clamp(-BOUNDS.bias_max, BOUNDS.bias_max)

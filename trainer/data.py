@@ -4,14 +4,24 @@ Tokens follow a fixed sparse Markov chain (each token has `branching` likely suc
 loss falls from log(vocab) toward log(branching). Batch (step, rank) is a pure function of the
 seed: resuming from a step needs no state, and a changed world size re-shards cleanly.
 """
+
 from __future__ import annotations
 
 import torch
 
 
 class SyntheticTokens:
-    def __init__(self, *, vocab_size: int, seq_len: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, branching: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        branching: int = 4,
+    ) -> None:
         self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         chain = torch.Generator().manual_seed(seed)

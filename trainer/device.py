@@ -7,6 +7,7 @@ The backend defaults to the device's own (hccl, nccl, gloo); gloo may also carry
 tensors, which is how several ranks share one device (nccl and hccl refuse two ranks on one
 device). Ascend mirrors CUDA here: events, memory, set_device, synchronize through `torch.npu`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -111,9 +112,11 @@ class AcceleratorProbe:
         return max(0.0, start.elapsed_time(end) / 1000.0)
 
     def memory(self) -> dict[str, int]:
-        return {"allocated": int(self._module.memory_allocated(self._index)),
-                "reserved": int(self._module.memory_reserved(self._index)),
-                "rss": host_rss_bytes()}
+        return {
+            "allocated": int(self._module.memory_allocated(self._index)),
+            "reserved": int(self._module.memory_reserved(self._index)),
+            "rss": host_rss_bytes(),
+        }
 
 
 def available_kinds() -> list[str]:
@@ -131,8 +134,8 @@ def resolve_backend(kind: str, requested: str = "auto") -> str:
         return BACKENDS[kind]
     if requested not in COMPATIBLE[kind]:
         raise DeviceUnavailable(
-            f"--backend {requested}: cannot carry {kind} tensors (use "
-            f"{' or '.join(COMPATIBLE[kind])})")
+            f"--backend {requested}: cannot carry {kind} tensors (use {' or '.join(COMPATIBLE[kind])})"
+        )
     return requested
 
 
@@ -150,7 +153,8 @@ def check_placement(kind: str, backend: str, nproc: int) -> None:
         raise DeviceUnavailable(
             f"--nproc {nproc} on {backend} needs {nproc} visible {kind} devices, {count} "
             f"{'is' if count == 1 else 'are'} visible ({backend} refuses two ranks on one "
-            f"device): use --nproc {count}, or --backend gloo to share devices")
+            f"device): use --nproc {count}, or --backend gloo to share devices"
+        )
 
 
 def resolve_device(requested: str = "auto", local_rank: int = 0, backend: str = "auto") -> Device:
@@ -163,7 +167,8 @@ def resolve_device(requested: str = "auto", local_rank: int = 0, backend: str = 
         if _torch_npu() is None:
             raise DeviceUnavailable(
                 "--device npu: torch_npu is not importable here (install torch_npu with Ascend's "
-                "CANN toolkit, or use --device cpu / cuda)")
+                "CANN toolkit, or use --device cpu / cuda)"
+            )
         count = npu_count()
     elif requested == "cuda":
         count = cuda_count()

@@ -4,6 +4,7 @@ Events written here: `restart` (a new torchrun attempt), `fault` (the rank of th
 attempt that died, or a peer found dead by heartbeats), `resume` (from which checkpoint, steps
 lost), `checkpoint` (refused ones, with the reason).
 """
+
 from __future__ import annotations
 
 import os
@@ -55,17 +56,31 @@ def attempt_id(env: DistEnv) -> int:
 
 
 class ElasticRun:
-    def __init__(self, cfg: RunConfig, env: DistEnv, mon: Monitor,
-                 started_at: float | None = None, control: ControlPlane | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        env: DistEnv,
+        mon: Monitor,
+        started_at: float | None = None,
+        control: ControlPlane | None = None,
+    ) -> None:
         self.cfg, self.env, self.mon = cfg, env, mon
         self.control = control
         self._stop_flag = LateFlag(control) if control is not None else None
         self.stop_requested = False
         self.store = connect_store(*heartbeat_endpoint(cfg, env)) if env.torchrun else None
         every = cfg.elastic.checkpoint_every
-        self.ckpt = CheckpointManager(cfg.run_dir / "checkpoints", rank=env.rank,
-                                      world_size=env.world_size, keep=cfg.elastic.keep,
-                                      async_save=cfg.elastic.async_checkpoint) if every else None
+        self.ckpt = (
+            CheckpointManager(
+                cfg.run_dir / "checkpoints",
+                rank=env.rank,
+                world_size=env.world_size,
+                keep=cfg.elastic.keep,
+                async_save=cfg.elastic.async_checkpoint,
+            )
+            if every
+            else None
+        )
         self.heartbeat: Heartbeat | None = None
         self.watchers: list[Any] = []
         self._fault_time: float | None = None
@@ -82,8 +97,12 @@ class ElasticRun:
             self._report_previous_attempt()
             interval = self.cfg.elastic.heartbeat_s
             self.heartbeat = Heartbeat(
-                self.store, rank=self.env.rank, world_size=self.env.world_size,
-                attempt=self.round, interval_s=interval).start()
+                self.store,
+                rank=self.env.rank,
+                world_size=self.env.world_size,
+                attempt=self.round,
+                interval_s=interval,
+            ).start()
             self.watchers = self._watchers(interval)
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -105,14 +124,24 @@ class ElasticRun:
         marks = exit_marks(self.store, attempt - 1, then)
         self._fault_time = min(marks.values()) if marks else time.time()
         if self.env.rank == 0:
-            self.mon.event("restart", severity="warning", detail={
-                "attempt": attempt, "world_size": self.env.world_size})
+            self.mon.event(
+                "restart", severity="warning", detail={"attempt": attempt, "world_size": self.env.world_size}
+            )
             for f in failures:
                 self.mon.metrics.faults.labels(kind="dead_rank").inc()
-                self.mon.event("fault", severity="critical", step=f.last_step, detail={
-                    "type": "dead_rank", "rank": f.rank, "attempt": attempt - 1,
-                    "last_seen": f.last_seen, "detected_at": self._fault_time,
-                    "how": "no exit mark: the process died without being stopped"})
+                self.mon.event(
+                    "fault",
+                    severity="critical",
+                    step=f.last_step,
+                    detail={
+                        "type": "dead_rank",
+                        "rank": f.rank,
+                        "attempt": attempt - 1,
+                        "last_seen": f.last_seen,
+                        "detected_at": self._fault_time,
+                        "how": "no exit mark: the process died without being stopped",
+                    },
+                )
 
     def _watchers(self, interval: float) -> list[Any]:
         """The node's watcher on local rank 0, the job's on rank 0 when there are several
@@ -120,23 +149,46 @@ class ElasticRun:
         env, out = self.env, []
         per_node = env.local_world_size
         if env.local_rank == 0:
-            out.append(NodeWatch(connect_store(*heartbeat_endpoint(self.cfg, env)),
-                                 attempt=self.round, node=env.rank // per_node,
-                                 ranks=env.local_ranks(), interval_s=interval,
-                                 on_dead=self._peer_dead, on_age=self._peer_age).start())
+            out.append(
+                NodeWatch(
+                    connect_store(*heartbeat_endpoint(self.cfg, env)),
+                    attempt=self.round,
+                    node=env.rank // per_node,
+                    ranks=env.local_ranks(),
+                    interval_s=interval,
+                    on_dead=self._peer_dead,
+                    on_age=self._peer_age,
+                ).start()
+            )
         if env.rank == 0 and env.world_size > per_node:
-            nodes = {n: list(range(n * per_node, min((n + 1) * per_node, env.world_size)))
-                     for n in range(-(-env.world_size // per_node))}
-            out.append(JobWatch(connect_store(*heartbeat_endpoint(self.cfg, env)),
-                                attempt=self.round, nodes=nodes, interval_s=interval,
-                                on_dead=self._peer_dead).start())
+            nodes = {
+                n: list(range(n * per_node, min((n + 1) * per_node, env.world_size)))
+                for n in range(-(-env.world_size // per_node))
+            }
+            out.append(
+                JobWatch(
+                    connect_store(*heartbeat_endpoint(self.cfg, env)),
+                    attempt=self.round,
+                    nodes=nodes,
+                    interval_s=interval,
+                    on_dead=self._peer_dead,
+                ).start()
+            )
         return out
 
     def _peer_dead(self, peer: int, age: float, step: int) -> None:
         self.mon.metrics.faults.labels(kind="dead_rank").inc()
-        self.mon.event("fault", severity="critical", step=step, detail={
-            "type": "dead_rank", "rank": peer, "heartbeat_age_s": round(age, 3),
-            "how": "heartbeat stopped"})
+        self.mon.event(
+            "fault",
+            severity="critical",
+            step=step,
+            detail={
+                "type": "dead_rank",
+                "rank": peer,
+                "heartbeat_age_s": round(age, 3),
+                "how": "heartbeat stopped",
+            },
+        )
         self.mon.store.flush()
 
     def _peer_age(self, peer: int, age: float | None) -> None:
@@ -176,13 +228,23 @@ class ElasticRun:
         self._resumed_at = restored.step
         if self.env.rank == 0:
             recorded = self._last_recorded_step()
-            self.mon.event("resume", severity="warning", step=restored.step, detail={
-                "checkpoint": restored.path.name, "from_step": restored.step,
-                "steps_lost": max(0, recorded + 1 - restored.step),
-                "world_size_then": restored.world_size, "world_size_now": self.env.world_size,
-                # where a recovery's time goes (benchmarks/fault_recovery.py reads these)
-                "detected_at": self._fault_time, "process_started_at": self.started_at,
-                "group_ready_at": self.group_ready_at, "restored_at": time.time()})
+            self.mon.event(
+                "resume",
+                severity="warning",
+                step=restored.step,
+                detail={
+                    "checkpoint": restored.path.name,
+                    "from_step": restored.step,
+                    "steps_lost": max(0, recorded + 1 - restored.step),
+                    "world_size_then": restored.world_size,
+                    "world_size_now": self.env.world_size,
+                    # where a recovery's time goes (benchmarks/fault_recovery.py reads these)
+                    "detected_at": self._fault_time,
+                    "process_started_at": self.started_at,
+                    "group_ready_at": self.group_ready_at,
+                    "restored_at": time.time(),
+                },
+            )
 
     def _last_recorded_step(self) -> int:
         try:
@@ -204,8 +266,11 @@ class ElasticRun:
     def after_step(self, state: Any) -> None:
         if self.heartbeat is not None:
             self.heartbeat.step = state.step
-        if self._fault_time is not None and self._resumed_at is not None \
-                and state.step == self._resumed_at + 1:
+        if (
+            self._fault_time is not None
+            and self._resumed_at is not None
+            and state.step == self._resumed_at + 1
+        ):
             self.mon.metrics.recovery.set(time.time() - self._fault_time)
 
     def agreed_stop(self) -> bool:

@@ -14,6 +14,7 @@ CUDA and Ascend's runtime cannot be used in a child forked after the parent init
 
 Each returns a sentence naming the cause, or None when forking is safe.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,12 @@ NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 # (module attribute path, function name): the entry points that initialise a device runtime.
 _ENTRY_POINTS = (
-    ("cuda", "_lazy_init"), ("cuda", "init"),
-    ("_C", "_cuda_getDeviceCount"), ("_C", "_cuda_init"),
-    ("npu", "_lazy_init"), ("npu", "init"),
+    ("cuda", "_lazy_init"),
+    ("cuda", "init"),
+    ("_C", "_cuda_getDeviceCount"),
+    ("_C", "_cuda_init"),
+    ("npu", "_lazy_init"),
+    ("npu", "init"),
 )
 
 
@@ -113,5 +117,6 @@ def probe_fork() -> str | None:
     _, status = os.waitpid(pid, 0)
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
         return None
-    return ("a forked child cannot use its accelerator (the parent initialised the device "
-            "runtime below Python)")
+    return (
+        "a forked child cannot use its accelerator (the parent initialised the device runtime below Python)"
+    )

@@ -14,6 +14,7 @@ Survivors that torchrun stops write an exit mark on SIGTERM; a rank of a previou
 a beat but no exit mark died abruptly: that is how a restarted attempt names the rank that
 failed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -95,8 +96,9 @@ class Heartbeat:
     """This rank's beat: one store write per interval, from a thread. Ranks never read their
     peers' beats (that was N x N reads per interval); the watchers below do, O(N) in all."""
 
-    def __init__(self, store: dist.Store, *, rank: int, world_size: int, attempt: int,
-                 interval_s: float = 1.0) -> None:
+    def __init__(
+        self, store: dist.Store, *, rank: int, world_size: int, attempt: int, interval_s: float = 1.0
+    ) -> None:
         self.store, self.rank, self.world, self.attempt = store, rank, world_size, attempt
         self.interval = interval_s
         self.step = -1
@@ -189,18 +191,28 @@ class NodeWatch(_Watcher):
     own ranks only (and drops a departed rank's series), and writes the node's summary for
     the job's watcher: one read and one write per interval, whatever the job's size."""
 
-    def __init__(self, store: dist.Store, *, attempt: int, node: int, ranks: list[int],
-                 interval_s: float = 1.0,
-                 on_dead: Callable[[int, float, int], None] = lambda r, age, step: None,
-                 on_age: Callable[[int, float | None], None] = lambda r, age: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        attempt: int,
+        node: int,
+        ranks: list[int],
+        interval_s: float = 1.0,
+        on_dead: Callable[[int, float, int], None] = lambda r, age, step: None,
+        on_age: Callable[[int, float | None], None] = lambda r, age: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(interval_s, clock, "meshscope-node-watch")
         self.store, self.attempt, self.node, self.ranks = store, attempt, node, ranks
         self.on_dead, self.on_age = on_dead, on_age
 
     def look(self) -> None:
-        beats = self.store.multi_get([hb_key(self.attempt, r) for r in self.ranks]) \
-            if _all_set(self.store, [hb_key(self.attempt, r) for r in self.ranks]) else None
+        beats = (
+            self.store.multi_get([hb_key(self.attempt, r) for r in self.ranks])
+            if _all_set(self.store, [hb_key(self.attempt, r) for r in self.ranks])
+            else None
+        )
         if beats is None:
             return  # a rank has not beaten yet: it is still starting
         dead = {}
@@ -215,8 +227,9 @@ class NodeWatch(_Watcher):
                 self.on_age(rank, None)  # departed: its series goes
             else:
                 self.on_age(rank, age)
-        self.store.set(node_key(self.attempt, self.node),
-                       f"{time.time()} {','.join(map(str, sorted(self.reported)))}")
+        self.store.set(
+            node_key(self.attempt, self.node), f"{time.time()} {','.join(map(str, sorted(self.reported)))}"
+        )
 
 
 class JobWatch(_Watcher):
@@ -224,10 +237,16 @@ class JobWatch(_Watcher):
     `multi_get`; a node whose summary stopped changing lost its watcher (the node or its
     local rank 0 died): its ranks are reported dead unless they left on purpose."""
 
-    def __init__(self, store: dist.Store, *, attempt: int, nodes: dict[int, list[int]],
-                 interval_s: float = 1.0,
-                 on_dead: Callable[[int, float, int], None] = lambda r, age, step: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        attempt: int,
+        nodes: dict[int, list[int]],
+        interval_s: float = 1.0,
+        on_dead: Callable[[int, float, int], None] = lambda r, age, step: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(interval_s, clock, "meshscope-job-watch")
         self.store, self.attempt, self.nodes = store, attempt, nodes
         self.on_dead = on_dead

@@ -12,6 +12,7 @@ collapse acts on every rank (the router is replicated, so a real collapse does t
 only says which rank reports it. Every injection writes an `injected` event when it starts
 (the ground truth detectors are scored against) and fires once per run, also across restarts.
 """
+
 from __future__ import annotations
 
 import collections
@@ -70,8 +71,9 @@ def parse_injection(spec: str) -> Injection:
     """`slow@step=20,rank=1,steps=10,factor=3` -> Injection."""
     kind, sep, rest = spec.partition("@")
     if not sep or kind not in KINDS:
-        raise InjectionError(f"--inject {spec!r}: expected KIND@step=S,rank=R[,...] with KIND one "
-                             f"of {', '.join(KINDS)}")
+        raise InjectionError(
+            f"--inject {spec!r}: expected KIND@step=S,rank=R[,...] with KIND one of {', '.join(KINDS)}"
+        )
     fields: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -81,8 +83,9 @@ def parse_injection(spec: str) -> Injection:
             continue
         if key in CHOICES:
             if value not in CHOICES[key]:
-                raise InjectionError(f"--inject {spec!r}: {key}= takes one of "
-                                     f"{', '.join(CHOICES[key])}, not {value!r}")
+                raise InjectionError(
+                    f"--inject {spec!r}: {key}= takes one of {', '.join(CHOICES[key])}, not {value!r}"
+                )
             fields[key] = value
             continue
         try:
@@ -96,8 +99,10 @@ def parse_injection(spec: str) -> Injection:
             raise InjectionError(f"--inject {spec!r}: {required}= is required")
     unknown = set(fields) - {"step", "rank", "steps"} - set(KINDS[kind])
     if unknown:
-        raise InjectionError(f"--inject {spec!r}: unknown parameter(s) {sorted(unknown)} for "
-                             f"{kind} (allowed: steps, {', '.join(KINDS[kind]) or 'none'})")
+        raise InjectionError(
+            f"--inject {spec!r}: unknown parameter(s) {sorted(unknown)} for "
+            f"{kind} (allowed: steps, {', '.join(KINDS[kind]) or 'none'})"
+        )
     steps = int(fields.pop("steps", 1))
     if steps < 1 or fields["step"] < 0 or fields["rank"] < 0:
         raise InjectionError(f"--inject {spec!r}: step, rank must be >= 0 and steps >= 1")
@@ -112,16 +117,22 @@ class Injector:
     by earlier attempts (read from the store), so a resumed run is not killed again.
     """
 
-    def __init__(self, injections: Iterable[Injection], rank: int,
-                 report: Callable[[Injection, int], None], already_fired: set[str] | None = None,
-                 flush: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        injections: Iterable[Injection],
+        rank: int,
+        report: Callable[[Injection, int], None],
+        already_fired: set[str] | None = None,
+        flush: Callable[[], None] = lambda: None,
+    ) -> None:
         injections = list(injections)
         self.mine = [i for i in injections if i.rank == rank]
         # The router is replicated: a collapse happens on every rank at once (reported by one).
         self.collapses = [i for i in injections if i.kind == "expert_collapse"]
         # A token exchange with wrong splits needs every rank in the exchange.
-        self.exchanges = [i for i in injections if i.kind == "collective_mismatch"
-                          and i.param("what") == "split"]
+        self.exchanges = [
+            i for i in injections if i.kind == "collective_mismatch" and i.param("what") == "split"
+        ]
         self._broken_step = -1
         self.rank = rank
         self._report, self._flush = report, flush
@@ -144,8 +155,17 @@ class Injector:
     def _active(self, kind: str, step: int) -> Injection | None:
         """The injection of `kind` acting now: started by this attempt (a resumed run replays
         its steps without the fault that made it restart)."""
-        return next((i for i in self.mine if i.kind == kind and i.active(step, self.rank)
-                     and i.key in self._fired and i.key not in self._fired_before), None)
+        return next(
+            (
+                i
+                for i in self.mine
+                if i.kind == kind
+                and i.active(step, self.rank)
+                and i.key in self._fired
+                and i.key not in self._fired_before
+            ),
+            None,
+        )
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
         """Start injections; kill and hang act here, the rest shape the step."""
@@ -161,8 +181,7 @@ class Injector:
         leak = self._active("memory_leak", step)
         if leak is not None:  # on the model's device: a GPU leak shows in allocated memory
             device = next(model.parameters()).device
-            self._leak.append(torch.ones(int(leak.param("mb_per_step") * (1 << 20) // 4),
-                                         device=device))
+            self._leak.append(torch.ones(int(leak.param("mb_per_step") * (1 << 20) // 4), device=device))
 
     def _route(self, step: int, model: torch.nn.Module) -> None:
         collapse = next((i for i in self.collapses if i.step <= step < i.step + i.steps), None)
@@ -190,8 +209,9 @@ class Injector:
                 module = model.get_submodule(path)
             except AttributeError:
                 names = [n for n, _ in model.named_modules() if n][:12]
-                raise InjectionError(f"--inject nan: no module {path!r} in the model (some: "
-                                     f"{', '.join(names)})") from None
+                raise InjectionError(
+                    f"--inject nan: no module {path!r} in the model (some: {', '.join(names)})"
+                ) from None
             if inj.param("where") == "backward":
                 module.register_full_backward_hook(self._poison_gradient(inj), prepend=True)
             elif not any(True for _ in module.parameters()):
@@ -201,8 +221,8 @@ class Injector:
         def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> Any:
             if self._active("nan", self._step) is not inj:
                 return None
-            return tuple(g * float("nan") if isinstance(g, torch.Tensor) else g
-                         for g in grad_input)
+            return tuple(g * float("nan") if isinstance(g, torch.Tensor) else g for g in grad_input)
+
         return hook
 
     def _poison_output(self, inj: Injection) -> Callable[..., Any]:
@@ -210,6 +230,7 @@ class Injector:
             if self._active("nan", self._step) is not inj or not isinstance(output, torch.Tensor):
                 return None
             return output * float("nan")
+
         return hook
 
     def _poison_parameter(self, step: int, model: torch.nn.Module) -> None:
@@ -243,12 +264,12 @@ class Injector:
         delay = self._active("comm_delay", self._step)
         return delay.param("ms") / 1000 if delay is not None else 0.0
 
-
     @property
     def touches_collectives(self) -> bool:
         """Whether the gradient hook must be wrapped by `collective_fault_hook`."""
         return bool(self.exchanges) or any(
-            i.kind in ("skip_collective", "collective_mismatch") for i in self.mine)
+            i.kind in ("skip_collective", "collective_mismatch") for i in self.mine
+        )
 
     def collective_fault(self) -> tuple[str, Injection] | None:
         """What this bucket's collective must do wrong: ("skip" | shape | op | dtype | split)."""
@@ -257,8 +278,9 @@ class Injector:
             return "skip", self._active("skip_collective", step)
         if self._broken_step == step:
             return None  # one wrong collective per step: after it the group is broken anyway
-        exchange = next((i for i in self.exchanges if i.active(step, i.rank)
-                         and i.key not in self._fired_before), None)
+        exchange = next(
+            (i for i in self.exchanges if i.active(step, i.rank) and i.key not in self._fired_before), None
+        )
         mismatch = self._active("collective_mismatch", step) or exchange
         if mismatch is None:
             return None
@@ -301,8 +323,9 @@ def _exchange_tokens(buffer: torch.Tensor, *, wrong: bool) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     send = wrong_splits(rank, world) if wrong else [2] * world
     out = buffer.new_zeros(2 * world)
-    dist.all_to_all_single(out, buffer.new_ones(sum(send)), output_split_sizes=[2] * world,
-                           input_split_sizes=send)
+    dist.all_to_all_single(
+        out, buffer.new_ones(sum(send)), output_split_sizes=[2] * world, input_split_sizes=send
+    )
 
 
 def wrong_splits(rank: int, world: int, per_peer: int = 2) -> list[int]:

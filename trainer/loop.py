@@ -4,6 +4,7 @@ The step never waits for the device: inputs go up from pinned memory without blo
 non-finite update is skipped by the fused optimizer reading a device flag (`found_inf`, as AMP
 does), and the stop agreement is read a step late on the host (`ElasticRun.agreed_stop`).
 """
+
 from __future__ import annotations
 
 import time
@@ -41,8 +42,15 @@ class TrainState:
     inspector: Any = None  # tracer.GradientInspector, on rank 0
 
 
-def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size: int,
-          injector: Injector | None = None) -> TrainState:
+def build(
+    cfg: RunConfig,
+    device: Device,
+    mon: Monitor,
+    *,
+    rank: int,
+    world_size: int,
+    injector: Injector | None = None,
+) -> TrainState:
     """Model, DDP with the chosen hook (registered through the Monitor), optimizer and data."""
     torch.manual_seed(cfg.train.seed)  # same init on every rank; DDP also broadcasts it
     model = MoELM(cfg.model).to(device.torch_device)
@@ -50,10 +58,18 @@ def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size
         injector.arm(model)
     if world_size > 1:
         bucket_mb = cfg.train.bucket_cap_mb if cfg.train.overlap else NO_OVERLAP_BUCKET_MB
-        ddp = DDP(model, device_ids=None if device.kind == "cpu" else [device.index],
-                  bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
-        spec = build_hook(cfg.train.compression, powersgd_rank=cfg.train.powersgd_rank,
-                          seed=cfg.train.seed, warmup_steps=cfg.train.compression_warmup)
+        ddp = DDP(
+            model,
+            device_ids=None if device.kind == "cpu" else [device.index],
+            bucket_cap_mb=bucket_mb,
+            gradient_as_bucket_view=True,
+        )
+        spec = build_hook(
+            cfg.train.compression,
+            powersgd_rank=cfg.train.powersgd_rank,
+            seed=cfg.train.seed,
+            warmup_steps=cfg.train.compression_warmup,
+        )
         hook = spec.hook
         if injector is not None and any(i.kind == "comm_delay" for i in injector.mine):
             hook = delayed_hook(hook or flight_allreduce_hook, injector)
@@ -65,14 +81,18 @@ def build(cfg: RunConfig, device: Device, mon: Monitor, *, rank: int, world_size
         ddp, hook_state = model, None
         mon.watch(model)
     optimizer = build_optimizer(model, cfg, device)
-    data = SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len,
-                           batch_size=cfg.train.batch_size, seed=cfg.train.seed, rank=rank,
-                           world_size=world_size)
+    data = SyntheticTokens(
+        vocab_size=cfg.model.vocab_size,
+        seq_len=cfg.model.seq_len,
+        batch_size=cfg.train.batch_size,
+        seed=cfg.train.seed,
+        rank=rank,
+        world_size=world_size,
+    )
     return TrainState(model=model, ddp=ddp, optimizer=optimizer, data=data, hook_state=hook_state)
 
 
-def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
-               injector: Injector) -> None:
+def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device, injector: Injector) -> None:
     tokens = cfg.train.batch_size * cfg.model.seq_len
     injector.before_step(state.step, state.model)
     if state.tracer is not None:
@@ -114,8 +134,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device: Device) -> t
     """AdamW, fused where torch has fused kernels for the device: they can skip a step on a
     device flag, which the plain implementation cannot."""
     fused = device.kind in FUSED_DEVICES
-    return torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0,
-                             fused=fused or None)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0, fused=fused or None)
 
 
 def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
@@ -130,9 +149,15 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
         optimizer.step()
 
 
-def train(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device,
-          elastic: ElasticRun | None = None, injector: Injector | None = None,
-          applier: ControlApplier | None = None) -> str:
+def train(
+    state: TrainState,
+    mon: Monitor,
+    cfg: RunConfig,
+    device: Device,
+    elastic: ElasticRun | None = None,
+    injector: Injector | None = None,
+    applier: ControlApplier | None = None,
+) -> str:
     """Run to `train.steps`; returns "done", or "sigterm" when asked to stop."""
     injector = injector or Injector([], 0, lambda inj, step: None)
     while state.step < cfg.train.steps:

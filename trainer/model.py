@@ -8,6 +8,7 @@ Routing never waits for the device: static-capacity dispatch (every expert gets 
 matmul for all experts, counts by one-hot sums. No `nonzero`, boolean indexing, `bincount` or
 `.item()`: shapes depend on configuration only, so the host never reads a device value.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,10 @@ class Router(nn.Module):
         """x: [T, d] -> (weights [T, k], experts [T, k], aux loss, z loss)."""
         logits = self.gate(x).float()
         if self.skew:
-            logits = logits + F.one_hot(torch.zeros((), dtype=torch.long, device=x.device),
-                                        self.experts) * self.skew
+            logits = (
+                logits
+                + F.one_hot(torch.zeros((), dtype=torch.long, device=x.device), self.experts) * self.skew
+            )
         if self.logit_bias is not None:
             logits = logits + self.logit_bias
         probs = logits.softmax(dim=-1)

@@ -9,7 +9,6 @@ The pure functions (`compress`, `decompress`, `pack_signs`, ...) carry the algor
 is the thin distributed shell around them.
 """
 
-
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +34,9 @@ def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     return bits.reshape(-1).to(dtype) * 2 - 1
 
 
-def compress(x: torch.Tensor, block: int,
-             valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compress(
+    x: torch.Tensor, block: int, valid: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [m * block] -> (packed signs [m * block / 8], scales [m], decoded approximation).
 
     One scale (mean |value|) per block of `block` elements: a bucket mixes tensors whose
@@ -99,8 +99,7 @@ class OneBitState:
     server_error: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"worker": dict(self.worker_error), "server": dict(self.server_error),
-                "iter": self.iter}
+        return {"worker": dict(self.worker_error), "server": dict(self.server_error), "iter": self.iter}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.worker_error = dict(sd["worker"])
@@ -108,8 +107,9 @@ class OneBitState:
         self.iter = int(sd["iter"])
 
 
-def _with_error(state: OneBitState, store: dict[int, torch.Tensor], key: int,
-                x: torch.Tensor) -> torch.Tensor:
+def _with_error(
+    state: OneBitState, store: dict[int, torch.Tensor], key: int, x: torch.Tensor
+) -> torch.Tensor:
     if not state.error_feedback:
         return x
     err = store.get(key)
@@ -118,8 +118,13 @@ def _with_error(state: OneBitState, store: dict[int, torch.Tensor], key: int,
     return x + err
 
 
-def _keep_error(state: OneBitState, store: dict[int, torch.Tensor], key: int,
-                corrected: torch.Tensor, decoded: torch.Tensor) -> None:
+def _keep_error(
+    state: OneBitState,
+    store: dict[int, torch.Tensor],
+    key: int,
+    corrected: torch.Tensor,
+    decoded: torch.Tensor,
+) -> None:
     if state.error_feedback:
         store[key] = corrected - decoded
 
@@ -173,8 +178,7 @@ onebit_hook = serial_hook(onebit_bucket, "onebit")
 def onebit_wire_bytes(state: OneBitState, bucket: dist.GradBucket, world_size: int) -> int:
     """Bytes this rank sends for one bucket: the all-to-all of packed chunks, then the gather."""
     if state is not None and state.iter < state.warmup_steps:
-        return allreduce_sent_bytes(bucket.buffer().numel() * bucket.buffer().element_size(),
-                                    world_size)
+        return allreduce_sent_bytes(bucket.buffer().numel() * bucket.buffer().element_size(), world_size)
     block = state.block_size if state is not None else OneBitState.block_size
     chunk = padded_length(bucket.buffer().numel(), world_size, block) // world_size
     row = message_bytes(chunk, block)

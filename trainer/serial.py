@@ -7,6 +7,7 @@ different orders on different ranks. One thread per hook, taking buckets in the 
 launches them (the same on every rank), makes the order identical everywhere while backward
 keeps computing the next buckets.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,8 +37,11 @@ def serial_hook(work: Work, name: str = "comm") -> Callable[..., torch.futures.F
         return fut
 
     hook.__name__ = f"serial_{name}"
-    hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
-                            "return": torch.futures.Future[torch.Tensor]}
+    hook.__annotations__ = {
+        "state": object,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
     return hook
 
 

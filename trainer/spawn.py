@@ -5,6 +5,7 @@ mirrors the forked worker: signals go to it, and its exit status (or the signal 
 becomes ours, so torchrun sees exactly what the worker did. Without a reachable zygote it
 becomes the plain worker (`python -m trainer.worker`).
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ Parse, build, run, close. The launcher (meshscope run) writes the resolved confi
 `meshscope.worker`, which runs this with the tensor tracer wired in; `ENTRY_ENV` names the
 entry module for the warm standby and its fallback.
 """
+
 from __future__ import annotations
 
 import time
@@ -39,13 +40,18 @@ def init_process_group(env: DistEnv, backend: str) -> None:
     rank 0, and agents whose restart counts differ (a newcomer) still meet."""
     if not env.is_distributed:
         return
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                          is_master=not env.agent_store and env.rank == 0,
-                          timeout=timedelta(seconds=120))
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=not env.agent_store and env.rank == 0,
+        timeout=timedelta(seconds=120),
+    )
     if env.agent_store:
         store = dist.PrefixStore(f"attempt_{attempt_id(env)}_w{env.world_size}", store)
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=600)
+    )
 
 
 def fired_injections(cfg: RunConfig) -> set[str]:
@@ -60,12 +66,27 @@ def fired_injections(cfg: RunConfig) -> set[str]:
 def make_injector(cfg: RunConfig, env: DistEnv, mon: Monitor) -> Injector:
     def report(inj: Injection, step: int) -> None:
         mon.metrics.faults.labels(kind="injected").inc()
-        mon.event("injected", severity="warning", step=step, detail={
-            "key": inj.key, "kind": inj.kind, "rank": inj.rank, "start_step": inj.step,
-            "steps": inj.steps, "params": inj.params})
+        mon.event(
+            "injected",
+            severity="warning",
+            step=step,
+            detail={
+                "key": inj.key,
+                "kind": inj.kind,
+                "rank": inj.rank,
+                "start_step": inj.step,
+                "steps": inj.steps,
+                "params": inj.params,
+            },
+        )
 
-    return Injector([parse_injection(s) for s in cfg.inject], env.rank, report,
-                    already_fired=fired_injections(cfg), flush=mon.flush)
+    return Injector(
+        [parse_injection(s) for s in cfg.inject],
+        env.rank,
+        report,
+        already_fired=fired_injections(cfg),
+        flush=mon.flush,
+    )
 
 
 def write_pid(cfg: RunConfig, env: DistEnv) -> None:
@@ -88,27 +109,39 @@ def run_worker(cfg: RunConfig, env: DistEnv, make_tracer: TracerFactory | None =
     device.activate()
     init_process_group(env, device.backend)
     control = ControlPlane.maybe()  # every collective meshscope adds goes through it
-    mon = Monitor(MonitorConfig(run_dir=cfg.run_dir, run_id=cfg.run_id,
-                                metrics_port=cfg.metrics_port, expert_every=cfg.expert_every,
-                                comm_sample_every=cfg.comm_sample_every,
-                                # a tracer reports non-finite steps with their module
-                                nan_events=cfg.trace == "off" or make_tracer is None),
-                  env=env, probe=device.probe(), control=control)
+    mon = Monitor(
+        MonitorConfig(
+            run_dir=cfg.run_dir,
+            run_id=cfg.run_id,
+            metrics_port=cfg.metrics_port,
+            expert_every=cfg.expert_every,
+            comm_sample_every=cfg.comm_sample_every,
+            # a tracer reports non-finite steps with their module
+            nan_events=cfg.trace == "off" or make_tracer is None,
+        ),
+        env=env,
+        probe=device.probe(),
+        control=control,
+    )
     elastic = ElasticRun(cfg, env, mon, started_at=STARTED_AT, control=control)
     write_pid(cfg, env)
     try:
-        mon.describe_run(device=device.kind, backend=device.backend,
-                         compression=cfg.train.compression)
+        mon.describe_run(device=device.kind, backend=device.backend, compression=cfg.train.compression)
         elastic.start()
         injector = make_injector(cfg, env, mon)
-        state = build(cfg, device, mon, rank=env.rank, world_size=env.world_size,
-                      injector=injector)
+        state = build(cfg, device, mon, rank=env.rank, world_size=env.world_size, injector=injector)
         if make_tracer is not None:
             state.tracer, state.inspector = make_tracer(cfg, env, mon, state.model)
         elastic.resume(state)
-        applier = ControlApplier(state.model, mon, cfg.run_dir, rank=env.rank,
-                                 every=cfg.control_every, plane=control,
-                                 expert_every=cfg.expert_every)
+        applier = ControlApplier(
+            state.model,
+            mon,
+            cfg.run_dir,
+            rank=env.rank,
+            every=cfg.control_every,
+            plane=control,
+            expert_every=cfg.expert_every,
+        )
         applier.replay_applied()  # a restarted worker keeps the changes approved before
         try:
             reason = train(state, mon, cfg, device, elastic, injector, applier)

@@ -10,6 +10,7 @@ initialised in the child.
 The client and its worker live and die together: the zygote reports the worker's exit status
 to the client, and kills the worker if the client goes away (torchrun killed it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
     code = 0
     try:
         import trainer.worker
+
         trainer.worker.STARTED_AT = time.time()  # this worker's life starts at the fork
         entry = importlib.import_module(os.environ.get(trainer.worker.ENTRY_ENV, "trainer.worker"))
         entry.main(request["argv"])
@@ -147,8 +149,9 @@ def _reap(clients: dict[int, socket.socket], by_conn: dict[socket.socket, int]) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--socket", type=Path, required=True)
-    ap.add_argument("--strict", action="store_true",
-                    help="raise where the warm-up touches an accelerator (tests)")
+    ap.add_argument(
+        "--strict", action="store_true", help="raise where the warm-up touches an accelerator (tests)"
+    )
     args = ap.parse_args()
     # Before torch is imported: availability checks through NVML do not poison later forks.
     os.environ.setdefault(NVML_CHECK_ENV, "1")

@@ -3,6 +3,7 @@
 Pages through st.navigation. A deep link (`?run=ID&anomaly=EVENT_ID`, or an alert's
 `?run=ID&alert=NAME&rank=R`) opens on the page that answers it, even at the site's root.
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,8 +25,16 @@ elif "run" in params:
     landing = "run"
 else:
     landing = "runs"
-titles = {"runs": "Runs", "run": "Run", "anomalies": "Anomalies", "experts": "Experts",
-          "debug": "Debug", "feedback": "Feedback"}
-pages = [st.Page(str(Path(__file__).parent / path), title=titles[name], url_path=name,
-                 default=(name == landing)) for name, path in PAGES.items()]
+titles = {
+    "runs": "Runs",
+    "run": "Run",
+    "anomalies": "Anomalies",
+    "experts": "Experts",
+    "debug": "Debug",
+    "feedback": "Feedback",
+}
+pages = [
+    st.Page(str(Path(__file__).parent / path), title=titles[name], url_path=name, default=(name == landing))
+    for name, path in PAGES.items()
+]
 st.navigation(pages).run()

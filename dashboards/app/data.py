@@ -3,6 +3,7 @@
 Everything is read-only: the view never writes a run's store except through the feedback
 loop's controls (detectors/feedback.py), and only when a person approves.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,15 @@ from detectors.rootcause import Anomaly, RunFacts
 
 LIVE_WITHIN_S = 30.0  # a run whose store changed this recently is shown as running
 # Alert names (Prometheus rules and embedded alerts) -> the anomaly types they stand for.
-ALERT_TYPES = {"StragglerRank": {"straggler"}, "CommRatioHigh": {"comm"},
-               "ExpertImbalance": {"expert_imbalance"}, "LossNotFinite": {"nan"},
-               "AnomalyDetected": None, "HangDetected": {"hang"}, "TrainingStalled": {"hang"}}
+ALERT_TYPES = {
+    "StragglerRank": {"straggler"},
+    "CommRatioHigh": {"comm"},
+    "ExpertImbalance": {"expert_imbalance"},
+    "LossNotFinite": {"nan"},
+    "AnomalyDetected": None,
+    "HangDetected": {"hang"},
+    "TrainingStalled": {"hang"},
+}
 
 
 def run_dirs(runs_dir: Path) -> list[Path]:
@@ -54,15 +61,20 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     status = "finished" if ended else "running" if fresh else "stopped"
     if not ended and (kinds.get("hang") or kinds.get("fault")):
         status = "failed" if not fresh else "recovering"
-    row.update(status=status, ranks=int(steps["rank"].nunique()) if len(steps) else 0,
-               steps=int(steps["step"].max()) + 1 if len(steps) else 0,
-               step_s_p50=float(steps["step_s"].median()) if len(steps) else math.nan,
-               tokens_per_s=_tokens_per_s(steps),
-               loss=float(steps.sort_values("step")["loss"].iloc[-1]) if len(steps) else math.nan,
-               anomalies=int(kinds.get("anomaly", 0)), hangs=int(kinds.get("hang", 0)),
-               nans=int(kinds.get("nan", 0)), faults=int(kinds.get("fault", 0)),
-               restarts=int(kinds.get("restart", 0)),
-               updated=pd.Timestamp(store_version(run_dir), unit="s"))
+    row.update(
+        status=status,
+        ranks=int(steps["rank"].nunique()) if len(steps) else 0,
+        steps=int(steps["step"].max()) + 1 if len(steps) else 0,
+        step_s_p50=float(steps["step_s"].median()) if len(steps) else math.nan,
+        tokens_per_s=_tokens_per_s(steps),
+        loss=float(steps.sort_values("step")["loss"].iloc[-1]) if len(steps) else math.nan,
+        anomalies=int(kinds.get("anomaly", 0)),
+        hangs=int(kinds.get("hang", 0)),
+        nans=int(kinds.get("nan", 0)),
+        faults=int(kinds.get("fault", 0)),
+        restarts=int(kinds.get("restart", 0)),
+        updated=pd.Timestamp(store_version(run_dir), unit="s"),
+    )
     return row
 
 
@@ -91,8 +103,9 @@ def timeline(events: pd.DataFrame) -> pd.DataFrame:
 def summarize_detail(kind: str, d: dict[str, Any]) -> str:
     """One line for an event's detail."""
     if kind == "anomaly":
-        where = "".join(f" {k}={d[k]}" for k in ("ranks", "layer", "expert", "module") if
-                        d.get(k) not in (None, []))
+        where = "".join(
+            f" {k}={d[k]}" for k in ("ranks", "layer", "expert", "module") if d.get(k) not in (None, [])
+        )
         return f"{d.get('type')}{where} steps {d.get('start_step')}–{d.get('end_step')}"
     if kind == "hang":
         return f"{d.get('type')}: culprit {d.get('culprit_ranks')} — {d.get('why', '')}"
@@ -110,9 +123,18 @@ def anomalies_with_hangs(facts: RunFacts) -> list[Anomaly]:
     for _, row in hangs.iterrows():
         d = row["detail"]
         step = int(row["step"]) if not pd.isna(row["step"]) else int(d.get("step", -1) or -1)
-        out.append(Anomaly(int(row["id"]), "hang", list(d.get("culprit_ranks") or []), step, step,
-                           1.0, evidence={"why": d.get("why"), "op": d.get("op"),
-                                          "seq": d.get("seq")}, severity="critical"))
+        out.append(
+            Anomaly(
+                int(row["id"]),
+                "hang",
+                list(d.get("culprit_ranks") or []),
+                step,
+                step,
+                1.0,
+                evidence={"why": d.get("why"), "op": d.get("op"), "seq": d.get("seq")},
+                severity="critical",
+            )
+        )
     return sorted(out, key=lambda a: (a.start_step, a.id or 0))
 
 
@@ -166,8 +188,7 @@ def ranks_compared(steps: pd.DataFrame, anomaly: Anomaly) -> pd.DataFrame:
     cols = ["step_s", "compute_s", "comm_exposed_s", "mem_rss"]
     inside = s[(s["step"] >= lo) & (s["step"] <= hi)].groupby("rank")[cols].median()
     before = s[(s["step"] < lo) & (s["step"] >= lo - 30)].groupby("rank")[cols].median()
-    out = inside.merge(before, how="left", left_index=True, right_index=True,
-                       suffixes=("", "_before"))
+    out = inside.merge(before, how="left", left_index=True, right_index=True, suffixes=("", "_before"))
     out["step_x"] = out["step_s"] / out["step_s_before"].clip(lower=1e-9)
     out["flagged"] = [int(r) in anomaly.ranks for r in out.index]
     return out.reset_index()
@@ -176,14 +197,28 @@ def ranks_compared(steps: pd.DataFrame, anomaly: Anomaly) -> pd.DataFrame:
 def related_events(events: pd.DataFrame, anomaly: Anomaly, margin: int = 10) -> pd.DataFrame:
     """Faults, hangs, NaNs, snapshots and restarts near an anomaly."""
     lo, hi = anomaly.start_step - margin, max(anomaly.end_step, anomaly.start_step) + margin
-    near = events[events["kind"].isin(["fault", "hang", "nan", "snapshot", "restart", "resume",
-                                       "injected", "suggestion", "suggestion_applied"])]
+    near = events[
+        events["kind"].isin(
+            [
+                "fault",
+                "hang",
+                "nan",
+                "snapshot",
+                "restart",
+                "resume",
+                "injected",
+                "suggestion",
+                "suggestion_applied",
+            ]
+        )
+    ]
     near = near[near["step"].isna() | ((near["step"] >= lo) & (near["step"] <= hi))]
     return timeline(near)
 
 
-def grafana_link(base: str | None, run: str, anomaly: Anomaly | None,
-                 steps: pd.DataFrame, board: str = "meshscope-faults") -> str | None:
+def grafana_link(
+    base: str | None, run: str, anomaly: Anomaly | None, steps: pd.DataFrame, board: str = "meshscope-faults"
+) -> str | None:
     """The Grafana board of the run, zoomed on the anomaly's time (None without Grafana)."""
     if not base:
         return None
@@ -200,13 +235,14 @@ def grafana_link(base: str | None, run: str, anomaly: Anomaly | None,
 class ExpertView:
     """One layer's routing over time: shares, balancedness and estimated drops."""
 
-    shares: pd.DataFrame       # index step, columns expert
-    balancedness: pd.Series    # mean / max load per step (1 = balanced)
-    dropped: pd.Series         # estimated share of routed tokens over capacity per step
+    shares: pd.DataFrame  # index step, columns expert
+    balancedness: pd.Series  # mean / max load per step (1 = balanced)
+    dropped: pd.Series  # estimated share of routed tokens over capacity per step
 
 
-def expert_view(experts: pd.DataFrame, layer: int, *, capacity_factor: float | None,
-                ranks: int, steps_per_window: int) -> ExpertView:
+def expert_view(
+    experts: pd.DataFrame, layer: int, *, capacity_factor: float | None, ranks: int, steps_per_window: int
+) -> ExpertView:
     """Shares, balancedness and the tokens over capacity (estimated: each rank's counts taken
     as an equal part of the window's; the model drops what exceeds factor x fair share)."""
     rows = experts[experts["layer"] == layer]
@@ -255,8 +291,11 @@ def live_metrics(prometheus_url: str, run: str, timeout_s: float = 3.0) -> pd.Da
     rows: dict[str, dict[str, float]] = {}
     for name, query in LIVE_QUERIES.items():
         try:
-            resp = requests.get(f"{prometheus_url.rstrip('/')}/api/v1/query",
-                                params={"query": query.format(run=run)}, timeout=timeout_s)
+            resp = requests.get(
+                f"{prometheus_url.rstrip('/')}/api/v1/query",
+                params={"query": query.format(run=run)},
+                timeout=timeout_s,
+            )
             resp.raise_for_status()
             result = resp.json()["data"]["result"]
         except (requests.RequestException, ValueError, KeyError) as err:

@@ -1,5 +1,6 @@
 """The view's settings: one validated model, filled from the environment `meshscope view` sets
 (Streamlit runs the app in its own process, so flags travel as MESHSCOPE_VIEW_* variables)."""
+
 from __future__ import annotations
 
 import os
@@ -20,19 +21,22 @@ class ViewSettings(BaseModel):
     port: int = Field(8501, gt=0, lt=65536, description="port the view listens on")
     grafana_url: str | None = Field(None, description="Grafana base URL for board links")
     prometheus_url: str | None = Field(None, description="Prometheus for live runs (optional)")
-    outcome_after: int = Field(50, gt=0, description="steps after an applied change before its "
-                                                      "outcome is measured")
+    outcome_after: int = Field(
+        50, gt=0, description="steps after an applied change before its outcome is measured"
+    )
 
     def env(self) -> dict[str, str]:
         """These settings as the environment the app process reads back."""
-        return {ENV_PREFIX + k.upper(): str(v) for k, v in self.model_dump().items()
-                if v is not None}
+        return {ENV_PREFIX + k.upper(): str(v) for k, v in self.model_dump().items() if v is not None}
 
     @classmethod
     def from_env(cls) -> ViewSettings:
         """Read MESHSCOPE_VIEW_*; a bad value raises ValueError naming the variable."""
-        values = {name: os.environ[ENV_PREFIX + name.upper()] for name in cls.model_fields
-                  if ENV_PREFIX + name.upper() in os.environ}
+        values = {
+            name: os.environ[ENV_PREFIX + name.upper()]
+            for name in cls.model_fields
+            if ENV_PREFIX + name.upper() in os.environ
+        }
         try:
             return cls(**values)
         except ValidationError as err:

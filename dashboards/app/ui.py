@@ -1,5 +1,6 @@
 """Streamlit plumbing shared by the pages: settings, cached loading, the run picker and deep
 links. Loading is cached per (run, store version): a live run refreshes as it writes."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,9 +13,14 @@ from dashboards.app import data
 from dashboards.app.settings import ViewSettings
 from detectors.rootcause import Cause, RunFacts, explain
 
-PAGES = {"runs": "pages/runs.py", "run": "pages/run.py", "anomalies": "pages/anomalies.py",
-         "experts": "pages/experts.py", "debug": "pages/debug.py",
-         "feedback": "pages/feedback.py"}
+PAGES = {
+    "runs": "pages/runs.py",
+    "run": "pages/run.py",
+    "anomalies": "pages/anomalies.py",
+    "experts": "pages/experts.py",
+    "debug": "pages/debug.py",
+    "feedback": "pages/feedback.py",
+}
 
 
 def page_file(name: str) -> str:
@@ -47,8 +53,7 @@ def grad_stats(run_dir: str, version: float) -> pd.DataFrame:
 
 
 @st.cache_data(show_spinner="ranking causes…")
-def causes(run_dir: str, version: float, anomaly_id: int | None, start: int,
-           kind: str) -> list[Cause]:
+def causes(run_dir: str, version: float, anomaly_id: int | None, start: int, kind: str) -> list[Cause]:
     """Ranked causes of one anomaly (or hang, found by its start step and type)."""
     from detectors.rootcause import causes_for
 
@@ -58,8 +63,7 @@ def causes(run_dir: str, version: float, anomaly_id: int | None, start: int,
             return explain(f, anomaly_id)
         except KeyError:
             pass  # a hang event: explained by its window below
-    a = next((x for x in data.anomalies_with_hangs(f)
-              if x.start_step == start and x.type == kind), None)
+    a = next((x for x in data.anomalies_with_hangs(f) if x.start_step == start and x.type == kind), None)
     return causes_for(f, a) if a is not None else []
 
 
@@ -111,5 +115,16 @@ def show_causes(found: list[Cause], limit: int = 5) -> None:
 
 
 # Re-exported for the pages (one import line each).
-__all__ = ["PAGES", "settings", "runs_table", "run_facts", "pick_run", "show_causes", "causes",
-           "grad_stats", "load_steps", "load_events", "load_expert_load"]
+__all__ = [
+    "PAGES",
+    "settings",
+    "runs_table",
+    "run_facts",
+    "pick_run",
+    "show_causes",
+    "causes",
+    "grad_stats",
+    "load_steps",
+    "load_events",
+    "load_expert_load",
+]

@@ -4,6 +4,7 @@
 on NCCL ("No backend type associated with device type cpu"): every collective meshscope adds
 must still work there, through the plane's gloo side group.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,23 +36,31 @@ def control_on_an_accelerator_group(rank, world_size, run_dir):
     flag = LateFlag(plane)
     seen = [flag.exchange(rank == 1 and step == 2) for step in range(5)]
     flag.settle()
-    mon = Monitor(MonitorConfig(run_dir=run_dir, metrics_port=None, expert_every=2),
-                  env=DistEnv(rank=rank, world_size=world_size), registry=CollectorRegistry())
+    mon = Monitor(
+        MonitorConfig(run_dir=run_dir, metrics_port=None, expert_every=2),
+        env=DistEnv(rank=rank, world_size=world_size),
+        registry=CollectorRegistry(),
+    )
     model = mon.watch(HostCountsMoE(rank))
     for _ in range(2):
         with mon.step():
             model(torch.ones(1))
     mon.close()
-    return {"refused": refused, "side_group": plane.host_group is not plane.group,
-            "round": plane.broadcast_int(40 + rank), "max": plane.agree_max(rank * 1.5),
-            "stop_seen": seen}
+    return {
+        "refused": refused,
+        "side_group": plane.host_group is not plane.group,
+        "round": plane.broadcast_int(40 + rank),
+        "max": plane.agree_max(rank * 1.5),
+        "stop_seen": seen,
+    }
 
 
 def test_every_meshscope_collective_survives_an_accelerator_only_group(tmp_path):
     from collector.store import load_expert_load
 
-    results = run_ranks(control_on_an_accelerator_group, 2, backend="cuda:gloo",
-                        run_dir=str(tmp_path / "run"))
+    results = run_ranks(
+        control_on_an_accelerator_group, 2, backend="cuda:gloo", run_dir=str(tmp_path / "run")
+    )
     for r in results:
         assert "No backend type associated with device type cpu" in r["refused"]
         assert r["side_group"] and r["round"] == 40 and r["max"] == 1.5

@@ -9,10 +9,26 @@ from tests.conftest import require_binary
 
 
 def record(**kw):
-    base = dict(run_id="r", rank=0, world_size=2, step=0, time=0.0, step_s=0.2, forward_s=0.05,
-                backward_s=0.1, optimizer_s=0.03, comm_total_s=0.08, comm_exposed_s=0.02,
-                comm_ratio=0.1, bytes_raw=4000, bytes_wire=125, loss=2.5, grad_norm=1.5,
-                tokens=256, mem_rss=1 << 20)
+    base = dict(
+        run_id="r",
+        rank=0,
+        world_size=2,
+        step=0,
+        time=0.0,
+        step_s=0.2,
+        forward_s=0.05,
+        backward_s=0.1,
+        optimizer_s=0.03,
+        comm_total_s=0.08,
+        comm_exposed_s=0.02,
+        comm_ratio=0.1,
+        bytes_raw=4000,
+        bytes_wire=125,
+        loss=2.5,
+        grad_norm=1.5,
+        tokens=256,
+        mem_rss=1 << 20,
+    )
     base.update(kw)
     return StepRecord(**base)
 
@@ -64,6 +80,7 @@ def test_promtool_check_metrics_is_clean():
     d.anomaly_score.labels(detector="isolation_forest").set(0.1)
     d.faults.labels(kind="hang").inc()
     for registry in (reg, detector_reg):
-        out = subprocess.run([promtool, "check", "metrics"], input=generate_latest(registry),
-                             capture_output=True, timeout=30)
+        out = subprocess.run(
+            [promtool, "check", "metrics"], input=generate_latest(registry), capture_output=True, timeout=30
+        )
         assert out.returncode == 0 and out.stdout + out.stderr == b"", out.stdout + out.stderr

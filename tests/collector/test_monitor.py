@@ -82,8 +82,11 @@ def test_non_finite_loss_is_one_event_and_a_fault(tmp_path):
 def test_exporter_serves_metrics_and_writes_targets(tmp_path):
     port = free_port_range(2)
     env = DistEnv(rank=2, world_size=4, local_rank=0, local_world_size=2, node="n1")
-    mon = Monitor(MonitorConfig(run_dir=tmp_path / "run", run_id="abc", metrics_port=port),
-                  env=env, registry=CollectorRegistry())
+    mon = Monitor(
+        MonitorConfig(run_dir=tmp_path / "run", run_id="abc", metrics_port=port),
+        env=env,
+        registry=CollectorRegistry(),
+    )
     with mon.step(tokens=8):
         pass
     mon.flush()  # records go out once per window of sync_every steps, or on flush
@@ -110,8 +113,9 @@ def test_bad_monitor_config_names_the_field(tmp_path):
         MonitorConfig(run_dir=tmp_path, expert_every=0)
 
 
-@pytest.mark.parametrize("log_loss,expect_nan", [(None, False), (float("nan"), True),
-                                                 (float("inf"), True), (1.0, False)])
+@pytest.mark.parametrize(
+    "log_loss,expect_nan", [(None, False), (float("nan"), True), (float("inf"), True), (1.0, False)]
+)
 def test_a_loss_never_logged_is_absent_not_nan(tmp_path, log_loss, expect_nan):
     """A Monitor user who never calls s.log(loss=...) gets no `nan` anomaly; a logged NaN or
     Inf does (the store keeps NaN as NULL either way: the `nonfinite` column tells them apart)."""

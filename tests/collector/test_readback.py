@@ -4,6 +4,7 @@ A stand-in device (events the test completes by hand) drives the Monitor's accel
 the CPU: logged scalars go through the window buffer and the non-blocking read-back, timing
 marks are events, and nothing may call `synchronize()` except flush/close.
 """
+
 import time
 
 import pytest
@@ -66,8 +67,11 @@ def finish_device_work():
 
 
 def test_steps_wait_for_their_events_without_blocking(tmp_path, stand_in_device):
-    mon = Monitor(MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=4),
-                  probe=StandInProbe(), registry=CollectorRegistry())
+    mon = Monitor(
+        MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=4),
+        probe=StandInProbe(),
+        registry=CollectorRegistry(),
+    )
     for step in range(10):
         with mon.step(tokens=8) as s:
             with s.phase("forward"):
@@ -91,8 +95,11 @@ def test_steps_wait_for_their_events_without_blocking(tmp_path, stand_in_device)
 
 
 def test_one_read_back_per_window(tmp_path, stand_in_device):
-    mon = Monitor(MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=5),
-                  probe=StandInProbe(), registry=CollectorRegistry())
+    mon = Monitor(
+        MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=5),
+        probe=StandInProbe(),
+        registry=CollectorRegistry(),
+    )
     reads = []
     real = readback.Readback.__init__
 
@@ -112,8 +119,9 @@ def test_one_read_back_per_window(tmp_path, stand_in_device):
 
 
 def test_host_steps_go_out_once_per_window(tmp_path):
-    mon = Monitor(MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=3),
-                  registry=CollectorRegistry())
+    mon = Monitor(
+        MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=3), registry=CollectorRegistry()
+    )
     for step in range(4):
         with mon.step() as s:
             s.log(loss=torch.tensor(float(step)))

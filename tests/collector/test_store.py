@@ -11,8 +11,16 @@ from collector.store import RunStore, latest_step, load_events, load_expert_load
 
 
 def rec(rank, step, **kw):
-    return StepRecord(run_id="r", rank=rank, world_size=3, step=step, time=time.time(),
-                      step_s=0.1, loss=1.0 / (step + 1), **kw)
+    return StepRecord(
+        run_id="r",
+        rank=rank,
+        world_size=3,
+        step=step,
+        time=time.time(),
+        step_s=0.1,
+        loss=1.0 / (step + 1),
+        **kw,
+    )
 
 
 def _writer(run_dir, rank, steps, pause):
@@ -70,7 +78,11 @@ def test_expert_load_round_trip(tmp_path):
     store.close()
     df = load_expert_load(tmp_path)
     assert df[["step", "layer", "expert", "tokens"]].values.tolist() == [
-        [9, 0, 0, 1.0], [9, 0, 1, 2.0], [9, 1, 0, 3.0], [9, 1, 1, 4.0]]
+        [9, 0, 0, 1.0],
+        [9, 0, 1, 2.0],
+        [9, 1, 0, 3.0],
+        [9, 1, 1, 4.0],
+    ]
 
 
 def test_flush_makes_queued_records_visible(tmp_path):
@@ -95,8 +107,13 @@ def test_nonfinite_mask_tells_unlogged_from_nan_with_and_without_the_column():
 
     from collector.schema import nonfinite_mask
 
-    new = pd.DataFrame({"rank": [0, 0, 1, 1], "loss": [np.nan, np.nan, np.nan, np.inf],
-                        "nonfinite": ["", "loss", None, "grad_norm,loss"]})
+    new = pd.DataFrame(
+        {
+            "rank": [0, 0, 1, 1],
+            "loss": [np.nan, np.nan, np.nan, np.inf],
+            "nonfinite": ["", "loss", None, "grad_norm,loss"],
+        }
+    )
     assert nonfinite_mask(new).tolist() == [False, True, False, True]
     # a store from before the column: NaN counts only on a rank that logged a loss at all
     old = pd.DataFrame({"rank": [0, 0, 1, 1], "loss": [1.0, np.nan, np.nan, np.nan]})

@@ -1,5 +1,6 @@
 """The generated Prometheus and Alertmanager configs pass their own tools; the rules pass their
 unit tests (promtool test rules); the boards are current and query only what we export."""
+
 import json
 import re
 import subprocess
@@ -15,8 +16,17 @@ from dashboards.boards import OUT, board_queries, build_all, render
 from dashboards.prometheus import RULES, write_prometheus_config
 from tests.conftest import require_binary
 
-ALERTS = {"TrainingStalled", "RankDown", "StragglerRank", "CommRatioHigh", "ExpertImbalance",
-          "LossNotFinite", "AnomalyDetected", "RecoveryFailed", "HangDetected"}
+ALERTS = {
+    "TrainingStalled",
+    "RankDown",
+    "StragglerRank",
+    "CommRatioHigh",
+    "ExpertImbalance",
+    "LossNotFinite",
+    "AnomalyDetected",
+    "RecoveryFailed",
+    "HangDetected",
+}
 
 
 def _run(*cmd):
@@ -27,8 +37,9 @@ def _run(*cmd):
 
 def test_promtool_checks_the_config_and_the_rules(tmp_path):
     promtool = require_binary("promtool")
-    config = write_prometheus_config(tmp_path / "prometheus.yml", tmp_path / "runs",
-                                     rule_files=[str(RULES)], alertmanager="127.0.0.1:9093")
+    config = write_prometheus_config(
+        tmp_path / "prometheus.yml", tmp_path / "runs", rule_files=[str(RULES)], alertmanager="127.0.0.1:9093"
+    )
     _run(promtool, "check", "config", str(config))
     assert "SUCCESS: 21 rules found" in _run(promtool, "check", "rules", str(RULES))
 
@@ -37,10 +48,15 @@ def test_every_alert_has_a_passing_promtool_unit_test():
     promtool = require_binary("promtool")
     tests = RULES.with_name("rules_test.yml")
     _run(promtool, "test", "rules", str(tests))
-    defined = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
-               for r in g["rules"] if "alert" in r}
-    tested = {t["alertname"] for case in yaml.safe_load(tests.read_text())["tests"]
-              for t in case["alert_rule_test"] if t["exp_alerts"]}
+    defined = {
+        r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r
+    }
+    tested = {
+        t["alertname"]
+        for case in yaml.safe_load(tests.read_text())["tests"]
+        for t in case["alert_rule_test"]
+        if t["exp_alerts"]
+    }
     assert defined == ALERTS and tested == ALERTS
 
 
@@ -59,9 +75,13 @@ def test_amtool_accepts_the_alertmanager_config(tmp_path, email):
     hook, password = tmp_path / "hook", tmp_path / "password"
     hook.write_text("https://hooks.slack.invalid/T/B/X\n")
     password.write_text("s3cret-pw\n")
-    routing = AlertRouting(slack_webhook_file=hook, email_to=["oncall@example.org"] if email else [],
-                           smtp_smarthost="127.0.0.1:1025", smtp_username="bot",
-                           smtp_password_file=password if email else None)
+    routing = AlertRouting(
+        slack_webhook_file=hook,
+        email_to=["oncall@example.org"] if email else [],
+        smtp_smarthost="127.0.0.1:1025",
+        smtp_username="bot",
+        smtp_password_file=password if email else None,
+    )
     path = write_alertmanager_config(tmp_path / "am", routing)
     out = _run(amtool, "check-config", str(path))
     assert "SUCCESS" in out and "2 inhibit rules" in out
@@ -77,7 +97,10 @@ def test_routing_warning_to_slack_critical_to_slack_and_email_inhibition_by_rank
     receivers = {r["name"]: r for r in config["receivers"]}
     assert "email_configs" in receivers["slack-and-email"] and "email_configs" not in receivers["slack"]
     rank_down = config["inhibit_rules"][0]
-    assert rank_down["target_matchers"] == ['alertname="StragglerRank"'] and rank_down["equal"] == ["run", "rank"]
+    assert rank_down["target_matchers"] == ['alertname="StragglerRank"'] and rank_down["equal"] == [
+        "run",
+        "rank",
+    ]
 
 
 def test_bad_routing_names_the_field(tmp_path):
@@ -89,8 +112,9 @@ def test_bad_routing_names_the_field(tmp_path):
 
 def test_committed_boards_are_what_the_code_generates():
     for name, board in build_all().items():
-        assert (OUT / f"{name}.json").read_text() == render(board), \
+        assert (OUT / f"{name}.json").read_text() == render(board), (
             f"{name}.json is stale: run `meshscope dashboards build`"
+        )
 
 
 def test_boards_have_the_panels_and_variables_people_need():
@@ -102,8 +126,20 @@ def test_boards_have_the_panels_and_variables_people_need():
     assert "layer" in [v["name"] for v in boards["experts"]["templating"]["list"]]
     assert any(p["type"] == "heatmap" for p in boards["experts"]["panels"])
     titles = " ".join(p.get("title", "") for b in boards.values() for p in b["panels"]).lower()
-    for needed in ("p50 / p99", "tokens/s", "comm", "compression", "memory", "imbalance",
-                   "top experts", "restarts", "recovery", "anomaly score", "non-finite", "hung"):
+    for needed in (
+        "p50 / p99",
+        "tokens/s",
+        "comm",
+        "compression",
+        "memory",
+        "imbalance",
+        "top experts",
+        "restarts",
+        "recovery",
+        "anomaly score",
+        "non-finite",
+        "hung",
+    ):
         assert needed in titles, needed
 
 
@@ -114,13 +150,19 @@ def test_boards_query_only_series_that_exist():
     exported = set()
     for fam in [*ranks.collect(), *detector.collect()]:
         exported |= {s.name for s in fam.samples} | {fam.name, f"{fam.name}_total", f"{fam.name}_bucket"}
-    recorded = {r["record"] for g in yaml.safe_load(RULES.read_text())["groups"]
-                for r in g["rules"] if "record" in r}
+    recorded = {
+        r["record"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "record" in r
+    }
     known = exported | recorded | {"up"}
     for board in build_all().values():
         for where, expr in board_queries(board):
-            for name in re.findall(r"\b((?:meshscope|run|run_rank|run_layer|run_layer_expert)[:\w]*|up)\b(?=\{|\)|\s|$)", expr):
-                if name.startswith(("meshscope_", "run:", "run_rank:", "run_layer:", "run_layer_expert:")) or name == "up":
+            for name in re.findall(
+                r"\b((?:meshscope|run|run_rank|run_layer|run_layer_expert)[:\w]*|up)\b(?=\{|\)|\s|$)", expr
+            ):
+                if (
+                    name.startswith(("meshscope_", "run:", "run_rank:", "run_layer:", "run_layer_expert:"))
+                    or name == "up"
+                ):
                     assert name in known, f"{where}: {name} is neither exported nor recorded"
 
 

@@ -2,6 +2,7 @@
 
 Grafana cannot run here, so a local HTTP server plays its API: it answers as Grafana does and
 records what it was sent."""
+
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -52,8 +53,9 @@ class FakeGrafana:
                     if grafana.fail_dashboards:
                         return self._answer(grafana.fail_dashboards, {"message": "Invalid API key"})
                     uid = body["dashboard"]["uid"]
-                    return self._answer(200, {"status": "success", "uid": uid, "version": 3,
-                                              "url": f"/d/{uid}/x"})
+                    return self._answer(
+                        200, {"status": "success", "uid": uid, "version": 3, "url": f"/d/{uid}/x"}
+                    )
                 self._answer(404, {"message": "not found"})
 
             def log_message(self, *args):
@@ -75,8 +77,17 @@ def token_file(tmp_path):
 
 
 def _publish(grafana, token_file):
-    return CliRunner().invoke(app, ["dashboards", "publish", "--url", f"http://127.0.0.1:{grafana.port}",
-                                    "--token-file", str(token_file)])
+    return CliRunner().invoke(
+        app,
+        [
+            "dashboards",
+            "publish",
+            "--url",
+            f"http://127.0.0.1:{grafana.port}",
+            "--token-file",
+            str(token_file),
+        ],
+    )
 
 
 def test_publish_creates_the_folder_then_upserts_every_board(token_file):
@@ -119,6 +130,7 @@ def test_a_refusal_is_one_clear_line_without_the_token(token_file):
 
 
 def test_a_missing_token_file_names_the_option(tmp_path):
-    result = CliRunner().invoke(app, ["dashboards", "publish", "--url", "http://127.0.0.1:1",
-                                      "--token-file", str(tmp_path / "nope")])
+    result = CliRunner().invoke(
+        app, ["dashboards", "publish", "--url", "http://127.0.0.1:1", "--token-file", str(tmp_path / "nope")]
+    )
     assert result.exit_code == 1 and "--token-file" in result.output

@@ -1,5 +1,6 @@
 """`meshscope stack up` refuses clearly: a missing binary names the package, a busy port names the
 part that wanted it; nothing is left running either way."""
+
 import os
 import socket
 import subprocess
@@ -10,16 +11,31 @@ from tests.helpers.runs import REPO
 
 
 def stack_up(tmp_path, *extra, env=None):
-    return subprocess.run([sys.executable, "-m", "meshscope", "stack", "up", "--runs",
-                           str(tmp_path / "runs"), "--home", str(tmp_path / "home"), *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshscope",
+            "stack",
+            "up",
+            "--runs",
+            str(tmp_path / "runs"),
+            "--home",
+            str(tmp_path / "home"),
+            *extra,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def test_missing_binaries_name_what_to_install(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # nothing on PATH
     port = free_port_range(2)
-    out = stack_up(tmp_path, "--prometheus-port", str(port), "--alertmanager-port", str(port + 1),
-                   env=env)
+    out = stack_up(tmp_path, "--prometheus-port", str(port), "--alertmanager-port", str(port + 1), env=env)
     assert out.returncode == 2
     assert "prometheus-alertmanager" in out.stderr or "prometheus" in out.stderr
     assert "apt-get install prometheus prometheus-alertmanager" in out.stderr
@@ -38,6 +54,11 @@ def test_a_busy_port_names_the_part(tmp_path):
 
 
 def test_status_without_a_stack_says_so(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "meshscope", "stack", "status", "--home",
-                          str(tmp_path / "nothing")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshscope", "stack", "status", "--home", str(tmp_path / "nothing")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "no stack started" in out.stdout

@@ -1,5 +1,6 @@
 """One source of thresholds: rules.yml is rendered from `detectors.thresholds`, and on the same
 numbers the StragglerRank alert (promtool) and the engine's straggler detector agree."""
+
 import subprocess
 
 import numpy as np
@@ -28,7 +29,11 @@ def _engine_verdict(compute: list[float], ratio: float) -> set[int]:
 
 
 CASES = [  # (ranks, slow ranks): fewer than half straggle, where a median means the same
-    (2, [1]), (4, [2]), (5, [0, 3]), (8, [])]
+    (2, [1]),
+    (4, [2]),
+    (5, [0, 3]),
+    (8, []),
+]
 
 
 @pytest.mark.parametrize("ranks, slow", CASES)
@@ -42,20 +47,44 @@ def test_promtool_and_the_engine_agree_on_stragglers(tmp_path, ranks, slow, offs
     series = []
     for r, c in enumerate(compute):
         base = f'job="meshscope",run="ra",rank="{r}",node="n"'
-        series += [{"series": f'meshscope_step_phase_seconds{{{base},phase="forward"}}', "values": f"{c}x30"},
-                   {"series": f'meshscope_step_phase_seconds{{{base},phase="comm_exposed"}}',
-                    "values": "0x30"}]
-    alerts = [{"exp_labels": {"severity": "warning", "run": "ra", "rank": str(r), "node": "n"},
-               "exp_annotations": {
-                   "summary": f"Rank {r} of run ra computes {t + offset:.2f}x the median rank",
-                   "description": "Its forward+backward+optimizer time is well above its peers'; "
-                                  "they wait for it in every collective.",
-                   "value": f"{t + offset:.2f}"}} for r in sorted(expected)]
+        series += [
+            {"series": f'meshscope_step_phase_seconds{{{base},phase="forward"}}', "values": f"{c}x30"},
+            {"series": f'meshscope_step_phase_seconds{{{base},phase="comm_exposed"}}', "values": "0x30"},
+        ]
+    alerts = [
+        {
+            "exp_labels": {"severity": "warning", "run": "ra", "rank": str(r), "node": "n"},
+            "exp_annotations": {
+                "summary": f"Rank {r} of run ra computes {t + offset:.2f}x the median rank",
+                "description": "Its forward+backward+optimizer time is well above its peers'; "
+                "they wait for it in every collective.",
+                "value": f"{t + offset:.2f}",
+            },
+        }
+        for r in sorted(expected)
+    ]
     (tmp_path / "rules.yml").write_text(render_rules())
-    (tmp_path / "agree_test.yml").write_text(yaml.safe_dump({
-        "rule_files": ["rules.yml"], "evaluation_interval": "1s",
-        "tests": [{"interval": "1s", "input_series": series, "alert_rule_test": [
-            {"eval_time": "20s", "alertname": "StragglerRank", "exp_alerts": alerts}]}]}))
-    out = subprocess.run([promtool, "test", "rules", str(tmp_path / "agree_test.yml")],
-                         capture_output=True, text=True, timeout=60)
+    (tmp_path / "agree_test.yml").write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": ["rules.yml"],
+                "evaluation_interval": "1s",
+                "tests": [
+                    {
+                        "interval": "1s",
+                        "input_series": series,
+                        "alert_rule_test": [
+                            {"eval_time": "20s", "alertname": "StragglerRank", "exp_alerts": alerts}
+                        ],
+                    }
+                ],
+            }
+        )
+    )
+    out = subprocess.run(
+        [promtool, "test", "rules", str(tmp_path / "agree_test.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,6 +1,7 @@
 """The root-cause view on recorded run stores: every page renders, deep links land on the
 anomaly they name, the drill-down shows the culprit and the ranked causes, and the feedback
 page turns an upload into suggestions and an approval into a queued change."""
+
 from __future__ import annotations
 
 import shutil
@@ -28,8 +29,13 @@ def runs(tmp_path_factory) -> Path:
     for name in ("slow", "skip_collective", "expert_collapse-2", "nan"):
         shutil.copytree(DATA / name, root / name)
     for name in ("slow", "expert_collapse-2", "nan"):
-        subprocess.run([sys.executable, "-m", "meshscope", "detect", "--run", str(root / name)],
-                       cwd=REPO, check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "meshscope", "detect", "--run", str(root / name)],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     return root
 
 
@@ -46,8 +52,12 @@ def app(runs: Path, monkeypatch, page: str | None = None, **params: str) -> AppT
 
 
 def text(at: AppTest) -> str:
-    parts = [*(m.value for m in at.markdown), *(t.value for t in at.title),
-             *(h.value for h in at.header), *(c.value for c in at.caption)]
+    parts = [
+        *(m.value for m in at.markdown),
+        *(t.value for t in at.title),
+        *(h.value for h in at.header),
+        *(c.value for c in at.caption),
+    ]
     return "\n".join(parts)
 
 
@@ -104,9 +114,12 @@ def test_debug_page_shows_the_hang_diagnosis_and_stacks(runs, monkeypatch):
 
 
 def test_resolve_link_prefers_ids_then_type_and_step_then_alert_kind():
-    found = [Anomaly(7, "straggler", [1], 80, 89), Anomaly(8, "expert_imbalance", [], 60, 90,
-                                                            layer=1),
-             Anomaly(None, "comm", [0, 1], 100, 105), Anomaly(9, "hang", [2], 120, 120)]
+    found = [
+        Anomaly(7, "straggler", [1], 80, 89),
+        Anomaly(8, "expert_imbalance", [], 60, 90, layer=1),
+        Anomaly(None, "comm", [0, 1], 100, 105),
+        Anomaly(9, "hang", [2], 120, 120),
+    ]
     assert data.resolve_link({"anomaly": "8"}, found).id == 8
     assert data.resolve_link({"anomaly": "99"}, found) is None
     assert data.resolve_link({"type": "comm", "start": "100"}, found).type == "comm"
@@ -120,8 +133,10 @@ def test_resolve_link_prefers_ids_then_type_and_step_then_alert_kind():
 def test_feedback_upload_suggests_and_approval_queues_a_bounded_change(tmp_path, monkeypatch):
     shutil.copytree(DATA / "expert_collapse-2", tmp_path / "run")
     at = app(tmp_path, monkeypatch, "feedback", run="run")
-    csv = (b"layer,expert,tokens,latency_ms\n0,0,900,9\n0,1,50,2\n0,2,25,2\n0,3,25,2\n"
-           b"1,0,250,2\n1,1,250,2\n1,2,250,2\n1,3,250,2\n")
+    csv = (
+        b"layer,expert,tokens,latency_ms\n0,0,900,9\n0,1,50,2\n0,2,25,2\n0,3,25,2\n"
+        b"1,0,250,2\n1,1,250,2\n1,2,250,2\n1,3,250,2\n"
+    )
     at.file_uploader[0].upload("serving.csv", csv, "text/csv").run()
     at.button(key="ingest").click().run()
     assert not at.error, [e.value for e in at.error]
@@ -138,12 +153,15 @@ def test_feedback_upload_suggests_and_approval_queues_a_bounded_change(tmp_path,
     assert 1e-3 <= change["payload"][0] <= 0.05 and max(map(abs, change["payload"][1:])) <= 5
 
 
-@pytest.mark.parametrize("name,content,message", [
-    ("bad.csv", b"layer,expert\n0,1\n", "missing tokens"),
-    ("bad.csv", b"layer,expert,tokens\n0,1,lots\n", "row 2: tokens"),
-    ("evil.pt", b"\x80\x04\x95garbage", "never code"),
-    ("empty.csv", b"", "empty"),
-])
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("bad.csv", b"layer,expert\n0,1\n", "missing tokens"),
+        ("bad.csv", b"layer,expert,tokens\n0,1,lots\n", "row 2: tokens"),
+        ("evil.pt", b"\x80\x04\x95garbage", "never code"),
+        ("empty.csv", b"", "empty"),
+    ],
+)
 def test_malformed_uploads_get_a_clear_message(tmp_path, monkeypatch, name, content, message):
     shutil.copytree(DATA / "slow", tmp_path / "run")
     at = app(tmp_path, monkeypatch, "feedback", run="run")

@@ -4,6 +4,7 @@ Every rank all-reduces once per step; the culprit (the last rank) misbehaves at 
 as the scenario says. After the loop the ranks meet in a barrier on a side group, as
 meshscope's control plane does at the end of a run.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,7 @@ def _split(rank: int, step: int, culprit: int) -> None:
     world = dist.get_world_size()
     send = wrong_splits(rank, world) if rank == culprit and step == FAULT_STEP else [2] * world
     out = torch.zeros(2 * world)
-    dist.all_to_all_single(out, torch.ones(sum(send)), output_split_sizes=[2] * world,
-                           input_split_sizes=send)
+    dist.all_to_all_single(out, torch.ones(sum(send)), output_split_sizes=[2] * world, input_split_sizes=send)
 
 
 def _kill(rank: int, step: int, culprit: int) -> None:
@@ -74,19 +74,40 @@ def _error(rank: int, step: int, culprit: int) -> None:
     dist.all_reduce(torch.ones(64))
 
 
-SCENARIOS = {"skip": _skip, "compute": _compute, "op": _op, "shape": _shape, "dtype": _dtype,
-             "split": _split, "kill": _kill, "error": _error, "clean": _normal}
+SCENARIOS = {
+    "skip": _skip,
+    "compute": _compute,
+    "op": _op,
+    "shape": _shape,
+    "dtype": _dtype,
+    "split": _split,
+    "kill": _kill,
+    "error": _error,
+    "clean": _normal,
+}
 
 
-def rank_main(rank: int, world: int, port: int, live_dir: str, scenario: str,
-              timeout_s: float = 90.0, flight: bool = True) -> None:
+def rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    live_dir: str,
+    scenario: str,
+    timeout_s: float = 90.0,
+    flight: bool = True,
+) -> None:
     """One rank of a scenario (a spawn target). Without `flight`, the plain job: only the
     process group's own timeout and errors; `<live>/exit-rank<R>.json` says when and how each
     rank ended."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
     if not flight:
         _plain(rank, world, Path(live_dir), scenario)
         return
@@ -133,8 +154,13 @@ def fr_rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     for _ in range(FAULT_STEP):
         dist.all_reduce(torch.ones(64))
     culprit = rank == world - 1
@@ -148,7 +174,8 @@ def fr_rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) 
         else:
             dist.all_reduce(torch.ones(64), async_op=True)
     time.sleep(1.0)
-    dump = torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True,
-                                                      includeStackTraces=True, onlyActive=False)
+    dump = torch._C._distributed_c10d._dump_fr_trace(
+        includeCollectives=True, includeStackTraces=True, onlyActive=False
+    )
     Path(out_dir, f"rank{rank}").write_bytes(dump)
     os._exit(0)  # the collective in flight never ends: no orderly teardown

@@ -1,4 +1,5 @@
 """One parametrized check of the scikit-learn estimator contract for every detector."""
+
 import numpy as np
 import pytest
 from sklearn.base import clone
@@ -16,8 +17,11 @@ CASES = [
     (OnlineIsolationForest(n_estimators=50), NORMAL, NORMAL[0] * [1, 1, 8]),
     (Straggler(), NORMAL, NORMAL[0] * [1, 1, 3]),
     (PersistentStraggler(), NORMAL, NORMAL[0] * [1, 1, 1.6]),
-    (ExpertBalance(), np.full((5, 4), 0.25) + 0.01 * rng.standard_normal((5, 4)),
-     np.array([0.7, 0.1, 0.1, 0.1])),
+    (
+        ExpertBalance(),
+        np.full((5, 4), 0.25) + 0.01 * rng.standard_normal((5, 4)),
+        np.array([0.7, 0.1, 0.1, 0.1]),
+    ),
     (NonFinite(), NORMAL, np.array([1.0, np.nan, 1.0])),
     (MemoryGrowth(), np.full((10, 2), 1e9), np.array([1e9, 1e9 + 200 * 2**20])),
 ]
@@ -47,9 +51,17 @@ def test_set_params_moves_the_decision_and_unfitted_use_raises_not_fitted():
     from detectors.isolation import OnlineIsolationForest
     from detectors.moving import EWMA, RobustZ
 
-    for det in (Straggler(), PersistentStraggler(), ExpertBalance(), ExpertLoad(), MemoryGrowth(),
-                NonFinite(),
-                RobustZ(), EWMA(), OnlineIsolationForest(n_estimators=5)):
+    for det in (
+        Straggler(),
+        PersistentStraggler(),
+        ExpertBalance(),
+        ExpertLoad(),
+        MemoryGrowth(),
+        NonFinite(),
+        RobustZ(),
+        EWMA(),
+        OnlineIsolationForest(n_estimators=5),
+    ):
         with pytest.raises(NotFittedError):
             det.score_samples(np.ones((3, 2)))
         with pytest.raises(NotFittedError):
@@ -62,12 +74,20 @@ def test_set_params_moves_the_decision_and_unfitted_use_raises_not_fitted():
     assert s.predict(X[-1:])[0] == 1
 
 
-@pytest.mark.parametrize("det,param", [
-    ("Straggler(ratio=0.9)", "ratio"), ("Straggler(window=0)", "window"),
-    ("PersistentStraggler(min_excess=0)", "min_excess"), ("PersistentStraggler(span=0)", "span"),
-    ("ExpertLoad(top_k=0)", "top_k"), ("MemoryGrowth(mb_per_step=-1)", "mb_per_step"),
-    ("RobustZ(threshold=-1)", "threshold"), ("EWMA(alpha=0)", "alpha"),
-    ("OnlineIsolationForest(n_estimators=0)", "n_estimators")])
+@pytest.mark.parametrize(
+    "det,param",
+    [
+        ("Straggler(ratio=0.9)", "ratio"),
+        ("Straggler(window=0)", "window"),
+        ("PersistentStraggler(min_excess=0)", "min_excess"),
+        ("PersistentStraggler(span=0)", "span"),
+        ("ExpertLoad(top_k=0)", "top_k"),
+        ("MemoryGrowth(mb_per_step=-1)", "mb_per_step"),
+        ("RobustZ(threshold=-1)", "threshold"),
+        ("EWMA(alpha=0)", "alpha"),
+        ("OnlineIsolationForest(n_estimators=0)", "n_estimators"),
+    ],
+)
 def test_bad_hyperparameters_are_refused_naming_them(det, param):
     import numpy as np
 

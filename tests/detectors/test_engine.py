@@ -1,4 +1,5 @@
 """The engine on synthetic runs with known faults: each is found, named, and is one episode."""
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -22,9 +23,22 @@ def synthetic_run(steps=120, ranks=4, seed=0, slow=None, leak=None, nan_at=None,
             loss = 4.0 * np.exp(-step / 80) + 0.02 * rng.standard_normal()
             if nan_at == (r, step):
                 loss = float("nan")
-            rows.append(dict(rank=r, world_size=ranks, step=step, step_s=step_s, data_s=0.0,
-                             comm_exposed_s=step_s - compute[r], comm_ratio=(step_s - compute[r]) / step_s,
-                             bytes_wire=1000, loss=loss, grad_norm=1.0, tokens=256, mem_rss=rss))
+            rows.append(
+                dict(
+                    rank=r,
+                    world_size=ranks,
+                    step=step,
+                    step_s=step_s,
+                    data_s=0.0,
+                    comm_exposed_s=step_s - compute[r],
+                    comm_ratio=(step_s - compute[r]) / step_s,
+                    bytes_wire=1000,
+                    loss=loss,
+                    grad_norm=1.0,
+                    tokens=256,
+                    mem_rss=rss,
+                )
+            )
     return pd.DataFrame(rows)
 
 
@@ -65,8 +79,15 @@ def test_a_world_that_shrinks_starts_its_baselines_over():
     assert [(e.type, e.ranks) for e in closed] == [("straggler", [1])]
 
 
-def heterogeneous_run(steps=200, paces=(1.0, 1.05, 0.97, 1.1, 1.0, 1.0, 0.95, 1.02), seed=0,
-                      slow=(), factor=1.25, start=100, noise=0.02):
+def heterogeneous_run(
+    steps=200,
+    paces=(1.0, 1.05, 0.97, 1.1, 1.0, 1.0, 0.95, 1.02),
+    seed=0,
+    slow=(),
+    factor=1.25,
+    start=100,
+    noise=0.02,
+):
     """Workers with their own steady pace (some always a little slower), and `slow` ranks that
     become `factor` slower than their own pace from `start` on, for good."""
     rng = np.random.default_rng(seed)
@@ -77,10 +98,22 @@ def heterogeneous_run(steps=200, paces=(1.0, 1.05, 0.97, 1.1, 1.0, 1.0, 0.95, 1.
             compute[list(slow)] *= factor
         step_s = compute.max() + 0.01
         for r, c in enumerate(compute):
-            rows.append(dict(rank=r, world_size=len(paces), step=step, step_s=step_s, data_s=0.0,
-                             comm_exposed_s=step_s - c, comm_ratio=(step_s - c) / step_s,
-                             bytes_wire=1000, loss=4.0 * np.exp(-step / 80), grad_norm=1.0,
-                             tokens=256, mem_rss=1e9))
+            rows.append(
+                dict(
+                    rank=r,
+                    world_size=len(paces),
+                    step=step,
+                    step_s=step_s,
+                    data_s=0.0,
+                    comm_exposed_s=step_s - c,
+                    comm_ratio=(step_s - c) / step_s,
+                    bytes_wire=1000,
+                    loss=4.0 * np.exp(-step / 80),
+                    grad_norm=1.0,
+                    tokens=256,
+                    mem_rss=1e9,
+                )
+            )
     return pd.DataFrame(rows)
 
 
@@ -90,8 +123,7 @@ def test_heterogeneous_workers_are_not_stragglers():
         assert opened == [], seed
 
 
-@pytest.mark.parametrize("slow, factor", [((3,), 1.2), ((3, 6), 1.25), ((1, 4, 6), 1.5),
-                                          ((2,), 1.12)])
+@pytest.mark.parametrize("slow, factor", [((3,), 1.2), ((3, 6), 1.25), ((1, 4, 6), 1.5), ((2,), 1.12)])
 def test_subtle_and_several_persistent_stragglers_are_named_within_a_few_steps(slow, factor):
     opened, closed = run(heterogeneous_run(slow=slow, factor=factor))
     stragglers = [e for e in closed if e.type == "straggler"]

@@ -1,4 +1,5 @@
 """Expert load judged in units that mean the same for any (experts, top-k)."""
+
 import numpy as np
 import pandas as pd
 import pytest

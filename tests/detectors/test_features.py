@@ -1,4 +1,5 @@
 """The numpy feature path and the packed forest give the numbers their references give."""
+
 import numpy as np
 import pandas as pd
 from sklearn.ensemble import IsolationForest
@@ -13,8 +14,9 @@ def test_packed_forest_scores_equal_scikit_learn():
     train = rng.standard_normal((300, 6))
     forest = IsolationForest(random_state=0).fit(train)
     rows = np.vstack([3 * rng.standard_normal((200, 6)), train[:5], [[1e6] * 6]])
-    np.testing.assert_allclose(PackedForest(forest).score_samples(rows), forest.score_samples(rows),
-                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        PackedForest(forest).score_samples(rows), forest.score_samples(rows), rtol=0, atol=1e-12
+    )
 
 
 def test_step_features_match_a_pandas_groupby():

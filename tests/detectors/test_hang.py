@@ -1,4 +1,5 @@
 """The hang watchdog names the culprit rank and collective, on real gloo ranks."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -23,8 +24,7 @@ def watch_scenario(tmp_path: Path, scenario: str, timeout_s: float = 45.0, world
     live = tmp_path / "live"
     ctx = mp.get_context("spawn")
     port = free_port_range(1)
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario))
-             for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario)) for r in range(world)]
     for p in procs:
         p.start()
     watch = HangWatch(live, HangConfig(min_stall_s=1.5, poll_s=0.1, stacks_wait_s=1.0))
@@ -43,9 +43,19 @@ def watch_scenario(tmp_path: Path, scenario: str, timeout_s: float = 45.0, world
     return diag
 
 
-@pytest.mark.parametrize("scenario,kind", [
-    ("skip", "desync"), ("compute", "compute"), ("op", "mismatch"), ("shape", "mismatch"),
-    ("dtype", "mismatch"), ("split", "mismatch"), ("kill", "dead"), ("error", "error")])
+@pytest.mark.parametrize(
+    "scenario,kind",
+    [
+        ("skip", "desync"),
+        ("compute", "compute"),
+        ("op", "mismatch"),
+        ("shape", "mismatch"),
+        ("dtype", "mismatch"),
+        ("split", "mismatch"),
+        ("kill", "dead"),
+        ("error", "error"),
+    ],
+)
 def test_names_the_culprit_rank_and_collective(tmp_path, scenario, kind):
     diag = watch_scenario(tmp_path, scenario)
     assert diag is not None, f"{scenario}: no diagnosis"
@@ -79,17 +89,23 @@ def test_a_clean_run_is_not_a_hang(tmp_path):
     assert watch_scenario(tmp_path, "clean", timeout_s=20) is None
 
 
-@pytest.mark.parametrize("scenario,kind,op", [("missing", "missing", "all_reduce"),
-                                              ("all_to_all", "missing", "all_to_all"),
-                                              ("op", "mismatch", "broadcast")])
+@pytest.mark.parametrize(
+    "scenario,kind,op",
+    [
+        ("missing", "missing", "all_reduce"),
+        ("all_to_all", "missing", "all_to_all"),
+        ("op", "mismatch", "broadcast"),
+    ],
+)
 def test_flight_recorder_dumps_of_a_plain_job_are_diagnosed(tmp_path, scenario, kind, op):
     from detectors.flight_recorder import diagnose_dumps
     from tests.detectors.hang_cases import fr_rank_main
 
     ctx = mp.get_context("spawn")
     port = free_port_range(1)
-    procs = [ctx.Process(target=fr_rank_main, args=(r, WORLD, port, str(tmp_path), scenario))
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=fr_rank_main, args=(r, WORLD, port, str(tmp_path), scenario)) for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -98,9 +114,21 @@ def test_flight_recorder_dumps_of_a_plain_job_are_diagnosed(tmp_path, scenario, 
     assert diag.culprit_ranks == [CULPRIT] and diag.kind == kind, diag.why
     assert diag.op == op and diag.seq == FAULT_STEP + 1  # PyTorch counts from 1
     if scenario == "missing":  # and as a person would ask
-        out = subprocess.run([sys.executable, "-m", "meshscope", "hang-report",
-                              "--flight-recorder", str(tmp_path), "--prefix", "rank"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "meshscope",
+                "hang-report",
+                "--flight-recorder",
+                str(tmp_path),
+                "--prefix",
+                "rank",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0 and "never entered all_reduce #4" in " ".join(out.stdout.split())
 
 
@@ -130,8 +158,12 @@ def test_the_threshold_follows_the_step_time_and_a_new_stall_is_judged_anew(tmp_
     logs = [FlightLog(tmp_path, rank=r, world_size=2) for r in range(2)]
     now = [time.time()]
     seen = []
-    watch = HangWatch(tmp_path, HangConfig(min_stall_s=1.0, step_factor=10.0, stacks_wait_s=0.05),
-                      on_hang=seen.append, clock=lambda: now[0])
+    watch = HangWatch(
+        tmp_path,
+        HangConfig(min_stall_s=1.0, step_factor=10.0, stacks_wait_s=0.05),
+        on_hang=seen.append,
+        clock=lambda: now[0],
+    )
     assert watch.poll() is None  # no step yet: the startup allowance (120 s) applies
 
     def steps(seconds):
@@ -171,8 +203,9 @@ def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_
     client = lambda: dist.TCPStore("127.0.0.1", store_port, is_master=False)  # noqa: E731
     dirs = {0: tmp_path / "a", 1: tmp_path / "a", 2: tmp_path / "b"}
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, WORLD, port, str(dirs[r]), "compute"))
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, WORLD, port, str(dirs[r]), "compute")) for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     config = HangConfig(min_stall_s=1.5, poll_s=0.1, stacks_wait_s=1.0)

@@ -1,4 +1,5 @@
 """Alerts against a local Slack-style webhook sink and a local SMTP server (aiosmtpd)."""
+
 import logging
 
 import pytest
@@ -48,8 +49,9 @@ def test_email_reaches_a_local_smtp_server(tmp_path):
     controller = Controller(Handler(), hostname="127.0.0.1", port=port)
     controller.start()
     try:
-        box = Outbox(tmp_path, [Email("127.0.0.1", port, "meshscope@localhost", ["oncall@localhost"],
-                                         starttls=False)])
+        box = Outbox(
+            tmp_path, [Email("127.0.0.1", port, "meshscope@localhost", ["oncall@localhost"], starttls=False)]
+        )
         box.put(Alert.from_anomaly("run-7", DETAIL))
         assert box.deliver() == 1
     finally:
@@ -80,8 +82,9 @@ def test_endpoint_down_for_a_while_loses_nothing(tmp_path, sink, caplog):
 def test_duplicates_are_sent_once_and_the_rate_limit_defers(tmp_path, sink):
     sink.start()
     clock = Clock()
-    box = Outbox(tmp_path, [SlackWebhook(f"http://127.0.0.1:{sink.port}/")],
-                 OutboxConfig(per_minute=2), clock=clock)
+    box = Outbox(
+        tmp_path, [SlackWebhook(f"http://127.0.0.1:{sink.port}/")], OutboxConfig(per_minute=2), clock=clock
+    )
     box.put(Alert.from_anomaly("r", DETAIL))
     box.deliver()
     box.put(Alert.from_anomaly("r", DETAIL))  # the same episode again

@@ -1,5 +1,6 @@
 """Replay the recorded runs of benchmarks/data: every injected fault found with its type and
 rank, and nothing raised on the clean runs (a regression guard on detection quality)."""
+
 import sys
 from pathlib import Path
 
@@ -23,9 +24,13 @@ def test_clean_runs_raise_nothing(name):
 def test_each_injected_fault_is_found(name):
     kind = name.removesuffix("-2")
     inj = load_events(DATA / name, kind="injected")["detail"].iloc[0]
-    found = [e for e in ours(DATA / name) if e.type in EXPECTED[kind]
-             and e.start_step <= inj["start_step"] + inj["steps"] + 5
-             and e.end_step >= inj["start_step"]]
+    found = [
+        e
+        for e in ours(DATA / name)
+        if e.type in EXPECTED[kind]
+        and e.start_step <= inj["start_step"] + inj["steps"] + 5
+        and e.end_step >= inj["start_step"]
+    ]
     assert found, name
     assert found[0].start_step - inj["start_step"] <= 5
     if found[0].ranks and kind in ("slow", "nan", "memory_leak"):

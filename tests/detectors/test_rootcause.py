@@ -1,5 +1,6 @@
 """Root cause over recorded runs of every injection kind: the injected cause ranked first, on the
 right rank where the data can tell; nothing on clean runs; one anomaly explained on its own."""
+
 import json
 import shutil
 import sqlite3
@@ -35,8 +36,13 @@ def _stored(tmp_path: Path, name: str) -> Path:
     """A recorded run whose anomalies were judged and stored, as a live run has them."""
     run = tmp_path / name
     shutil.copytree(DATA / name, run)
-    subprocess.run([sys.executable, "-m", "meshscope", "detect", "--run", str(run)], cwd=REPO,
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "meshscope", "detect", "--run", str(run)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return run
 
 
@@ -53,8 +59,13 @@ def test_one_anomaly_is_explained_by_its_window(tmp_path):
 
 def test_the_cli_prints_the_ranked_causes_and_refuses_what_is_not_a_run(tmp_path):
     run = _stored(tmp_path, "slow")
-    out = subprocess.run([sys.executable, "-m", "meshscope", "explain", "--run", str(run),
-                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshscope", "explain", "--run", str(run), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     causes = json.loads(out.stdout)
     assert causes[0]["kind"] == "slow_host" and causes[0]["ranks"] == [1]
@@ -68,8 +79,11 @@ def test_the_cli_prints_the_ranked_causes_and_refuses_what_is_not_a_run(tmp_path
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "store.sqlite").write_text("not sqlite")
-    for args in (["--run", str(tmp_path / "none")], ["--run", str(bad)],
-                 ["--run", str(run), "--anomaly", "999999"]):
+    for args in (
+        ["--run", str(tmp_path / "none")],
+        ["--run", str(bad)],
+        ["--run", str(run), "--anomaly", "999999"],
+    ):
         out = runner.invoke(app, ["explain", *args])
         assert out.exit_code == 2 and "error:" in out.output, out.output
     assert sqlite3.connect(run / "store.sqlite").execute("select count(*) from steps").fetchone()

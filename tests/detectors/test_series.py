@@ -1,4 +1,5 @@
 """`meshscope detect FILE.csv`: scores an exported series; malformed input is a clear exit 2."""
+
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +36,15 @@ def test_value_columns_and_sensitivity(tmp_path):
     assert counts[0] <= counts[1] < counts[2]
 
 
-@pytest.mark.parametrize("content, args, message", [
-    ("", [], "empty"),
-    ("t,v\n1,2\n", ["--time-column", "time"], "no column 'time'"),
-    ("time,v\n1,2\n2,abc\n", [], "non-numeric value 'abc' at data row 2"),
-    ("time,v\n1,2\n", ["--value-columns", "w"], "no column(s) 'w'"),
-])
+@pytest.mark.parametrize(
+    "content, args, message",
+    [
+        ("", [], "empty"),
+        ("t,v\n1,2\n", ["--time-column", "time"], "no column 'time'"),
+        ("time,v\n1,2\n2,abc\n", [], "non-numeric value 'abc' at data row 2"),
+        ("time,v\n1,2\n", ["--value-columns", "w"], "no column(s) 'w'"),
+    ],
+)
 def test_malformed_csv_exits_2_with_a_clear_message(tmp_path, content, args, message):
     bad = tmp_path / "bad.csv"
     bad.write_text(content)
@@ -62,17 +66,20 @@ def _daily(period=DAY):
     return 20 + 60 * np.clip((np.sin(2 * np.pi * (phase - 0.25)) + 0.3) * 2, 0, 1)
 
 
-@pytest.mark.parametrize("name, values", [
-    ("square wave", np.where(np.arange(N) % DAY < DAY // 2, 20.0, 80.0)),
-    ("noiseless daily pattern", _daily()),
-    ("daily pattern, fractional period", _daily(287.5) + np.random.default_rng(1).normal(0, 1, N)),
-    ("flat line", np.full(N, 7.0)),
-    ("white noise", np.random.default_rng(2).normal(50, 2, N)),
-    ("quantised counter", np.random.default_rng(3).poisson(3, N).astype(float)),
-])
+@pytest.mark.parametrize(
+    "name, values",
+    [
+        ("square wave", np.where(np.arange(N) % DAY < DAY // 2, 20.0, 80.0)),
+        ("noiseless daily pattern", _daily()),
+        ("daily pattern, fractional period", _daily(287.5) + np.random.default_rng(1).normal(0, 1, N)),
+        ("flat line", np.full(N, 7.0)),
+        ("white noise", np.random.default_rng(2).normal(50, 2, N)),
+        ("quantised counter", np.random.default_rng(3).poisson(3, N).astype(float)),
+    ],
+)
 def test_clean_series_raise_nothing_once_their_shape_is_known(name, values):
     scored = _score(values)
-    assert not scored["is_anomaly"].iloc[2 * DAY:].any(), name  # two cycles show the season
+    assert not scored["is_anomaly"].iloc[2 * DAY :].any(), name  # two cycles show the season
 
 
 @pytest.mark.parametrize("kind", ["spike", "level shift", "variance", "stuck", "missing pulse"])
@@ -86,11 +93,11 @@ def test_each_anomaly_gives_one_flag_at_its_onset(kind):
     elif kind == "variance":
         x[onset:] = 50 + (x[onset:] - 50) * 5
     elif kind == "stuck":
-        x[onset:onset + 200] = x[onset - 1]
+        x[onset : onset + 200] = x[onset - 1]
     else:
         x = np.where(np.arange(N) % DAY < DAY // 2, 20.0, 80.0)
         onset = 5 * DAY
-        x[onset:onset + DAY // 2] = 80.0
+        x[onset : onset + DAY // 2] = 80.0
     flags = np.flatnonzero(_score(x)["is_anomaly"].to_numpy())
     flags = flags[flags >= 2 * DAY]
     assert len(flags) == 1 and onset <= flags[0] <= onset + 10, (kind, flags)

@@ -1,4 +1,5 @@
 """Debian's Prometheus scrapes a live run through the run's file_sd targets."""
+
 import subprocess
 
 import pytest
@@ -25,6 +26,7 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
     with Prometheus(prometheus_bin, config, tmp_path) as prom:
         run = start_run(runs, "e2e", port, "--steps", "40", "--linger", "30")
         try:
+
             def both_ranks(promql):
                 return lambda: (len(r := prom.query(promql)) == 2) and r
 

@@ -1,6 +1,7 @@
 """The whole monitoring path on real binaries: `meshscope stack up` (Prometheus with our rules,
 Alertmanager with our routing), a real run with injected faults, a Slack-style webhook sink and an
 aiosmtpd mailbox. Every board's PromQL is run against what Prometheus scraped."""
+
 import re
 import subprocess
 import sys
@@ -20,8 +21,9 @@ RUN = "e2e"
 
 
 def meshscope(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "meshscope", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "meshscope", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +36,41 @@ def stack(tmp_path_factory):
     hook.write_text(sink.url + "\n")
     prom_port = free_port_range(2)
     home = tmp / "home"
-    up = meshscope("stack", "up", "--runs", str(tmp / "runs"), "--home", str(home),
-                   "--prometheus-port", str(prom_port), "--alertmanager-port", str(prom_port + 1),
-                   "--scrape-interval", "1", "--slack-webhook-file", str(hook),
-                   "--email-to", "oncall@localhost", "--smtp", f"127.0.0.1:{mailbox.port}",
-                   "--no-smtp-tls", "--fast", "--view-url", "http://view.local:8501")
+    up = meshscope(
+        "stack",
+        "up",
+        "--runs",
+        str(tmp / "runs"),
+        "--home",
+        str(home),
+        "--prometheus-port",
+        str(prom_port),
+        "--alertmanager-port",
+        str(prom_port + 1),
+        "--scrape-interval",
+        "1",
+        "--slack-webhook-file",
+        str(hook),
+        "--email-to",
+        "oncall@localhost",
+        "--smtp",
+        f"127.0.0.1:{mailbox.port}",
+        "--no-smtp-tls",
+        "--fast",
+        "--view-url",
+        "http://view.local:8501",
+    )
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        yield {"tmp": tmp, "home": home, "sink": sink, "mailbox": mailbox, "runs": tmp / "runs",
-               "prom": f"http://127.0.0.1:{prom_port}", "am": f"http://127.0.0.1:{prom_port + 1}"}
+        yield {
+            "tmp": tmp,
+            "home": home,
+            "sink": sink,
+            "mailbox": mailbox,
+            "runs": tmp / "runs",
+            "prom": f"http://127.0.0.1:{prom_port}",
+            "am": f"http://127.0.0.1:{prom_port + 1}",
+        }
     finally:
         meshscope("stack", "down", "--home", str(home))
         sink.stop()
@@ -53,9 +81,19 @@ def stack(tmp_path_factory):
 def faulty_run(stack):
     """A 2-rank run: rank 1 computes 4x slower for 150 steps, then a NaN loss on rank 1."""
     port = free_port_range(3)
-    proc = start_run(stack["runs"], RUN, port, "--steps", "320",
-                     "--inject", "slow@step=40,rank=1,steps=150,factor=4",
-                     "--inject", "nan@step=260,rank=1", "--linger", "15")
+    proc = start_run(
+        stack["runs"],
+        RUN,
+        port,
+        "--steps",
+        "320",
+        "--inject",
+        "slow@step=40,rank=1,steps=150,factor=4",
+        "--inject",
+        "nan@step=260,rank=1",
+        "--linger",
+        "15",
+    )
     started = time.time()
     sink, mailbox = stack["sink"], stack["mailbox"]
 
@@ -65,8 +103,14 @@ def faulty_run(stack):
     straggler = wait_for(lambda: slack("StragglerRank"), 150)
     email = wait_for(lambda: [b for b in mailbox.bodies() if "LossNotFinite" in b], 150)
     anomaly = wait_for(lambda: [t for t in slack("AnomalyDetected") if "type=straggler" in t], 30)
-    yield {"proc": proc, "started": started, "straggler": straggler, "email": email,
-           "anomaly": anomaly, "slack_nan": slack("LossNotFinite")}
+    yield {
+        "proc": proc,
+        "started": started,
+        "straggler": straggler,
+        "email": email,
+        "anomaly": anomaly,
+        "slack_nan": slack("LossNotFinite"),
+    }
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
 
@@ -96,8 +140,9 @@ def test_a_nan_is_critical_so_it_reaches_email_and_slack(faulty_run, stack):
 def test_the_detectors_anomaly_also_alerts(faulty_run):
     assert faulty_run["anomaly"], "the straggler the detectors found never reached Slack"
     # its link names the anomaly's type, so the view lands on it
-    assert f"http://view.local:8501/?run={RUN}&type=straggler&alert=AnomalyDetected" in \
-        faulty_run["anomaly"][0]
+    assert (
+        f"http://view.local:8501/?run={RUN}&type=straggler&alert=AnomalyDetected" in faulty_run["anomaly"][0]
+    )
 
 
 def test_every_panel_query_returns_data_from_the_real_run(faulty_run, stack):
@@ -105,12 +150,18 @@ def test_every_panel_query_returns_data_from_the_real_run(faulty_run, stack):
     failures = []
     for name, board in build_all().items():
         for where, expr in board_queries(board):
-            promql = (expr.replace("$run", RUN).replace('layer=~"$layer"', 'layer=~"0|1"')
-                      .replace("$__rate_interval", "20s"))
+            promql = (
+                expr.replace("$run", RUN)
+                .replace('layer=~"$layer"', 'layer=~"0|1"')
+                .replace("$__rate_interval", "20s")
+            )
             if where.startswith("variable"):
                 promql = re.sub(r"label_values\((.*), \w+\)", r"\1", promql)
-            r = requests.get(f"{stack['prom']}/api/v1/query_range", timeout=10, params={
-                "query": promql, "start": faulty_run["started"], "end": end, "step": "2s"})
+            r = requests.get(
+                f"{stack['prom']}/api/v1/query_range",
+                timeout=10,
+                params={"query": promql, "start": faulty_run["started"], "end": end, "step": "2s"},
+            )
             body = r.json()
             if r.status_code != 200 or not body["data"]["result"]:
                 failures.append(f"{name}: {where}: {promql} -> {body.get('error') or 'no data'}")
@@ -120,10 +171,18 @@ def test_every_panel_query_returns_data_from_the_real_run(faulty_run, stack):
 def test_rank_down_silences_straggler_for_that_rank_only(stack):
     """Inhibition, on the real Alertmanager: alerts posted to its API as Prometheus would."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    alerts = [{"labels": {"alertname": name, "run": "inhib", "rank": rank, "severity": sev},
-               "annotations": {"summary": f"{name} {rank}", "value": "1"}, "startsAt": now}
-              for name, rank, sev in [("RankDown", "1", "critical"), ("StragglerRank", "1", "warning"),
-                                      ("StragglerRank", "0", "warning")]]
+    alerts = [
+        {
+            "labels": {"alertname": name, "run": "inhib", "rank": rank, "severity": sev},
+            "annotations": {"summary": f"{name} {rank}", "value": "1"},
+            "startsAt": now,
+        }
+        for name, rank, sev in [
+            ("RankDown", "1", "critical"),
+            ("StragglerRank", "1", "warning"),
+            ("StragglerRank", "0", "warning"),
+        ]
+    ]
     assert requests.post(f"{stack['am']}/api/v2/alerts", json=alerts, timeout=5).ok
 
     def inhib_messages():
@@ -137,16 +196,38 @@ def test_rank_down_silences_straggler_for_that_rank_only(stack):
 
 def test_one_alert_path_a_run_under_the_stack_never_pages_from_its_own_outbox(stack):
     hook = stack["tmp"] / "slack-webhook"
-    out = meshscope("run", "--config", str(REPO / "tests/data/tiny.toml"), "--run-dir",
-                    str(stack["runs"]), "--run-id", "one-path", "--steps", "3",
-                    "--metrics-port", str(free_port_range(3)), "--stack-home", str(stack["home"]),
-                    "--slack-webhook-file", str(hook), timeout=240)
+    out = meshscope(
+        "run",
+        "--config",
+        str(REPO / "tests/data/tiny.toml"),
+        "--run-dir",
+        str(stack["runs"]),
+        "--run-id",
+        "one-path",
+        "--steps",
+        "3",
+        "--metrics-port",
+        str(free_port_range(3)),
+        "--stack-home",
+        str(stack["home"]),
+        "--slack-webhook-file",
+        str(hook),
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"through Alertmanager at {stack['am']}" in out.stdout
     assert "ignored" in out.stderr and "--alerts embedded" in out.stderr
     assert not (stack["runs"] / "one-path" / "outbox").exists()
-    refused = meshscope("run", "--config", str(REPO / "tests/data/tiny.toml"), "--run-dir",
-                        str(stack["tmp"] / "elsewhere"), "--alerts", "alertmanager",
-                        "--stack-home", str(stack["home"]))
+    refused = meshscope(
+        "run",
+        "--config",
+        str(REPO / "tests/data/tiny.toml"),
+        "--run-dir",
+        str(stack["tmp"] / "elsewhere"),
+        "--alerts",
+        "alertmanager",
+        "--stack-home",
+        str(stack["home"]),
+    )
     assert refused.returncode == 2 and "no meshscope stack" in refused.stderr
     assert not (stack["tmp"] / "elsewhere").exists()

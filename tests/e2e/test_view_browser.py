@@ -1,6 +1,7 @@
 """The real `meshscope view` server in headless Chromium: an alert's link opens on the hang and
 the culprit rank is on the page; a straggler's deep link shows the ranked cause. Screenshots are
 kept in test-artifacts/ (CI keeps that folder)."""
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,16 @@ from tests.helpers.runs import REPO
 
 pytestmark = pytest.mark.e2e
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +37,22 @@ def view(tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     for name in ("skip_collective", "slow"):
         shutil.copytree(REPO / "benchmarks" / "data" / name, runs / name)
-    subprocess.run([sys.executable, "-m", "meshscope", "detect", "--run", str(runs / "slow")],
-                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "meshscope", "detect", "--run", str(runs / "slow")],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     port = free_port_range(1)
-    proc = subprocess.Popen([sys.executable, "-m", "meshscope", "view", "--runs", str(runs),
-                             "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshscope", "view", "--runs", str(runs), "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -54,8 +72,11 @@ def view(tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     chromium = require_binary("chromium")
-    sync_api = pytest.importorskip("playwright.sync_api") if os.environ.get("CI") != "true" \
+    sync_api = (
+        pytest.importorskip("playwright.sync_api")
+        if os.environ.get("CI") != "true"
         else __import__("playwright.sync_api", fromlist=["sync_playwright"])
+    )
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         yield b
@@ -76,8 +97,7 @@ def _open(browser, url: str, wait_for: str, shot: str):
 def test_an_alert_link_shows_the_hang_culprit(view, browser):
     url, _ = view
     # what the HangDetected alert links to (Alertmanager's template and the embedded alerts)
-    body = _open(browser, f"{url}/?run=skip_collective&alert=HangDetected", "Next:",
-                 "view-hang-alert.png")
+    body = _open(browser, f"{url}/?run=skip_collective&alert=HangDetected", "Next:", "view-hang-alert.png")
     assert "hang · ranks [1]" in body
     assert "rank 1: missing at all_reduce #24" in body
     assert (ARTIFACTS / "view-hang-alert.png").stat().st_size > 10_000
@@ -89,6 +109,5 @@ def test_a_straggler_deep_link_shows_the_slow_host(view, browser):
 
     ev = load_events(runs / "slow", kind="anomaly")
     aid = int(ev.iloc[0]["id"])
-    body = _open(browser, f"{url}/anomalies?run=slow&anomaly={aid}", "slow_host",
-                 "view-straggler.png")
+    body = _open(browser, f"{url}/anomalies?run=slow&anomaly={aid}", "slow_host", "view-straggler.png")
     assert "rank 1 computes" in body and "Next:" in body

@@ -1,4 +1,5 @@
 """Free ports on 127.0.0.1 for tests that start servers."""
+
 from __future__ import annotations
 
 import random

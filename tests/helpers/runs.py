@@ -1,4 +1,5 @@
 """Start `meshscope run` as a person would, in a subprocess, and scrape it."""
+
 from __future__ import annotations
 
 import subprocess
@@ -14,10 +15,22 @@ TINY = REPO / "tests" / "data" / "tiny.toml"
 
 
 def start_run(runs_root: Path, run_id: str, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(TINY), "--run-dir",
-           str(runs_root), "--run-id", run_id, "--metrics-port", str(port), *extra]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshscope",
+        "run",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(runs_root),
+        "--run-id",
+        run_id,
+        "--metrics-port",
+        str(port),
+        *extra,
+    ]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def scrape(port: int) -> dict[str, object] | None:

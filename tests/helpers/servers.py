@@ -1,4 +1,5 @@
 """Real servers from Debian's packages, on 127.0.0.1, for e2e tests."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,8 +18,13 @@ class Prometheus:
         self.port = free_port_range(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "prometheus.log"
-        self.cmd = [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"]
+        self.cmd = [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--web.enable-lifecycle",
+        ]
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Prometheus:

@@ -1,4 +1,5 @@
 """Local stand-ins for Slack and a mail server: a webhook sink and an aiosmtpd mailbox."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,9 @@ class Sink:
         """Slack bodies as one string each (title + text, or the whole JSON)."""
         out = []
         for body in list(self.received):
-            parts = [body.get("text", "")] + [f"{a.get('title', '')}\n{a.get('text', '')}"
-                                              for a in body.get("attachments", [])]
+            parts = [body.get("text", "")] + [
+                f"{a.get('title', '')}\n{a.get('text', '')}" for a in body.get("attachments", [])
+            ]
             out.append("\n".join(parts))
         return out
 

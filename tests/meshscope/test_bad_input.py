@@ -2,6 +2,7 @@
 traceback, and a failed command leaves what it read as it was. Hypothesis generates well over
 1,000 cases across the families: run stores, CSV series, config files, inject specs, alert
 flags and secret files, uploads, Flight Recorder dumps."""
+
 from __future__ import annotations
 
 import shutil
@@ -17,16 +18,18 @@ from meshscope.cli import app
 REPO = Path(__file__).resolve().parents[2]
 RECORDED = REPO / "benchmarks" / "data" / "slow" / "store.sqlite"
 runner = CliRunner()
-FUZZ = settings(max_examples=150, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 def invoke(*args: str):
     """Run the CLI in-process; the result must be a clean exit (0, 1 for a failed check, 2)."""
     result = runner.invoke(app, list(args), catch_exceptions=True)
     exc = result.exception
-    assert exc is None or isinstance(exc, SystemExit), (
-        f"traceback for {args}: {type(exc).__name__}: {exc}")
+    assert exc is None or isinstance(exc, SystemExit), f"traceback for {args}: {type(exc).__name__}: {exc}"
     assert result.exit_code in (0, 1, 2), (args, result.exit_code, result.output[-500:])
     if result.exit_code == 2:
         assert "error:" in result.output or "Usage:" in result.output, result.output[-500:]
@@ -44,13 +47,15 @@ def _foreign_sqlite(path: Path, sql: str) -> None:
 
 STORES = st.one_of(
     st.binary(max_size=2048).map(lambda b: ("bytes", b)),
-    st.sampled_from([
-        "CREATE TABLE steps (x INTEGER); INSERT INTO steps VALUES (1);",
-        "CREATE TABLE events (id INTEGER);",
-        "CREATE TABLE other (a TEXT);",
-        "CREATE TABLE steps (rank INTEGER, step INTEGER); INSERT INTO steps VALUES (0, 0);",
-        "",
-    ]).map(lambda s: ("sql", s)),
+    st.sampled_from(
+        [
+            "CREATE TABLE steps (x INTEGER); INSERT INTO steps VALUES (1);",
+            "CREATE TABLE events (id INTEGER);",
+            "CREATE TABLE other (a TEXT);",
+            "CREATE TABLE steps (rank INTEGER, step INTEGER); INSERT INTO steps VALUES (0, 0);",
+            "",
+        ]
+    ).map(lambda s: ("sql", s)),
     st.integers(0, 60000).map(lambda n: ("truncated", n)),
 )
 
@@ -82,9 +87,12 @@ def test_corrupt_empty_or_foreign_run_stores(tmp_path, spec, command):
 
 
 @FUZZ
-@given(content=st.one_of(st.binary(max_size=1024),
-                         st.text(max_size=600).map(lambda t: t.encode("utf-8", "replace"))),
-       columns=st.sampled_from([None, "value", "a,b", "nope"]))
+@given(
+    content=st.one_of(
+        st.binary(max_size=1024), st.text(max_size=600).map(lambda t: t.encode("utf-8", "replace"))
+    ),
+    columns=st.sampled_from([None, "value", "a,b", "nope"]),
+)
 def test_csv_series(tmp_path, content, columns):
     path = tmp_path / "series.csv"
     path.write_bytes(content)
@@ -95,14 +103,34 @@ def test_csv_series(tmp_path, content, columns):
 
 
 @FUZZ
-@given(content=st.one_of(
-    st.binary(max_size=600),
-    st.text(max_size=400).map(lambda t: t.encode()),
-    st.dictionaries(st.sampled_from(["nproc", "device", "backend", "metrics_port", "trace",
-                                     "expert_every", "run_id", "inject", "view_url"]),
-                    st.one_of(st.integers(-5, 70000), st.text(max_size=12), st.booleans(),
-                              st.lists(st.text(max_size=10), max_size=2)), max_size=4)
-    .map(lambda d: "\n".join(f"{k} = {_toml(v)}" for k, v in d.items()).encode())))
+@given(
+    content=st.one_of(
+        st.binary(max_size=600),
+        st.text(max_size=400).map(lambda t: t.encode()),
+        st.dictionaries(
+            st.sampled_from(
+                [
+                    "nproc",
+                    "device",
+                    "backend",
+                    "metrics_port",
+                    "trace",
+                    "expert_every",
+                    "run_id",
+                    "inject",
+                    "view_url",
+                ]
+            ),
+            st.one_of(
+                st.integers(-5, 70000),
+                st.text(max_size=12),
+                st.booleans(),
+                st.lists(st.text(max_size=10), max_size=2),
+            ),
+            max_size=4,
+        ).map(lambda d: "\n".join(f"{k} = {_toml(v)}" for k, v in d.items()).encode()),
+    )
+)
 def test_config_files(tmp_path, content):
     path = tmp_path / "c.toml"
     path.write_bytes(content)
@@ -114,26 +142,55 @@ def test_config_files(tmp_path, content):
 
 def _toml(v) -> str:
     import json
+
     return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
 
 
 @FUZZ
-@given(spec=st.one_of(st.text(max_size=60),
-                      st.builds(lambda k, body: f"{k}@{body}",
-                                st.sampled_from(["kill", "hang", "slow", "nan", "expert_collapse",
-                                                 "collective_mismatch", "memory_leak", "bogus"]),
-                                st.text(alphabet="step=rank,0123456789.-abcdefxyz", max_size=40))))
+@given(
+    spec=st.one_of(
+        st.text(max_size=60),
+        st.builds(
+            lambda k, body: f"{k}@{body}",
+            st.sampled_from(
+                [
+                    "kill",
+                    "hang",
+                    "slow",
+                    "nan",
+                    "expert_collapse",
+                    "collective_mismatch",
+                    "memory_leak",
+                    "bogus",
+                ]
+            ),
+            st.text(alphabet="step=rank,0123456789.-abcdefxyz", max_size=40),
+        ),
+    )
+)
 def test_inject_specs(tmp_path, spec):
     result = invoke("run", "--inject", spec, "--steps", "0", "--run-dir", str(tmp_path))
     assert result.exit_code == 2
 
 
 @FUZZ
-@given(smtp=st.text(max_size=30), nnodes=st.text(max_size=8),
-       secret=st.one_of(st.none(), st.binary(max_size=64)))
+@given(
+    smtp=st.text(max_size=30), nnodes=st.text(max_size=8), secret=st.one_of(st.none(), st.binary(max_size=64))
+)
 def test_alert_and_elastic_flags(tmp_path, smtp, nnodes, secret):
-    args = ["run", "--steps", "0", "--run-dir", str(tmp_path), "--smtp", smtp,
-            "--email-to", "ops@example.com", "--nnodes", nnodes]
+    args = [
+        "run",
+        "--steps",
+        "0",
+        "--run-dir",
+        str(tmp_path),
+        "--smtp",
+        smtp,
+        "--email-to",
+        "ops@example.com",
+        "--nnodes",
+        nnodes,
+    ]
     if secret is not None:
         (tmp_path / "hook").write_bytes(secret)
         args += ["--slack-webhook-file", str(tmp_path / "hook")]
@@ -162,17 +219,22 @@ def test_flight_recorder_dumps(tmp_path, files):
     folder.mkdir()
     for i, content in enumerate(files):
         (folder / f"rank{i}").write_bytes(content)
-    assert invoke("hang-report", "--flight-recorder", str(folder), "--prefix", "rank").exit_code \
-        in (0, 2)
+    assert invoke("hang-report", "--flight-recorder", str(folder), "--prefix", "rank").exit_code in (0, 2)
 
 
 def test_detect_run_is_idempotent(tmp_path):
     run = tmp_path / "run"
     shutil.copytree(RECORDED.parent, run)
     first = invoke("detect", "--run", str(run))
-    n = sqlite3.connect(run / "store.sqlite").execute(
-        "SELECT count(*) FROM events WHERE kind = 'anomaly'").fetchone()[0]
+    n = (
+        sqlite3.connect(run / "store.sqlite")
+        .execute("SELECT count(*) FROM events WHERE kind = 'anomaly'")
+        .fetchone()[0]
+    )
     invoke("detect", "--run", str(run))
-    again = sqlite3.connect(run / "store.sqlite").execute(
-        "SELECT count(*) FROM events WHERE kind = 'anomaly'").fetchone()[0]
+    again = (
+        sqlite3.connect(run / "store.sqlite")
+        .execute("SELECT count(*) FROM events WHERE kind = 'anomaly'")
+        .fetchone()[0]
+    )
     assert first.exit_code == 0 and n >= 1 and again == n

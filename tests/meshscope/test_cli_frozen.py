@@ -1,6 +1,7 @@
 """The CLI is an interface: its commands, flags and defaults are frozen in tests/data/cli.json,
 so a change to them is a deliberate edit of that file (`UPDATE_CLI=1 pytest this file`), never
 an accident. Config fields reach `meshscope run` through `--set`, read off the models."""
+
 import json
 import os
 from pathlib import Path
@@ -23,7 +24,8 @@ def _describe(command, prefix=""):
         return out
     out[prefix.strip()] = sorted(
         [sorted(p.opts + p.secondary_opts), repr(p.default) if p.default is not None else None]
-        for p in command.params)
+        for p in command.params
+    )
     return out
 
 
@@ -42,17 +44,29 @@ def test_every_config_field_is_listed_and_settable(tmp_path):
     from meshscope.cli import _merge_settings
     from trainer.config import load_config
 
-    cfg = load_config(None, _merge_settings(
-        ["train.powersgd_rank=8", "elastic.keep=5", "elastic.heartbeat_s=0.5", 'run_id="x"'],
-        {"train": {"steps": 7}}))
-    assert (cfg.train.powersgd_rank, cfg.elastic.keep, cfg.elastic.heartbeat_s, cfg.run_id,
-            cfg.train.steps) == (8, 5, 0.5, "x", 7)
+    cfg = load_config(
+        None,
+        _merge_settings(
+            ["train.powersgd_rank=8", "elastic.keep=5", "elastic.heartbeat_s=0.5", 'run_id="x"'],
+            {"train": {"steps": 7}},
+        ),
+    )
+    assert (
+        cfg.train.powersgd_rank,
+        cfg.elastic.keep,
+        cfg.elastic.heartbeat_s,
+        cfg.run_id,
+        cfg.train.steps,
+    ) == (8, 5, 0.5, "x", 7)
     assert isinstance(cfg, RunConfig)
 
 
 def test_a_bad_setting_names_the_field_and_exits_2(tmp_path):
-    for item, message in [("elastic.keep=0", "elastic.keep"), ("train.nosuch=1", "nosuch"),
-                          ("justtext", "PATH=VALUE")]:
+    for item, message in [
+        ("elastic.keep=0", "elastic.keep"),
+        ("train.nosuch=1", "nosuch"),
+        ("justtext", "PATH=VALUE"),
+    ]:
         result = runner.invoke(app, ["run", "--run-dir", str(tmp_path), "--set", item])
         assert result.exit_code == 2 and message in result.output, (item, result.output)
     assert not any(tmp_path.iterdir())  # nothing written

@@ -1,4 +1,5 @@
 """The engine beside a live run: a slowed rank becomes one straggler anomaly, nothing before."""
+
 import subprocess
 import sys
 
@@ -11,18 +12,39 @@ from tests.helpers.sinks import Sink
 def test_live_run_with_a_slow_rank_yields_one_straggler_event(tmp_path):
     # steps of ~40 ms rather than the tiny config's ~10 ms: OS jitter on 2 busy cores is not a fault
     config = tmp_path / "live.toml"
-    config.write_text(TINY.read_text().replace("d_model = 32", "d_model = 64")
-                      .replace("batch_size = 8", "batch_size = 16"))
+    config.write_text(
+        TINY.read_text().replace("d_model = 32", "d_model = 64").replace("batch_size = 8", "batch_size = 16")
+    )
     sink = Sink()
     sink.start()
     webhook = tmp_path / "webhook"
     webhook.write_text(f"http://127.0.0.1:{sink.port}/hook")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshscope", "run", "--config", str(config), "--run-dir",
-         str(tmp_path), "--run-id", "live", "--metrics-port", str(free_port_range(3)),
-         "--steps", "60", "--inject", "slow@step=40,rank=1,steps=8,factor=3",
-         "--slack-webhook-file", str(webhook)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "meshscope",
+            "run",
+            "--config",
+            str(config),
+            "--run-dir",
+            str(tmp_path),
+            "--run-id",
+            "live",
+            "--metrics-port",
+            str(free_port_range(3)),
+            "--steps",
+            "60",
+            "--inject",
+            "slow@step=40,rank=1,steps=8,factor=3",
+            "--slack-webhook-file",
+            str(webhook),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     anomalies = load_events(tmp_path / "live", kind="anomaly")["detail"].tolist()

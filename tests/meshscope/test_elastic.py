@@ -1,4 +1,5 @@
 """Failures for real: kill -9 and resume bit for bit, shrink to fewer agents, every injection."""
+
 import os
 import signal
 import subprocess
@@ -17,10 +18,24 @@ from trainer.model import MoELM
 
 
 def meshscope_run(root, run_id, *flags, port=None):
-    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(TINY), "--run-dir", str(root),
-           "--run-id", run_id, "--metrics-port", str(port or free_port_range(3)), *flags]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshscope",
+        "run",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(root),
+        "--run-id",
+        run_id,
+        "--metrics-port",
+        str(port or free_port_range(3)),
+        *flags,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def final_params(run_dir):
@@ -66,13 +81,29 @@ def _descendants(pid):
 
 def test_shrink_when_an_agent_dies_for_good(tmp_path):
     rdzv = free_port_range(1)
-    store = subprocess.Popen([sys.executable, "-m", "meshscope", "rendezvous", "--port", str(rdzv)],
-                             cwd=REPO, stdout=subprocess.PIPE, text=True)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "meshscope", "rendezvous", "--port", str(rdzv)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert "rendezvous store" in store.stdout.readline()
-        flags = ("--nproc", "1", "--steps", "300", "--nnodes", "1:2", "--rdzv-endpoint",
-                 f"127.0.0.1:{rdzv}", "--rdzv-external", "--max-restarts", "3",
-                 "--checkpoint-every", "5")
+        flags = (
+            "--nproc",
+            "1",
+            "--steps",
+            "300",
+            "--nnodes",
+            "1:2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{rdzv}",
+            "--rdzv-external",
+            "--max-restarts",
+            "3",
+            "--checkpoint-every",
+            "5",
+        )
         survivor = meshscope_run(tmp_path, "elastic", *flags)
         time.sleep(0.5)
         doomed = meshscope_run(tmp_path, "elastic", *flags)
@@ -98,27 +129,50 @@ def test_shrink_when_an_agent_dies_for_good(tmp_path):
 @pytest.fixture(scope="module")
 def injected(tmp_path_factory):
     root = tmp_path_factory.mktemp("inject")
-    proc = meshscope_run(root, "all", "--steps", "40",
-                         "--inject", "slow@step=5,rank=1,steps=5,factor=3",
-                         "--inject", "comm_delay@step=12,rank=0,steps=3,ms=40",
-                         "--inject", "nan@step=17,rank=1",
-                         "--inject", "expert_collapse@step=20,rank=0,steps=10,layer=0",
-                         "--inject", "memory_leak@step=25,rank=1,steps=10,mb_per_step=8",
-                         "--inject", "hang@step=36,rank=0,seconds=2")
+    proc = meshscope_run(
+        root,
+        "all",
+        "--steps",
+        "40",
+        "--inject",
+        "slow@step=5,rank=1,steps=5,factor=3",
+        "--inject",
+        "comm_delay@step=12,rank=0,steps=3,ms=40",
+        "--inject",
+        "nan@step=17,rank=1",
+        "--inject",
+        "expert_collapse@step=20,rank=0,steps=10,layer=0",
+        "--inject",
+        "memory_leak@step=25,rank=1,steps=10,mb_per_step=8",
+        "--inject",
+        "hang@step=36,rank=0,seconds=2",
+    )
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     run = root / "all"
     steps = load_steps(run)
-    return {"dir": run, "steps": steps,
-            "rank": {r: steps[steps["rank"] == r].set_index("step") for r in (0, 1)},
-            "events": load_events(run), "experts": load_expert_load(run)}
+    return {
+        "dir": run,
+        "steps": steps,
+        "rank": {r: steps[steps["rank"] == r].set_index("step") for r in (0, 1)},
+        "events": load_events(run),
+        "experts": load_expert_load(run),
+    }
 
 
 def test_every_injection_is_ground_truth_in_the_store(injected):
     inj = injected["events"][injected["events"]["kind"] == "injected"]
     got = sorted((d["kind"], d["rank"], d["start_step"]) for d in inj["detail"])
-    assert got == sorted([("slow", 1, 5), ("comm_delay", 0, 12), ("nan", 1, 17),
-                          ("expert_collapse", 0, 20), ("memory_leak", 1, 25), ("hang", 0, 36)])
+    assert got == sorted(
+        [
+            ("slow", 1, 5),
+            ("comm_delay", 0, 12),
+            ("nan", 1, 17),
+            ("expert_collapse", 0, 20),
+            ("memory_leak", 1, 25),
+            ("hang", 0, 36),
+        ]
+    )
 
 
 def test_slow_rank_step_time_rises_by_about_its_factor(injected):
@@ -160,6 +214,7 @@ def test_detect_finds_the_injected_faults_afterwards(injected):
     from typer.testing import CliRunner
 
     from meshscope.cli import app
+
     result = CliRunner().invoke(app, ["detect", "--run", str(injected["dir"])])
     assert result.exit_code == 0, result.output
     anomalies = load_events(injected["dir"], kind="anomaly")["detail"].tolist()
@@ -175,11 +230,27 @@ def test_detect_finds_the_injected_faults_afterwards(injected):
 
 def test_grow_admits_a_returning_agent(tmp_path):
     rdzv = free_port_range(1)
-    store = subprocess.Popen([sys.executable, "-m", "meshscope", "rendezvous", "--port", str(rdzv)],
-                             cwd=REPO, stdout=subprocess.PIPE, text=True)
-    flags = ("--nproc", "1", "--steps", "5000", "--nnodes", "1:2", "--rdzv-endpoint",
-             f"127.0.0.1:{rdzv}", "--rdzv-external", "--max-restarts", "5",
-             "--checkpoint-every", "10")
+    store = subprocess.Popen(
+        [sys.executable, "-m", "meshscope", "rendezvous", "--port", str(rdzv)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    flags = (
+        "--nproc",
+        "1",
+        "--steps",
+        "5000",
+        "--nnodes",
+        "1:2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{rdzv}",
+        "--rdzv-external",
+        "--max-restarts",
+        "5",
+        "--checkpoint-every",
+        "10",
+    )
     agents = []
     run = tmp_path / "grow"
 

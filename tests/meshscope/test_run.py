@@ -1,4 +1,5 @@
 """`meshscope run` end to end on 2 gloo ranks, and its answers to bad input."""
+
 import json
 import socket
 
@@ -11,12 +12,24 @@ from tests.helpers.ports import free_port_range
 from tests.helpers.runs import sample, scrape, start_run, wait_for
 
 FAMILIES = [
-    "meshscope_step_duration_seconds", "meshscope_step_phase_seconds", "meshscope_steps",
-    "meshscope_tokens", "meshscope_comm_ratio", "meshscope_comm_seconds", "meshscope_comm_bytes",
-    "meshscope_loss", "meshscope_grad_norm", "meshscope_memory_bytes", "meshscope_expert_tokens",
-    "meshscope_expert_load_ratio", "meshscope_expert_imbalance_ratio",
-    "meshscope_heartbeat_age_seconds", "meshscope_faults", "meshscope_restarts",
-    "meshscope_recovery_seconds", "meshscope_run_info",
+    "meshscope_step_duration_seconds",
+    "meshscope_step_phase_seconds",
+    "meshscope_steps",
+    "meshscope_tokens",
+    "meshscope_comm_ratio",
+    "meshscope_comm_seconds",
+    "meshscope_comm_bytes",
+    "meshscope_loss",
+    "meshscope_grad_norm",
+    "meshscope_memory_bytes",
+    "meshscope_expert_tokens",
+    "meshscope_expert_load_ratio",
+    "meshscope_expert_imbalance_ratio",
+    "meshscope_heartbeat_age_seconds",
+    "meshscope_faults",
+    "meshscope_restarts",
+    "meshscope_recovery_seconds",
+    "meshscope_run_info",
 ]
 DETECTOR_FAMILIES = ["meshscope_anomaly_score", "meshscope_anomalies"]
 
@@ -37,8 +50,15 @@ def live_run(tmp_path_factory):
     detector = scrape(port + 2)
     targets = json.loads((root / "it" / "targets.json").read_text())
     out, _ = proc.communicate(timeout=120)
-    return {"dir": root / "it", "scraped": scraped, "detector": detector, "targets": targets,
-            "rc": proc.returncode, "out": out, "root": root}
+    return {
+        "dir": root / "it",
+        "scraped": scraped,
+        "detector": detector,
+        "targets": targets,
+        "rc": proc.returncode,
+        "out": out,
+        "root": root,
+    }
 
 
 def test_run_succeeds_with_a_summary(live_run):
@@ -110,8 +130,9 @@ def test_busy_metrics_port_is_a_clear_message(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", port + 1))
         s.listen()
-        result = runner.invoke(app, ["run", "--nproc", "2", "--metrics-port", str(port),
-                                     "--run-dir", str(tmp_path)])
+        result = runner.invoke(
+            app, ["run", "--nproc", "2", "--metrics-port", str(port), "--run-dir", str(tmp_path)]
+        )
     assert result.exit_code == 2
     assert f"metrics port {port + 1}" in result.output and "already in use" in result.output
 
@@ -122,8 +143,7 @@ def test_npu_without_torch_npu_is_a_clear_message(tmp_path):
 
 
 def test_a_backend_that_cannot_carry_the_device_is_a_clear_message(tmp_path):
-    result = runner.invoke(app, ["run", "--device", "cpu", "--backend", "nccl",
-                                 "--run-dir", str(tmp_path)])
+    result = runner.invoke(app, ["run", "--device", "cpu", "--backend", "nccl", "--run-dir", str(tmp_path)])
     assert result.exit_code == 2 and "--backend nccl: cannot carry cpu tensors" in result.output
 
 
@@ -131,8 +151,7 @@ def test_more_ranks_than_gpus_on_nccl_exits_2_and_points_at_gloo(tmp_path, monke
     from trainer import device as devmod
 
     monkeypatch.setattr(devmod, "cuda_count", lambda: 1)
-    result = runner.invoke(app, ["run", "--device", "cuda", "--nproc", "2",
-                                 "--run-dir", str(tmp_path)])
+    result = runner.invoke(app, ["run", "--device", "cuda", "--nproc", "2", "--run-dir", str(tmp_path)])
     assert result.exit_code == 2
     assert "--nproc 2 on nccl needs 2 visible cuda devices, 1 is visible" in result.output
     assert "--backend gloo" in result.output
@@ -141,8 +160,7 @@ def test_more_ranks_than_gpus_on_nccl_exits_2_and_points_at_gloo(tmp_path, monke
 def test_the_summary_explains_a_missing_compression_ratio():
     from meshscope.cli import _compression_cell
 
-    assert _compression_cell({"ranks": 1.0, "compression_ratio": float("nan")}).startswith(
-        "n/a (one rank")
+    assert _compression_cell({"ranks": 1.0, "compression_ratio": float("nan")}).startswith("n/a (one rank")
     assert _compression_cell({"ranks": 2.0, "compression_ratio": 2.0}) == "2.0x"
 
 
@@ -155,14 +173,15 @@ def test_the_version_is_said_once():
     assert importlib.metadata.version("meshscope") == meshscope.__version__ == VERSION
 
 
-def test_a_zygote_that_will_not_serve_means_one_warning_and_plain_workers(tmp_path, monkeypatch,
-                                                                         capsys):
+def test_a_zygote_that_will_not_serve_means_one_warning_and_plain_workers(tmp_path, monkeypatch, capsys):
     from meshscope import launcher
     from trainer.config import load_config
 
     fake = tmp_path / "python"  # stands in for the interpreter that would run trainer.zygote
-    fake.write_text("#!/bin/sh\necho 'meshscope zygote: not serving, forking is unsafe: "
-                    "torch.cuda.init was called' >&2\necho '  File x.py, line 1' >&2\nexit 3\n")
+    fake.write_text(
+        "#!/bin/sh\necho 'meshscope zygote: not serving, forking is unsafe: "
+        "torch.cuda.init was called' >&2\necho '  File x.py, line 1' >&2\nexit 3\n"
+    )
     fake.chmod(0o755)
     cfg = load_config(None, {"runs_root": str(tmp_path), "run_id": "z"})
     (cfg.run_dir / "logs").mkdir(parents=True)
@@ -173,13 +192,18 @@ def test_a_zygote_that_will_not_serve_means_one_warning_and_plain_workers(tmp_pa
     assert launcher.torchrun_command(cfg, warm=False)[-3] == "meshscope.worker"
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--smtp", "nohost", "--email-to", "a@b"], "--smtp 'nohost': expected HOST:PORT"),
-    (["--smtp", "h:99999", "--email-to", "a@b"], "--smtp 'h:99999': expected HOST:PORT"),
-    (["--nnodes", "2:1"], "elastic.nnodes: '2:1' needs 1 <= MIN <= MAX"),
-    (["--slack-webhook-file", "/nonexistent/hook"], "--slack-webhook-file /nonexistent/hook: "
-                                                    "cannot read it"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--smtp", "nohost", "--email-to", "a@b"], "--smtp 'nohost': expected HOST:PORT"),
+        (["--smtp", "h:99999", "--email-to", "a@b"], "--smtp 'h:99999': expected HOST:PORT"),
+        (["--nnodes", "2:1"], "elastic.nnodes: '2:1' needs 1 <= MIN <= MAX"),
+        (
+            ["--slack-webhook-file", "/nonexistent/hook"],
+            "--slack-webhook-file /nonexistent/hook: cannot read it",
+        ),
+    ],
+)
 def test_bad_alert_and_topology_flags_exit_2_and_write_nothing(tmp_path, flags, message):
     result = runner.invoke(app, ["run", *flags, "--steps", "1", "--run-dir", str(tmp_path / "r")])
     assert result.exit_code == 2 and message in result.output, result.output

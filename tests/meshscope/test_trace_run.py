@@ -1,4 +1,5 @@
 """`meshscope run` with a poisoned module: the tracer names it, and `meshscope replay` re-runs it."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,12 +12,18 @@ from tests.helpers.ports import free_port_range
 from tests.helpers.runs import REPO, start_run
 
 
-@pytest.mark.parametrize("where,tensor,replays", [("forward", "parameter", 0),
-                                                  ("backward", "gradient", 1)])
+@pytest.mark.parametrize("where,tensor,replays", [("forward", "parameter", 0), ("backward", "gradient", 1)])
 def test_the_tracer_names_the_poisoned_module_and_rank(tmp_path, where, tensor, replays):
     module = "blocks.1.moe.router.gate"
-    proc = start_run(tmp_path, "t", free_port_range(3), "--steps", "10", "--inject",
-                     f"nan@step=4,rank=1,module={module},where={where}")
+    proc = start_run(
+        tmp_path,
+        "t",
+        free_port_range(3),
+        "--steps",
+        "10",
+        "--inject",
+        f"nan@step=4,rank=1,module={module},where={where}",
+    )
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out[-3000:]
     events = load_events(tmp_path / "t")
@@ -30,7 +37,12 @@ def test_the_tracer_names_the_poisoned_module_and_rank(tmp_path, where, tensor, 
     assert len(snapshots) == 1 and snapshots.iloc[0]["detail"]["path"] == detail["snapshot"]
     # forward: the Inf weight is in the snapshot, so the re-run gives Inf again (exit 0);
     # backward: the NaN came from a hook, not the module, and replay says so (exit 1)
-    replay = subprocess.run([sys.executable, "-m", "meshscope", "replay", detail["snapshot"]],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    replay = subprocess.run(
+        [sys.executable, "-m", "meshscope", "replay", detail["snapshot"]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert replay.returncode == replays, replay.stdout + replay.stderr
     assert module in replay.stdout

@@ -1,4 +1,5 @@
 """The tracer names the first non-finite module; snapshots load without pickle and replay."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,13 @@ def traced_steps(tmp_path, spec: str, steps: int = 4, mode: str = "nonfinite"):
     injector = Injector([parse_injection(spec)], 0, lambda inj, step: None)
     injector.arm(model)
     reports = []
-    tracer = TensorTracer(model, TracerConfig(mode=mode), snapshot_dir=tmp_path / "snapshots",
-                          report=lambda kind, step, detail: reports.append((kind, step, detail)),
-                          stats_sink=lambda rows: reports.append(("stats", rows[0]["step"], rows)))
+    tracer = TensorTracer(
+        model,
+        TracerConfig(mode=mode),
+        snapshot_dir=tmp_path / "snapshots",
+        report=lambda kind, step, detail: reports.append((kind, step, detail)),
+        stats_sink=lambda rows: reports.append(("stats", rows[0]["step"], rows)),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len))
     for step in range(steps):
@@ -56,13 +61,13 @@ def test_names_the_module_poisoned_in_forward(tmp_path, module):
     assert detail["tensor"] == "parameter"
 
 
-@pytest.mark.parametrize("module", ["blocks.1.moe.router.gate", "blocks.0.ln1",
-                                    "blocks.0.moe.experts"])
+@pytest.mark.parametrize("module", ["blocks.1.moe.router.gate", "blocks.0.ln1", "blocks.0.moe.experts"])
 def test_names_the_module_poisoned_in_backward(tmp_path, module):
     reports = traced_steps(tmp_path, f"nan@step=1,rank=0,module={module},where=backward")
     nans = [(step, d) for kind, step, d in reports if kind == "nan"]
     assert [(s, d["module"], d["where"], d["tensor"]) for s, d in nans] == [
-        (1, module, "backward", "gradient")]
+        (1, module, "backward", "gradient")
+    ]
 
 
 def test_a_nan_loss_is_traced_to_the_gradient_entering_the_model(tmp_path):
@@ -96,8 +101,10 @@ def test_replay_of_an_injected_gradient_says_it_is_not_the_module(tmp_path):
 
 @pytest.mark.parametrize("mode", ["nonfinite", "stats", "full"])
 def test_every_mode_names_the_module(tmp_path, mode):
-    for spec, where in [("nan@step=2,rank=0,module=blocks.0.ln2", "forward"),
-                        ("nan@step=2,rank=0,module=blocks.1.ln1,where=backward", "backward")]:
+    for spec, where in [
+        ("nan@step=2,rank=0,module=blocks.0.ln2", "forward"),
+        ("nan@step=2,rank=0,module=blocks.1.ln1,where=backward", "backward"),
+    ]:
         reports = traced_steps(tmp_path / where, spec, mode=mode)
         nans = [(s, d["module"], d["where"]) for kind, s, d in reports if kind == "nan"]
         assert nans == [(2, spec.split("module=")[1].split(",")[0], where)], (mode, nans)
@@ -112,8 +119,7 @@ def test_stats_mode_stores_every_module(tmp_path):
 
 
 def test_unknown_module_is_a_clear_error():
-    injector = Injector([parse_injection("nan@step=1,rank=0,module=blocks.9")], 0,
-                        lambda inj, step: None)
+    injector = Injector([parse_injection("nan@step=1,rank=0,module=blocks.9")], 0, lambda inj, step: None)
     with pytest.raises(InjectionError, match="no module 'blocks.9'"):
         injector.arm(MoELM(CFG))
 
@@ -129,15 +135,18 @@ def test_malformed_and_hostile_snapshots_are_refused(tmp_path):
     meta = json.loads(open(meta_path).read())
     # a pickle where the tensors should be: refused, never unpickled
     import pickle
+
     evil = tmp_path / "evil.safetensors"
     evil.write_bytes(pickle.dumps({"x": 1}))
     (tmp_path / "evil.json").write_text(json.dumps(meta))
     with pytest.raises(SnapshotError, match="not a valid safetensors file"):
         load_snapshot(tmp_path / "evil.json")
-    for broken, why in [({**meta, "format": "other/9"}, "format"),
-                        ({**meta, "where": "sideways"}, "where"),
-                        ({**meta, "args": [{"tensor": "input.7"}]}, "input.7"),
-                        ({**meta, "exec": "rm -rf /"}, "exec")]:
+    for broken, why in [
+        ({**meta, "format": "other/9"}, "format"),
+        ({**meta, "where": "sideways"}, "where"),
+        ({**meta, "args": [{"tensor": "input.7"}]}, "input.7"),
+        ({**meta, "exec": "rm -rf /"}, "exec"),
+    ]:
         (tmp_path / "bad.json").write_text(json.dumps(broken))
         (tmp_path / "bad.safetensors").write_bytes(open(data_path, "rb").read())
         with pytest.raises(SnapshotError, match=why):
@@ -163,8 +172,12 @@ def test_the_gradient_inspector_measures_every_layer_and_the_engine_flags_outlie
     model = MoELM(CFG)
     assert {"embed", "blocks.0", "blocks.1", "ln_f"} <= set(layer_names(model).values())
     rows, exported = [], {}
-    inspector = GradientInspector(model, InspectorConfig(every=2), sink=rows.extend,
-                                  export=lambda m, g, r: exported.__setitem__(m, (g, r)))
+    inspector = GradientInspector(
+        model,
+        InspectorConfig(every=2),
+        sink=rows.extend,
+        export=lambda m, g, r: exported.__setitem__(m, (g, r)),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len))
     for step in range(20):
@@ -188,4 +201,6 @@ def test_the_gradient_inspector_measures_every_layer_and_the_engine_flags_outlie
     rule = GradientRule(warmup=3)
     flags = rule.judge(frame.iloc[: len(frame) // 2]) + rule.judge(frame)  # in two windows
     assert sorted((f.type, f.module, s) for s, f in flags) == [
-        ("gradient_exploding", "blocks.1", 14), ("gradient_vanishing", "ln_f", 14)]
+        ("gradient_exploding", "blocks.1", 14),
+        ("gradient_vanishing", "ln_f", 14),
+    ]

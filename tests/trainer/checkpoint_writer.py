@@ -1,4 +1,5 @@
 """Subprocess for the kill-during-write test: saves checkpoints of a large model forever."""
+
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """Functions run on every rank by tests/helpers/dist.run_ranks (module level, for spawn)."""
+
 from __future__ import annotations
 
 import copy

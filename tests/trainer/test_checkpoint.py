@@ -32,8 +32,7 @@ def test_round_trip_keeps_last_k_and_verifies(tmp_path):
     restored, refused = mgr.restore(fresh, fresh_opt)
     assert restored.step == 15 and refused == []
     assert torch.equal(fresh.weight, model.weight)
-    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"],
-                       opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
 def test_corrupt_checkpoint_is_refused_with_the_reason_and_the_previous_used(tmp_path):
@@ -59,9 +58,13 @@ def test_corrupt_checkpoint_is_refused_with_the_reason_and_the_previous_used(tmp
 
 
 def test_kill_during_a_write_resumes_from_the_previous_good_checkpoint(tmp_path):
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests/trainer/checkpoint_writer.py"),
-                             str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests/trainer/checkpoint_writer.py"), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     try:
         assert proc.stdout.readline().startswith("saved 1")
         deadline = time.monotonic() + 60

@@ -1,4 +1,5 @@
 """Compression hooks on 2 real gloo ranks: agreement with all-reduce, bytes, error feedback."""
+
 import types
 
 import pytest

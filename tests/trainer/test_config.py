@@ -10,14 +10,17 @@ def test_defaults_and_overrides(tmp_path):
     assert (cfg.nproc, cfg.train.steps, cfg.train.compression) == (2, 9, "fp16")
 
 
-@pytest.mark.parametrize("text, field", [
-    ("[train]\nsteps = 0\n", "train.steps"),
-    ('[train]\ncompression = "zip"\n', "train.compression"),
-    ("[model]\nexperts = 2\ntop_k = 3\n", "model.top_k"),
-    ("[model]\nd_model = 30\nheads = 4\n", "model.heads"),
-    ("[model]\nlayerz = 3\n", "model.layerz"),
-    ("metrics_port = 70000\n", "metrics_port"),
-])
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("[train]\nsteps = 0\n", "train.steps"),
+        ('[train]\ncompression = "zip"\n', "train.compression"),
+        ("[model]\nexperts = 2\ntop_k = 3\n", "model.top_k"),
+        ("[model]\nd_model = 30\nheads = 4\n", "model.heads"),
+        ("[model]\nlayerz = 3\n", "model.layerz"),
+        ("metrics_port = 70000\n", "metrics_port"),
+    ],
+)
 def test_bad_value_names_the_field(tmp_path, text, field):
     path = tmp_path / "c.toml"
     path.write_text(text)

@@ -1,6 +1,7 @@
 """An approved change reaches the running trainer at a step boundary, within bounds, and is
 logged; a change outside the bounds is refused by the trainer even when it bypassed the check
 at submission; the outcome is measured and remembered."""
+
 from __future__ import annotations
 
 import json
@@ -18,22 +19,32 @@ from detectors.feedback import approve, balancedness, ingest
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import REPO, TINY
 
-SKEWED = TINY.read_text().replace("top_k = 2", "top_k = 2\nrouter_skew = 3.0").replace(
-    "expert_every = 5", "expert_every = 5\ncontrol_every = 5")
+SKEWED = (
+    TINY.read_text()
+    .replace("top_k = 2", "top_k = 2\nrouter_skew = 3.0")
+    .replace("expert_every = 5", "expert_every = 5\ncontrol_every = 5")
+)
 
 
 def _raw_control(run, kind: str, layer: int, values: list[float]) -> None:
     """A change written straight into the table, as a buggy or hostile writer would."""
     conn = sqlite3.connect(store_path(run))
     with conn:
-        conn.execute("INSERT INTO controls (created, kind, layer, payload, status) VALUES "
-                     "(?, ?, ?, ?, 'pending')", (time.time(), kind, layer, json.dumps(values)))
+        conn.execute(
+            "INSERT INTO controls (created, kind, layer, payload, status) VALUES (?, ?, ?, ?, 'pending')",
+            (time.time(), kind, layer, json.dumps(values)),
+        )
     conn.close()
 
 
 def _feedback(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshscope", "feedback", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "meshscope", "feedback", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +54,27 @@ def controlled(tmp_path_factory):
     config.write_text(SKEWED)
     run = root / "c"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshscope", "run", "--config", str(config), "--run-dir",
-         str(root), "--run-id", "c", "--steps", "150", "--metrics-port",
-         str(free_port_range(3))], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+        [
+            sys.executable,
+            "-m",
+            "meshscope",
+            "run",
+            "--config",
+            str(config),
+            "--run-dir",
+            str(root),
+            "--run-id",
+            "c",
+            "--steps",
+            "150",
+            "--metrics-port",
+            str(free_port_range(3)),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while latest_step(run) < 12 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
@@ -56,8 +84,7 @@ def controlled(tmp_path_factory):
     # in-process while training runs (a CLI start takes longer than this short run lasts)
     report = ingest(run, csv.read_bytes(), csv.name, devices=2)
     bias = [i for i, s in zip(report.event_ids, report.suggestions) if s.action == "router_bias"]
-    placement = [i for i, s in zip(report.event_ids, report.suggestions)
-                 if s.action == "placement"]
+    placement = [i for i, s in zip(report.event_ids, report.suggestions) if s.action == "placement"]
     for i in bias:
         approve(run, i)
     _raw_control(run, "aux_loss_coef", -1, [50.0])
@@ -65,16 +92,25 @@ def controlled(tmp_path_factory):
     submitted_at = latest_step(run)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
-    return {"run": run, "bias": bias, "placement": placement, "root": root, "csv": csv,
-            "submitted_at": submitted_at}
+    return {
+        "run": run,
+        "bias": bias,
+        "placement": placement,
+        "root": root,
+        "csv": csv,
+        "submitted_at": submitted_at,
+    }
 
 
 def test_ingest_and_apply_from_the_cli(controlled, tmp_path):
     out = _feedback("ingest", str(controlled["csv"]), "--run", str(controlled["run"]))
     assert out.returncode == 0 and "router_bias" in out.stdout, out.stderr
     assert controlled["bias"] and controlled["submitted_at"] < 140
-    sid = next(line.split()[0].lstrip("#") for line in out.stdout.splitlines()
-               if "router_bias" in line and line.startswith("#"))
+    sid = next(
+        line.split()[0].lstrip("#")
+        for line in out.stdout.splitlines()
+        if "router_bias" in line and line.startswith("#")
+    )
     done = _feedback("apply", "--run", str(controlled["run"]), "--suggestion", sid)
     assert done.returncode == 0 and "queued" in done.stdout, done.stderr
 
@@ -97,8 +133,12 @@ def test_the_change_moves_routing_toward_balance(controlled):
     rows = load_controls(controlled["run"])
     step = int(rows[rows["kind"] == "router_bias"]["step"].min())
     ex = load_expert_load(controlled["run"])
-    per_step = {s: np.mean([balancedness(g[g["layer"] == layer]["tokens"].to_numpy())
-                            for layer in g["layer"].unique()]) for s, g in ex.groupby("step")}
+    per_step = {
+        s: np.mean(
+            [balancedness(g[g["layer"] == layer]["tokens"].to_numpy()) for layer in g["layer"].unique()]
+        )
+        for s, g in ex.groupby("step")
+    }
     before = np.mean([v for s, v in per_step.items() if s < step])
     after = np.mean([v for s, v in per_step.items() if s >= step + 10])
     assert after > 1.2 * before, (before, after)
@@ -126,7 +166,9 @@ def test_outcomes_are_measured_and_remembered(controlled):
 
 def test_bad_approvals_get_a_clear_error(controlled):
     run = str(controlled["run"])
-    for args, message in ((["--suggestion", "999999"], "no suggestion 999999"),
-                          (["--suggestion", str(controlled["placement"][0])], "export it")):
+    for args, message in (
+        (["--suggestion", "999999"], "no suggestion 999999"),
+        (["--suggestion", str(controlled["placement"][0])], "export it"),
+    ):
         out = _feedback("apply", "--run", run, *args)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr

@@ -4,8 +4,7 @@ from trainer.data import SyntheticTokens
 
 
 def make(rank=0, world=1, seed=0):
-    return SyntheticTokens(vocab_size=50, seq_len=12, batch_size=4, seed=seed, rank=rank,
-                           world_size=world)
+    return SyntheticTokens(vocab_size=50, seq_len=12, batch_size=4, seed=seed, rank=rank, world_size=world)
 
 
 def test_deterministic_and_resumable_from_any_step():

@@ -26,9 +26,16 @@ def test_a_dead_rank_is_reported_once_by_its_node_within_two_intervals():
     beats = [Heartbeat(store, rank=r, world_size=3, attempt=0) for r in range(3)]
     for b in beats:
         b._beat()
-    watch = NodeWatch(store, attempt=0, node=0, ranks=[0, 1, 2], interval_s=1.0, clock=clock,
-                      on_dead=lambda r, age, step: dead.append((r, step)),
-                      on_age=lambda r, age: ages.__setitem__(r, age))
+    watch = NodeWatch(
+        store,
+        attempt=0,
+        node=0,
+        ranks=[0, 1, 2],
+        interval_s=1.0,
+        clock=clock,
+        on_dead=lambda r, age, step: dead.append((r, step)),
+        on_age=lambda r, age: ages.__setitem__(r, age),
+    )
     watch.look()
     # rank 1 dies right after its beat at t=0; the others keep beating every interval
     for tick in range(1, 6):
@@ -58,8 +65,9 @@ def test_a_rank_that_left_on_purpose_is_not_dead():
     beats = [Heartbeat(store, rank=r, world_size=2, attempt=0) for r in range(2)]
     for b in beats:
         b._beat()
-    watch = NodeWatch(store, attempt=0, node=0, ranks=[0, 1], clock=clock,
-                      on_dead=lambda r, age, step: dead.append(r))
+    watch = NodeWatch(
+        store, attempt=0, node=0, ranks=[0, 1], clock=clock, on_dead=lambda r, age, step: dead.append(r)
+    )
     watch.look()
     beats[1].mark_exit("done")
     for tick in range(1, 8):
@@ -76,8 +84,7 @@ def test_a_node_whose_watcher_died_has_its_ranks_reported_by_the_job_watcher():
     watchers = [NodeWatch(store, attempt=0, node=n, ranks=r, clock=clock) for n, r in nodes.items()]
     for rank in range(4):
         Heartbeat(store, rank=rank, world_size=4, attempt=0)._beat()
-    job = JobWatch(store, attempt=0, nodes=nodes, clock=clock,
-                   on_dead=lambda r, age, step: dead.append(r))
+    job = JobWatch(store, attempt=0, nodes=nodes, clock=clock, on_dead=lambda r, age, step: dead.append(r))
     for tick in range(0, 8):
         clock.t = tick * 0.5
         store.set(hb_key(0, 0), str(tick) + " 1")
@@ -92,8 +99,7 @@ def test_a_node_whose_watcher_died_has_its_ranks_reported_by_the_job_watcher():
 def test_exit_marks_tell_the_culprit_of_the_previous_attempt():
     port = free_port_range(1)
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    old = [Heartbeat(connect_store("127.0.0.1", port), rank=r, world_size=3, attempt=0)
-           for r in range(3)]
+    old = [Heartbeat(connect_store("127.0.0.1", port), rank=r, world_size=3, attempt=0) for r in range(3)]
     for b in old:
         b.step = 7
         b._beat()

@@ -9,13 +9,16 @@ def test_parse_full_spec():
     assert parse_injection("comm_delay@step=1,rank=0").param("ms") == 50  # default
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("explode@step=1,rank=0", "KIND"),
-    ("slow@rank=0", "step= is required"),
-    ("slow@step=1,rank=0,speed=2", "unknown parameter"),
-    ("nan@step=x,rank=0", "not key=number"),
-    ("kill@step=1,rank=0,steps=0", "steps >= 1"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("explode@step=1,rank=0", "KIND"),
+        ("slow@rank=0", "step= is required"),
+        ("slow@step=1,rank=0,speed=2", "unknown parameter"),
+        ("nan@step=x,rank=0", "not key=number"),
+        ("kill@step=1,rank=0,steps=0", "steps >= 1"),
+    ],
+)
 def test_bad_specs_say_what_is_wrong(spec, message):
     with pytest.raises(InjectionError, match=message):
         parse_injection(spec)
@@ -26,6 +29,7 @@ def test_fires_once_and_only_on_its_rank_and_steps():
     specs = [parse_injection("nan@step=2,rank=1,steps=2"), parse_injection("nan@step=0,rank=0")]
     inj = Injector(specs, rank=1, report=lambda i, s: reported.append((i.key, s)))
     import torch
+
     model = torch.nn.Linear(1, 1)
     poisoned = []
     for step in range(5):
@@ -37,9 +41,14 @@ def test_fires_once_and_only_on_its_rank_and_steps():
 
 def test_already_fired_injections_do_not_fire_again():
     reported = []
-    inj = Injector([parse_injection("kill@step=3,rank=0")], rank=0,
-                   report=lambda i, s: reported.append(i), already_fired={"kill@3/0"})
+    inj = Injector(
+        [parse_injection("kill@step=3,rank=0")],
+        rank=0,
+        report=lambda i, s: reported.append(i),
+        already_fired={"kill@3/0"},
+    )
     import torch
+
     inj.before_step(3, torch.nn.Linear(1, 1))  # would SIGKILL this test if it fired
     assert reported == []
 
@@ -51,8 +60,7 @@ def test_comm_delay_lands_after_backward_even_when_the_collective_is_already_don
 
     from trainer.inject import delayed_hook
 
-    inj = Injector([parse_injection("comm_delay@step=0,rank=0,ms=200")], rank=0,
-                   report=lambda i, s: None)
+    inj = Injector([parse_injection("comm_delay@step=0,rank=0,ms=200")], rank=0, report=lambda i, s: None)
     inj.before_step(0, torch.nn.Linear(1, 1))
 
     def finished(state, bucket):

@@ -4,6 +4,7 @@ On the CPU nothing blocks, so the test forbids what would block on an accelerato
 tensor on the host, `nonzero`, `bincount`) for the whole step, with the Monitor treating every
 tensor as a device tensor (its window read-back path), as on a GPU.
 """
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -39,17 +40,21 @@ def test_fused_adamw_skips_a_non_finite_step_on_the_device():
     assert not torch.equal(model.weight, before[0])
 
 
-FORBIDDEN = {"Tensor": ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero"),
-             "torch": ("nonzero", "bincount", "unique")}
+FORBIDDEN = {
+    "Tensor": ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero"),
+    "torch": ("nonzero", "bincount", "unique"),
+}
 
 
 def forbid_host_reads(monkeypatch):
     """Refuse host reads of tensors, except the Monitor's landed read-back copies."""
+
     def refuse(name, original=None):
         def call(*a, **k):
             if original is not None and getattr(a[0], "_landed", False):
                 return original(*a, **k)
             raise AssertionError(f"{name} in the training step: a host-device sync on accelerators")
+
         return call
 
     landing = readback.Readback.__init__
@@ -68,8 +73,10 @@ def forbid_host_reads(monkeypatch):
 def test_the_training_step_reads_nothing_from_the_device(tmp_path, monkeypatch):
     cfg = load_config(REPO / "tests/data/tiny.toml", {"runs_root": str(tmp_path), "run_id": "s"})
     monkeypatch.setattr(readback, "is_device_tensor", lambda v: isinstance(v, torch.Tensor))
-    mon = Monitor(MonitorConfig(run_dir=cfg.run_dir, metrics_port=None, sync_every=4,
-                                expert_every=2), registry=CollectorRegistry())
+    mon = Monitor(
+        MonitorConfig(run_dir=cfg.run_dir, metrics_port=None, sync_every=4, expert_every=2),
+        registry=CollectorRegistry(),
+    )
     device = Device("cpu")
     state = build(cfg, device, mon, rank=0, world_size=1)
     injector = Injector([parse_injection("nan@step=2,rank=0")], 0, lambda inj, step: None)

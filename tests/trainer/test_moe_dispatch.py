@@ -3,6 +3,7 @@
 `loop_reference` is the previous implementation (a `nonzero` per expert, first come first served
 up to capacity, `index_add_` back), kept here as the specification.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,9 +27,17 @@ def loop_reference(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-@pytest.mark.parametrize("experts,top_k,factor,skew", [
-    (4, 2, 1.25, 0.0), (8, 2, 1.0, 3.0), (8, 1, 0.5, 0.0), (4, 4, 1.0, 5.0), (16, 2, 2.0, 8.0),
-    (3, 2, 0.3, 20.0)])
+@pytest.mark.parametrize(
+    "experts,top_k,factor,skew",
+    [
+        (4, 2, 1.25, 0.0),
+        (8, 2, 1.0, 3.0),
+        (8, 1, 0.5, 0.0),
+        (4, 4, 1.0, 5.0),
+        (16, 2, 2.0, 8.0),
+        (3, 2, 0.3, 20.0),
+    ],
+)
 def test_dispatch_matches_the_loop(experts, top_k, factor, skew):
     torch.manual_seed(experts * 10 + top_k)
     cfg = ModelConfig(d_model=16, heads=2, experts=experts, top_k=top_k, capacity_factor=factor)
@@ -39,8 +48,7 @@ def test_dispatch_matches_the_loop(experts, top_k, factor, skew):
     fast = moe(x)
     grads_fast = torch.autograd.grad(fast.pow(2).sum(), [x, *moe.parameters()])
     slow = loop_reference(moe, x)
-    grads_slow = torch.autograd.grad(slow.pow(2).sum(), [x, *moe.parameters()],
-                                     allow_unused=True)
+    grads_slow = torch.autograd.grad(slow.pow(2).sum(), [x, *moe.parameters()], allow_unused=True)
     torch.testing.assert_close(fast, slow)
     for a, b in zip(grads_fast, grads_slow):
         torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b)
@@ -57,6 +65,7 @@ def test_dispatch_never_reads_a_device_value(monkeypatch):
     def refuse(name):
         def call(*a, **k):
             raise AssertionError(f"{name} in the MoE step: a host-device sync on accelerators")
+
         return call
 
     for name in ("nonzero", "bincount", "unique", "masked_select"):

@@ -1,5 +1,6 @@
 """Ascend readiness without hardware: the NPU path against a stand-in `torch.npu` that records
 every call, the way torch_npu exposes it (set_device, synchronize, Event, memory counters)."""
+
 import time
 from types import SimpleNamespace
 
@@ -52,8 +53,14 @@ class StandInNpu:
     def __getattr__(self, name):
         def call(*args, **kwargs):
             self.calls.append(name)
-            return {"device_count": self.count, "is_available": True, "is_initialized": False,
-                    "memory_allocated": 1 << 20, "memory_reserved": 2 << 20}.get(name)
+            return {
+                "device_count": self.count,
+                "is_available": True,
+                "is_initialized": False,
+                "memory_allocated": 1 << 20,
+                "memory_reserved": 2 << 20,
+            }.get(name)
+
         return call
 
 
@@ -91,8 +98,11 @@ def test_activate_and_synchronize_go_to_torch_npu(npu):
 def test_monitor_on_npu_events_reads_without_waiting(tmp_path, npu):
     probe = resolve_device("npu").probe()
     assert isinstance(probe, AcceleratorProbe)
-    mon = Monitor(MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=3),
-                  probe=probe, registry=CollectorRegistry())
+    mon = Monitor(
+        MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=3),
+        probe=probe,
+        registry=CollectorRegistry(),
+    )
     for _ in range(3):
         with mon.step(tokens=4) as s:
             with s.phase("forward"):

@@ -1,4 +1,5 @@
 """The warm standby: a forked worker behaves, to torchrun, exactly like an exec'd one."""
+
 import os
 import subprocess
 import sys
@@ -12,9 +13,17 @@ from trainer.config import load_config
 
 
 def write_config(tmp_path, *inject):
-    cfg = load_config(REPO / "tests/data/tiny.toml", {
-        "run_id": "z", "runs_root": str(tmp_path), "nproc": 1, "train": {"steps": 5},
-        "inject": list(inject), "metrics_port": 29000 + os.getpid() % 1000})
+    cfg = load_config(
+        REPO / "tests/data/tiny.toml",
+        {
+            "run_id": "z",
+            "runs_root": str(tmp_path),
+            "nproc": 1,
+            "train": {"steps": 5},
+            "inject": list(inject),
+            "metrics_port": 29000 + os.getpid() % 1000,
+        },
+    )
     cfg.run_dir.mkdir(parents=True)
     path = cfg.run_dir / "config.json"
     path.write_text(cfg.model_dump_json())
@@ -24,8 +33,7 @@ def write_config(tmp_path, *inject):
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
     sock = tmp_path_factory.mktemp("zy") / "z.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.zygote", "--socket", str(sock)],
-                            cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.zygote", "--socket", str(sock)], cwd=REPO)
     deadline = time.monotonic() + 60
     while not sock.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -36,8 +44,14 @@ def zygote(tmp_path_factory):
 
 def spawn(config, sock):
     env = dict(os.environ, MESHSCOPE_ZYGOTE=str(sock), PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "trainer.spawn", "--config", str(config)],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.spawn", "--config", str(config)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_forked_worker_trains_and_exits_zero(tmp_path, zygote):
@@ -87,8 +101,14 @@ print("clean")
 
 
 def run_python(code, **env):
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO), **env))
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
+    )
 
 
 def test_the_warm_up_never_touches_an_accelerator_even_when_one_is_there():
@@ -120,10 +140,16 @@ z.main()
 
 def test_a_zygote_that_touched_a_device_refuses_to_serve(tmp_path):
     sock = tmp_path / "z.sock"
-    done = subprocess.run([sys.executable, "-c", TOUCHING_ZYGOTE, str(sock)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    done = subprocess.run(
+        [sys.executable, "-c", TOUCHING_ZYGOTE, str(sock)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     from trainer.zygote import UNSAFE_EXIT
+
     assert done.returncode == UNSAFE_EXIT
     assert "forking is unsafe" in done.stderr and "torch.cuda.init was called" in done.stderr
     assert not sock.exists()

@@ -1,4 +1,5 @@
 """Run: step time per rank, communication ratio, loss, and one timeline of events."""
+
 import plotly.express as px
 import streamlit as st
 
@@ -27,22 +28,30 @@ if steps.empty:
     st.info("No step recorded yet.")
     st.stop()
 per_rank = steps.assign(rank=steps["rank"].astype(str))
-st.plotly_chart(px.line(per_rank, x="step", y="step_s", color="rank",
-                        title="step time per rank (s)"), key="step_time")
+st.plotly_chart(
+    px.line(per_rank, x="step", y="step_s", color="rank", title="step time per rank (s)"), key="step_time"
+)
 left, right = st.columns(2)
-left.plotly_chart(px.line(per_rank, x="step", y="comm_ratio", color="rank",
-                          title="exposed communication / step"), key="comm_ratio")
-right.plotly_chart(px.line(per_rank, x="step", y="loss", color="rank", title="loss"),
-                   key="loss")
+left.plotly_chart(
+    px.line(per_rank, x="step", y="comm_ratio", color="rank", title="exposed communication / step"),
+    key="comm_ratio",
+)
+right.plotly_chart(px.line(per_rank, x="step", y="loss", color="rank", title="loss"), key="loss")
 events = data.timeline(facts.events)
 st.subheader("Events")
 if events.empty:
     st.caption("No events.")
 else:
-    st.plotly_chart(px.scatter(events, x="step", y="kind", color="severity",
-                               hover_data=["rank", "summary"], title="timeline"),
-                    key="timeline")
+    st.plotly_chart(
+        px.scatter(
+            events, x="step", y="kind", color="severity", hover_data=["rank", "summary"], title="timeline"
+        ),
+        key="timeline",
+    )
     st.dataframe(events, hide_index=True, key="events")
 if facts.anomalies:
-    st.page_link(ui.page_file("anomalies"), label=f"{len(facts.anomalies)} anomalies: drill down",
-                 query_params={"run": run_dir.name})
+    st.page_link(
+        ui.page_file("anomalies"),
+        label=f"{len(facts.anomalies)} anomalies: drill down",
+        query_params={"run": run_dir.name},
+    )

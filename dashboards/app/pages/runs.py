@@ -1,4 +1,5 @@
 """Runs: every run's health, throughput and faults at a glance."""
+
 import time
 
 import streamlit as st
@@ -15,13 +16,21 @@ cols = st.columns(4)
 cols[0].metric("runs", len(table))
 cols[1].metric("running", int((table["status"] == "running").sum()))
 cols[2].metric("with anomalies", int((table.get("anomalies", 0) > 0).sum()))
-cols[3].metric("with hangs or faults",
-               int(((table.get("hangs", 0) > 0) | (table.get("faults", 0) > 0)).sum()))
+cols[3].metric(
+    "with hangs or faults", int(((table.get("hangs", 0) > 0) | (table.get("faults", 0) > 0)).sum())
+)
 picked = st.dataframe(
-    table, hide_index=True, on_select="rerun", selection_mode="single-row", key="runs",
-    column_config={"step_s_p50": st.column_config.NumberColumn("step s (p50)", format="%.3f"),
-                   "tokens_per_s": st.column_config.NumberColumn("tokens/s", format="%.0f"),
-                   "loss": st.column_config.NumberColumn(format="%.3f")})
+    table,
+    hide_index=True,
+    on_select="rerun",
+    selection_mode="single-row",
+    key="runs",
+    column_config={
+        "step_s_p50": st.column_config.NumberColumn("step s (p50)", format="%.3f"),
+        "tokens_per_s": st.column_config.NumberColumn("tokens/s", format="%.0f"),
+        "loss": st.column_config.NumberColumn(format="%.3f"),
+    },
+)
 rows = picked.selection.rows if picked is not None else []
 if rows:
     st.switch_page(ui.page_file("run"), query_params={"run": table.iloc[rows[0]]["run"]})
