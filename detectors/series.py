@@ -33,8 +33,12 @@ class SeriesError(ValueError):
     """The input cannot be scored; the message says what to fix."""
 
 
-def read_series(path: str, time_column: str, value_columns: list[str] | None) -> pd.DataFrame:
-    """Load and validate a CSV: the time column exists, value columns are numeric."""
+TIME_COLUMNS = ("time", "timestamp", "ts", "date", "datetime")  # what exports call it
+
+
+def read_series(path: str, time_column: str | None, value_columns: list[str] | None) -> pd.DataFrame:
+    """Load and validate a CSV: the time column exists (None: the first column named like one
+    of TIME_COLUMNS), value columns are numeric. The time column comes first in the result."""
     try:
         df = pd.read_csv(path)
     except pd.errors.EmptyDataError:
@@ -47,6 +51,14 @@ def read_series(path: str, time_column: str, value_columns: list[str] | None) ->
         raise SeriesError(f"{path}: cannot read CSV ({err})") from None
     if df.empty:
         raise SeriesError(f"{path}: no rows")
+    if time_column is None:
+        named = [c for c in df.columns if str(c).strip().lower() in TIME_COLUMNS]
+        if not named:
+            raise SeriesError(
+                f"{path}: no time column (looked for {', '.join(TIME_COLUMNS)}); "
+                f"name it with --time-column (columns: {', '.join(map(str, df.columns))})"
+            )
+        time_column = named[0]
     if time_column not in df.columns:
         raise SeriesError(f"{path}: no column {time_column!r} (columns: {', '.join(df.columns)})")
     columns = value_columns or [c for c in df.columns if c != time_column]

@@ -476,7 +476,9 @@ def _get_path(obj: Any, path: str) -> Any:
 def detect(
     csv: Path | None = typer.Argument(None, help="a CSV time series to score"),
     run: Path | None = typer.Option(None, "--run", help="a run directory to judge"),
-    time_column: str = typer.Option("time", "--time-column", help="CSV: the time column"),
+    time_column: str | None = typer.Option(
+        None, "--time-column", help="CSV: the time column (default: time, timestamp, ts, date or datetime)"
+    ),
     value_columns: str | None = typer.Option(
         None, "--value-columns", help="CSV: columns to score, A,B (default: all)"
     ),
@@ -493,13 +495,14 @@ def detect(
 
 
 def _detect_csv(
-    path: Path, time_column: str, value_columns: str | None, output: Path | None, sensitivity: float
+    path: Path, time_column: str | None, value_columns: str | None, output: Path | None, sensitivity: float
 ) -> None:
     from detectors.series import SeriesError, read_series, score_frame
 
     try:
         cols = [c.strip() for c in value_columns.split(",")] if value_columns else None
-        scored = score_frame(read_series(str(path), time_column, cols), time_column, sensitivity=sensitivity)
+        frame = read_series(str(path), time_column, cols)  # the time column first
+        scored = score_frame(frame, str(frame.columns[0]), sensitivity=sensitivity)
     except SeriesError as err:
         fail(str(err))
     output = output or path.with_name(path.stem + ".scored.csv")

@@ -124,6 +124,21 @@ def test_the_season_is_found_from_the_past():
     assert estimate_period(np.r_[np.zeros(350), np.ones(350)], 1500, 0.6) is None  # nor a step
 
 
+def test_the_time_column_is_found_by_its_usual_names(tmp_path):
+    csv = tmp_path / "export.csv"
+    csv.write_text(
+        "timestamp,value\n"
+        + "".join(f"2026-01-01 00:{i // 60:02d}:{i % 60:02d},{i % 7}\n" for i in range(100))
+    )
+    result = runner.invoke(app, ["detect", str(csv), "-o", str(tmp_path / "out.csv")])
+    assert result.exit_code == 0, result.output
+    assert list(pd.read_csv(tmp_path / "out.csv").columns[:2]) == ["timestamp", "value"]
+    nameless = tmp_path / "nameless.csv"
+    nameless.write_text("a,b\n1,2\n")
+    result = runner.invoke(app, ["detect", str(nameless)])
+    assert result.exit_code == 2 and "--time-column" in result.output
+
+
 def test_bad_config_names_the_field():
     with pytest.raises(SeriesError, match="alpha"):
         SeriesConfig.with_sensitivity(1.0, alpha=2)
