@@ -17,6 +17,8 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import HeatmapCellLayout
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
+from detectors.thresholds import Thresholds
+
 OUT = Path(__file__).parent / "grafana" / "dashboards"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 RUN = 'run="$run"'
@@ -201,7 +203,7 @@ def faults() -> dashboard.Dashboard:
                 "Anomaly score per detector",
                 "short",
                 _q(f"meshscope_anomaly_score{{{RUN}}}", "{{detector}}"),
-                desc="Straggler: slowest rank's compute / median (alarm at 1.8). "
+                desc=f"Straggler: slowest rank's compute / median (alarm at {Thresholds().straggler_ratio:g}). "
                 "IsolationForest: -score (alarm at 0.8).",
             )
         )
