@@ -235,21 +235,23 @@ class StragglerRule:
                     slow[int(i)] = (float(excess[i]), p.span)
         if not slow or len(slow) > len(row.ranks) // 2:
             return []  # more than half slower than the median is not how a median works
-        worst = max(e for e, _ in slow.values())
+        # One episode per rank, with a wider gap: several stragglers do not come and go as a
+        # group, and a noisy step or two below the line does not close a persistent straggle.
         return [
             Flag(
                 "straggler",
-                1 + worst,
-                ranks=[row.ranks[i] for i in sorted(slow)],
+                1 + excess,
+                ranks=[row.ranks[i]],
+                gap=2 * shortest.span,
                 evidence=self._evidence(
                     row,
-                    ratio=round(1 + worst, 3),
+                    ratio=round(1 + excess, 3),
                     persistent=True,
-                    excess={str(row.ranks[i]): round(e, 3) for i, (e, _) in slow.items()},
-                    over_steps={str(row.ranks[i]): h for i, (_, h) in slow.items()},
-                    usual_pace={str(row.ranks[i]): round(float(shortest.pace_[i]), 3) for i in slow},
+                    over_steps=horizon,
+                    usual_pace=round(float(shortest.pace_[i]), 3),
                 ),
             )
+            for i, (excess, horizon) in sorted(slow.items())
         ]
 
     @staticmethod

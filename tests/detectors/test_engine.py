@@ -128,5 +128,5 @@ def test_subtle_and_several_persistent_stragglers_are_named_within_a_few_steps(s
     opened, closed = run(heterogeneous_run(slow=slow, factor=factor))
     stragglers = [e for e in closed if e.type == "straggler"]
     assert stragglers and all(e.start_step <= 106 for e in stragglers)
-    assert {r for e in stragglers for r in e.ranks} == set(slow)
+    assert sorted(r for e in stragglers for r in e.ranks) == sorted(slow)  # one episode per rank
     assert all(e.start_step >= 100 for e in closed)  # nothing before the fault
