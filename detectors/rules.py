@@ -222,14 +222,15 @@ class StragglerRule:
         shortest = min(self.persistent, key=lambda p: p.span)
         if len(recent) < shortest.span:
             return []
+        excesses = {p.span: p.latest_excess(recent) for p in self.persistent if len(recent) >= p.span}
         # still slow lately (over the shortest horizon) and now: a straggle that ended is over
-        lately = np.minimum(shortest.latest_excess(recent), shortest.latest_excess(recent[-1:]))
+        lately = np.minimum(excesses[shortest.span], shortest.latest_excess(recent[-1:]))
         slow: dict[int, tuple[float, int]] = {}  # rank index -> (excess, horizon)
         for p in self.persistent:
             thresholds = p.thresholds()
-            if len(recent) < p.span or not np.isfinite(thresholds).any():
+            if p.span not in excesses or not np.isfinite(thresholds).any():
                 continue
-            excess = p.latest_excess(recent)
+            excess = excesses[p.span]
             for i in np.flatnonzero((excess > thresholds) & (lately > shortest.min_excess)):
                 if i not in slow or excess[i] > slow[i][0]:
                     slow[int(i)] = (float(excess[i]), p.span)

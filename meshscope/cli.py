@@ -26,7 +26,7 @@ from collector.report import summarize
 from collector.store import load_events, load_expert_load, load_steps, store_path
 from detectors.notify import Outbox
 from meshscope import launcher
-from trainer.config import ConfigError, RunConfig, load_config
+from trainer.config import ConfigError, RunConfig, load_config, merge_settings
 from trainer.device import DeviceUnavailable
 
 app = typer.Typer(
@@ -43,17 +43,22 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _nest(out: dict[str, Any], path: list[str], value: Any) -> None:
+    """Put `value` at `path` in nested dicts, creating sections; ValueError if one is a value."""
+    node = out
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{part} is not a section")
+    node[path[-1]] = value
+
+
 def _overrides(**flags: Any) -> dict[str, Any]:
     """Flags that were given, as a nested dict over the config ("train.steps" -> train/steps)."""
     out: dict[str, Any] = {}
     for dotted, value in flags.items():
-        if value is None:
-            continue
-        node = out
-        *parents, leaf = dotted.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        if value is not None:
+            _nest(out, dotted.split("__"), value)
     return out
 
 
@@ -69,25 +74,11 @@ def _merge_settings(settings: list[str], flags: dict[str, Any]) -> dict[str, Any
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
-        node = out
-        *parents, leaf = path.strip().split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise typer.BadParameter(f"--set {item!r}: {part} is not a section")
-        node[leaf] = value
-    return _deep_merge(out, flags)
-
-
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in top.items():
-        merged[key] = (
-            _deep_merge(merged[key], value)
-            if isinstance(value, dict) and isinstance(merged.get(key), dict)
-            else value
-        )
-    return merged
+        try:
+            _nest(out, path.strip().split("."), value)
+        except ValueError as err:
+            raise typer.BadParameter(f"--set {item!r}: {err}") from None
+    return merge_settings(out, flags)
 
 
 @app.callback()

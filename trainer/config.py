@@ -210,11 +210,12 @@ def _raise_config_error(err: ValidationError, source: str) -> None:
     raise ConfigError(f"{source}: {field + ': ' if field else ''}{msg}") from None
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `over` laid on top, section by section (nested dicts merge, values replace)."""
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_settings(out[key], value)
         else:
             out[key] = value
     return out
@@ -239,7 +240,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
             raise ConfigError(f"{path}: not valid TOML/JSON: {err}") from None
     try:
-        return RunConfig.model_validate(_merge(data, overrides or {}))
+        return RunConfig.model_validate(merge_settings(data, overrides or {}))
     except ValidationError as err:
         _raise_config_error(err, source)
         raise  # unreachable
