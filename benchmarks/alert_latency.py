@@ -22,9 +22,9 @@ from pathlib import Path
 
 from _common import REPO, machine
 
-from collector.store import load_steps
-from dashboards.alertmanager import AlertRouting
-from dashboards.stack import StackConfig, down, up
+from meshscope.collector.store import load_steps
+from meshscope.dashboards.alertmanager import AlertRouting
+from meshscope.dashboards.stack import StackConfig, down, up
 from tests.helpers.ports import free_port_range
 from tests.helpers.sinks import Sink
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from _common import REPO, machine
 
-from collector.store import load_steps
-from trainer.config import load_config
+from meshscope.collector.store import load_steps
+from meshscope.config import load_config
 
 NS = "ms-bench-n1"
 HOST_IF, PEER_IF = "msb0", "msb1"
@@ -93,7 +93,7 @@ def write_config(root: Path, name: str, args: argparse.Namespace, compression: s
 
 def run_job(config: Path, args: argparse.Namespace) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    worker = ["-m", "trainer.worker", "--config", str(config)]
+    worker = ["-m", "meshscope.trainer.worker", "--config", str(config)]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if args.link == "none":
         env["GLOO_SOCKET_IFNAME"] = "lo"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from _common import REPO, machine
 
-from collector.store import load_steps
-from trainer.config import load_config
+from meshscope.collector.store import load_steps
+from meshscope.config import load_config
 
 CASES = [("none", 0), ("fp16", 0), ("powersgd", 0), ("onebit", 0), ("onebit", 30), ("onebit", 100)]
 
@@ -46,7 +46,7 @@ def run(root: Path, compression: str, warmup: int, steps: int, port: int) -> flo
             "--standalone",
             "--nproc-per-node=2",
             "-m",
-            "trainer.worker",
+            "meshscope.trainer.worker",
             "--config",
             str(config),
         ],

@@ -28,9 +28,9 @@ import pandas as pd
 from _common import REPO, machine
 from sklearn.ensemble import IsolationForest
 
-from collector.store import load_events, load_expert_load, load_steps
-from detectors.engine import DetectionEngine
-from detectors.episodes import Episode, EpisodeTracker
+from meshscope.collector.store import load_events, load_expert_load, load_steps
+from meshscope.detectors.engine import DetectionEngine
+from meshscope.detectors.episodes import Episode, EpisodeTracker
 
 DATA = REPO / "benchmarks" / "data"
 START = 80

@@ -27,10 +27,10 @@ from pathlib import Path
 
 from _common import REPO, machine
 
-from collector.store import load_events, load_expert_load, load_steps
-from detectors.engine import DetectionEngine
-from detectors.episodes import Episode
-from detectors.live import run_top_k
+from meshscope.collector.rundir import run_info
+from meshscope.collector.store import load_events, load_expert_load, load_steps
+from meshscope.detectors.engine import DetectionEngine
+from meshscope.detectors.episodes import Episode
 
 DATA = REPO / "benchmarks" / "data" / "experts"
 SHAPES = [(4, 1), (4, 2), (8, 2), (16, 4)]
@@ -112,7 +112,7 @@ def record() -> None:
 def judge(run: Path, *, use_config: bool = True) -> list[Episode]:
     """The expert_imbalance episodes the engine raises on a recorded run."""
     found: list[Episode] = []
-    engine = DetectionEngine(top_k=run_top_k(run) if use_config else None, on_close=found.append)
+    engine = DetectionEngine(top_k=run_info(run).top_k if use_config else None, on_close=found.append)
     engine.process(load_steps(run), load_expert_load(run))
     engine.finish()
     return [e for e in found if e.type == "expert_imbalance"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from _common import REPO, machine
 
-from collector.store import latest_step, load_events, load_steps
+from meshscope.collector.store import latest_step, load_events, load_steps
 
 
 def worker_pid(run_dir: Path, rank: int) -> int | None:

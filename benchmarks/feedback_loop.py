@@ -23,9 +23,9 @@ from pathlib import Path
 
 from _common import REPO, machine
 
-from collector import controls
-from collector.store import latest_step, load_expert_load, load_steps
-from detectors.feedback import approve, balancedness, ingest, knowledge_base, settle_outcomes
+from meshscope.collector import controls
+from meshscope.collector.store import latest_step, load_expert_load, load_steps
+from meshscope.feedback.loop import approve, balancedness, ingest, knowledge_base, settle_outcomes
 
 CONFIG = """nproc = 2
 device = "cpu"

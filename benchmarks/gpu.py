@@ -41,14 +41,15 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
-from collector.store import load_events, load_steps  # noqa: E402
-from trainer.config import ModelConfig, load_config  # noqa: E402
-from trainer.data import SyntheticTokens  # noqa: E402
-from trainer.device import Device  # noqa: E402
-from trainer.inject import Injector  # noqa: E402
-from trainer.loop import build, train_step  # noqa: E402
-from trainer.model import MoEFeedForward, MoELM  # noqa: E402
+from meshscope.collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
+from meshscope.collector.store import load_events, load_steps  # noqa: E402
+from meshscope.config import load_config  # noqa: E402
+from meshscope.trainer.config import ModelConfig  # noqa: E402
+from meshscope.trainer.data import SyntheticTokens  # noqa: E402
+from meshscope.trainer.device import Device  # noqa: E402
+from meshscope.trainer.inject import Injector  # noqa: E402
+from meshscope.trainer.loop import build, train_step  # noqa: E402
+from meshscope.trainer.model import MoEFeedForward, MoELM  # noqa: E402
 
 RESULTS: dict[str, Any] = {}
 
@@ -125,7 +126,7 @@ def syncs_per_step(device: Device, steps: int) -> dict:
 
 
 def plain_step(state: Any, device: Device) -> None:
-    from trainer.loop import step_if_finite
+    from meshscope.trainer.loop import step_if_finite
 
     inputs, targets = map(device.upload, state.data.batch(state.step))
     loss, _ = state.model.loss(state.ddp(inputs), targets)

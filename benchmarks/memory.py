@@ -25,8 +25,8 @@ CHILD = r"""
 import json, resource, sys, tempfile, time
 import torch
 sys.path.insert(0, {repo!r})
-from trainer.config import ModelConfig
-from trainer.model import MoELM
+from meshscope.trainer.config import ModelConfig
+from meshscope.trainer.model import MoELM
 
 watched, steps = {watched}, {steps}
 torch.manual_seed(0)
@@ -37,7 +37,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 mon = None
 if watched:
     from prometheus_client import CollectorRegistry
-    from collector import Monitor, MonitorConfig
+    from meshscope.collector import Monitor, MonitorConfig
     from tests.helpers.ports import free_port_range
     mon = Monitor(MonitorConfig(run_dir=__import__("pathlib").Path(tempfile.mkdtemp()) / "run",
                                 run_id="mem", metrics_port=free_port_range(1)),
@@ -64,7 +64,7 @@ ENGINE = r"""
 import json, resource, sys, time
 import numpy as np, pandas as pd
 sys.path.insert(0, {repo!r})
-from detectors.engine import DetectionEngine
+from meshscope.detectors.engine import DetectionEngine
 
 ranks, steps, chunk = {ranks}, {steps}, 50
 rng = np.random.default_rng(0)

@@ -72,7 +72,7 @@ class CostMeter:
 
 def instrument_costs(mon, cost: CostMeter) -> None:
     """Route the Monitor's entry points through the cost meter (this process only)."""
-    from collector import comm, monitor
+    from meshscope.collector import comm, monitor
 
     mon.step = cost.wrap_context(mon.step)
     monitor.StepScope.phase = cost.wrap_context(monitor.StepScope.phase)
@@ -101,10 +101,10 @@ def bench(
     from prometheus_client import CollectorRegistry
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from collector import DistEnv, Monitor, MonitorConfig
-    from trainer.config import ModelConfig
-    from trainer.data import SyntheticTokens
-    from trainer.model import MoELM
+    from meshscope.collector import DistEnv, Monitor, MonitorConfig
+    from meshscope.trainer.config import ModelConfig
+    from meshscope.trainer.data import SyntheticTokens
+    from meshscope.trainer.model import MoELM
 
     cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8, top_k=2)
     env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)

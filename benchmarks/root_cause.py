@@ -23,7 +23,7 @@ from pathlib import Path
 
 from _common import REPO, machine
 
-from collector.store import load_events
+from meshscope.collector.store import load_events
 
 DATA = REPO / "benchmarks" / "data"
 # What each injection kind should be explained as, and whether the culprit rank is knowable
@@ -74,7 +74,7 @@ def judge(run: Path) -> dict:
     """Explain one run; was the injected cause ranked first (and on the right rank)?"""
     kind, rank = injection_kind(run)
     want, rank_known = EXPECTED[kind]
-    from detectors.rootcause import explain
+    from meshscope.explain.rootcause import explain
 
     t0 = time.perf_counter()
     causes = explain(run)

@@ -40,7 +40,7 @@ import pandas as pd
 from _common import machine
 from sklearn.ensemble import IsolationForest
 
-from detectors.series import SeriesConfig, score_frame
+from meshscope.detectors.series import SeriesConfig, score_frame
 
 N, DAY = 4032, 288
 PROBATION = 0.15

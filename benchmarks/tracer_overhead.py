@@ -32,11 +32,11 @@ def bench(
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from collector.flightlog import FlightLog, allreduce_hook
-    from tracer.trace import TensorTracer, TracerConfig
-    from trainer.config import ModelConfig
-    from trainer.data import SyntheticTokens
-    from trainer.model import MoELM
+    from meshscope.collector.flightlog import FlightLog, allreduce_hook
+    from meshscope.tracer.trace import TensorTracer, TracerConfig
+    from meshscope.trainer.config import ModelConfig
+    from meshscope.trainer.data import SyntheticTokens
+    from meshscope.trainer.model import MoELM
 
     cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8, top_k=2)
     data = SyntheticTokens(vocab_size=128, seq_len=32, batch_size=8, seed=0, rank=rank, world_size=world_size)
@@ -93,9 +93,9 @@ def nonfinite_cost_us(calls: int = 3000) -> float:
     """CPU time of the nonfinite tracer's per-step work (no hooks: RNG state, two scalars)."""
     import torch
 
-    from tracer.trace import TensorTracer, TracerConfig
-    from trainer.config import ModelConfig
-    from trainer.model import MoELM
+    from meshscope.tracer.trace import TensorTracer, TracerConfig
+    from meshscope.trainer.config import ModelConfig
+    from meshscope.trainer.model import MoELM
 
     tracer = TensorTracer(MoELM(ModelConfig()), TracerConfig(mode="nonfinite"))
     loss, norm = torch.tensor(2.0), torch.tensor(1.0)

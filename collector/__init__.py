@@ -11,9 +11,9 @@ A user adds three lines to a torchrun loop::
 Nothing in this package imports another meshscope package.
 """
 
-from collector.env import DistEnv
-from collector.monitor import Monitor, MonitorConfig
-from collector.probe import DeviceProbe, HostProbe
-from collector.schema import Event, StepRecord
+from meshscope.collector.env import DistEnv
+from meshscope.collector.monitor import Monitor, MonitorConfig
+from meshscope.collector.probe import DeviceProbe, HostProbe
+from meshscope.collector.schema import Event, StepRecord
 
 __all__ = ["DistEnv", "DeviceProbe", "Event", "HostProbe", "Monitor", "MonitorConfig", "StepRecord"]

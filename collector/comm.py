@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from collector.probe import DeviceProbe
+from meshscope.collector.probe import DeviceProbe
 
 Hook = Callable[[Any, "dist.GradBucket"], torch.futures.Future]
 WireBytes = Callable[[Any, "dist.GradBucket", int], int]

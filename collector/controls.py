@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from collector.store import _connect, open_store, store_path
+from meshscope.collector.store import _connect, open_store, store_path
 
 ControlKind = Literal["router_bias", "aux_loss_coef", "capacity_factor"]
 KIND_CODES = {"router_bias": 1, "aux_loss_coef": 2, "capacity_factor": 3}

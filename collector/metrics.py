@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from collector.schema import StepRecord
+from meshscope.collector.schema import StepRecord
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PHASES = ("forward", "backward", "optimizer", "comm_exposed", "data")

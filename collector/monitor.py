@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from collector import readback
-from collector.comm import (
+from meshscope.collector import readback
+from meshscope.collector.comm import (
     BackwardWatch,
     CommMeter,
     CommWindow,
@@ -33,18 +33,18 @@ from collector.comm import (
     ddp_gradient_bytes,
     instrument_hook,
 )
-from collector.control import ControlPlane
-from collector.env import DistEnv
-from collector.exporter import port_for, serve_metrics, write_targets
-from collector.flightlog import FlightLog
-from collector.flightlog import allreduce_hook as flight_allreduce_hook
-from collector.metrics import MeshscopeMetrics
-from collector.moe import find_moe_layers
-from collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
-from collector.readback import Readback, ScalarWindow
-from collector.schema import Event, StepRecord
-from collector.store import RunStore
-from collector.version import VERSION
+from meshscope.collector.control import ControlPlane
+from meshscope.collector.env import DistEnv
+from meshscope.collector.exporter import port_for, serve_metrics, write_targets
+from meshscope.collector.flightlog import FlightLog
+from meshscope.collector.flightlog import allreduce_hook as flight_allreduce_hook
+from meshscope.collector.metrics import MeshscopeMetrics
+from meshscope.collector.moe import find_moe_layers
+from meshscope.collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
+from meshscope.collector.readback import Readback, ScalarWindow
+from meshscope.collector.schema import Event, StepRecord
+from meshscope.collector.store import RunStore
+from meshscope.collector.version import VERSION
 
 log = logging.getLogger("meshscope.monitor")
 

@@ -6,6 +6,8 @@ import math
 
 import pandas as pd
 
+from meshscope.collector.figures import tokens_per_second
+
 
 def expert_imbalance(expert_load: pd.DataFrame) -> pd.DataFrame:
     """Per (step, layer): max / mean expert tokens (1 = balanced)."""
@@ -20,14 +22,11 @@ def summarize(steps: pd.DataFrame, expert_load: pd.DataFrame | None = None) -> d
     """Throughput, step-time mean/p99, comm ratio, compression ratio and expert imbalance."""
     if steps.empty:
         return {}
-    span = steps["time"].max() - steps["time"].min()
-    last_step_s = steps.loc[steps["time"].idxmax(), "step_s"]
-    wall = span + last_step_s
     wire = steps["bytes_wire"].sum()
     out = {
         "steps": float(steps["step"].nunique()),
         "ranks": float(steps["rank"].nunique()),
-        "tokens_per_s": float(steps["tokens"].sum() / wall) if wall > 0 else math.nan,
+        "tokens_per_s": tokens_per_second(steps),
         "step_s_mean": float(steps["step_s"].mean()),
         "step_s_p99": float(steps["step_s"].quantile(0.99)),
         "comm_ratio_mean": float(steps["comm_ratio"].mean()),

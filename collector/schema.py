@@ -6,7 +6,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 EVENT_KINDS = frozenset(
     {
@@ -60,9 +60,6 @@ class StepRecord:
     """Logged scalars that were NaN or Inf, comma-separated. The store keeps a NaN as NULL,
     like a value never logged: this says which it was (an unlogged loss is not a NaN loss)."""
 
-    def as_row(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 STEP_COLUMNS = tuple(f.name for f in dataclasses.fields(StepRecord))
 
@@ -105,3 +102,41 @@ class Event:
             raise ValueError(f"Event.kind: {self.kind!r} is not one of {sorted(EVENT_KINDS)}")
         if self.severity not in SEVERITIES:
             raise ValueError(f"Event.severity: {self.severity!r} is not one of {SEVERITIES}")
+
+
+class AnomalyDetail(TypedDict, total=False):
+    """The detail of an `anomaly` event (written by the engine's episodes)."""
+
+    type: str
+    ranks: list[int]
+    start_step: int
+    end_step: int
+    score: float
+    layer: int | None
+    expert: int | None
+    module: str | None
+    evidence: dict[str, Any]
+
+
+class HangDetail(TypedDict, total=False):
+    """The detail of a `hang` event (written by the watchdog's diagnosis)."""
+
+    type: str
+    culprit_ranks: list[int]
+    waiting_ranks: list[int]
+    op: str | None
+    seq: int | None
+    group: str | None
+    why: str
+    stacks: dict[str, list[str]]
+    action: str
+    step: int | None
+
+
+ANOMALY_IDENTITY = ("type", "start_step", "end_step", "ranks", "layer", "expert", "module")
+
+
+def anomaly_key(detail: AnomalyDetail | dict[str, Any]) -> tuple:
+    """What makes two anomaly events the same episode (judging a run twice writes it once; an
+    alert and the view name it the same way)."""
+    return tuple(tuple(detail.get(k) or ()) if k == "ranks" else detail.get(k) for k in ANOMALY_IDENTITY)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from collector.schema import STEP_COLUMNS, Event, StepRecord
+from meshscope.collector.schema import STEP_COLUMNS, Event, StepRecord
 
 if TYPE_CHECKING:  # the loaders return DataFrames; writing a store (the Monitor) needs no pandas
     import pandas as pd

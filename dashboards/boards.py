@@ -17,7 +17,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import HeatmapCellLayout
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
-from detectors.thresholds import Thresholds
+from meshscope.detectors.thresholds import Thresholds
 
 OUT = Path(__file__).parent / "grafana" / "dashboards"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dashboards.alertmanager import AlertRouting, alertmanager_config, view_url_template
-from dashboards.prometheus import prometheus_config
+from meshscope.dashboards.alertmanager import AlertRouting, alertmanager_config, view_url_template
+from meshscope.dashboards.prometheus import prometheus_config
 
 FOLDER = Path(__file__).parent / "compose"
 SECRETS = Path("/run/secrets")

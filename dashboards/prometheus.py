@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from collector.exporter import TARGETS_INDEX
-from detectors.thresholds import Thresholds
+from meshscope.collector.exporter import TARGETS_INDEX
+from meshscope.detectors.thresholds import Thresholds
 
 RULES = Path(__file__).parent / "rules" / "rules.yml"
 RULES_TEMPLATE = RULES.with_name("rules.template.yml")

@@ -11,7 +11,7 @@ from pathlib import Path
 from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError
 
-from dashboards.boards import build_all
+from meshscope.dashboards.boards import build_all
 
 FOLDER_UID, FOLDER_TITLE = "meshscope", "meshscope"
 

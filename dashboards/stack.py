@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.exporter import TARGETS_INDEX
-from dashboards.alertmanager import AlertRouting, write_alertmanager_config
-from dashboards.prometheus import write_prometheus_config, write_rules
+from meshscope.collector.exporter import TARGETS_INDEX
+from meshscope.dashboards.alertmanager import AlertRouting, write_alertmanager_config
+from meshscope.dashboards.prometheus import write_prometheus_config, write_rules
 
 BINARIES = {
     "prometheus": ("prometheus",),

@@ -11,7 +11,8 @@ import numpy as np
 from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import check_is_fitted
 
-from detectors.base import Detector, WindowedDetector, as_matrix
+from meshscope.collector.figures import balancedness
+from meshscope.detectors.base import Detector, WindowedDetector, as_matrix
 
 
 def _median_of_others(X: np.ndarray) -> np.ndarray:
@@ -268,9 +269,8 @@ class ExpertLoad(WindowedDetector):
 
     @staticmethod
     def balancedness(X) -> np.ndarray:
-        """mean / max load per row: 1 balanced, 1/E all on one expert."""
-        X = as_matrix(X)
-        return X.mean(axis=1) / np.maximum(X.max(axis=1), 1e-12)
+        """mean / max load per row (`figures.balancedness`): 1 balanced, 1/E all on one expert."""
+        return np.atleast_1d(balancedness(as_matrix(X)))
 
     def severities(self, X) -> tuple[np.ndarray, np.ndarray]:
         """Per expert, bounded: (hog severity, starvation severity), 0 where not anomalous."""

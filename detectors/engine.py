@@ -11,15 +11,16 @@ evidence) when it closes, and counts in `meshscope_anomalies_total{type}` when i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field
 
-from detectors.domain import PersistentStraggler
-from detectors.episodes import Episode, EpisodeTracker
-from detectors.features import COLUMN, StepFeaturizer, StepView, step_views
-from detectors.rules import (
+from meshscope.detectors.domain import PersistentStraggler
+from meshscope.detectors.episodes import Episode, EpisodeTracker
+from meshscope.detectors.features import COLUMN, StepFeaturizer, StepView, step_views
+from meshscope.detectors.rules import (
     MULTIVARIATE,
     CommRule,
     ExpertRule,
@@ -35,7 +36,7 @@ from detectors.rules import (
     Verdict,
     WindowRule,
 )
-from detectors.thresholds import Thresholds
+from meshscope.detectors.thresholds import Thresholds
 
 
 @dataclass
@@ -60,20 +61,15 @@ class _Row:
         return self.feats[:, [COLUMN[n] for n in MULTIVARIATE]]
 
 
-@dataclass(kw_only=True)
-class EngineConfig:
-    """How the engine judges. `sensitivity` > 1 flags more, < 1 flags less."""
+class EngineConfig(BaseModel):
+    """How the engine judges (the `[detect]` TOML section). `sensitivity` > 1 flags more, < 1 less."""
 
-    warmup: int = 20
-    gap: int = 3
-    sensitivity: float = 1.0
-    thresholds: Thresholds = field(default_factory=Thresholds)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        if self.warmup < 5:
-            raise ValueError(f"EngineConfig.warmup must be >= 5, got {self.warmup}")
-        if self.sensitivity <= 0:
-            raise ValueError(f"EngineConfig.sensitivity must be > 0, got {self.sensitivity}")
+    warmup: int = Field(20, ge=5, description="steps the detectors learn from before they judge")
+    gap: int = Field(3, ge=0, description="quiet steps that close an anomaly episode")
+    sensitivity: float = Field(1.0, gt=0, description="> 1 flags more, < 1 flags less")
+    thresholds: Thresholds = Field(default_factory=Thresholds)
 
 
 class DetectionEngine:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from collector.schema import nonfinite_mask
+from meshscope.collector.figures import compute_seconds
+from meshscope.collector.schema import nonfinite_mask
 
 STEP_FEATURES = [
     "step_s",
@@ -60,7 +61,7 @@ class StepView:
         """Step time minus the wait for communication and data. A straggler computes slowly;
         its peers only wait for it."""
         c = self.cols
-        return np.maximum(c["step_s"] - c["comm_exposed_s"] - c["data_s"], 0.0)
+        return compute_seconds(c["step_s"], c["comm_exposed_s"], c["data_s"])
 
 
 def step_views(steps: pd.DataFrame, after: int = -1) -> Iterator[StepView]:

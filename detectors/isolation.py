@@ -14,7 +14,7 @@ from sklearn.ensemble import IsolationForest
 from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import check_is_fitted
 
-from detectors.base import Detector, as_matrix
+from meshscope.detectors.base import Detector, as_matrix
 
 
 def average_path_length(n: np.ndarray) -> np.ndarray:

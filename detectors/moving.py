@@ -13,7 +13,7 @@ import numpy as np
 from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import check_is_fitted
 
-from detectors.base import Detector, WindowedDetector, as_matrix
+from meshscope.detectors.base import Detector, WindowedDetector, as_matrix
 
 MAD_TO_SIGMA = 1.4826
 

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from detectors.domain import ExpertLoad, MemoryGrowth, NonFinite, PersistentStraggler, Straggler
-from detectors.isolation import OnlineIsolationForest
-from detectors.moving import RobustZ
+from meshscope.detectors.domain import ExpertLoad, MemoryGrowth, NonFinite, PersistentStraggler, Straggler
+from meshscope.detectors.isolation import OnlineIsolationForest
+from meshscope.detectors.moving import RobustZ
 
 # Relative features only: levels (tokens/s, step time) drift with the run and the machine. Not
 # the gradient norm either: 3-4x spikes for a step or two are ordinary in LM training (4 in a

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from collector.exporter import ensure_ports_free
-from collector.store import latest_step, load_steps
-from trainer.config import RunConfig
-from trainer.device import backend_environment, check_placement, resolve_device
+from meshscope.collector.exporter import ensure_ports_free
+from meshscope.collector.store import latest_step, load_steps
+from meshscope.config import RunConfig
+from meshscope.trainer.device import backend_environment, check_placement, resolve_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_ENTRY = "meshscope.worker"  # the trainer with the tracer wired in
@@ -81,7 +81,7 @@ def torchrun_command(cfg: RunConfig, warm: bool) -> list[str]:
         "--redirects",
         "3",
         "-m",
-        "trainer.spawn" if warm else WORKER_ENTRY,
+        "meshscope.trainer.spawn" if warm else WORKER_ENTRY,
         "--config",
         str(agent_config(cfg)),
     ]
@@ -112,7 +112,7 @@ def start_zygote(cfg: RunConfig, env: dict[str, str], timeout_s: float = 60) -> 
     sock.unlink(missing_ok=True)
     log = open(cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.zygote", "--socket", str(sock)],
+        [sys.executable, "-m", "meshscope.trainer.zygote", "--socket", str(sock)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -12,11 +12,11 @@ STARTED_AT = time.time()  # before the heavy imports: recovery accounting counts
 
 from typing import Any  # noqa: E402
 
-import trainer.worker  # noqa: E402
-from collector import DistEnv, Monitor  # noqa: E402
-from tracer.gradients import GradientInspector  # noqa: E402
-from tracer.trace import TensorTracer, TracerConfig  # noqa: E402
-from trainer.config import RunConfig, load_config  # noqa: E402
+import meshscope.trainer.worker  # noqa: E402
+from meshscope.collector import DistEnv, Monitor  # noqa: E402
+from meshscope.config import RunConfig, load_config  # noqa: E402
+from meshscope.tracer.gradients import GradientInspector  # noqa: E402
+from meshscope.tracer.trace import TensorTracer, TracerConfig  # noqa: E402
 
 
 def make_tracer(
@@ -52,10 +52,12 @@ def make_tracer(
 
 def main(argv: list[str] | None = None) -> None:
     """Run one rank of the reference trainer with the tracer (torchrun or the zygote calls)."""
-    args = trainer.worker.parse_args(argv)
-    trainer.worker.run_worker(load_config(args.config), DistEnv.from_environ(), make_tracer=make_tracer)
+    args = meshscope.trainer.worker.parse_args(argv)
+    meshscope.trainer.worker.run_worker(
+        load_config(args.config), DistEnv.from_environ(), make_tracer=make_tracer
+    )
 
 
 if __name__ == "__main__":
-    trainer.worker.STARTED_AT = STARTED_AT  # a plain start: this process began here
+    meshscope.trainer.worker.STARTED_AT = STARTED_AT  # a plain start: this process began here
     main()

@@ -20,28 +20,39 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 # What each part's user imports.
 MODULES = {
-    "": ["collector", "collector.monitor", "collector.store", "collector.metrics", "collector.exporter"],
+    "": [
+        "collector",
+        "meshscope.collector.monitor",
+        "meshscope.collector.store",
+        "meshscope.collector.metrics",
+        "meshscope.collector.exporter",
+    ],
     "detectors": [
-        "detectors.engine",
-        "detectors.live",
-        "detectors.rootcause",
-        "detectors.feedback",
-        "detectors.hang",
-        "detectors.series",
-        "collector.report",
-        "collector.controls",
+        "meshscope.detectors.engine",
+        "meshscope.detectors.live",
+        "meshscope.explain.rootcause",
+        "meshscope.feedback.loop",
+        "meshscope.watchdog.hang",
+        "meshscope.detectors.series",
+        "meshscope.collector.report",
+        "meshscope.collector.controls",
         "meshscope.cli",
     ],
     "trainer": [
-        "trainer.loop",
-        "trainer.worker",
-        "trainer.controls",
+        "meshscope.trainer.loop",
+        "meshscope.trainer.worker",
+        "meshscope.trainer.controls",
         "tracer",
         "meshscope.launcher",
         "meshscope.cli",
     ],
-    "view": ["dashboards.app.data", "dashboards.app.ui", "dashboards.app.settings", "streamlit", "plotly"],
-    "stack": ["dashboards.stack", "dashboards.boards", "dashboards.publish", "dashboards.compose"],
+    "view": ["meshscope.view.data", "meshscope.view.ui", "meshscope.view.settings", "streamlit", "plotly"],
+    "stack": [
+        "meshscope.dashboards.stack",
+        "meshscope.dashboards.boards",
+        "meshscope.dashboards.publish",
+        "meshscope.dashboards.compose",
+    ],
 }
 
 CHECK = textwrap.dedent("""

@@ -1,6 +1,7 @@
-"""The package arrows of the design, enforced: collector imports nothing of ours; trainer,
-tracer and detectors import collector; dashboards imports collector and detectors; only the
-CLI (meshscope/) wires everything together."""
+"""The arrows between the rooms, enforced: collector imports nothing of ours; the engine does not
+import the watchdog; root cause does not import the feedback loop; only the composition root
+(meshscope/: the CLI, the sidecar, the launcher) wires rooms together. Every import of ours goes
+through the one import name, `meshscope`."""
 
 import ast
 from pathlib import Path
@@ -8,40 +9,75 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = {"collector", "trainer", "tracer", "detectors", "dashboards", "meshscope"}
+ROOMS = ["collector", "trainer", "tracer", "detectors", "watchdog", "explain", "feedback", "alerts"]
+ROOMS += ["dashboards", "view"]
 ALLOWED = {
     "collector": set(),
     "trainer": {"collector"},
     "tracer": {"collector"},
     "detectors": {"collector"},
-    "dashboards": {"collector", "detectors"},
-    "meshscope": OURS,
+    "watchdog": {"collector"},
+    "explain": {"collector", "detectors"},
+    "feedback": {"collector"},
+    "alerts": {"collector"},
+    "dashboards": {"collector", "detectors", "alerts"},
+    "view": {"collector", "explain", "feedback"},
 }
+OLD_NAMES = set(ROOMS)  # the pre-package top-level names: importing one bypasses `meshscope`
 
 
-def imports_of(package: str) -> dict[str, set[str]]:
-    """Our packages each file of `package` imports (at any depth: lazy imports count too)."""
+def _imported(path: Path) -> set[str]:
+    """Dotted names `path` imports, at any depth (lazy imports count too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def rooms_imported(room: str) -> dict[str, set[str]]:
+    """Rooms of ours each file of `room` imports, other than itself."""
     out = {}
-    for path in (REPO / package).rglob("*.py"):
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module]
-                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
-                else []
-            )
-            found |= {n.split(".")[0] for n in names} & OURS
-        out[str(path.relative_to(REPO))] = found - {package}
+    for path in (REPO / room).rglob("*.py"):
+        found = {n.split(".")[1] for n in _imported(path) if n.startswith("meshscope.") and n.count(".") >= 1}
+        out[str(path.relative_to(REPO))] = found - {room}
     return out
 
 
-@pytest.mark.parametrize("package", sorted(ALLOWED))
-def test_imports_point_one_way(package):
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_imports_point_one_way(room):
     wrong = {
-        f: sorted(found - ALLOWED[package])
-        for f, found in imports_of(package).items()
-        if found - ALLOWED[package]
+        f: sorted(found - ALLOWED[room]) for f, found in rooms_imported(room).items() if found - ALLOWED[room]
     }
-    assert not wrong, f"{package} may import only {sorted(ALLOWED[package])}: {wrong}"
+    assert not wrong, f"{room} may import only {sorted(ALLOWED[room])} of ours: {wrong}"
+
+
+def test_no_room_imports_the_composition_root():
+    """Nothing imports the CLI, the sidecar, the launcher or the worker entry but the root itself."""
+    root = {"cli", "sidecar", "launcher", "worker", "config"}
+    wrong = {
+        f: sorted(found & root)
+        for room in ALLOWED
+        for f, found in rooms_imported(room).items()
+        if found & root
+    }
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("folder", [*ROOMS, "meshscope", "tests", "benchmarks"])
+def test_every_import_goes_through_the_one_name(folder):
+    bare = {
+        str(path.relative_to(REPO)): sorted(n for n in _imported(path) if n.split(".")[0] in OLD_NAMES)
+        for path in (REPO / folder).rglob("*.py")
+        if "data" not in path.relative_to(REPO).parts
+    }
+    bare = {f: names for f, names in bare.items() if names}
+    assert not bare, f"import meshscope.<room>, not <room>: {bare}"
+
+
+def test_the_contract_sees_every_room():
+    """A new room must be placed in ALLOWED (and in pyproject's package list) on purpose."""
+    folders = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"meshscope", "tests"}
+    assert folders == set(ALLOWED), folders ^ set(ALLOWED)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from collector.readback import Readback
+from meshscope.collector.readback import Readback
 
 
 def layer_names(model: torch.nn.Module) -> dict[str, str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tracer.snapshot import Snapshot, SnapshotError, snapshot_args
+from meshscope.tracer.snapshot import Snapshot, SnapshotError, snapshot_args
 
 
 @dataclass

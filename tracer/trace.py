@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from collector.readback import Readback
-from tracer.snapshot import write_snapshot
+from meshscope.collector.readback import Readback
+from meshscope.tracer.snapshot import write_snapshot
 
 MODES = ("off", "nonfinite", "stats", "full")
 Report = Callable[[str, int, dict[str, Any]], None]  # (kind, step, detail)

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from collector.comm import allreduce_sent_bytes, allreduce_wire_bytes, bucket_bytes
-from trainer.onebit import OneBitState, onebit_hook, onebit_wire_bytes
-from trainer.serial import serial_hook, wait_for
+from meshscope.collector.comm import allreduce_sent_bytes, allreduce_wire_bytes, bucket_bytes
+from meshscope.trainer.onebit import OneBitState, onebit_hook, onebit_wire_bytes
+from meshscope.trainer.serial import serial_hook, wait_for
 
 # With one bucket as large as the model, communication starts only when backward is done:
 # the all-reduce-after-backward baseline, through the same DDP and hooks.

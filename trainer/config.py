@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from collector.monitor import MonitorConfig
+from meshscope.collector.monitor import MonitorConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,11 +25,16 @@ BackendKind = Literal["auto", "gloo", "nccl", "hccl"]
 TraceMode = Literal["off", "nonfinite", "stats", "full"]
 
 
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field."""
 
 
 class _Strict(BaseModel):
+    """Every config section refuses unknown keys and re-validates on assignment."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -113,29 +118,9 @@ class ElasticConfig(_Strict):
         return value
 
 
-class AlertsConfig(_Strict):
-    """Where a run's anomalies go (the `[alerts]` TOML section; the alert flags override it).
-    Secrets stay in files (or MESHSCOPE_SLACK_WEBHOOK), never in the config."""
-
-    mode: Literal["auto", "alertmanager", "embedded"] = Field(
-        "auto",
-        description="auto: through Alertmanager when a `meshscope stack` watches the runs "
-        "folder, else from the run itself",
-    )
-    slack_webhook_file: Path | None = Field(None, description="file holding a Slack webhook URL")
-    email_to: str = Field("", description="alert recipients, a@x,b@y (empty: no email)")
-    smtp: str = Field("127.0.0.1:25", description="SMTP host:port for email alerts")
-    smtp_from: str = Field("meshscope@localhost", description="sender of email alerts")
-    smtp_user: str | None = Field(None, description="SMTP login")
-    smtp_password_file: Path | None = Field(None, description="file holding the SMTP password")
-    smtp_tls: bool = Field(True, description="require STARTTLS for email (as `stack up` does)")
-    stack_home: Path = Field(
-        Path(".meshscope/stack"), description="where `meshscope stack up` keeps its state"
-    )
-
-
-class RunConfig(_Strict):
-    """Everything `meshscope run` needs."""
+class TrainerConfig(_Strict):
+    """Everything the reference trainer needs; `meshscope.config.RunConfig` adds the sections
+    of what runs beside it (alerts, hang watchdog, detection)."""
 
     run_id: str = Field("", description="defaults to a timestamp")
     runs_root: Path = Field(Path("runs"), description="runs are created under this folder")
@@ -165,11 +150,6 @@ class RunConfig(_Strict):
         "measured every step)",
     )
     linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
-    view_url: str = Field(
-        "http://127.0.0.1:8501",
-        pattern=r"^https?://\S+$",
-        description="the root-cause view (`meshscope view`) alerts link to",
-    )
     trace: TraceMode = Field(
         "nonfinite",
         description="tensor tracer: off | nonfinite (first non-finite module, every "
@@ -181,11 +161,10 @@ class RunConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
-    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 
     @model_validator(mode="after")
-    def _injections(self) -> RunConfig:
-        from trainer.inject import InjectionError, parse_injection
+    def _injections(self) -> TrainerConfig:
+        from meshscope.trainer.inject import InjectionError, parse_injection
 
         for spec in self.inject:
             try:
@@ -196,6 +175,7 @@ class RunConfig(_Strict):
 
     @property
     def run_dir(self) -> Path:
+        """This run's directory: `runs_root/run_id`."""
         return self.runs_root / self.run_id
 
 
@@ -221,8 +201,16 @@ def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read a TOML (or JSON) file, apply flag overrides, validate; ConfigError names the field."""
+def load_config(
+    path: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    model: type[_Model] | None = None,
+    own_sections: bool = False,
+) -> _Model:
+    """Read a TOML (or JSON) file, apply flag overrides, validate as `model` (default
+    `TrainerConfig`); ConfigError names the field. `own_sections`: keep only the model's own
+    keys of a run's full config.json (the trainer ignores the sidecar's sections)."""
+    model = model or TrainerConfig
     data: dict[str, Any] = {}
     source = "flags"
     if path is not None:
@@ -240,7 +228,9 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
             raise ConfigError(f"{path}: not valid TOML/JSON: {err}") from None
     try:
-        return RunConfig.model_validate(merge_settings(data, overrides or {}))
+        if own_sections:
+            data = {k: v for k, v in data.items() if k in model.model_fields}
+        return model.model_validate(merge_settings(data, overrides or {}))
     except ValidationError as err:
         _raise_config_error(err, source)
         raise  # unreachable

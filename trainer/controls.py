@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from collector import controls
-from collector.control import ControlPlane
-from collector.controls import BOUNDS, KIND_CODES, ControlChange
-from collector.monitor import Monitor
+from meshscope.collector import controls
+from meshscope.collector.control import ControlPlane
+from meshscope.collector.controls import BOUNDS, KIND_CODES, ControlChange
+from meshscope.collector.monitor import Monitor
 
 _KINDS = {code: kind for kind, code in KIND_CODES.items()}
 _HEADER = 4  # id, kind code, layer, number of values

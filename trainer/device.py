@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from collector.probe import HostProbe, host_rss_bytes
+from meshscope.collector.probe import HostProbe, host_rss_bytes
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 # Backends that can carry each device's tensors.

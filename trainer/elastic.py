@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from collector import DistEnv, Monitor
-from collector.control import ControlPlane, LateFlag
-from collector.store import load_steps
-from trainer.checkpoint import CheckpointManager
-from trainer.config import RunConfig
-from trainer.heartbeat import (
+from meshscope.collector import DistEnv, Monitor
+from meshscope.collector.control import ControlPlane, LateFlag
+from meshscope.collector.store import load_steps
+from meshscope.trainer.checkpoint import CheckpointManager
+from meshscope.trainer.config import TrainerConfig
+from meshscope.trainer.heartbeat import (
     PREFIX,
     Heartbeat,
     JobWatch,
@@ -41,7 +41,7 @@ def process_start_time() -> float:
         return float("nan")
 
 
-def heartbeat_endpoint(cfg: RunConfig, env: DistEnv) -> tuple[str, int]:
+def heartbeat_endpoint(cfg: TrainerConfig, env: DistEnv) -> tuple[str, int]:
     """Where beats and exit marks go: the rendezvous store when there is one (it outlives every
     agent), else the agent's store (it outlives the workers' restarts)."""
     if cfg.elastic.rdzv_endpoint:
@@ -58,7 +58,7 @@ def attempt_id(env: DistEnv) -> int:
 class ElasticRun:
     def __init__(
         self,
-        cfg: RunConfig,
+        cfg: TrainerConfig,
         env: DistEnv,
         mon: Monitor,
         started_at: float | None = None,

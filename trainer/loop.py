@@ -14,16 +14,16 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from collector import Monitor
-from collector.flightlog import allreduce_hook as flight_allreduce_hook
-from trainer.comm import NO_OVERLAP_BUCKET_MB, build_hook
-from trainer.config import RunConfig
-from trainer.controls import ControlApplier
-from trainer.data import SyntheticTokens
-from trainer.device import Device
-from trainer.elastic import ElasticRun
-from trainer.inject import Injector, collective_fault_hook, delayed_hook
-from trainer.model import MoELM
+from meshscope.collector import Monitor
+from meshscope.collector.flightlog import allreduce_hook as flight_allreduce_hook
+from meshscope.trainer.comm import NO_OVERLAP_BUCKET_MB, build_hook
+from meshscope.trainer.config import TrainerConfig
+from meshscope.trainer.controls import ControlApplier
+from meshscope.trainer.data import SyntheticTokens
+from meshscope.trainer.device import Device
+from meshscope.trainer.elastic import ElasticRun
+from meshscope.trainer.inject import Injector, collective_fault_hook, delayed_hook
+from meshscope.trainer.model import MoELM
 
 # Devices whose AdamW has fused kernels that honour `found_inf`. Ascend is left out until
 # torch_npu's fused AdamW is checked on hardware; it reads the norm instead (a sync point).
@@ -43,7 +43,7 @@ class TrainState:
 
 
 def build(
-    cfg: RunConfig,
+    cfg: TrainerConfig,
     device: Device,
     mon: Monitor,
     *,
@@ -92,7 +92,9 @@ def build(
     return TrainState(model=model, ddp=ddp, optimizer=optimizer, data=data, hook_state=hook_state)
 
 
-def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device, injector: Injector) -> None:
+def train_step(
+    state: TrainState, mon: Monitor, cfg: TrainerConfig, device: Device, injector: Injector
+) -> None:
     tokens = cfg.train.batch_size * cfg.model.seq_len
     injector.before_step(state.step, state.model)
     if state.tracer is not None:
@@ -130,7 +132,7 @@ def train_step(state: TrainState, mon: Monitor, cfg: RunConfig, device: Device, 
     state.step += 1
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device: Device) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: Device) -> torch.optim.Optimizer:
     """AdamW, fused where torch has fused kernels for the device: they can skip a step on a
     device flag, which the plain implementation cannot."""
     fused = device.kind in FUSED_DEVICES
@@ -152,7 +154,7 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
 def train(
     state: TrainState,
     mon: Monitor,
-    cfg: RunConfig,
+    cfg: TrainerConfig,
     device: Device,
     elastic: ElasticRun | None = None,
     injector: Injector | None = None,

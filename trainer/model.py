@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig
+from meshscope.trainer.config import ModelConfig
 
 
 class Router(nn.Module):

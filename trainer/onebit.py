@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from collector.comm import allgather_sent_bytes, allreduce_sent_bytes, alltoall_sent_bytes
-from trainer.serial import serial_hook
+from meshscope.collector.comm import allgather_sent_bytes, allreduce_sent_bytes, alltoall_sent_bytes
+from meshscope.trainer.serial import serial_hook
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 _SCALE_BYTES = 4

@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 
-from trainer.zygote import HEADER, REFUSED  # light: the zygote imports torch only to warm up
+from meshscope.trainer.zygote import HEADER, REFUSED  # light: the zygote imports torch only to warm up
 
 SOCKET_ENV = "MESHSCOPE_ZYGOTE"
 
@@ -31,7 +31,7 @@ def _recv_int(conn: socket.socket) -> int | None:
 
 def _fallback(argv: list[str], why: str) -> None:
     print(f"meshscope: warm standby unavailable ({why}); starting a plain worker", file=sys.stderr)
-    entry = os.environ.get("MESHSCOPE_WORKER_ENTRY", "trainer.worker")  # trainer.worker.ENTRY_ENV
+    entry = os.environ.get("MESHSCOPE_WORKER_ENTRY", "meshscope.trainer.worker")  # trainer.worker.ENTRY_ENV
     os.execv(sys.executable, [sys.executable, "-m", entry, *argv])
 
 

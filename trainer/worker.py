@@ -20,15 +20,15 @@ from typing import Any  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
-from collector.control import ControlPlane  # noqa: E402
-from collector.store import load_events  # noqa: E402
-from trainer.config import RunConfig, load_config  # noqa: E402
-from trainer.controls import ControlApplier  # noqa: E402
-from trainer.device import resolve_device  # noqa: E402
-from trainer.elastic import ElasticRun, attempt_id  # noqa: E402
-from trainer.inject import Injection, Injector, parse_injection  # noqa: E402
-from trainer.loop import build, train  # noqa: E402
+from meshscope.collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
+from meshscope.collector.control import ControlPlane  # noqa: E402
+from meshscope.collector.store import load_events  # noqa: E402
+from meshscope.trainer.config import TrainerConfig, load_config  # noqa: E402
+from meshscope.trainer.controls import ControlApplier  # noqa: E402
+from meshscope.trainer.device import resolve_device  # noqa: E402
+from meshscope.trainer.elastic import ElasticRun, attempt_id  # noqa: E402
+from meshscope.trainer.inject import Injection, Injector, parse_injection  # noqa: E402
+from meshscope.trainer.loop import build, train  # noqa: E402
 
 
 def init_process_group(env: DistEnv, backend: str) -> None:
@@ -54,7 +54,7 @@ def init_process_group(env: DistEnv, backend: str) -> None:
     )
 
 
-def fired_injections(cfg: RunConfig) -> set[str]:
+def fired_injections(cfg: TrainerConfig) -> set[str]:
     """Injections earlier attempts already fired (a resumed run is not killed twice)."""
     try:
         events = load_events(cfg.run_dir, kind="injected")
@@ -63,7 +63,7 @@ def fired_injections(cfg: RunConfig) -> set[str]:
     return {d["key"] for d in events["detail"]}
 
 
-def make_injector(cfg: RunConfig, env: DistEnv, mon: Monitor) -> Injector:
+def make_injector(cfg: TrainerConfig, env: DistEnv, mon: Monitor) -> Injector:
     def report(inj: Injection, step: int) -> None:
         mon.metrics.faults.labels(kind="injected").inc()
         mon.event(
@@ -89,7 +89,7 @@ def make_injector(cfg: RunConfig, env: DistEnv, mon: Monitor) -> Injector:
     )
 
 
-def write_pid(cfg: RunConfig, env: DistEnv) -> None:
+def write_pid(cfg: TrainerConfig, env: DistEnv) -> None:
     """`<run>/pids/rank<r>.pid`: which process is which rank (workers may be forked, not exec'd)."""
     folder = cfg.run_dir / "pids"
     folder.mkdir(exist_ok=True)
@@ -99,10 +99,10 @@ def write_pid(cfg: RunConfig, env: DistEnv) -> None:
 # (cfg, env, monitor, model) -> (tracer, gradient inspector), either None: the tracer has
 # step_begin(step) / step_end(loss=, grad_norm=, rerun=) / close(), the inspector
 # before_clip(step) / after_update() / close()
-TracerFactory = Callable[[RunConfig, DistEnv, Monitor, Any], tuple[Any, Any]]
+TracerFactory = Callable[[TrainerConfig, DistEnv, Monitor, Any], tuple[Any, Any]]
 
 
-def run_worker(cfg: RunConfig, env: DistEnv, make_tracer: TracerFactory | None = None) -> None:
+def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | None = None) -> None:
     """One rank of the reference trainer; `make_tracer` (from the composition root) adds the
     tensor tracer, which this package does not import."""
     device = resolve_device(cfg.device, env.local_rank, backend=cfg.backend)
@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_worker(load_config(parse_args(argv).config), DistEnv.from_environ())
+    run_worker(load_config(parse_args(argv).config, own_sections=True), DistEnv.from_environ())
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from trainer.forksafe import NVML_CHECK_ENV, AcceleratorTripwire, fork_hazard, probe_fork
+from meshscope.trainer.forksafe import NVML_CHECK_ENV, AcceleratorTripwire, fork_hazard, probe_fork
 
 HEADER = struct.Struct("!I")
 REFUSED = 0  # sent instead of a pid: forking is unsafe, start a plain worker
@@ -37,9 +37,9 @@ def warm_up() -> None:
     """Import what a worker imports and take one optimizer step, so the children don't."""
     import torch
 
-    import trainer.worker  # (torch.distributed, DCP, pandas, prometheus_client...)
+    import meshscope.trainer.worker  # (torch.distributed, DCP, pandas, prometheus_client...)
 
-    importlib.import_module(os.environ.get(trainer.worker.ENTRY_ENV, "trainer.worker"))
+    importlib.import_module(os.environ.get(meshscope.trainer.worker.ENTRY_ENV, "meshscope.trainer.worker"))
 
     layer = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)  # as the trainer builds it
@@ -54,13 +54,15 @@ def _run_child(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    sys.argv = ["trainer.worker", *request["argv"]]
+    sys.argv = ["meshscope.trainer.worker", *request["argv"]]
     code = 0
     try:
-        import trainer.worker
+        import meshscope.trainer.worker
 
-        trainer.worker.STARTED_AT = time.time()  # this worker's life starts at the fork
-        entry = importlib.import_module(os.environ.get(trainer.worker.ENTRY_ENV, "trainer.worker"))
+        meshscope.trainer.worker.STARTED_AT = time.time()  # this worker's life starts at the fork
+        entry = importlib.import_module(
+            os.environ.get(meshscope.trainer.worker.ENTRY_ENV, "meshscope.trainer.worker")
+        )
         entry.main(request["argv"])
     except SystemExit as err:
         code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
-from collector import DistEnv, Monitor, MonitorConfig
-from collector.control import ControlPlane, ControlPlaneError, LateFlag
+from meshscope.collector import DistEnv, Monitor, MonitorConfig
+from meshscope.collector.control import ControlPlane, ControlPlaneError, LateFlag
 from tests.helpers.dist import run_ranks
 
 
@@ -56,7 +56,7 @@ def control_on_an_accelerator_group(rank, world_size, run_dir):
 
 
 def test_every_meshscope_collective_survives_an_accelerator_only_group(tmp_path):
-    from collector.store import load_expert_load
+    from meshscope.collector.store import load_expert_load
 
     results = run_ranks(
         control_on_an_accelerator_group, 2, backend="cuda:gloo", run_dir=str(tmp_path / "run")

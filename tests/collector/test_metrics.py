@@ -3,8 +3,8 @@ import subprocess
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from collector.metrics import DetectorMetrics, MeshscopeMetrics
-from collector.schema import StepRecord
+from meshscope.collector.metrics import DetectorMetrics, MeshscopeMetrics
+from meshscope.collector.schema import StepRecord
 from tests.conftest import require_binary
 
 

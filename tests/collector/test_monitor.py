@@ -7,10 +7,10 @@ import requests
 import torch
 from prometheus_client import CollectorRegistry
 
-from collector import Monitor, MonitorConfig
-from collector.env import DistEnv
-from collector.exporter import PortInUseError
-from collector.store import load_events, load_expert_load, load_steps
+from meshscope.collector import Monitor, MonitorConfig
+from meshscope.collector.env import DistEnv
+from meshscope.collector.exporter import PortInUseError
+from meshscope.collector.store import load_events, load_expert_load, load_steps
 from tests.helpers.ports import free_port_range
 
 
@@ -119,8 +119,8 @@ def test_bad_monitor_config_names_the_field(tmp_path):
 def test_a_loss_never_logged_is_absent_not_nan(tmp_path, log_loss, expect_nan):
     """A Monitor user who never calls s.log(loss=...) gets no `nan` anomaly; a logged NaN or
     Inf does (the store keeps NaN as NULL either way: the `nonfinite` column tells them apart)."""
-    from collector.store import load_steps
-    from detectors.engine import DetectionEngine
+    from meshscope.collector.store import load_steps
+    from meshscope.detectors.engine import DetectionEngine
 
     mon = make_monitor(tmp_path)
     for step in range(40):

@@ -11,8 +11,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from collector import Monitor, MonitorConfig, readback
-from collector.store import load_steps
+from meshscope.collector import Monitor, MonitorConfig, readback
+from meshscope.collector.store import load_steps
 
 
 class StandInEvent:

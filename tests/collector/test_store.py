@@ -6,8 +6,15 @@ import time
 
 import pytest
 
-from collector.schema import Event, StepRecord
-from collector.store import RunStore, latest_step, load_events, load_expert_load, load_steps, store_path
+from meshscope.collector.schema import Event, StepRecord
+from meshscope.collector.store import (
+    RunStore,
+    latest_step,
+    load_events,
+    load_expert_load,
+    load_steps,
+    store_path,
+)
 
 
 def rec(rank, step, **kw):
@@ -105,7 +112,7 @@ def test_nonfinite_mask_tells_unlogged_from_nan_with_and_without_the_column():
     import numpy as np
     import pandas as pd
 
-    from collector.schema import nonfinite_mask
+    from meshscope.collector.schema import nonfinite_mask
 
     new = pd.DataFrame(
         {

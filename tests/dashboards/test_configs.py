@@ -10,10 +10,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from collector.metrics import DetectorMetrics, MeshscopeMetrics
-from dashboards.alertmanager import AlertRouting, alertmanager_config, write_alertmanager_config
-from dashboards.boards import OUT, board_queries, build_all, render
-from dashboards.prometheus import RULES, write_prometheus_config
+from meshscope.collector.metrics import DetectorMetrics, MeshscopeMetrics
+from meshscope.dashboards.alertmanager import AlertRouting, alertmanager_config, write_alertmanager_config
+from meshscope.dashboards.boards import OUT, board_queries, build_all, render
+from meshscope.dashboards.prometheus import RULES, write_prometheus_config
 from tests.conftest import require_binary
 
 ALERTS = {
@@ -176,7 +176,7 @@ def test_provisioning_points_at_the_generated_boards():
 
 
 def test_compose_configs_are_current_and_valid(tmp_path):
-    from dashboards.compose import FOLDER, compose_configs
+    from meshscope.dashboards.compose import FOLDER, compose_configs
 
     for name, text in compose_configs().items():
         assert (FOLDER / name).read_text() == text, f"{name} is stale: run `meshscope dashboards build`"

@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from typer.testing import CliRunner
 
-from dashboards.boards import build_all
 from meshscope.cli import app
+from meshscope.dashboards.boards import build_all
 from tests.helpers.ports import free_port_range
 
 TOKEN = "glsa_secret_token_123"

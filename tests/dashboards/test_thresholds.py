@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
-from dashboards.prometheus import RULES, render_rules
-from detectors.domain import Straggler
-from detectors.thresholds import Thresholds
+from meshscope.dashboards.prometheus import RULES, render_rules
+from meshscope.detectors.domain import Straggler
+from meshscope.detectors.thresholds import Thresholds
 from tests.conftest import require_binary
 
 

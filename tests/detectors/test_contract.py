@@ -5,9 +5,9 @@ import pytest
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
-from detectors.domain import ExpertBalance, MemoryGrowth, NonFinite, PersistentStraggler, Straggler
-from detectors.isolation import OnlineIsolationForest
-from detectors.moving import EWMA, RobustZ
+from meshscope.detectors.domain import ExpertBalance, MemoryGrowth, NonFinite, PersistentStraggler, Straggler
+from meshscope.detectors.isolation import OnlineIsolationForest
+from meshscope.detectors.moving import EWMA, RobustZ
 
 rng = np.random.default_rng(0)
 NORMAL = 1.0 + 0.05 * rng.standard_normal((60, 3))
@@ -47,9 +47,9 @@ def test_set_params_moves_the_decision_and_unfitted_use_raises_not_fitted():
     import pytest
     from sklearn.exceptions import NotFittedError
 
-    from detectors.domain import ExpertBalance, ExpertLoad, MemoryGrowth, NonFinite, Straggler
-    from detectors.isolation import OnlineIsolationForest
-    from detectors.moving import EWMA, RobustZ
+    from meshscope.detectors.domain import ExpertBalance, ExpertLoad, MemoryGrowth, NonFinite, Straggler
+    from meshscope.detectors.isolation import OnlineIsolationForest
+    from meshscope.detectors.moving import EWMA, RobustZ
 
     for det in (
         Straggler(),
@@ -91,9 +91,9 @@ def test_set_params_moves_the_decision_and_unfitted_use_raises_not_fitted():
 def test_bad_hyperparameters_are_refused_naming_them(det, param):
     import numpy as np
 
-    from detectors.domain import ExpertLoad, MemoryGrowth, PersistentStraggler, Straggler  # noqa: F401
-    from detectors.isolation import OnlineIsolationForest  # noqa: F401
-    from detectors.moving import EWMA, RobustZ  # noqa: F401
+    from meshscope.detectors.domain import ExpertLoad, MemoryGrowth, PersistentStraggler, Straggler  # noqa: F401
+    from meshscope.detectors.isolation import OnlineIsolationForest  # noqa: F401
+    from meshscope.detectors.moving import EWMA, RobustZ  # noqa: F401
 
     with pytest.raises(ValueError, match=param):
         eval(det).fit(np.ones((10, 2)))

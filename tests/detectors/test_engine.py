@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from detectors.engine import DetectionEngine, EngineConfig
+from meshscope.detectors.engine import DetectionEngine, EngineConfig
 
 
 def synthetic_run(steps=120, ranks=4, seed=0, slow=None, leak=None, nan_at=None, wave=False):

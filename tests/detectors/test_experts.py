@@ -4,8 +4,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from detectors.domain import ExpertLoad
-from detectors.rules import ExpertRule
+from meshscope.detectors.domain import ExpertLoad
+from meshscope.detectors.rules import ExpertRule
 
 
 def balanced_noise(experts, rows=8, seed=0, spread=0.15):

@@ -4,8 +4,8 @@ import numpy as np
 import pandas as pd
 from sklearn.ensemble import IsolationForest
 
-from detectors.features import STEP_FEATURES, step_features, step_views
-from detectors.isolation import PackedForest
+from meshscope.detectors.features import STEP_FEATURES, step_features, step_views
+from meshscope.detectors.isolation import PackedForest
 from tests.detectors.test_engine import synthetic_run
 
 
@@ -42,7 +42,7 @@ def test_steps_a_rank_has_not_written_are_left_out():
 def test_a_feature_that_sat_still_does_not_make_the_first_wiggle_an_anomaly():
     """Memory that did not grow in the window (IQR 0) then grows 4 KB in a step: not anomalous
     with a floor of 1 MiB/step; without one, the step is a million IQRs out."""
-    from detectors.isolation import OnlineIsolationForest
+    from meshscope.detectors.isolation import OnlineIsolationForest
 
     rng = np.random.default_rng(0)
     X = np.column_stack([1 + 0.02 * rng.standard_normal(300), np.zeros(300)])

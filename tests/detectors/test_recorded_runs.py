@@ -10,7 +10,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 from detection_quality import DATA, EXPECTED, HELD_OUT, RUNS, ours  # noqa: E402
 
-from collector.store import load_events  # noqa: E402
+from meshscope.collector.store import load_events  # noqa: E402
 
 ALL = [*RUNS, *HELD_OUT]
 

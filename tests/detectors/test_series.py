@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from detectors.series import SeriesConfig, SeriesError, estimate_period, score_frame
 from meshscope.cli import app
+from meshscope.detectors.series import SeriesConfig, SeriesError, estimate_period, score_frame
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "series" / "prometheus_export.csv"
 runner = CliRunner()

@@ -5,7 +5,7 @@ import subprocess
 import pytest
 import requests
 
-from dashboards.prometheus import write_prometheus_config
+from meshscope.dashboards.prometheus import write_prometheus_config
 from tests.conftest import require_binary
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import start_run, wait_for
@@ -38,7 +38,7 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
             experts = wait_for(lambda: prom.query('meshscope_expert_load_ratio{run="e2e"}'), 30)
             assert experts and {s["metric"]["rank"] for s in experts} == {"0"}
             assert len(experts) == 2 * 4  # layer x expert, from rank 0 only
-            from dashboards.app.data import live_metrics  # the view's live panel
+            from meshscope.view.data import live_metrics  # the view's live panel
 
             def live_ranks():
                 d = live_metrics(prom.url, "e2e")

@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from dashboards.boards import board_queries, build_all
+from meshscope.dashboards.boards import board_queries, build_all
 from tests.conftest import require_binary
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import REPO, start_run, wait_for

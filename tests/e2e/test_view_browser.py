@@ -105,7 +105,7 @@ def test_an_alert_link_shows_the_hang_culprit(view, browser):
 
 def test_a_straggler_deep_link_shows_the_slow_host(view, browser):
     url, runs = view
-    from collector.store import load_events
+    from meshscope.collector.store import load_events
 
     ev = load_events(runs / "slow", kind="anomaly")
     aid = int(ev.iloc[0]["id"])

@@ -10,7 +10,7 @@ import typer.main
 from typer.testing import CliRunner
 
 from meshscope.cli import app, config_fields
-from trainer.config import RunConfig
+from meshscope.config import RunConfig
 
 FROZEN = Path(__file__).resolve().parents[1] / "data" / "cli.json"
 runner = CliRunner()
@@ -41,12 +41,12 @@ def test_every_config_field_is_listed_and_settable(tmp_path):
     paths = {path for path, *_ in rows}
     assert {"train.powersgd_rank", "elastic.keep", "elastic.heartbeat_s", "model.d_model"} <= paths
     assert all(description for *_, description in rows)  # every field says what it is for
-    from meshscope.cli import _merge_settings
-    from trainer.config import load_config
+    from meshscope.cli import apply_set_options
+    from meshscope.config import load_config
 
     cfg = load_config(
         None,
-        _merge_settings(
+        apply_set_options(
             ["train.powersgd_rank=8", "elastic.keep=5", "elastic.heartbeat_s=0.5", 'run_id="x"'],
             {"train": {"steps": 7}},
         ),

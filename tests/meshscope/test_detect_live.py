@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from collector.store import load_events
+from meshscope.collector.store import load_events
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import REPO, TINY
 from tests.helpers.sinks import Sink

@@ -6,8 +6,8 @@ import socket
 import pytest
 from typer.testing import CliRunner
 
-from collector.store import load_events, load_expert_load, load_steps
 from meshscope.cli import app
+from meshscope.collector.store import load_events, load_expert_load, load_steps
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import sample, scrape, start_run, wait_for
 
@@ -148,7 +148,7 @@ def test_a_backend_that_cannot_carry_the_device_is_a_clear_message(tmp_path):
 
 
 def test_more_ranks_than_gpus_on_nccl_exits_2_and_points_at_gloo(tmp_path, monkeypatch):
-    from trainer import device as devmod
+    from meshscope.trainer import device as devmod
 
     monkeypatch.setattr(devmod, "cuda_count", lambda: 1)
     result = runner.invoke(app, ["run", "--device", "cuda", "--nproc", "2", "--run-dir", str(tmp_path)])
@@ -158,7 +158,7 @@ def test_more_ranks_than_gpus_on_nccl_exits_2_and_points_at_gloo(tmp_path, monke
 
 
 def test_the_summary_explains_a_missing_compression_ratio():
-    from meshscope.cli import _compression_cell
+    from meshscope.cli.run import _compression_cell
 
     assert _compression_cell({"ranks": 1.0, "compression_ratio": float("nan")}).startswith("n/a (one rank")
     assert _compression_cell({"ranks": 2.0, "compression_ratio": 2.0}) == "2.0x"
@@ -168,14 +168,14 @@ def test_the_version_is_said_once():
     import importlib.metadata
 
     import meshscope
-    from collector.version import VERSION
+    from meshscope.collector.version import VERSION
 
     assert importlib.metadata.version("meshscope") == meshscope.__version__ == VERSION
 
 
 def test_a_zygote_that_will_not_serve_means_one_warning_and_plain_workers(tmp_path, monkeypatch, capsys):
     from meshscope import launcher
-    from trainer.config import load_config
+    from meshscope.config import load_config
 
     fake = tmp_path / "python"  # stands in for the interpreter that would run trainer.zygote
     fake.write_text(
@@ -211,11 +211,11 @@ def test_bad_alert_and_topology_flags_exit_2_and_write_nothing(tmp_path, flags, 
 
 
 def test_alert_settings_live_in_the_toml_and_flags_override_them(tmp_path):
-    from trainer.config import load_config as load
+    from meshscope.config import load_config as load
 
     toml = tmp_path / "alerts.toml"
     toml.write_text('[alerts]\nemail_to = "a@b"\nsmtp = "nohost"\nsmtp_tls = false\n')
-    assert (load(toml).alerts.email_to, load(toml).alerts.smtp_tls) == ("a@b", False)
+    assert (load(toml).alerts.email_to, load(toml).alerts.smtp_tls) == (["a@b"], False)
     result = runner.invoke(app, ["run", "-c", str(toml), "--steps", "1", "--run-dir", str(tmp_path / "r")])
     assert result.exit_code == 2 and "--smtp 'nohost': expected HOST:PORT" in result.output
     bad = tmp_path / "bad.toml"

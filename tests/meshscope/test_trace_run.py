@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from collector.store import load_events
+from meshscope.collector.store import load_events
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import REPO, start_run
 

@@ -9,12 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracer.replay import replay
-from tracer.snapshot import SnapshotError, load_snapshot
-from tracer.trace import TensorTracer, TracerConfig
-from trainer.config import ModelConfig
-from trainer.inject import InjectionError, Injector, parse_injection
-from trainer.model import MoELM
+from meshscope.tracer.replay import replay
+from meshscope.tracer.snapshot import SnapshotError, load_snapshot
+from meshscope.tracer.trace import TensorTracer, TracerConfig
+from meshscope.trainer.config import ModelConfig
+from meshscope.trainer.inject import InjectionError, Injector, parse_injection
+from meshscope.trainer.model import MoELM
 
 CFG = ModelConfig(vocab_size=32, seq_len=8, layers=2, d_model=16, heads=2, experts=4, top_k=2)
 
@@ -165,8 +165,8 @@ def test_random_bytes_never_load_and_never_crash(tmp_path, blob):
 def test_the_gradient_inspector_measures_every_layer_and_the_engine_flags_outliers():
     import pandas as pd
 
-    from detectors.rules import GradientRule
-    from tracer.gradients import GradientInspector, InspectorConfig, layer_names
+    from meshscope.detectors.rules import GradientRule
+    from meshscope.tracer.gradients import GradientInspector, InspectorConfig, layer_names
 
     torch.manual_seed(0)
     model = MoELM(CFG)

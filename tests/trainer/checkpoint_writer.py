@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import CheckpointManager
+from meshscope.trainer.checkpoint import CheckpointManager
 
 
 def main(root: str) -> None:

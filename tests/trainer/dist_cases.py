@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from collector import Monitor, MonitorConfig
-from collector.env import DistEnv
-from collector.store import load_steps
-from trainer.comm import build_hook
-from trainer.onebit import OneBitState, onebit_hook
+from meshscope.collector import Monitor, MonitorConfig
+from meshscope.collector.env import DistEnv
+from meshscope.collector.store import load_steps
+from meshscope.trainer.comm import build_hook
+from meshscope.trainer.onebit import OneBitState, onebit_hook
 
 
 def _mlp() -> torch.nn.Module:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointError, CheckpointManager, verify
+from meshscope.trainer.checkpoint import CheckpointError, CheckpointManager, verify
 
 REPO = Path(__file__).resolve().parents[2]
 

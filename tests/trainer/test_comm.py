@@ -5,11 +5,11 @@ import types
 import pytest
 import torch
 
-from collector.comm import allreduce_sent_bytes
+from meshscope.collector.comm import allreduce_sent_bytes
+from meshscope.trainer.comm import build_hook, fp16_wire_bytes, powersgd_wire_bytes
+from meshscope.trainer.onebit import compress, decompress, onebit_wire_bytes, pack_signs, unpack_signs
 from tests.helpers.dist import run_ranks
 from tests.trainer import dist_cases
-from trainer.comm import build_hook, fp16_wire_bytes, powersgd_wire_bytes
-from trainer.onebit import compress, decompress, onebit_wire_bytes, pack_signs, unpack_signs
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.config import ConfigError, load_config
+from meshscope.config import ConfigError, load_config
 
 
 def test_defaults_and_overrides(tmp_path):

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from collector.controls import load_controls
-from collector.store import latest_step, load_events, load_expert_load, store_path
-from detectors.feedback import approve, balancedness, ingest
+from meshscope.collector.controls import load_controls
+from meshscope.collector.store import latest_step, load_events, load_expert_load, store_path
+from meshscope.feedback.loop import approve, balancedness, ingest
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import REPO, TINY
 

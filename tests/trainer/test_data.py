@@ -1,6 +1,6 @@
 import torch
 
-from trainer.data import SyntheticTokens
+from meshscope.trainer.data import SyntheticTokens
 
 
 def make(rank=0, world=1, seed=0):

@@ -1,8 +1,8 @@
 import pytest
 
-from collector.probe import HostProbe
-from trainer import device as devmod
-from trainer.device import DeviceUnavailable, backend_environment, resolve_device
+from meshscope.collector.probe import HostProbe
+from meshscope.trainer import device as devmod
+from meshscope.trainer.device import DeviceUnavailable, backend_environment, resolve_device
 
 
 def test_auto_picks_cpu_with_gloo_here():

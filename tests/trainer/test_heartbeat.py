@@ -1,7 +1,6 @@
 import torch.distributed as dist
 
-from tests.helpers.ports import free_port_range
-from trainer.heartbeat import (
+from meshscope.trainer.heartbeat import (
     Heartbeat,
     JobWatch,
     NodeWatch,
@@ -10,6 +9,7 @@ from trainer.heartbeat import (
     hb_key,
     previous_attempt_failures,
 )
+from tests.helpers.ports import free_port_range
 
 
 class Clock:

@@ -9,13 +9,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from collector import Monitor, MonitorConfig, readback
-from collector.store import load_steps
+from meshscope.collector import Monitor, MonitorConfig, readback
+from meshscope.collector.store import load_steps
+from meshscope.config import load_config
+from meshscope.trainer.device import Device
+from meshscope.trainer.inject import Injector, parse_injection
+from meshscope.trainer.loop import build, build_optimizer, step_if_finite, train_step
 from tests.helpers.runs import REPO
-from trainer.config import load_config
-from trainer.device import Device
-from trainer.inject import Injector, parse_injection
-from trainer.loop import build, build_optimizer, step_if_finite, train_step
 
 
 def test_fused_adamw_skips_a_non_finite_step_on_the_device():

@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from collector.moe import find_moe_layers
-from trainer.config import ModelConfig
-from trainer.data import SyntheticTokens
-from trainer.model import MoEFeedForward, MoELM, Router
+from meshscope.collector.moe import find_moe_layers
+from meshscope.trainer.config import ModelConfig
+from meshscope.trainer.data import SyntheticTokens
+from meshscope.trainer.model import MoEFeedForward, MoELM, Router
 
 
 def test_router_counts_sum_to_tokens_times_top_k():

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.config import ModelConfig
-from trainer.model import MoEFeedForward
+from meshscope.trainer.config import ModelConfig
+from meshscope.trainer.model import MoEFeedForward
 
 
 def loop_reference(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:

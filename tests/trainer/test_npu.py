@@ -8,10 +8,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from collector import Monitor, MonitorConfig
-from collector.store import load_steps
-from trainer import device as devmod
-from trainer.device import (
+from meshscope.collector import Monitor, MonitorConfig
+from meshscope.collector.store import load_steps
+from meshscope.trainer import device as devmod
+from meshscope.trainer.device import (
     AcceleratorProbe,
     DeviceUnavailable,
     backend_environment,

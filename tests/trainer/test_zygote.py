@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from collector.store import load_steps
+from meshscope.collector.store import load_steps
+from meshscope.config import load_config
 from tests.helpers.runs import REPO
-from trainer.config import load_config
 
 
 def write_config(tmp_path, *inject):
@@ -33,7 +33,9 @@ def write_config(tmp_path, *inject):
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
     sock = tmp_path_factory.mktemp("zy") / "z.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.zygote", "--socket", str(sock)], cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshscope.trainer.zygote", "--socket", str(sock)], cwd=REPO
+    )
     deadline = time.monotonic() + 60
     while not sock.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -45,7 +47,7 @@ def zygote(tmp_path_factory):
 def spawn(config, sock):
     env = dict(os.environ, MESHSCOPE_ZYGOTE=str(sock), PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "trainer.spawn", "--config", str(config)],
+        [sys.executable, "-m", "meshscope.trainer.spawn", "--config", str(config)],
         env=env,
         cwd=REPO,
         capture_output=True,
@@ -80,7 +82,7 @@ def test_without_a_zygote_the_client_becomes_a_plain_worker(tmp_path):
 
 PRETEND_GPU = """
 import sys, torch
-from trainer.forksafe import AcceleratorTripwire
+from meshscope.trainer.forksafe import AcceleratorTripwire
 # What warm-up code sees on a GPU machine: a device is available...
 torch.cuda.is_available = lambda: True
 torch.cuda.device_count = lambda: 1
@@ -93,8 +95,8 @@ def forbidden(name):
 for name in ("current_device", "get_device_properties", "get_device_capability", "set_device",
              "synchronize", "mem_get_info", "memory_allocated", "Stream", "Event"):
     setattr(torch.cuda, name, forbidden(name))
-import trainer.zygote
-trainer.zygote.warm_up()
+import meshscope.trainer.zygote
+meshscope.trainer.zygote.warm_up()
 {extra}
 print("clean")
 """
@@ -148,7 +150,7 @@ def test_a_zygote_that_touched_a_device_refuses_to_serve(tmp_path):
         timeout=120,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
-    from trainer.zygote import UNSAFE_EXIT
+    from meshscope.trainer.zygote import UNSAFE_EXIT
 
     assert done.returncode == UNSAFE_EXIT
     assert "forking is unsafe" in done.stderr and "torch.cuda.init was called" in done.stderr
@@ -158,7 +160,7 @@ def test_a_zygote_that_touched_a_device_refuses_to_serve(tmp_path):
 def test_fork_hazard_asks_every_runtime(monkeypatch):
     import torch
 
-    from trainer import forksafe
+    from meshscope.trainer import forksafe
 
     assert forksafe.fork_hazard() is None
     assert forksafe.probe_fork() is None

@@ -1,0 +1,40 @@
+"""The derived figures every reader shares, each said once: compute time, throughput, expert
+balancedness. The engine, root cause, the view, the CLI summary and the feedback loop call these,
+so they cannot blame different ranks or print different numbers for one run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def compute_seconds(step_s: Any, comm_exposed_s: Any, data_s: Any = 0.0) -> Any:
+    """A rank's own work in a step: the step minus the wait for communication and for input
+    (a rank starved by its data loader is not computing), never below zero."""
+    return np.maximum(np.asarray(step_s) - np.asarray(comm_exposed_s) - np.asarray(data_s), 0.0)
+
+
+def with_compute(steps: Any) -> Any:
+    """A steps DataFrame with a `compute_s` column (`compute_seconds` of its rows)."""
+    data = steps["data_s"] if "data_s" in steps else 0.0
+    return steps.assign(compute_s=compute_seconds(steps["step_s"], steps["comm_exposed_s"], data))
+
+
+def tokens_per_second(steps: Any) -> float:
+    """The job's training throughput: tokens of all ranks over the time the steps took, where a
+    step lasts as long as its slowest rank (restarts and idle gaps between steps do not count)."""
+    if steps.empty:
+        return float("nan")
+    per_step = steps.groupby("step").agg(tokens=("tokens", "sum"), step_s=("step_s", "max"))
+    return float(per_step["tokens"].sum() / max(per_step["step_s"].sum(), 1e-9))
+
+
+def balancedness(load: Any) -> Any:
+    """Mean over max expert load along the last axis, as vLLM and SGLang report it: 1 when
+    balanced, 1/E when one expert takes everything, and 1 when nothing was routed. A float for
+    one layer's loads, an array for a matrix of them."""
+    load = np.asarray(load, dtype=float)
+    top = load.max(axis=-1)
+    out = np.where(top > 0, load.mean(axis=-1) / np.where(top > 0, top, 1.0), 1.0)
+    return float(out) if out.ndim == 0 else out

@@ -1,0 +1,105 @@
+"""The run directory, said once: where each part of a run lives under `runs/<run_id>/`, the
+run's own description (`config.json`) read in one typed place, and the lock that makes one
+agent the judge of a directory several agents share. Everything a UI or a detector needs is
+found from the run directory alone."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+STORE = "store.sqlite"
+CONFIG = "config.json"
+LIVE = "live"  # flight logs, stack requests and answers, crash stacks
+SNAPSHOTS = "snapshots"
+OUTBOX = "outbox"
+TARGETS = "targets.json"
+LOGS = "logs"
+LEADER_LOCK = "detect.lock"
+
+
+def live_dir(run_dir: str | Path) -> Path:
+    """Where the ranks' flight logs and the stack protocol's files are."""
+    return Path(run_dir) / LIVE
+
+
+def run_config(run_dir: str | Path) -> dict[str, Any]:
+    """The run's config.json as written by `meshscope run` ({} when there is none or it is
+    unreadable: a user's own loop has none)."""
+    try:
+        data = json.loads((Path(run_dir) / CONFIG).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+MODEL_FACTS = ("top_k", "experts", "capacity_factor", "aux_loss_coef")
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What readers need to know of a run's model; None where the run does not say (a user's
+    own loop: the engine then reads top-k from the counts)."""
+
+    top_k: int | None = None
+    experts: int | None = None
+    capacity_factor: float | None = None
+    aux_loss_coef: float | None = None
+    expert_every: int | None = None  # steps per expert-load window
+
+    def model(self) -> dict[str, Any]:
+        """The known model values as a dict (the feedback loop's view of the model)."""
+        return {k: v for k in MODEL_FACTS if (v := getattr(self, k)) is not None}
+
+
+def _number(value: Any, kind: type, *, low: float = 0.0, inclusive: bool = False) -> Any:
+    """`value` as `kind` when it is a number above `low` (or equal, if `inclusive`), else None."""
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number > low or (inclusive and number == low) else None
+
+
+def run_info(run_dir: str | Path) -> RunInfo:
+    """The typed model facts of a run, from its config.json."""
+    config = run_config(run_dir)
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    return RunInfo(
+        expert_every=_number(config.get("expert_every"), int),
+        top_k=_number(model.get("top_k"), int),
+        experts=_number(model.get("experts"), int),
+        capacity_factor=_number(model.get("capacity_factor"), float),
+        aux_loss_coef=_number(model.get("aux_loss_coef"), float, inclusive=True),
+    )
+
+
+class LeaderLock:
+    """Agents sharing a run directory judge it once: the holder of `detect.lock` does. The
+    lock dies with its process, so a surviving agent takes over on its next `held()`."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LEADER_LOCK
+        self._file: IO[str] | None = None
+
+    def held(self) -> bool:
+        """True when this process holds the lock (taking it if it is free)."""
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(self.path, "w")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                lock.close()
+                return False
+            self._file = lock
+        return True
+
+    def release(self) -> None:
+        """Give the lock up (closing the file releases it)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

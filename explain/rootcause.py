@@ -1,0 +1,657 @@
+"""Root cause: from a run's steps, expert loads and events, the probable causes of what went
+wrong, ranked, each with its evidence, a confidence and the next action.
+
+An anomaly says *that* something is off (a straggler, communication, memory); a cause says
+*why*, in the terms of the person who has to act: a slow host, a slow link, a hang and its call
+site, the first non-finite module, routing, a leak, a crash, recovery that keeps failing. Each
+hypothesis is one small function over the facts of one window of steps; it answers with a
+`Cause` or nothing. A hypothesis that fits the data better says so through its confidence, and
+the most specific one wins: a concurrent routing collapse explains slower communication better
+than a slow link does, and a hang the watchdog diagnosed outranks any reading of step times.
+
+Pure reading: the store is opened read-only, nothing is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from meshscope.collector.figures import balancedness, with_compute
+from meshscope.collector.rundir import run_info
+from meshscope.collector.schema import nonfinite_mask
+from meshscope.collector.store import load_events, load_expert_load, load_steps
+from meshscope.detectors.engine import DetectionEngine
+
+# What each cause means, for people and for the view's legend.
+CAUSE_KINDS = {
+    "hang": "a rank stopped or diverged; its peers waited in a collective",
+    "slow_host": "one rank's own compute is slow (host or device); its peers wait for it",
+    "slow_link": "communication slowed on every rank while compute did not: the link",
+    "nonfinite": "a NaN/Inf appeared; the first module that produced it",
+    "routing": "the router sends most tokens to few experts",
+    "leak": "one rank's memory grows step after step",
+    "crash": "a rank's process died",
+    "recovery_failing": "restarts keep failing at the same place",
+}
+STALL_MIN_S = 1.0  # a wait shorter than this is slowness, not a stall
+STALL_FACTOR = 20.0  # ... or shorter than this many typical steps
+SLOW_RATIO = 1.5  # compute this many times its peers' makes a straggler
+LINK_RISE = 3.0  # exposed communication this many times its usual on every rank
+LEAK_MIN_BYTES = 16 * 2**20
+BASELINE_STEPS = 30
+
+
+@dataclass
+class Cause:
+    """One probable cause: what, who, how sure, why we think so, and what to do next."""
+
+    kind: str
+    title: str
+    confidence: float
+    ranks: list[int]
+    step: int | None
+    evidence: list[str]
+    action: str
+    anomaly_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.confidence = round(float(self.confidence), 3)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (the view and `meshscope explain --json`)."""
+        return asdict(self)
+
+
+@dataclass
+class Anomaly:
+    """An anomaly episode as the store holds it (or as a replay of the detectors found it)."""
+
+    id: int | None
+    type: str
+    ranks: list[int]
+    start_step: int
+    end_step: int
+    score: float = 0.0
+    layer: int | None = None
+    expert: int | None = None
+    module: str | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    severity: str = "warning"
+
+    @classmethod
+    def from_event(cls, row: Any) -> Anomaly:
+        """From a row of `load_events(run, "anomaly")`."""
+        d = row["detail"]
+        return cls(
+            int(row["id"]),
+            d.get("type", "?"),
+            list(d.get("ranks") or []),
+            int(d.get("start_step", row["step"] if row["step"] is not None else 0)),
+            int(d.get("end_step", d.get("start_step", 0))),
+            float(d.get("score", 0.0)),
+            d.get("layer"),
+            d.get("expert"),
+            d.get("module"),
+            d.get("evidence") or {},
+            row["severity"],
+        )
+
+
+@dataclass
+class RunFacts:
+    """Everything explain reads about one run, loaded once."""
+
+    run_dir: Path
+    steps: pd.DataFrame
+    events: pd.DataFrame
+    experts: pd.DataFrame
+    anomalies: list[Anomaly]
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> RunFacts:
+        """Read the store; when no detector judged the run live, replay the detectors."""
+        run_dir = Path(run_dir)
+        steps, events, experts = load_steps(run_dir), load_events(run_dir), load_expert_load(run_dir)
+        stored = events[events["kind"] == "anomaly"]
+        if len(stored):
+            anomalies = [Anomaly.from_event(row) for _, row in stored.iterrows()]
+        else:
+            anomalies = replay_anomalies(run_dir, steps, experts)
+        return cls(run_dir, steps, events, experts, anomalies)
+
+    def anomaly(self, anomaly_id: int) -> Anomaly:
+        """The stored anomaly with this event id; KeyError naming the ids there are."""
+        for a in self.anomalies:
+            if a.id == anomaly_id:
+                return a
+        ids = [a.id for a in self.anomalies if a.id is not None]
+        hint = "" if ids else f"; `meshscope detect --run {self.run_dir}` stores them"
+        raise KeyError(f"no anomaly {anomaly_id} in {self.run_dir} (anomaly ids: {ids or 'none'}{hint})")
+
+
+def replay_anomalies(run_dir: Path, steps: pd.DataFrame, experts: pd.DataFrame) -> list[Anomaly]:
+    """The detectors' episodes over a recorded run (ids are None: they are not in the store)."""
+    if steps.empty:
+        return []
+    found: list[Anomaly] = []
+    engine = DetectionEngine(
+        top_k=run_info(run_dir).top_k,
+        on_close=lambda ep: found.append(
+            Anomaly(
+                None,
+                ep.type,
+                list(ep.ranks),
+                ep.start_step,
+                ep.end_step,
+                ep.score,
+                ep.layer,
+                ep.expert,
+                ep.module,
+                ep.evidence,
+            )
+        ),
+    )
+    engine.process(steps, experts)
+    engine.finish()
+    return found
+
+
+# --- hypotheses -------------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """The steps a hypothesis looks at, and the quiet steps before them it compares with."""
+
+    lo: int
+    hi: int
+
+    def of(self, df: pd.DataFrame) -> pd.DataFrame:
+        return df[(df["step"] >= self.lo) & (df["step"] <= self.hi)]
+
+    def before(self, df: pd.DataFrame) -> pd.DataFrame:
+        return df[(df["step"] < self.lo) & (df["step"] >= self.lo - BASELINE_STEPS)]
+
+
+def _pivot(df: pd.DataFrame, column: str) -> pd.DataFrame:
+    return df.pivot_table(index="step", columns="rank", values=column, aggfunc="last")
+
+
+def _span(lo: int, hi: int) -> str:
+    return f"step {lo}" if lo == hi else f"steps {lo}–{hi}"
+
+
+def _who(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _hang_events(facts: RunFacts, w: Window) -> list[Cause]:
+    """The watchdog's own diagnosis: the culprit, the collective, the call site."""
+    out = []
+    hangs = facts.events[facts.events["kind"] == "hang"]
+    for _, row in hangs.iterrows():
+        d, step = row["detail"], row["step"]
+        if d.get("type") == "dead":  # a death, not a hang: _crash reads it
+            continue
+        if step is not None and not pd.isna(step) and not (w.lo - 5 <= step <= w.hi + 5):
+            continue
+        culprits = [int(r) for r in d.get("culprit_ranks") or []]
+        stack = (d.get("stacks") or {}).get(str(culprits[0])) if culprits else None
+        evidence = [d.get("why", "")]
+        if d.get("op"):
+            evidence.append(f"collective: {d['op']} #{d.get('seq')} on group {d.get('group')}")
+        if stack:
+            evidence.append(f"rank {culprits[0]} was at {stack[-1]}")
+        if d.get("waiting_ranks"):
+            evidence.append(f"{_who(d['waiting_ranks'])} waited in the collective")
+        out.append(
+            Cause(
+                "hang",
+                f"{_who(culprits)}: {d.get('type', 'hang')} at "
+                + (f"{d['op']} #{d.get('seq')}" if d.get("op") else "a collective"),
+                0.97,
+                culprits,
+                None if pd.isna(step) else int(step),
+                [e for e in evidence if e],
+                f"`meshscope hang-report --run {facts.run_dir}` shows every rank's stack; fix the "
+                "call site above so every rank issues the same collectives in the same order",
+            )
+        )
+    return out
+
+
+def _stall(facts: RunFacts, w: Window) -> list[Cause]:
+    """One step where some ranks waited seconds in a collective for ranks that did not."""
+    steps = facts.steps
+    if steps.empty or steps["rank"].nunique() < 2:
+        return []
+    typical = float(steps["step_s"].median())
+    wait = _pivot(w.of(steps), "comm_exposed_s")
+    compute = _pivot(with_compute(w.of(steps)), "compute_s")
+    out = []
+    for step, row in wait.iterrows():
+        longest = float(row.max())
+        if longest < max(STALL_MIN_S, STALL_FACTOR * typical):
+            continue
+        culprits = [int(r) for r, v in row.items() if v < 0.25 * longest]
+        if not culprits:
+            continue
+        waiting = [int(r) for r in row.index if int(r) not in culprits]
+        inside = all(compute.loc[step, r] >= 0.5 * longest for r in culprits)
+        where = (
+            "in its own compute"
+            if inside
+            else "outside the timed step (between steps: a sleep, the host, data, a lock)"
+        )
+        out.append(
+            Cause(
+                "hang",
+                f"{_who(culprits)} stalled {longest:.1f} s at step {step}",
+                0.9,
+                culprits,
+                int(step),
+                [
+                    f"{_who(waiting)} waited {longest:.2f} s in communication at step {step} "
+                    f"(a typical step takes {typical:.3f} s)",
+                    f"{_who(culprits)} did not wait: the time went {where}",
+                ],
+                f"if it recurs, run with `--on-hang abort` (or `report`) to get the stalled rank's "
+                f"stack; py-spy dump --pid <rank {culprits[0]}'s pid> shows it now",
+            )
+        )
+    return out[:1]
+
+
+def _slow_host(facts: RunFacts, w: Window) -> list[Cause]:
+    """A rank whose own compute is slower than its peers' while they wait in communication."""
+    steps = with_compute(w.of(facts.steps))
+    if steps.empty or steps["rank"].nunique() < 2:
+        return []
+    compute = _pivot(steps, "compute_s")
+    med = compute.median()
+    best = med.idxmax()
+    others = med.drop(best)
+    ratio = float(med[best] / max(float(others.median()), 1e-9))
+    if ratio < SLOW_RATIO:
+        return []
+    rank = int(best)
+    phases = {
+        p: steps[steps["rank"] == rank][p].median() / max(steps[steps["rank"] != rank][p].median(), 1e-9)
+        for p in ("forward_s", "backward_s", "optimizer_s", "data_s")
+    }
+    phase = max(phases, key=phases.get).removesuffix("_s")
+    waited = float(_pivot(steps, "comm_exposed_s").drop(columns=best).median().median())
+    return [
+        Cause(
+            "slow_host",
+            f"rank {rank} computes {ratio:.1f}× slower than its peers",
+            min(0.92, 0.55 + 0.1 * ratio),
+            [rank],
+            w.lo,
+            [
+                f"rank {rank}'s compute {med[best]:.3f} s per step vs its peers' {others.median():.3f} s "
+                f"over {_span(w.lo, w.hi)} (mostly in {phase}, {phases[phase + '_s']:.1f}× theirs)",
+                f"its peers waited {waited:.3f} s per step in communication for it",
+            ],
+            f"check rank {rank}'s host and device: other processes, clocks and thermal throttling "
+            "(nvidia-smi -q -d PERFORMANCE / npu-smi info), its data-loader workers; if it stays "
+            "slow, cordon the node and let the job shrink around it",
+        )
+    ]
+
+
+def _slow_link(facts: RunFacts, w: Window) -> list[Cause]:
+    """Exposed communication up on every rank, compute flat: the link, not a rank."""
+    win, base = w.of(facts.steps), w.before(facts.steps)
+    if win.empty or base.empty:
+        return []
+    floor = 1e-3  # a millisecond: below it, ratios of noise
+    comm_win = win.groupby("rank")["comm_exposed_s"].median()
+    comm_base = base.groupby("rank")["comm_exposed_s"].median().clip(lower=floor)
+    rise = (comm_win / comm_base).dropna()
+    if rise.empty or float(rise.min()) < LINK_RISE:
+        return []
+    cwin = with_compute(win).groupby("rank")["compute_s"].median()
+    cbase = with_compute(base).groupby("rank")["compute_s"].median()
+    # The step grew by communication more than by compute on every rank, and no rank computes
+    # much slower than the others (that would be a slow host making its peers wait).
+    comm_growth = float((comm_win - comm_base).min())
+    compute_growth = float((cwin - cbase).max())
+    if comm_growth <= compute_growth or float(cwin.max() / max(cwin.min(), 1e-9)) >= SLOW_RATIO:
+        return []
+    compute_rise = float((cwin / cbase.clip(lower=floor)).max())
+    evidence = [
+        f"exposed communication rose {rise.min():.0f}–{rise.max():.0f}× on every rank "
+        f"({comm_base.median():.3f} → {comm_win.median():.3f} s per step) over "
+        f"{_span(w.lo, w.hi)}",
+        f"compute stayed within {compute_rise:.1f}× of its usual on every rank",
+    ]
+    wire_win, wire_base = win["bytes_wire"].median(), base["bytes_wire"].median()
+    if wire_base > 0 and wire_win <= 1.1 * wire_base:
+        evidence.append(
+            f"the same bytes on the wire ({wire_win / 2**20:.1f} MiB per step): the "
+            "link got slower, the traffic did not grow"
+        )
+    return [
+        Cause(
+            "slow_link",
+            f"communication {rise.min():.0f}× slower on every rank, compute unchanged",
+            min(0.9, 0.5 + 0.05 * float(rise.min())),
+            sorted(int(r) for r in rise.index),
+            w.lo,
+            evidence,
+            "check the interconnect between these ranks' hosts: NCCL_DEBUG=INFO / HCCL logs for "
+            "retries, nccl-tests or hccl_test for bandwidth, link errors on the NICs; gradient "
+            "compression (fp16, powersgd) lowers the bytes in the meantime",
+        )
+    ]
+
+
+def _routing(facts: RunFacts, w: Window) -> list[Cause]:
+    """A layer whose routing concentrates on few experts, compared with before."""
+    ex = facts.experts
+    if ex.empty:
+        return []
+    every = int(ex["step"].drop_duplicates().diff().median()) if ex["step"].nunique() > 1 else 1
+    win = ex[(ex["step"] >= w.lo) & (ex["step"] <= w.hi + every)]
+    base = ex[(ex["step"] < w.lo) & (ex["step"] >= w.lo - BASELINE_STEPS - every)]
+    if win.empty:
+        return []
+    top_k = _top_k(facts, every)
+    best: Cause | None = None
+    for layer, rows in win.groupby("layer"):
+        by_step = rows.pivot_table(index="step", columns="expert", values="tokens")
+        bal = by_step.apply(lambda r: balancedness(r.to_numpy()), axis=1)
+        usual = 1.0
+        if not base.empty:
+            b = base[base["layer"] == layer].pivot_table(index="step", columns="expert", values="tokens")
+            usual = (
+                float(b.apply(lambda r: balancedness(r.to_numpy()), axis=1).median()) if not b.empty else 1.0
+            )
+        worst_step = bal.idxmin()
+        drop = usual - float(bal.min())
+        if drop < 0.15 or float(bal.min()) > 0.8 * usual:
+            continue
+        counts = by_step.loc[worst_step]
+        share = counts / counts.sum()
+        hog, n = int(share.idxmax()), len(share)
+        confidence = min(0.93, 0.6 + 0.5 * drop)
+        evidence = [
+            f"layer {layer}: balancedness (mean/max load) {usual:.2f} → {bal.min():.2f} at step {worst_step}",
+            f"expert {hog} took {share[hog]:.2f} of the routed tokens (balanced "
+            f"{1 / n:.2f}, at most {1 / top_k:.2f} with top-{top_k})",
+        ]
+        starving = [int(e) for e, s in share.items() if s < 0.25 / n]
+        if starving:
+            evidence.append(f"starving: expert(s) {', '.join(map(str, starving))}")
+        slow = _step_time_rise(facts, w)
+        if slow >= 1.2:
+            evidence.append(f"step time rose {slow:.1f}× over the same steps")
+        cause = Cause(
+            "routing",
+            f"layer {layer}'s router sends {share[hog]:.0%} of tokens to expert {hog}",
+            confidence,
+            [],
+            int(worst_step),
+            evidence,
+            f"apply the auxiliary-loss-free bias update to layer {layer} (`meshscope feedback "
+            f"suggest --run {facts.run_dir}`), or raise the aux-loss coefficient",
+        )
+        if best is None or cause.confidence > best.confidence:
+            best = cause
+    return [best] if best else []
+
+
+def _top_k(facts: RunFacts, every: int) -> int:
+    """Experts per token: the run's config, else the counts (a layer's window holds k x the
+    tokens its steps processed)."""
+    known = run_info(facts.run_dir).top_k
+    if known is not None:
+        return known
+    per_step = facts.steps.groupby("step")["tokens"].sum().median() if not facts.steps.empty else 0
+    routed = facts.experts.groupby(["step", "layer"])["tokens"].sum().median()
+    experts = facts.experts["expert"].nunique()
+    if not per_step or not routed:
+        return 1
+    return int(min(experts, max(1, round(routed / (per_step * every)))))
+
+
+def _step_time_rise(facts: RunFacts, w: Window) -> float:
+    win, base = w.of(facts.steps), w.before(facts.steps)
+    if win.empty or base.empty:
+        return 1.0
+    return float(
+        win.groupby("step")["step_s"].max().median()
+        / max(base.groupby("step")["step_s"].max().median(), 1e-9)
+    )
+
+
+def _leak(facts: RunFacts, w: Window) -> list[Cause]:
+    """One rank's memory rising steadily while its peers' does not."""
+    steps = facts.steps[(facts.steps["step"] >= w.lo - 5) & (facts.steps["step"] <= w.hi)]
+    if steps["step"].nunique() < 5:
+        return []
+    growth: dict[int, tuple[float, float, str]] = {}
+    for rank, rows in steps.groupby("rank"):
+        column = (
+            "mem_allocated"
+            if rows["mem_allocated"].max() > 0 and rows["mem_allocated"].std() > rows["mem_rss"].std()
+            else "mem_rss"
+        )
+        x, y = rows["step"].to_numpy(float), rows[column].to_numpy(float)
+        slope, intercept = np.polyfit(x, y, 1)
+        resid = y - (slope * x + intercept)
+        r2 = 1 - resid.var() / max(y.var(), 1e-9)
+        growth[int(rank)] = (slope * (x.max() - x.min()), r2, column)
+    rank = max(growth, key=lambda r: growth[r][0])
+    grown, r2, column = growth[rank]
+    others = [g for r, (g, _, _) in growth.items() if r != rank]
+    peers = max(others, default=0.0)
+    if grown < LEAK_MIN_BYTES or r2 < 0.7 or (others and peers > 0.3 * grown):
+        return []
+    span = steps["step"].max() - steps["step"].min()
+    what = "device memory" if column == "mem_allocated" else "host memory (RSS)"
+    return [
+        Cause(
+            "leak",
+            f"rank {rank}'s {what} grows {grown / span / 2**20:.1f} MiB per step",
+            min(0.9, 0.55 + 0.35 * r2),
+            [rank],
+            w.lo,
+            [
+                f"rank {rank}: +{grown / 2**20:.0f} MiB over {_span(int(steps['step'].min()), w.hi)}, "
+                f"steadily (linear fit r² {r2:.2f})",
+                f"its peers: +{max(peers, 0) / 2**20:.0f} MiB at most",
+            ],
+            f"look for what rank {rank} keeps across steps (a loss kept with its graph, a growing "
+            "list or cache); tracemalloc or torch.cuda.memory._record_memory_history on that rank "
+            "names the allocation",
+        )
+    ]
+
+
+def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
+    """The first NaN/Inf: the tracer's module when it localised one, else the loss."""
+    ev = facts.events[(facts.events["kind"] == "nan")]
+    ev = ev[(ev["step"] >= w.lo - 1) & (ev["step"] <= w.hi + 1)]
+    if ev.empty:
+        return _nonfinite_from_steps(facts, w)
+    first = ev.sort_values(["step", "id"]).iloc[0]
+    at_first = ev[ev["step"] == first["step"]]
+    with_module = at_first[[bool(d.get("module")) for d in at_first["detail"]]]
+    row = with_module.iloc[0] if len(with_module) else first
+    d, step = row["detail"], int(row["step"])
+    ranks = sorted({int(r) for r in at_first["rank"].dropna()})
+    snaps = facts.events[(facts.events["kind"] == "snapshot") & (facts.events["step"] == step)]
+    if d.get("module"):
+        title = f"first non-finite value: {d['module']} ({d.get('where', '?')}) at step {step}"
+        evidence = [
+            f"{d.get('tensor', 'output')} of {d['module']} ({d.get('class', '')}) on "
+            f"{_who(ranks)}, the first module in execution order"
+        ]
+    else:
+        title = f"{d.get('what', 'loss')} became {d.get('value', 'non-finite')} at step {step}"
+        evidence = [
+            f"{d.get('what', 'loss')} = {d.get('value')} on {_who(ranks)}; no module "
+            "was localised (tracer off?)"
+        ]
+    action = "rerun with `--trace nonfinite` (the default) to name the module and snapshot it"
+    if len(snaps):
+        path = snaps.iloc[0]["detail"].get("path")
+        evidence.append(f"snapshot: {path}")
+        action = f"`meshscope replay {path}` re-runs the module on the saved inputs"
+    return [Cause("nonfinite", title, 0.95 if d.get("module") else 0.88, ranks, step, evidence, action)]
+
+
+def _nonfinite_from_steps(facts: RunFacts, w: Window) -> list[Cause]:
+    win = w.of(facts.steps)
+    bad = win[nonfinite_mask(win, "loss")] if len(win) else win
+    if bad.empty:
+        return []
+    step = int(bad["step"].min())
+    ranks = sorted(int(r) for r in bad[bad["step"] == step]["rank"])
+    return [
+        Cause(
+            "nonfinite",
+            f"loss became non-finite at step {step}",
+            0.8,
+            ranks,
+            step,
+            [f"loss non-finite on {_who(ranks)} at step {step}"],
+            "rerun with `--trace nonfinite` to name the first module and snapshot it",
+        )
+    ]
+
+
+def _crash(facts: RunFacts, w: Window) -> list[Cause]:
+    """Ranks that died, and restarts that keep failing."""
+    ev = facts.events
+    faults = ev[(ev["kind"] == "fault")]
+    faults = faults[[d.get("type") == "dead_rank" for d in faults["detail"]]]
+    # The watchdog sees a death as it happens; the next attempt reports it as a fault. The last
+    # death of a job that gave up has no next attempt, so it is only in the watchdog's events.
+    seen = ev[(ev["kind"] == "hang")]
+    seen = seen[[d.get("type") == "dead" for d in seen["detail"]]]
+    if faults.empty and seen.empty:
+        return []
+    restarts = int((ev["kind"] == "restart").sum())
+    dead = sorted(
+        {int(d["rank"]) for d in faults["detail"] if "rank" in d}
+        | {int(r) for d in seen["detail"] for r in d.get("culprit_ranks") or []}
+    )
+    aborted = ev[(ev["kind"] == "hang")]
+    aborted = aborted[[d.get("action") == "abort" for d in aborted["detail"]]]
+    finished = bool((ev["kind"] == "run_end").any())
+    deaths = max(len(faults), len(seen))
+    repeated = (restarts >= 1 and not finished) or deaths >= 3
+    at = pd.concat([faults["step"], seen["step"]]).dropna()
+    at = at[at >= 0]
+    first_step = int(at.min()) if len(at) else None
+    steps_at = sorted({int(s) for s in at})
+    evidence = [
+        f"{_who(dead)} died without an exit mark (no clean stop) at "
+        f"step(s) {', '.join(map(str, steps_at)) or '?'}",
+        f"{restarts} restart(s); the run {'finished' if finished else 'did not finish'}",
+    ]
+    if len(aborted):
+        # The watchdog killed them on purpose: the hang is the cause, the deaths its cure.
+        evidence.append("the hang watchdog aborted these processes (see the hang)")
+        return [
+            Cause(
+                "crash",
+                f"{_who(dead)} stopped by the hang watchdog",
+                0.4,
+                dead,
+                first_step,
+                evidence,
+                "see the hang cause",
+            )
+        ]
+    if repeated:
+        return [
+            Cause(
+                "recovery_failing",
+                f"recovery keeps failing: {_who(dead)} died in {deaths} attempts",
+                min(0.95, 0.8 + 0.05 * restarts),
+                dead,
+                first_step,
+                evidence,
+                "stop restarting: the fault comes back after every resume from the checkpoint (a "
+                "bad host, a bad sample at that step, a code path that always fails); drain that "
+                "rank's host or skip the data at that step",
+            )
+        ]
+    return [
+        Cause(
+            "crash",
+            f"{_who(dead)} died at step {first_step}",
+            0.9,
+            dead,
+            first_step,
+            evidence,
+            f"read rank {dead[0]}'s log and `dmesg` on its host (OOM killer, "
+            "signal 9, a hardware error); torchrun restarted it from the last checkpoint",
+        )
+    ]
+
+
+HYPOTHESES: list[Callable[[RunFacts, Window], list[Cause]]] = [
+    _hang_events,
+    _stall,
+    _slow_host,
+    _slow_link,
+    _routing,
+    _leak,
+    _nonfinite,
+    _crash,
+]
+
+
+def _rank_causes(causes: list[Cause]) -> list[Cause]:
+    """One cause per (kind, ranks), most confident first; a routing collapse in the same
+    window explains slower communication better than a slow link does."""
+    if any(c.kind == "routing" for c in causes):
+        for c in causes:
+            if c.kind == "slow_link":
+                c.confidence = round(c.confidence * 0.6, 3)
+                c.evidence.append("the routing changed at the same time (see routing)")
+    merged: dict[tuple, Cause] = {}
+    for c in causes:
+        key = (c.kind, tuple(c.ranks))
+        if key in merged:
+            kept = merged[key]
+            kept.anomaly_ids = sorted(set(kept.anomaly_ids) | set(c.anomaly_ids))
+            if c.confidence > kept.confidence:
+                c.anomaly_ids = kept.anomaly_ids
+                merged[key] = c
+        else:
+            merged[key] = c
+    return sorted(merged.values(), key=lambda c: (-c.confidence, c.step if c.step is not None else 1 << 62))
+
+
+def causes_for(facts: RunFacts, anomaly: Anomaly) -> list[Cause]:
+    """The ranked causes of one anomaly: every hypothesis over its window."""
+    w = Window(anomaly.start_step, anomaly.end_step)
+    causes = [c for h in HYPOTHESES for c in h(facts, w)]
+    for c in causes:
+        c.anomaly_ids = [anomaly.id] if anomaly.id is not None else []
+    return _rank_causes(causes)
+
+
+def explain(run: str | Path | RunFacts, anomaly_id: int | None = None) -> list[Cause]:
+    """Probable causes, most confident first: of one stored anomaly, or of the whole run (its
+    anomalies' windows plus what events say on their own: hangs, NaNs, deaths)."""
+    facts = run if isinstance(run, RunFacts) else RunFacts.load(run)
+    if anomaly_id is not None:
+        return causes_for(facts, facts.anomaly(anomaly_id))
+    causes = [c for a in facts.anomalies for c in causes_for(facts, a)]
+    if not facts.steps.empty:
+        whole = Window(int(facts.steps["step"].min()), int(facts.steps["step"].max()))
+        causes += [c for h in (_hang_events, _nonfinite, _crash) for c in h(facts, whole)]
+    return _rank_causes(causes)

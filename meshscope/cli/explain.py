@@ -1,0 +1,46 @@
+"""`meshscope explain`: a run's probable causes, ranked, with evidence."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pandas as pd
+import typer
+
+from meshscope.cli.common import _readable_store, app, console, fail
+from meshscope.collector.store import store_path
+
+
+@app.command()
+def explain(
+    run: Path = typer.Option(..., "--run", help="a meshscope run directory"),
+    anomaly: int | None = typer.Option(
+        None, "--anomaly", help="one anomaly's event id (as the view and alerts link it)"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print the causes as JSON"),
+    limit: int = typer.Option(5, min=1, help="causes to print"),
+) -> None:
+    """Probable causes of what went wrong in a run (or one anomaly), ranked, with evidence."""
+    import json
+
+    from meshscope.explain.rootcause import explain as rank_causes
+
+    _readable_store(run)
+    try:
+        causes = rank_causes(run, anomaly)
+    except KeyError as err:
+        fail(str(err.args[0]))
+    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
+        fail(f"{store_path(run)}: not a readable meshscope run store ({err})")
+    if as_json:
+        print(json.dumps([c.as_dict() for c in causes[:limit]], indent=1))
+        return
+    if not causes:
+        console.print(f"{run}: nothing to explain (no anomaly, hang, NaN or death recorded)")
+        return
+    for i, c in enumerate(causes[:limit], 1):
+        console.print(f"[bold]{i}. {c.kind}[/] ({c.confidence:.0%}) {c.title}", markup=True, highlight=False)
+        for line in c.evidence:
+            console.print(f"     - {line}", markup=False, highlight=False)
+        console.print(f"     next: {c.action}", markup=False, highlight=False)

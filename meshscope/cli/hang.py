@@ -1,0 +1,71 @@
+"""`meshscope hang-report`: the hang diagnosis of a run, or of Flight Recorder dumps."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pandas as pd
+import typer
+from rich.table import Table
+
+from meshscope.cli.common import app, console, fail
+from meshscope.collector.store import load_events, store_path
+
+
+@app.command("hang-report")
+def hang_report(
+    run: Path | None = typer.Option(None, "--run", help="a meshscope run directory"),
+    flight_recorder: Path | None = typer.Option(
+        None,
+        "--flight-recorder",
+        help="a folder of PyTorch Flight Recorder dumps (<prefix><rank>) of a job that did not run meshscope",
+    ),
+    prefix: str | None = typer.Option(None, help="Flight Recorder dump names: <prefix><rank>"),
+) -> None:
+    """The last hang diagnosis of a run (else one from its flight logs), or a diagnosis of a
+    plain job's PyTorch Flight Recorder dumps."""
+    from meshscope.watchdog.hang import diagnose_folder
+
+    if (run is None) == (flight_recorder is None):
+        fail("give either --run DIR or --flight-recorder DIR")
+    if flight_recorder is not None:
+        from meshscope.watchdog.flight_recorder import DumpError, diagnose_dumps
+
+        try:
+            diag = diagnose_dumps(flight_recorder, prefix)
+        except (DumpError, OSError) as err:
+            fail(str(err))
+        _print_hang(diag.detail(), f"Flight Recorder dumps in {flight_recorder}")
+        return
+    from meshscope.collector.store import StoreError, check_store
+
+    try:
+        check_store(run)
+        events = load_events(run, kind="hang")
+    except FileNotFoundError:
+        events = None  # no store (yet): the flight logs may still tell
+    except StoreError as err:
+        fail(str(err))
+    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
+        fail(f"{store_path(run)}: not a readable meshscope run store ({err})")
+    if events is not None and not events.empty:
+        detail, source = events.iloc[-1]["detail"], f"hang event in {store_path(run)}"
+    else:
+        diag = diagnose_folder(run / "live")
+        if diag is None:
+            fail(f"{run}: no hang event and no flight logs in {run / 'live'}")
+        detail, source = diag.detail(), f"flight logs in {run / 'live'} (post-mortem)"
+    _print_hang(detail, source)
+
+
+def _print_hang(detail: dict, source: str) -> None:
+    table = Table(title=f"hang diagnosis ({source})", show_header=False)
+    for key in ("type", "culprit_ranks", "op", "seq", "group", "waiting_ranks", "why", "action"):
+        if detail.get(key) is not None:
+            table.add_row(key, str(detail[key]))
+    console.print(table)
+    for rank, stack in sorted((detail.get("stacks") or {}).items()):
+        console.print(f"[bold]rank {rank}[/] (innermost last)")
+        for line in stack[-8:]:
+            console.print(f"    {line}", markup=False, highlight=False)

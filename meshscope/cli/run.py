@@ -1,0 +1,152 @@
+"""`meshscope run` and `meshscope rendezvous`: train under torchrun with meshscope beside it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from meshscope import launcher
+from meshscope.cli.common import app, console, err_console, fail
+from meshscope.cli.flags import RUN_FLAGS, with_config_flags
+from meshscope.cli.settings import apply_set_options
+from meshscope.collector.exporter import PortInUseError, remove_from_index
+from meshscope.collector.report import summarize
+from meshscope.collector.store import load_events, load_expert_load, load_steps, store_path
+from meshscope.config import ConfigError, RunConfig, load_config
+from meshscope.sidecar import AlertPath, Sidecar, alert_path
+from meshscope.trainer.device import DeviceUnavailable
+
+
+@app.command()
+@with_config_flags(RunConfig, RUN_FLAGS)
+def run(
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML config file"),
+    set_: list[str] | None = typer.Option(
+        None,
+        "--set",
+        help="any config field, repeatable: PATH=VALUE, e.g. train.powersgd_rank=8 "
+        "or elastic.keep=5 (every field: `meshscope config`)",
+    ),
+    overrides: dict | None = None,
+) -> None:
+    """Train the reference MoE model under torchrun with meshscope watching."""
+    try:
+        cfg = load_config(config, apply_set_options(set_ or [], overrides or {}))
+        alerts = alert_path(cfg)  # secrets and the alert route checked before any write
+        cfg = launcher.prepare_run(cfg)
+    except (ConfigError, DeviceUnavailable, PortInUseError, ValueError) as err:
+        fail(str(err))
+    _print_header(cfg, alerts)
+    sidecar = Sidecar(cfg, alerts).start()
+    if sidecar.metrics_url:
+        console.print(f"  detector {sidecar.metrics_url}")
+    else:
+        err_console.print(f"[yellow]warning:[/] detector metrics not exported: {sidecar.export_error}")
+    code = _train_with_progress(cfg)
+    episodes = sidecar.stop()
+    if code != 0:  # a dead run stays in Prometheus' index: RankDown/RecoveryFailed fire
+        err_console.print(launcher.tail_log(cfg), markup=False, highlight=False)
+        fail(f"training failed (exit {code}); logs in {cfg.run_dir / 'logs'}", code=1)
+    remove_from_index(cfg.run_dir, cfg.run_id)
+    _print_summary(cfg)
+    if episodes:
+        console.print(
+            f"{len(episodes)} anomaly episode(s): "
+            + "; ".join(f"{e.type} ranks={e.ranks} steps {e.start_step}-{e.end_step}" for e in episodes)
+        )
+
+
+def _print_header(cfg: RunConfig, alerts: AlertPath) -> None:
+    """Where this run's measurements and alerts will be."""
+    console.print(
+        f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device} ({cfg.backend}), "
+        f"compression={cfg.train.compression}, overlap={cfg.train.overlap}"
+    )
+    console.print(f"  store    {store_path(cfg.run_dir)}")
+    console.print(
+        f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
+        f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})"
+    )
+    if alerts.alertmanager:
+        console.print(f"  alerts   through Alertmanager at {alerts.alertmanager} (its receivers)")
+    if alerts.ignored_channels:
+        err_console.print(
+            "[yellow]warning:[/] --slack-webhook-file/--email-to ignored: this run "
+            "alerts through Alertmanager, which pages once; --alerts embedded "
+            "sends from the run instead"
+        )
+
+
+def _train_with_progress(cfg: RunConfig) -> int:
+    """Follow torchrun with a progress bar of steps, loss, tokens/s and comm ratio."""
+    columns = (
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[stats]}"),
+    )
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("train", total=cfg.train.steps, stats="starting torchrun...")
+
+        def on_progress(done: int, last: dict) -> None:
+            stats = (
+                (
+                    f"loss {last.get('loss', math.nan):.3f}  "
+                    f"{last.get('tokens_per_s', 0) * cfg.nproc:,.0f} tok/s  "
+                    f"comm {last.get('comm_ratio', 0):.0%}"
+                )
+                if last
+                else ""
+            )
+            progress.update(task, completed=done, stats=stats)
+
+        return launcher.follow(cfg, launcher.launch(cfg), on_progress)
+
+
+def _compression_cell(s: dict[str, float]) -> str:
+    """raw / wire bytes, or why there is no ratio (one rank sends no gradients)."""
+    if s["ranks"] <= 1:
+        return "n/a (one rank: no gradient traffic)"
+    ratio = s["compression_ratio"]
+    return f"{ratio:.1f}x" if math.isfinite(ratio) else "n/a (no gradient bytes recorded)"
+
+
+def _print_summary(cfg: RunConfig) -> None:
+    """The finished run in one table."""
+    s = summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
+    kinds = load_events(cfg.run_dir)["kind"].value_counts()
+    table = Table(title=f"run {cfg.run_id}", show_header=False)
+    rows = [
+        ("steps x ranks", f"{s['steps']:.0f} x {s['ranks']:.0f}"),
+        ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
+        ("step time mean / p99", f"{s['step_s_mean'] * 1e3:.1f} / {s['step_s_p99'] * 1e3:.1f} ms"),
+        ("comm ratio (exposed)", f"{s['comm_ratio_mean']:.1%}"),
+        ("compression ratio (raw / wire)", _compression_cell(s)),
+        ("loss first -> last", f"{s['loss_first']:.3f} -> {s['loss_last']:.3f}"),
+        (
+            "expert imbalance max / mean",
+            f"{s['expert_imbalance_max']:.2f} / {s['expert_imbalance_mean']:.2f}",
+        ),
+        (
+            "injected / faults / restarts / resumes",
+            " / ".join(str(int(kinds.get(k, 0))) for k in ("injected", "fault", "restart", "resume")),
+        ),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    console.print(f"store: {store_path(cfg.run_dir)}")
+
+
+@app.command()
+def rendezvous(
+    port: int = typer.Option(29400, help="port of the c10d rendezvous store"),
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+) -> None:
+    """Host a c10d rendezvous store apart from the agents, so a job survives losing any agent."""
+    launcher.host_rendezvous(host, port)

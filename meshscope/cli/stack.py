@@ -1,0 +1,116 @@
+"""`meshscope stack up|down|status`: Prometheus and Alertmanager on this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from meshscope.cli.common import app, console, err_console, fail
+
+stack_app = typer.Typer(no_args_is_help=True, help="Prometheus + Alertmanager on 127.0.0.1.")
+
+
+app.add_typer(stack_app, name="stack")
+
+
+HOME_HELP = "folder for the stack's configs, data, logs and pid files"
+
+
+@stack_app.command("up")
+def stack_up(
+    runs: Path = typer.Option(Path("runs"), help="runs folder to watch (file_sd over runs/_targets)"),
+    home: Path = typer.Option(Path(".meshscope/stack"), help=HOME_HELP),
+    prometheus_port: int = typer.Option(9090, help="Prometheus port"),
+    alertmanager_port: int = typer.Option(9093, help="Alertmanager port"),
+    scrape_interval: float = typer.Option(5.0, help="scrape and rule evaluation interval, seconds"),
+    slack_webhook_file: Path | None = typer.Option(None, help="file holding the Slack webhook URL"),
+    email_to: str | None = typer.Option(None, help="critical alerts also to a@x,b@y"),
+    smtp: str = typer.Option("127.0.0.1:25", help="SMTP host:port"),
+    smtp_from: str = typer.Option("meshscope@localhost", help="sender of alert emails"),
+    smtp_user: str | None = typer.Option(None, help="SMTP login"),
+    smtp_password_file: Path | None = typer.Option(None, help="file holding the SMTP password"),
+    smtp_tls: bool = typer.Option(True, "--smtp-tls/--no-smtp-tls", help="require STARTTLS"),
+    view_url: str = typer.Option("http://127.0.0.1:8501", help="drill-down view linked from alerts"),
+    fast: bool = typer.Option(False, help="1 s alert grouping waits (tests, benchmarks)"),
+) -> None:
+    """Start Prometheus (rules, file_sd over the runs) and Alertmanager (Slack, email)."""
+    from meshscope.dashboards.alertmanager import AlertRouting
+    from meshscope.dashboards.stack import StackConfig, StackError, up
+
+    try:
+        routing = AlertRouting(
+            slack_webhook_file=slack_webhook_file,
+            email_to=email_to.split(",") if email_to else [],
+            smtp_smarthost=smtp,
+            smtp_from=smtp_from,
+            smtp_username=smtp_user,
+            smtp_password_file=smtp_password_file,
+            smtp_require_tls=smtp_tls,
+            view_url=view_url,
+            fast=fast,
+        )
+        comps = up(
+            StackConfig(
+                runs_root=runs,
+                home=home,
+                prometheus_port=prometheus_port,
+                alertmanager_port=alertmanager_port,
+                scrape_interval_s=scrape_interval,
+                routing=routing,
+            )
+        )
+    except (ValueError, StackError) as err:
+        fail(str(err))
+    for c in comps:
+        console.print(f"{c.name:12} {c.url}  pid {c.pid}  log {c.log}")
+    if routing.slack_webhook_file is None and not routing.email_to:
+        err_console.print(
+            "[yellow]warning:[/] no --slack-webhook-file or --email-to: alerts are "
+            "visible in Alertmanager only"
+        )
+
+
+@stack_app.command("down")
+def stack_down(home: Path = typer.Option(Path(".meshscope/stack"), help=HOME_HELP)) -> None:
+    """Stop the stack started from HOME."""
+    from meshscope.dashboards.stack import down
+
+    stopped = down(home)
+    console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+
+
+@stack_app.command("status")
+def stack_status(home: Path = typer.Option(Path(".meshscope/stack"), help=HOME_HELP)) -> None:
+    """What runs where; per run, targets up and down; alerts firing. Exit 1 if a part is down."""
+    import requests
+
+    from meshscope.dashboards.stack import firing_alerts, status, targets_by_run
+
+    comps = status(home)
+    if not comps:
+        console.print(f"no stack started from {home}")
+        raise typer.Exit(1)
+    table = Table(title=f"stack in {home}")
+    for col in ("component", "url", "pid", "state"):
+        table.add_column(col)
+    for c in comps:
+        state = "ready" if c.ready else "running, not ready" if c.running else "stopped"
+        table.add_row(c.name, c.url, str(c.pid), state)
+    console.print(table)
+    prom = next((c for c in comps if c.name == "prometheus" and c.ready), None)
+    if prom is not None:
+        try:
+            for run_id, counts in sorted(targets_by_run(prom.url).items()):
+                console.print(f"run {run_id}: {counts['up']} target(s) up, {counts['down']} down")
+            for alert in firing_alerts(prom.url):
+                labels = alert["labels"]
+                console.print(
+                    f"[red]firing[/] {labels['alertname']} run={labels.get('run', '')} "
+                    f"{alert['annotations'].get('summary', '')}"
+                )
+        except requests.RequestException as err:
+            err_console.print(f"[yellow]warning:[/] Prometheus did not answer: {err}")
+    if not all(c.ready for c in comps):
+        raise typer.Exit(1)

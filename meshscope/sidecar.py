@@ -1,0 +1,191 @@
+"""What runs beside training on each agent: the detection engine, the hang watchdog, the alert
+outbox, the detector's /metrics endpoint and the abort policy. The CLI builds one `Sidecar`
+per `meshscope run` and stops it when torchrun returns; nothing here trains."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlencode
+
+from meshscope.alerts.notify import Alert, Email, Outbox, SlackWebhook, parse_host_port, read_secret
+from meshscope.collector.exporter import PortInUseError, serve_metrics, write_detector_target
+from meshscope.collector.rundir import OUTBOX, LeaderLock, live_dir
+from meshscope.collector.schema import Event
+from meshscope.collector.store import RunStore
+from meshscope.detectors.episodes import Episode
+from meshscope.detectors.live import LiveDetection
+from meshscope.watchdog.hang import Diagnosis, HangWatch, NodeExchange, pid_alive
+
+log = logging.getLogger("meshscope.sidecar")
+
+
+@dataclass
+class AlertPath:
+    """Where this run's alerts go: its own channels (embedded), or a stack's Alertmanager."""
+
+    channels: list = field(default_factory=list)
+    alertmanager: str | None = None
+    ignored_channels: bool = False  # channels were given but Alertmanager pages instead
+
+
+def alert_channels(alerts: Any) -> list:
+    """Alert channels from the `alerts` config (TOML and flags) and secrets (files or
+    environment); AlertSettingError (a ValueError naming the flag) when one is unusable."""
+    channels = []
+    url = read_secret(
+        file=alerts.slack_webhook_file, env="MESHSCOPE_SLACK_WEBHOOK", flag="--slack-webhook-file"
+    )
+    if url:
+        channels.append(SlackWebhook(url))
+    if alerts.email_to:
+        host, port = parse_host_port(alerts.smtp, "--smtp")
+        channels.append(
+            Email(
+                host,
+                port,
+                alerts.smtp_from,
+                alerts.email_to,
+                username=alerts.smtp_user,
+                password=read_secret(file=alerts.smtp_password_file, flag="--smtp-password-file"),
+                starttls=alerts.smtp_tls,
+            )
+        )
+    return channels
+
+
+def alert_path(cfg: Any) -> AlertPath:
+    """One alert path: a run under a stack's Prometheus alerts through its Alertmanager (the
+    AnomalyDetected and HangDetected rules), never also from its own outbox; otherwise the run
+    sends to its own channels. ValueError naming the flag when it cannot be."""
+    from meshscope.dashboards.stack import alerting_for
+
+    alerts = cfg.alerts
+    channels = alert_channels(alerts)  # checked before any write
+    alertmanager = alerting_for(alerts.stack_home, cfg.runs_root) if alerts.mode != "embedded" else None
+    if alerts.mode == "alertmanager" and alertmanager is None:
+        raise ValueError(
+            f"--alerts alertmanager: no meshscope stack in {alerts.stack_home} watches "
+            f"{cfg.runs_root} (start one: meshscope stack up --runs {cfg.runs_root})"
+        )
+    if alertmanager is None:
+        return AlertPath(channels)
+    return AlertPath([], alertmanager, ignored_channels=bool(channels))
+
+
+def hang_exchange(cfg: Any) -> NodeExchange | None:
+    """With several agents, the watchdogs share flight logs through the rendezvous store."""
+    if not cfg.elastic.rdzv_endpoint:
+        return None
+    import torch.distributed as dist
+
+    host, port = parse_host_port(cfg.elastic.rdzv_endpoint, "--rdzv-endpoint")
+    return NodeExchange(
+        lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5)),
+        prefix=f"meshscope/hang/{cfg.elastic.rdzv_id or cfg.run_id}",
+    )
+
+
+def view_link(view_url: str | None, run_id: str, **params: Any) -> str:
+    """The drill-down view's deep link for an alert ('' without a view): the anomaly is not
+    stored yet when its alert goes out, so the link names it by type and step."""
+    if not view_url:
+        return ""
+    query = urlencode({"run": run_id, **{k: v for k, v in params.items() if v is not None}})
+    return f"{view_url.rstrip('/')}/?{query}"
+
+
+class Sidecar:
+    """The engine and the watchdog beside one agent's workers, exporting on the port after the
+    ranks'. `start()` returns self; `stop()` returns the closed anomaly episodes."""
+
+    def __init__(self, cfg: Any, alerts: AlertPath) -> None:
+        self.cfg = cfg
+        self.outbox = Outbox(cfg.run_dir / OUTBOX, alerts.channels) if alerts.channels else None
+        leader = LeaderLock(cfg.run_dir)
+        self.live = LiveDetection(
+            cfg.run_dir,
+            cfg.run_id,
+            config=cfg.detect,
+            on_open=[self._alert_anomaly] if self.outbox else [],
+            on_round=[self.outbox.deliver] if self.outbox else [],
+            leader=leader,
+        )
+        self.watch = HangWatch(
+            live_dir(cfg.run_dir),
+            cfg.hang,
+            on_hang=self._hung,
+            leader=leader.held,
+            exchange=hang_exchange(cfg),
+        )
+        self.metrics_url: str | None = None
+        self.export_error: str | None = None
+
+    def start(self) -> Sidecar:
+        """Export the detector's metrics (a busy port degrades with a reason) and start judging."""
+        port = self.cfg.metrics_port + self.cfg.nproc
+        try:
+            serve_metrics(self.live.registry, port, host="127.0.0.1")
+            node = socket.gethostname()
+            write_detector_target(
+                self.cfg.run_dir, run_id=self.cfg.run_id, host="127.0.0.1", port=port, node=node
+            )
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
+        except PortInUseError as err:
+            self.export_error = str(err)
+        self.live.start()
+        self.watch.start()
+        return self
+
+    def stop(self) -> list[Episode]:
+        """Stop watching, judge what is left; the closed episodes of the whole run."""
+        self.watch.stop()
+        return self.live.stop()
+
+    def _link(self, **params: Any) -> str:
+        return view_link(self.cfg.alerts.view_url, self.cfg.run_id, **params)
+
+    def _alert_anomaly(self, ep: Episode) -> None:
+        """Alert as soon as an anomaly is confirmed; the event follows when it ends."""
+        rank = ep.ranks[0] if len(ep.ranks) == 1 else None
+        link = self._link(type=ep.type, start=ep.start_step, rank=rank, layer=ep.layer)
+        self.outbox.put(Alert.from_anomaly(self.cfg.run_id, ep.detail(), link))
+
+    def _hung(self, diag: Diagnosis) -> None:
+        """A hang or broken collective: event, metric, alert, and (abort) end the workers so
+        the elastic agent restarts them from the last checkpoint."""
+        self.live.metrics.faults.labels(kind="hang").inc()
+        detail = {**diag.detail(), "action": self.cfg.hang.on_hang}
+        store = RunStore(self.cfg.run_dir)  # this thread's own connection (SQLite is per thread)
+        try:
+            step = diag.evidence.get("step")
+            store.add_event(
+                Event(kind="hang", run_id=self.cfg.run_id, severity="critical", step=step, detail=detail)
+            )
+        finally:
+            store.close()
+        if self.outbox is not None:
+            self.outbox.put(
+                Alert.from_hang(
+                    self.cfg.run_id, detail, self._link(alert="HangDetected", step=detail.get("step"))
+                )
+            )
+            self.outbox.deliver()
+        if self.cfg.hang.on_hang == "abort":
+            kill_all(diag.evidence.get("pids", {}).values())
+        log.warning("hang: %s", diag.why)
+
+
+def kill_all(pids: Any) -> None:
+    """SIGKILL the live workers among `pids` (the abort policy: torchrun then restarts them)."""
+    for pid in pids:
+        if pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

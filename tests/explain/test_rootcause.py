@@ -1,0 +1,89 @@
+"""Root cause over recorded runs of every injection kind: the injected cause ranked first, on the
+right rank where the data can tell; nothing on clean runs; one anomaly explained on its own."""
+
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from root_cause import DATA, judge, runs  # noqa: E402
+
+from meshscope.explain.rootcause import CAUSE_KINDS, RunFacts, explain  # noqa: E402
+from tests.helpers.runs import REPO  # noqa: E402
+
+
+@pytest.mark.parametrize("run", runs(), ids=lambda p: p.name)
+def test_the_injected_cause_is_ranked_first(run):
+    row = judge(run)
+    assert row["ok"], {k: v for k, v in row.items() if k != "causes"}
+    for cause in row["causes"]:
+        assert cause.kind in CAUSE_KINDS and cause.evidence and cause.action, cause
+        assert 0 < cause.confidence <= 1
+
+
+@pytest.mark.parametrize("name", ["clean-a", "clean-b", "clean-c"])
+def test_clean_runs_have_nothing_to_explain(name):
+    assert explain(DATA / name) == []
+
+
+def _stored(tmp_path: Path, name: str) -> Path:
+    """A recorded run whose anomalies were judged and stored, as a live run has them."""
+    run = tmp_path / name
+    shutil.copytree(DATA / name, run)
+    subprocess.run(
+        [sys.executable, "-m", "meshscope", "detect", "--run", str(run)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return run
+
+
+def test_one_anomaly_is_explained_by_its_window(tmp_path):
+    run = _stored(tmp_path, "expert_collapse-2")
+    facts = RunFacts.load(run)
+    assert facts.anomalies and all(a.id is not None for a in facts.anomalies)
+    imbalance = next(a for a in facts.anomalies if a.type == "expert_imbalance")
+    top = explain(facts, imbalance.id)[0]
+    assert top.kind == "routing" and imbalance.id in top.anomaly_ids
+    with pytest.raises(KeyError, match="anomaly ids"):
+        explain(facts, 10**6)
+
+
+def test_the_cli_prints_the_ranked_causes_and_refuses_what_is_not_a_run(tmp_path):
+    run = _stored(tmp_path, "slow")
+    out = subprocess.run(
+        [sys.executable, "-m", "meshscope", "explain", "--run", str(run), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    causes = json.loads(out.stdout)
+    assert causes[0]["kind"] == "slow_host" and causes[0]["ranks"] == [1]
+    from typer.testing import CliRunner
+
+    from meshscope.cli import app
+
+    runner = CliRunner()
+    text = runner.invoke(app, ["explain", "--run", str(run)])
+    assert "slow_host" in text.output and "next:" in text.output
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "store.sqlite").write_text("not sqlite")
+    for args in (
+        ["--run", str(tmp_path / "none")],
+        ["--run", str(bad)],
+        ["--run", str(run), "--anomaly", "999999"],
+    ):
+        out = runner.invoke(app, ["explain", *args])
+        assert out.exit_code == 2 and "error:" in out.output, out.output
+    assert sqlite3.connect(run / "store.sqlite").execute("select count(*) from steps").fetchone()

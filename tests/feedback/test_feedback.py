@@ -1,0 +1,200 @@
+"""The feedback loop's pure parts: every serving format read (and every malformed one refused
+with a clear message), suggestions in practitioners' terms, EPLB placement, bounds, and the
+knowledge base's ranking."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshscope.collector.controls import ControlChange, ControlError
+from meshscope.feedback.loop import (
+    FeedbackError,
+    KnowledgeBase,
+    bias_correction,
+    diagnose,
+    place_experts,
+    predicted_balancedness,
+    read_serving_load,
+    suggest,
+)
+
+
+def _pt(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_sglang_dump_is_summed_over_steps():
+    counts = torch.zeros(3, 2, 4)
+    counts[:, 0, 0] = 10
+    counts[:, 0, 1:] = 1
+    counts[:, 1] = 5
+    load = read_serving_load(_pt({"logical_count": counts, "other": 1}), "expert_distribution.pt")
+    assert load.source.startswith("sglang") and load.tokens.shape == (2, 4)
+    assert load.tokens[0].tolist() == [30, 3, 3, 3]
+
+
+def test_vllm_window_maps_replicated_physical_experts_to_logical_ones():
+    window = torch.ones(5, 1, 6)  # 6 physical slots; expert 0 is replicated three times
+    mapping = torch.tensor([[0, 0, 0, 1, 2, 3]])
+    load = read_serving_load(
+        _pt({"expert_load_window": window, "physical_to_logical_map": mapping}), "eplb.pt"
+    )
+    assert load.tokens.tolist() == [[15, 5, 5, 5]]
+
+
+def test_csv_with_latency():
+    load = read_serving_load(b"layer,expert,tokens,latency_ms\n0,0,90,12\n0,1,10,3\n", "s.csv")
+    assert load.tokens.tolist() == [[90, 10]] and load.latency_ms[0].tolist() == [12, 3]
+    d = diagnose(load, None)[0]
+    assert d.hot == [0] and d.latency_cost_ms == pytest.approx(4.5)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"", "empty"),
+        (b"layer,expert\n0,1\n", "missing tokens"),
+        (b"layer,expert,tokens\n0,1,x\n", "row 2"),
+        (b"layer,expert,tokens\n-1,1,3\n", "whole numbers"),
+        (b"layer,expert,tokens\n0,0,0\n", "no tokens"),
+        (b"layer,expert,tokens\n0,0,-5\n", ">= 0"),
+    ],
+)
+def test_bad_csv_is_refused_with_the_reason(content, message):
+    with pytest.raises(FeedbackError, match=message):
+        read_serving_load(content, "s.csv")
+
+
+def test_a_pickle_with_code_is_refused_not_run(tmp_path):
+    import os
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    with pytest.raises(FeedbackError, match="never code"):
+        read_serving_load(pickle.dumps(Evil()), "evil.pt")
+    assert not (tmp_path / "pwned").exists()
+    with pytest.raises(FeedbackError, match="expected SGLang"):
+        read_serving_load(_pt({"weights": torch.ones(2)}), "model.pt")
+    with pytest.raises(FeedbackError, match="shape"):
+        read_serving_load(_pt({"logical_count": torch.ones(2, 2, 2, 2)}), "x.pt")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=400), st.sampled_from(["x.csv", "x.pt", "x"]))
+def test_any_bytes_either_parse_or_raise_feedback_error(content, name):
+    try:
+        load = read_serving_load(content, name)
+    except FeedbackError as err:
+        assert name in str(err) or "csv:" in str(err) or "tensor:" in str(err)
+    else:
+        assert np.isfinite(load.tokens).all() and load.tokens.sum() > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 1e6), min_size=2, max_size=64).filter(lambda v: sum(v) > 0))
+def test_bias_correction_is_bounded_and_never_unbalances(load):
+    load = np.array(load)
+    bias = bias_correction(load)
+    assert np.abs(bias).max() <= 5.0 + 1e-9
+    before = load.mean() / load.max()
+    assert predicted_balancedness(load, bias) >= before - 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.1, 1e4), min_size=2, max_size=32), st.integers(1, 8), st.integers(0, 16))
+def test_placement_keeps_every_expert_and_fills_devices_evenly(load, devices, redundant):
+    plan = place_experts(np.array(load), devices=devices, redundant=redundant)
+    assert sorted(set(plan.slot_expert)) == list(range(len(load)))
+    assert all(r >= 1 for r in plan.replicas) and sum(plan.replicas) == len(plan.slot_expert)
+    per_device = np.bincount(plan.device_of_slot, minlength=devices)
+    assert per_device.min() == per_device.max()
+    # a heuristic: it may miss the default layout's balance by a hair on a lucky load (the
+    # suggestion is then not made), never by much
+    assert plan.after >= plan.before - 0.02 or devices == 1
+
+
+def test_suggestions_in_practitioners_terms_for_the_skewed_layer_only(tmp_path):
+    load = read_serving_load(
+        b"layer,expert,tokens\n0,0,700\n0,1,100\n0,2,100\n0,3,100\n1,0,250\n1,1,250\n1,2,250\n1,3,250\n",
+        "s.csv",
+    )
+    out = suggest(
+        diagnose(load, None), load, model={"aux_loss_coef": 0.01, "capacity_factor": 1.25}, devices=4
+    )
+    assert {s.layer for s in out} <= {0, -1}
+    actions = {s.action: s for s in out}
+    assert set(actions) == {"router_bias", "aux_loss_coef", "capacity_factor", "placement"}
+    bias = actions["router_bias"]
+    # γ: at least DeepSeek-V3's 1e-3, sized to close the gap within 100 steps, within bounds
+    assert 1e-3 <= bias.params["gamma"] <= 0.025 and bias.params["bias"][0] < 0
+    assert bias.expected["balancedness_after"] > bias.expected["balancedness_before"]
+    ControlChange.parse(bias.control)  # within bounds
+    assert actions["capacity_factor"].params["to"] >= 2.8
+    assert (
+        actions["placement"].expected["device_balancedness_after"]
+        > actions["placement"].expected["device_balancedness_before"]
+    )
+    assert all(s.why for s in out)
+
+
+def test_the_knowledge_base_ranks_and_calibrates_by_past_outcomes(tmp_path):
+    kb = KnowledgeBase(tmp_path / "kb.sqlite")
+    assert kb.weight("c", "router_bias") == 1.0 and kb.realised("c", "router_bias") == 1.0
+    for _ in range(3):
+        kb.record(
+            run="r",
+            cause="c",
+            action="aux_loss_coef",
+            params={},
+            predicted={"balancedness_before": 0.4, "balancedness_after": 0.5},
+            measured={
+                "balancedness_before": 0.4,
+                "balancedness_after": 0.39,
+                "balancedness_gain": -0.02,
+                "loss_ratio": 1.0,
+            },
+        )
+    kb.record(
+        run="r",
+        cause="c",
+        action="router_bias",
+        params={},
+        predicted={"balancedness_before": 0.4, "balancedness_after": 1.0},
+        measured={
+            "balancedness_before": 0.4,
+            "balancedness_after": 0.7,
+            "balancedness_gain": 0.75,
+            "loss_ratio": 1.0,
+        },
+    )
+    assert kb.weight("c", "router_bias") > 1.0 > kb.weight("c", "aux_loss_coef")
+    assert kb.realised("c", "router_bias") == pytest.approx(0.5)
+    assert len(kb.table()) == 4
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"kind": "router_bias", "values": [0.5, 0, 0]}, "rate"),
+        ({"kind": "router_bias", "values": [1e-3, 9.0, 0]}, "bias 9.0"),
+        ({"kind": "aux_loss_coef", "values": [3.0]}, "aux_loss_coef"),
+        ({"kind": "capacity_factor", "values": [0.2]}, "capacity_factor"),
+        ({"kind": "capacity_factor", "values": [float("nan")]}, "finite"),
+        ({"kind": "learning_rate", "values": [1.0]}, "kind"),
+        ({"kind": "aux_loss_coef", "layer": -3, "values": [0.1]}, "layer"),
+    ],
+)
+def test_out_of_bounds_changes_are_refused_naming_the_field(change, message):
+    with pytest.raises(ControlError, match=message):
+        ControlChange.parse(change)

@@ -1,0 +1,79 @@
+"""One import name: the wheel installs exactly one top-level package, `meshscope`, with every
+room under it, and pyproject's package list matches the folders on disk."""
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_the_package_list_matches_the_rooms_on_disk():
+    listed = set(SETUPTOOLS["packages"])
+    rooms = {f"meshscope.{p.parent.name}" for p in REPO.glob("*/__init__.py")} - {"meshscope.meshscope"}
+    rooms -= {"meshscope.tests"}
+    subpackages = {
+        "meshscope." + ".".join(p.parent.relative_to(REPO / "meshscope").parts)
+        for p in REPO.glob("meshscope/*/__init__.py")
+    }
+    assert listed == {"meshscope"} | rooms | subpackages
+    assert all(SETUPTOOLS["package-dir"][f"meshscope.{r.split('.')[1]}"] for r in rooms)
+
+
+def _source_copy(dest: Path) -> Path:
+    """What the wheel is built from (a copy: building in the checkout would leave build/ there)."""
+    (dest / "meshscope").mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, dest / name)
+    for folder in {p.split(".")[-1] for p in SETUPTOOLS["packages"]} - {"meshscope"}:
+        src = REPO / SETUPTOOLS["package-dir"].get(f"meshscope.{folder}", f"meshscope/{folder}")
+        shutil.copytree(src, dest / src.relative_to(REPO), ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (REPO / "meshscope").glob("*.py"):
+        shutil.copy(path, dest / "meshscope" / path.name)
+    return dest
+
+
+def test_the_wheel_installs_one_top_level_package(tmp_path):
+    source = _source_copy(tmp_path / "src")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=240,
+        cwd=source,
+    )
+    (wheel,) = tmp_path.glob("meshscope-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"meshscope"}, tops
+    top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["meshscope"]
+    # every room and its data travel: the CLI, the view's pages, the rules and boards
+    for needed in (
+        "meshscope/cli/__main__.py",
+        "meshscope/collector/monitor.py",
+        "meshscope/watchdog/__init__.py",
+        "meshscope/view/pages/run.py",
+        "meshscope/dashboards/rules/rules.yml",
+        "meshscope/dashboards/grafana/dashboards/training.json",
+    ):
+        assert needed in names, needed

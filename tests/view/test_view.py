@@ -1,0 +1,176 @@
+"""The root-cause view on recorded run stores: every page renders, deep links land on the
+anomaly they name, the drill-down shows the culprit and the ranked causes, and the feedback
+page turns an upload into suggestions and an approval into a queued change."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from meshscope.collector.controls import load_controls
+from meshscope.collector.store import load_events
+from meshscope.explain.rootcause import Anomaly, RunFacts
+from meshscope.view import data
+from tests.helpers.runs import REPO
+
+APP = str(REPO / "view" / "app.py")
+DATA = REPO / "benchmarks" / "data"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Recorded runs as a live run leaves them: anomalies judged and stored."""
+    root = tmp_path_factory.mktemp("runs")
+    for name in ("slow", "skip_collective", "expert_collapse-2", "nan"):
+        shutil.copytree(DATA / name, root / name)
+    for name in ("slow", "expert_collapse-2", "nan"):
+        subprocess.run(
+            [sys.executable, "-m", "meshscope", "detect", "--run", str(root / name)],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    return root
+
+
+def app(runs: Path, monkeypatch, page: str | None = None, **params: str) -> AppTest:
+    monkeypatch.setenv("MESHSCOPE_VIEW_RUNS_DIR", str(runs))
+    at = AppTest.from_file(APP, default_timeout=60)
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.run()
+    if page is not None:
+        at.switch_page(f"pages/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def text(at: AppTest) -> str:
+    parts = [
+        *(m.value for m in at.markdown),
+        *(t.value for t in at.title),
+        *(h.value for h in at.header),
+        *(c.value for c in at.caption),
+    ]
+    return "\n".join(parts)
+
+
+def anomaly_id(run: Path, type_: str) -> int:
+    ev = load_events(run, kind="anomaly")
+    return int(ev[[d["type"] == type_ for d in ev["detail"]]].iloc[0]["id"])
+
+
+def test_runs_page_lists_every_run_with_its_health(runs, monkeypatch):
+    at = app(runs, monkeypatch)
+    assert at.title[0].value == "Runs"
+    table = at.dataframe[0].value
+    assert set(table["run"]) == {"slow", "skip_collective", "expert_collapse-2", "nan"}
+    row = table.set_index("run").loc["skip_collective"]
+    assert row["hangs"] == 1 and row["restarts"] == 1
+
+
+@pytest.mark.parametrize("page", ["run", "anomalies", "experts", "debug", "feedback"])
+def test_every_page_renders_on_a_recorded_store(runs, monkeypatch, page):
+    at = app(runs, monkeypatch, page, run="expert_collapse-2")
+    assert "expert_collapse-2" in at.title[0].value
+
+
+def test_a_deep_link_opens_the_anomaly_with_its_evidence_and_causes(runs, monkeypatch):
+    aid = anomaly_id(runs / "slow", "straggler")
+    at = app(runs, monkeypatch, run="slow", anomaly=str(aid))
+    body = text(at)
+    assert "straggler · ranks [1]" in body
+    assert "1. slow_host" in body and "rank 1 computes" in body and "Next:" in body
+    compared = next(d.value for d in at.dataframe if "flagged" in d.value.columns)
+    assert compared.set_index("rank").loc[1, "flagged"]
+    assert at.query_params["anomaly"] == [str(aid)] or at.query_params["anomaly"] == str(aid)
+
+
+def test_an_alert_link_lands_on_the_hang_and_names_the_culprit(runs, monkeypatch):
+    at = app(runs, monkeypatch, run="skip_collective", alert="HangDetected")
+    body = text(at)
+    assert "hang · ranks [1]" in body and "1. hang" in body and "all_reduce #24" in body
+
+
+def test_an_embedded_alert_link_by_type_and_step_resolves(runs, monkeypatch):
+    at = app(runs, monkeypatch, run="expert_collapse-2", type="expert_imbalance", start="64")
+    assert "expert_imbalance" in text(at) and "routing" in text(at)
+
+
+def test_an_unknown_run_in_a_link_says_so(runs, monkeypatch):
+    at = app(runs, monkeypatch, run="no-such-run")
+    assert any("no-such-run" in e.value for e in at.error)
+
+
+def test_debug_page_shows_the_hang_diagnosis_and_stacks(runs, monkeypatch):
+    at = app(runs, monkeypatch, "debug", run="skip_collective")
+    assert "culprit **ranks [1]**" in text(at)
+
+
+def test_resolve_link_prefers_ids_then_type_and_step_then_alert_kind():
+    found = [
+        Anomaly(7, "straggler", [1], 80, 89),
+        Anomaly(8, "expert_imbalance", [], 60, 90, layer=1),
+        Anomaly(None, "comm", [0, 1], 100, 105),
+        Anomaly(9, "hang", [2], 120, 120),
+    ]
+    assert data.resolve_link({"anomaly": "8"}, found).id == 8
+    assert data.resolve_link({"anomaly": "99"}, found) is None
+    assert data.resolve_link({"type": "comm", "start": "100"}, found).type == "comm"
+    assert data.resolve_link({"alert": "StragglerRank", "rank": "1"}, found).id == 7
+    assert data.resolve_link({"alert": "ExpertImbalance", "layer": "1"}, found).id == 8
+    assert data.resolve_link({"alert": "HangDetected"}, found).id == 9
+    assert data.resolve_link({"alert": "AnomalyDetected", "step": "101"}, found).type == "comm"
+    assert data.resolve_link({}, found) is None
+
+
+def test_feedback_upload_suggests_and_approval_queues_a_bounded_change(tmp_path, monkeypatch):
+    shutil.copytree(DATA / "expert_collapse-2", tmp_path / "run")
+    at = app(tmp_path, monkeypatch, "feedback", run="run")
+    csv = (
+        b"layer,expert,tokens,latency_ms\n0,0,900,9\n0,1,50,2\n0,2,25,2\n0,3,25,2\n"
+        b"1,0,250,2\n1,1,250,2\n1,2,250,2\n1,3,250,2\n"
+    )
+    at.file_uploader[0].upload("serving.csv", csv, "text/csv").run()
+    at.button(key="ingest").click().run()
+    assert not at.error, [e.value for e in at.error]
+    diagnosis = next(d.value for d in at.dataframe if "hot experts" in d.value.columns)
+    diagnosis = diagnosis.set_index("layer")
+    assert diagnosis.loc[0, "serving"] < 0.3 and diagnosis.loc[0, "hot experts"] == "[0]"
+    assert "router_bias" in text(at) and "placement" in text(at)
+    events = load_events(tmp_path / "run", kind="suggestion")
+    bias = int(events[[d["action"] == "router_bias" for d in events["detail"]]].iloc[0]["id"])
+    at.button(key=f"approve-{bias}").click().run()
+    assert at.success and "queued" in at.success[0].value
+    change = load_controls(tmp_path / "run").iloc[0]
+    assert change["status"] == "pending" and change["kind"] == "router_bias"
+    assert 1e-3 <= change["payload"][0] <= 0.05 and max(map(abs, change["payload"][1:])) <= 5
+
+
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("bad.csv", b"layer,expert\n0,1\n", "missing tokens"),
+        ("bad.csv", b"layer,expert,tokens\n0,1,lots\n", "row 2: tokens"),
+        ("evil.pt", b"\x80\x04\x95garbage", "never code"),
+        ("empty.csv", b"", "empty"),
+    ],
+)
+def test_malformed_uploads_get_a_clear_message(tmp_path, monkeypatch, name, content, message):
+    shutil.copytree(DATA / "slow", tmp_path / "run")
+    at = app(tmp_path, monkeypatch, "feedback", run="run")
+    at.file_uploader[0].upload(name, content).run()
+    at.button(key="ingest").click().run()
+    assert any(message in e.value for e in at.error), [e.value for e in at.error]
+    assert load_events(tmp_path / "run", kind="suggestion").empty
+
+
+def test_facts_of_a_run_without_stored_anomalies_come_from_a_replay():
+    facts = RunFacts.load(DATA / "slow")
+    assert [a.type for a in facts.anomalies] == ["straggler"] and facts.anomalies[0].id is None

@@ -1,0 +1,227 @@
+"""The hang watchdog names the culprit rank and collective, on real gloo ranks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshscope.watchdog.hang import HangConfig, HangWatch
+from tests.helpers.ports import free_port_range
+from tests.watchdog.hang_cases import FAULT_STEP, rank_main
+
+WORLD = 3
+CULPRIT = WORLD - 1
+
+
+def watch_scenario(tmp_path: Path, scenario: str, timeout_s: float = 45.0, world: int = WORLD):
+    """Run the scenario on `world` ranks and return (diagnosis or None, seconds from the culprit's
+    fault to the diagnosis, processes' exit codes)."""
+    live = tmp_path / "live"
+    ctx = mp.get_context("spawn")
+    port = free_port_range(1)
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario)) for r in range(world)]
+    for p in procs:
+        p.start()
+    watch = HangWatch(live, HangConfig(min_stall_s=1.5, poll_s=0.1, stacks_wait_s=1.0))
+    diag, deadline = None, time.monotonic() + timeout_s
+    try:
+        while diag is None and time.monotonic() < deadline:
+            if all(p.exitcode is not None for p in procs) and scenario == "clean":
+                break
+            diag = watch.poll()
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    return diag
+
+
+@pytest.mark.parametrize(
+    "scenario,kind",
+    [
+        ("skip", "desync"),
+        ("compute", "compute"),
+        ("op", "mismatch"),
+        ("shape", "mismatch"),
+        ("dtype", "mismatch"),
+        ("split", "mismatch"),
+        ("kill", "dead"),
+        ("error", "error"),
+    ],
+)
+def test_names_the_culprit_rank_and_collective(tmp_path, scenario, kind):
+    diag = watch_scenario(tmp_path, scenario)
+    assert diag is not None, f"{scenario}: no diagnosis"
+    detail = diag.detail()
+    assert detail["culprit_ranks"] == [CULPRIT], detail["why"]
+    assert detail["type"] == kind, detail["why"]
+    assert detail["why"] and str(CULPRIT) in detail["why"]
+    if kind in ("desync", "compute", "mismatch"):
+        assert detail["seq"] == FAULT_STEP and detail["group"] is not None, detail
+        assert detail["op"] in ("all_reduce", "broadcast", "all_to_all_single"), detail
+        assert CULPRIT not in detail["waiting_ranks"]
+
+
+@pytest.mark.parametrize("scenario", ["shape", "dtype"])
+def test_two_ranks_without_a_majority_the_one_that_changed_is_blamed(tmp_path, scenario):
+    # No majority to outvote it: the culprit is the rank whose collective differs from what it
+    # issued at the same place of the previous step.
+    diag = watch_scenario(tmp_path, scenario, world=2)
+    assert diag is not None and diag.kind == "mismatch"
+    assert diag.culprit_ranks == [1], diag.why
+
+
+def test_a_rank_in_compute_is_located_by_its_stack(tmp_path):
+    diag = watch_scenario(tmp_path, "compute")
+    assert "hang_cases.py" in diag.why and "_compute" in diag.why, diag.why
+    assert diag.waiting_ranks == [0, 1]
+    assert any("_compute" in line for line in diag.stacks[CULPRIT])
+
+
+def test_a_clean_run_is_not_a_hang(tmp_path):
+    assert watch_scenario(tmp_path, "clean", timeout_s=20) is None
+
+
+@pytest.mark.parametrize(
+    "scenario,kind,op",
+    [
+        ("missing", "missing", "all_reduce"),
+        ("all_to_all", "missing", "all_to_all"),
+        ("op", "mismatch", "broadcast"),
+    ],
+)
+def test_flight_recorder_dumps_of_a_plain_job_are_diagnosed(tmp_path, scenario, kind, op):
+    from meshscope.watchdog.flight_recorder import diagnose_dumps
+    from tests.watchdog.hang_cases import fr_rank_main
+
+    ctx = mp.get_context("spawn")
+    port = free_port_range(1)
+    procs = [
+        ctx.Process(target=fr_rank_main, args=(r, WORLD, port, str(tmp_path), scenario)) for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    diag = diagnose_dumps(tmp_path, prefix="rank")
+    assert diag.culprit_ranks == [CULPRIT] and diag.kind == kind, diag.why
+    assert diag.op == op and diag.seq == FAULT_STEP + 1  # PyTorch counts from 1
+    if scenario == "missing":  # and as a person would ask
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "meshscope",
+                "hang-report",
+                "--flight-recorder",
+                str(tmp_path),
+                "--prefix",
+                "rank",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and "never entered all_reduce #4" in " ".join(out.stdout.split())
+
+
+def test_hostile_or_foreign_dumps_are_refused(tmp_path):
+    import pickle
+
+    from meshscope.watchdog.flight_recorder import DumpError, diagnose_dumps
+
+    class Boom:
+        def __reduce__(self):
+            return (print, ("this must never run",))
+
+    (tmp_path / "rank0").write_bytes(pickle.dumps({"entries": [Boom()]}))
+    with pytest.raises(DumpError, match="refusing to load builtins.print"):
+        diagnose_dumps(tmp_path)
+    (tmp_path / "rank0").write_bytes(b"\x00garbage")
+    with pytest.raises(DumpError, match="not a Flight Recorder dump"):
+        diagnose_dumps(tmp_path)
+    (tmp_path / "rank0").write_text('{"version": "2.10"}')
+    with pytest.raises(DumpError, match="no 'entries' list"):
+        diagnose_dumps(tmp_path)
+
+
+def test_the_threshold_follows_the_step_time_and_a_new_stall_is_judged_anew(tmp_path):
+    from meshscope.collector.flightlog import FlightLog
+
+    logs = [FlightLog(tmp_path, rank=r, world_size=2) for r in range(2)]
+    now = [time.time()]
+    seen = []
+    watch = HangWatch(
+        tmp_path,
+        HangConfig(min_stall_s=1.0, step_factor=10.0, stacks_wait_s=0.05),
+        on_hang=seen.append,
+        clock=lambda: now[0],
+    )
+    assert watch.poll() is None  # no step yet: the startup allowance (120 s) applies
+
+    def steps(seconds):
+        for log in logs:
+            log.step_begin(0)
+            log._step_started -= seconds  # as if the step took this long
+            log.step_end()
+        now[0] = time.time()
+
+    steps(0.5)  # typical step 0.5 s: a hang is 10 x 0.5 = 5 s without progress
+    now[0] += 4.0
+    assert watch.poll() is None
+    now[0] += 1.5
+    first = watch.poll()
+    assert first is not None and first.kind == "compute" and seen == [first]
+    now[0] += 10
+    assert watch.poll() is None  # the same stall is reported once
+    steps(0.5)  # progress resumed, then stops again
+    now[0] += 6
+    assert watch.poll() is not None and len(seen) == 2
+    for log in logs:
+        log.close()
+    now[0] += 60
+    assert watch.poll() is None  # a clean end is no hang
+
+
+def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_path):
+    """Ranks 0-1 on node A, rank 2 on node B (two run directories, as two machines have): A's
+    watchdog sees its ranks stall, asks B through the store, and names rank 2."""
+    import torch.distributed as dist
+
+    from meshscope.watchdog.hang import NodeExchange
+
+    port = free_port_range(2)
+    store_port = port + 1
+    master = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+    client = lambda: dist.TCPStore("127.0.0.1", store_port, is_master=False)  # noqa: E731
+    dirs = {0: tmp_path / "a", 1: tmp_path / "a", 2: tmp_path / "b"}
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=rank_main, args=(r, WORLD, port, str(dirs[r]), "compute")) for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    config = HangConfig(min_stall_s=1.5, poll_s=0.1, stacks_wait_s=1.0)
+    node_b = HangWatch(tmp_path / "b", config, exchange=NodeExchange(client)).start()
+    node_a = HangWatch(tmp_path / "a", config, exchange=NodeExchange(client))
+    diag, deadline = None, time.monotonic() + 45
+    try:
+        while diag is None and time.monotonic() < deadline:
+            diag = node_a.poll()
+            time.sleep(0.1)
+    finally:
+        node_b.stop()
+        for p in procs:
+            p.kill()
+            p.join(10)
+        del master
+    assert diag is not None and diag.culprit_ranks == [CULPRIT] and diag.kind == "compute", diag
+    assert diag.seq == FAULT_STEP and "_compute" in diag.why  # B's stack, through the store
+    assert diag.waiting_ranks == [0, 1]

@@ -1,0 +1,40 @@
+"""meshscope view: `streamlit run view/app.py` (or `meshscope view`).
+
+Pages through st.navigation. A deep link (`?run=ID&anomaly=EVENT_ID`, or an alert's
+`?run=ID&alert=NAME&rank=R`) opens on the page that answers it, even at the site's root.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # `streamlit run` puts only this folder on the path
+    sys.path.insert(0, str(ROOT))
+
+import streamlit as st  # noqa: E402
+
+from meshscope.view.ui import PAGES  # noqa: E402
+
+st.set_page_config(page_title="meshscope", layout="wide")
+params = st.query_params
+if "anomaly" in params or "alert" in params or "type" in params:
+    landing = "anomalies"
+elif "run" in params:
+    landing = "run"
+else:
+    landing = "runs"
+titles = {
+    "runs": "Runs",
+    "run": "Run",
+    "anomalies": "Anomalies",
+    "experts": "Experts",
+    "debug": "Debug",
+    "feedback": "Feedback",
+}
+pages = [
+    st.Page(str(Path(__file__).parent / path), title=titles[name], url_path=name, default=(name == landing))
+    for name, path in PAGES.items()
+]
+st.navigation(pages).run()

@@ -1,0 +1,57 @@
+"""Run: step time per rank, communication ratio, loss, and one timeline of events."""
+
+import plotly.express as px
+import streamlit as st
+
+from meshscope.view import data, ui
+
+run_dir, facts = ui.open_run("Run")
+summary = data.run_summary(run_dir)
+c = st.columns(6)
+c[0].metric("status", summary.get("status", "?"))
+c[1].metric("steps", summary.get("steps", 0))
+c[2].metric("ranks", summary.get("ranks", 0))
+c[3].metric("step s (p50)", f"{summary.get('step_s_p50', float('nan')):.3f}")
+c[4].metric("anomalies", summary.get("anomalies", 0))
+c[5].metric("hangs / faults", f"{summary.get('hangs', 0)} / {summary.get('faults', 0)}")
+prometheus = ui.settings().prometheus_url
+if prometheus and summary.get("status") in ("running", "recovering"):
+    try:
+        live = data.live_metrics(prometheus, run_dir.name)
+    except OSError as err:
+        st.warning(f"live figures unavailable, showing the store only: {err}")
+    else:
+        st.subheader("Live (Prometheus)")
+        st.dataframe(live, hide_index=True, key="live")
+steps = facts.steps
+if steps.empty:
+    st.info("No step recorded yet.")
+    st.stop()
+per_rank = steps.assign(rank=steps["rank"].astype(str))
+st.plotly_chart(
+    px.line(per_rank, x="step", y="step_s", color="rank", title="step time per rank (s)"), key="step_time"
+)
+left, right = st.columns(2)
+left.plotly_chart(
+    px.line(per_rank, x="step", y="comm_ratio", color="rank", title="exposed communication / step"),
+    key="comm_ratio",
+)
+right.plotly_chart(px.line(per_rank, x="step", y="loss", color="rank", title="loss"), key="loss")
+events = data.timeline(facts.events)
+st.subheader("Events")
+if events.empty:
+    st.caption("No events.")
+else:
+    st.plotly_chart(
+        px.scatter(
+            events, x="step", y="kind", color="severity", hover_data=["rank", "summary"], title="timeline"
+        ),
+        key="timeline",
+    )
+    st.dataframe(events, hide_index=True, key="events")
+if facts.anomalies:
+    st.page_link(
+        ui.page_file("anomalies"),
+        label=f"{len(facts.anomalies)} anomalies: drill down",
+        query_params={"run": run_dir.name},
+    )
