@@ -56,11 +56,11 @@ HELD_OUT = {
 }
 EXPECTED = {
     "slow": {"straggler"},
-    "comm_delay": {"comm", "straggler", "multivariate"},
+    "comm_delay": {"comm", "stall", "straggler", "multivariate"},
     "nan": {"nan"},
     "expert_collapse": {"expert_imbalance", "loss_spike"},
     "memory_leak": {"memory"},
-    "hang": {"straggler", "comm", "multivariate"},
+    "hang": {"straggler", "stall", "comm", "multivariate"},
 }
 
 

@@ -24,8 +24,10 @@ from pathlib import Path
 from _common import REPO, machine
 
 from meshscope.collector import controls
+from meshscope.collector.figures import balancedness
 from meshscope.collector.store import latest_step, load_expert_load, load_steps
-from meshscope.feedback.loop import approve, balancedness, ingest, knowledge_base, settle_outcomes
+from meshscope.feedback.knowledge import knowledge_base
+from meshscope.feedback.loop import approve, ingest, settle_outcomes
 
 CONFIG = """nproc = 2
 device = "cpu"

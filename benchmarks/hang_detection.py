@@ -23,7 +23,7 @@ from pathlib import Path
 
 from _common import machine
 
-from meshscope.watchdog.hang import HangConfig, HangWatch
+from meshscope.watchdog.watch import HangConfig, HangWatch
 from tests.helpers.ports import free_port_range
 from tests.watchdog.hang_cases import FAULT_STEP, rank_main
 

@@ -74,7 +74,7 @@ def judge(run: Path) -> dict:
     """Explain one run; was the injected cause ranked first (and on the right rank)?"""
     kind, rank = injection_kind(run)
     want, rank_known = EXPECTED[kind]
-    from meshscope.explain.rootcause import explain
+    from meshscope.explain.ranking import explain
 
     t0 = time.perf_counter()
     causes = explain(run)

@@ -6,11 +6,12 @@ through the comm hook, the control plane, and the `torch.distributed` calls of u
 with the sequence number per process group, op, shapes, dtype, split sizes, state
 (issued/completed/failed), times, training step and the Python call site. The mapping lives
 in the page cache, so the records of a rank killed by SIGKILL or aborted inside gloo are still
-there for the hang watchdog (`detectors.hang`), which reads the files from beside the job and
+there for the hang watchdog (`meshscope.watchdog`), which reads the files from beside the job and
 never through the process group that is stuck.
 
 Beside the ring, a responder thread answers the watchdog's requests for Python stacks
-(`sys._current_frames`), and faulthandler writes the stacks of a crash to `<...>.crash`.
+(`sys._current_frames`), and faulthandler writes the stacks of a crash to `<...>.crash`
+(`collector.stacks`). The format and the reader are in `collector.flightread`.
 
 "Completed" means the work's future completed: on gloo, the data arrived; on NCCL/HCCL the
 future follows the device stream, so a record there says what was issued and in which order,
@@ -34,50 +35,37 @@ import struct
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-MAGIC = b"MSFLT1\0\0"
-# magic, rank, world, pid, capacity, written, step, progress_t, started_t, step_s, state,
-# attempt (torchrun's restart count), last_error
-HEADER = struct.Struct("<8siiiiqqdddii128s")
-HEADER_SIZE = 256
-# seq, step, t_issue, t_done, group, op, state, dtype, shapes, splits, site, peer, group_size
-RECORD = struct.Struct("<qqdd16s24sb15s56s56s96sii")
-STATE_ISSUED, STATE_DONE, STATE_FAILED = 1, 2, 3
-STATE_NAMES = {STATE_ISSUED: "issued", STATE_DONE: "completed", STATE_FAILED: "failed"}
-RUNNING, CLOSED = 1, 2
-_T_DONE_OFFSET = struct.calcsize("<qqd")
-_STATE_OFFSET = struct.calcsize("<qqdd16s24s")
-_WRITTEN_OFFSET = struct.calcsize("<8siiii")
-_PROGRESS_OFFSET = struct.calcsize("<8siiiiqq")
-_STEP_OFFSET = struct.calcsize("<8siiiiq")
-_STEP_S_OFFSET = struct.calcsize("<8siiiiqqdd")
-_STATE_HDR_OFFSET = struct.calcsize("<8siiiiqqddd")
-_ERROR_OFFSET = struct.calcsize("<8siiiiqqdddii")
-REQUEST_FILE = "request"
-
-
-def _text(raw: bytes) -> str:
-    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
-
-
-def _fit(text: str, size: int) -> bytes:
-    """UTF-8, cut to the field (a cut never splits a character)."""
-    raw = text.encode("utf-8")
-    return raw if len(raw) <= size else raw[:size].decode("utf-8", "ignore").encode("utf-8")
-
-
-def flight_path(folder: Path, rank: int, pid: int) -> Path:
-    """Where a rank's flight log lives: one file per process (a restart writes a new one)."""
-    return Path(folder) / f"rank{rank}-{pid}.flight"
-
+from meshscope.collector.flightread import (
+    CLOSED,
+    ERROR_OFFSET,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    PROGRESS_OFFSET,
+    RECORD,
+    RUNNING,
+    STATE_DONE,
+    STATE_FAILED,
+    STATE_HDR_OFFSET,
+    STATE_ISSUED,
+    STATE_OFFSET,
+    STEP_OFFSET,
+    STEP_S_OFFSET,
+    T_DONE_OFFSET,
+    WRITTEN_OFFSET,
+    fit,
+    flight_path,
+    groups_path,
+)
+from meshscope.collector.stacks import RESPONDER_THREAD, answer_requests, crash_path, write_stacks
 
 # --- describing a call ------------------------------------------------------------------
 
@@ -220,7 +208,7 @@ class FlightLog:
     def _write_groups(self) -> None:
         tmp = self.path.with_suffix(".groups.tmp")
         tmp.write_text(json.dumps(self._group_ranks))
-        os.replace(tmp, self.path.with_suffix(".groups.json"))
+        os.replace(tmp, groups_path(self.path))
 
     def issue(self, op: str, spec: _Op, args: tuple, kwargs: dict, frame: Any) -> int:
         """Record a collective as issued; returns its slot for `finish`."""
@@ -237,7 +225,7 @@ class FlightLog:
             slot = self._written % self.capacity
             # every thread's collectives carry the step: a comm hook's second phase runs on a
             # callback thread and belongs to the step; a background checkpoint's does not, and
-            # the diagnosis tells the two apart (see detectors.hang._desync)
+            # the diagnosis tells the two apart (see watchdog.diagnose)
             RECORD.pack_into(
                 self._map,
                 HEADER_SIZE + slot * RECORD.size,
@@ -245,51 +233,51 @@ class FlightLog:
                 self._step,
                 time.time(),
                 0.0,
-                _fit(group, 16),
-                _fit(op, 24),
+                fit(group, 16),
+                fit(op, 24),
                 STATE_ISSUED,
-                _fit(dtype, 15),
-                _fit(shapes, 56),
-                _fit(splits, 56),
-                _fit(call_site(frame), 96),
+                fit(dtype, 15),
+                fit(shapes, 56),
+                fit(splits, 56),
+                fit(call_site(frame), 96),
                 -1 if peer is None else int(peer),
                 size,
             )
             self._written += 1
-            struct.pack_into("<q", self._map, _WRITTEN_OFFSET, self._written)
+            struct.pack_into("<q", self._map, WRITTEN_OFFSET, self._written)
         return slot
 
     def finish(self, slot: int, error: BaseException | None = None) -> None:
         """Mark a record completed (or failed), and the rank as making progress."""
         base = HEADER_SIZE + slot * RECORD.size
         now = time.time()
-        struct.pack_into("<d", self._map, base + _T_DONE_OFFSET, now)
-        struct.pack_into("<b", self._map, base + _STATE_OFFSET, STATE_DONE if error is None else STATE_FAILED)
+        struct.pack_into("<d", self._map, base + T_DONE_OFFSET, now)
+        struct.pack_into("<b", self._map, base + STATE_OFFSET, STATE_DONE if error is None else STATE_FAILED)
         if error is None:
-            struct.pack_into("<d", self._map, _PROGRESS_OFFSET, now)
+            struct.pack_into("<d", self._map, PROGRESS_OFFSET, now)
         else:
             self.note_error(error)
 
     def note_error(self, error: BaseException) -> None:
         """Keep the first error this rank met (a failed collective, or what ended the worker)."""
-        if self._map[_ERROR_OFFSET] == 0:
+        if self._map[ERROR_OFFSET] == 0:
             # gloo prefixes its source path: "[/__w/.../pair.cc:537] Read error ..."
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
-            struct.pack_into("128s", self._map, _ERROR_OFFSET, _fit(f"{type(error).__name__}: {text}", 127))
+            struct.pack_into("128s", self._map, ERROR_OFFSET, fit(f"{type(error).__name__}: {text}", 127))
 
     def step_begin(self, step: int) -> None:
         """The Monitor says a step starts: records carry it."""
         self._step = step
         self._step_started = time.perf_counter()
-        struct.pack_into("<q", self._map, _STEP_OFFSET, step)
+        struct.pack_into("<q", self._map, STEP_OFFSET, step)
 
     def step_end(self) -> None:
         """A step ended: progress, and the typical step time the watchdog scales by."""
         took = time.perf_counter() - self._step_started
         # a slow EMA: one slow step (a checkpoint) must not raise the stall threshold much
         self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
-        struct.pack_into("<d", self._map, _PROGRESS_OFFSET, time.time())
-        struct.pack_into("<d", self._map, _STEP_S_OFFSET, self._step_s)
+        struct.pack_into("<d", self._map, PROGRESS_OFFSET, time.time())
+        struct.pack_into("<d", self._map, STEP_S_OFFSET, self._step_s)
 
     # --- wrapping torch.distributed ---------------------------------------------------------
     def install(self) -> FlightLog:
@@ -313,52 +301,28 @@ class FlightLog:
 
     # --- the watchdog's side -----------------------------------------------------------------
     def start_responder(self, poll_s: float = 0.2) -> FlightLog:
-        """Answer stack requests from the watchdog; write a crash's stacks with faulthandler."""
-        self._crash_file = open(self.path.with_suffix(".crash"), "w")
+        """Answer stack requests from the watchdog; write a crash's stacks with faulthandler
+        (the protocol: `collector.stacks`)."""
+        self._crash_file = open(crash_path(self.path), "w")
         self._faulthandler_was_on = faulthandler.is_enabled()
         faulthandler.enable(file=self._crash_file, all_threads=True)
         self._responder = threading.Thread(
-            target=self._respond, args=(poll_s,), name="meshscope-flight", daemon=True
+            target=answer_requests,
+            args=(self.folder, self.write_stacks, self._stop, poll_s),
+            name=RESPONDER_THREAD,
+            daemon=True,
         )
         self._responder.start()
         return self
 
-    def _respond(self, poll_s: float) -> None:
-        request, answered = self.folder / REQUEST_FILE, None
-        while not self._stop.wait(poll_s):
-            try:
-                stamp = request.stat().st_mtime_ns
-            except FileNotFoundError:
-                continue
-            if stamp != answered:
-                answered = stamp
-                self.write_stacks(request.read_text().strip())
-
     def write_stacks(self, request_id: str = "") -> Path:
         """Every thread's Python stack, the main thread first, for the watchdog."""
-        names = {t.ident: t.name for t in threading.enumerate()}
-        main = threading.main_thread().ident
-        stacks = {}
-        for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
-            if names.get(ident, "").startswith("meshscope-flight"):
-                continue
-            lines = [
-                f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno} {f.name}"
-                for f in traceback.extract_stack(frame)
-            ]
-            stacks[names.get(ident, str(ident))] = lines[-24:]
-        out = self.path.with_suffix(".stacks.json")
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps({"request": request_id, "time": time.time(), "step": self._step, "stacks": stacks})
-        )
-        os.replace(tmp, out)
-        return out
+        return write_stacks(self.path, request_id, self._step)
 
     def close(self) -> None:
         """A clean exit: the watchdog must not take this rank for dead."""
         self._stop.set()
-        struct.pack_into("<i", self._map, _STATE_HDR_OFFSET, CLOSED)
+        struct.pack_into("<i", self._map, STATE_HDR_OFFSET, CLOSED)
         if FlightLog._active is self:
             FlightLog._active = None
         if self._crash_file is not None:
@@ -410,164 +374,3 @@ def allreduce_hook(process_group, bucket):  # noqa: ANN001,ANN201  (DDP checks a
         .get_future()
         .then(lambda fut: fut.value()[0])
     )
-
-
-# --- reading ------------------------------------------------------------------------------
-
-
-@dataclass
-class FlightRecord:
-    """One collective as a rank recorded it."""
-
-    seq: int
-    step: int
-    t_issue: float
-    t_done: float
-    group: str
-    op: str
-    state: str
-    dtype: str
-    shapes: str
-    splits: str
-    site: str
-    peer: int
-    group_size: int
-
-    @property
-    def signature(self) -> tuple[str, str, str, str]:
-        """What every rank must agree on for the same collective."""
-        return (self.op, self.shapes, self.dtype, self.splits)
-
-
-@dataclass
-class FlightTail:
-    """A rank's flight log as read from its file (alive or dead)."""
-
-    path: Path
-    rank: int
-    world_size: int
-    pid: int
-    step: int
-    progress_t: float
-    started_t: float
-    step_s: float
-    closed: bool
-    last_error: str
-    attempt: int
-    records: list[FlightRecord] = field(default_factory=list)
-    groups: dict[str, list[int]] = field(default_factory=dict)
-
-    def open_records(self) -> list[FlightRecord]:
-        """Collectives issued and not completed: where this rank may be waiting."""
-        return [r for r in self.records if r.state == "issued"]
-
-    def last_seq(self, group: str) -> int:
-        """The last sequence number this rank issued on `group` (-1: none)."""
-        seqs = [r.seq for r in self.records if r.group == group and not _is_p2p(r)]
-        return max(seqs, default=-1)
-
-    def record(self, group: str, seq: int) -> FlightRecord | None:
-        """This rank's record of collective #seq of `group`, if still in the ring."""
-        return next((r for r in self.records if r.group == group and r.seq == seq and not _is_p2p(r)), None)
-
-
-def _is_p2p(r: FlightRecord) -> bool:
-    return r.op in ("send", "recv", "isend", "irecv")
-
-
-class FlightLogError(ValueError):
-    """A file that is not a meshscope flight log (or is cut short)."""
-
-
-def read_flight(path: Path, last: int | None = None) -> FlightTail:
-    """A flight log file, oldest record first (`last`: only the newest N; 0: the header)."""
-    if last == 0:
-        with open(path, "rb") as f:
-            head = f.read(HEADER_SIZE)
-        if len(head) < HEADER_SIZE or head[:8] != MAGIC:
-            raise FlightLogError(f"{path}: not a meshscope flight log")
-        (_, rank, world, pid, _cap, _n, step, progress_t, started_t, step_s, state, attempt, error) = (
-            HEADER.unpack_from(head, 0)
-        )
-        return FlightTail(
-            Path(path),
-            rank,
-            world,
-            pid,
-            step,
-            progress_t,
-            started_t,
-            step_s,
-            state == CLOSED,
-            _text(error),
-            attempt,
-        )
-    raw = Path(path).read_bytes()
-    if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
-        raise FlightLogError(f"{path}: not a meshscope flight log")
-    (_, rank, world, pid, capacity, written, step, progress_t, started_t, step_s, state, attempt, error) = (
-        HEADER.unpack_from(raw, 0)
-    )
-    if capacity <= 0 or len(raw) < HEADER_SIZE + capacity * RECORD.size or written < 0:
-        raise FlightLogError(f"{path}: flight log cut short or damaged")
-    count = min(written, capacity, capacity if last is None else last)
-    records = []
-    for n in range(written - count, written):
-        fields = RECORD.unpack_from(raw, HEADER_SIZE + (n % capacity) * RECORD.size)
-        seq, rstep, t_issue, t_done, group, op, rstate, dtype, shapes, splits, site, peer, size = fields
-        records.append(
-            FlightRecord(
-                seq,
-                rstep,
-                t_issue,
-                t_done,
-                _text(group),
-                _text(op),
-                STATE_NAMES.get(rstate, "?"),
-                _text(dtype),
-                _text(shapes),
-                _text(splits),
-                _text(site),
-                peer,
-                size,
-            )
-        )
-    groups_file = Path(path).with_suffix(".groups.json")
-    try:
-        groups = json.loads(groups_file.read_text())
-    except (OSError, ValueError):
-        groups = {}
-    return FlightTail(
-        Path(path),
-        rank,
-        world,
-        pid,
-        step,
-        progress_t,
-        started_t,
-        step_s,
-        state == CLOSED,
-        _text(error),
-        attempt,
-        records,
-        groups,
-    )
-
-
-def latest_logs(folder: Path) -> dict[int, FlightTail]:
-    """The headers of the newest attempt's flight logs in `folder`, by rank (every restart
-    writes new files; the old ones stay for post-mortems)."""
-    heads = []
-    for path in Path(folder).glob("rank*.flight"):
-        try:
-            heads.append(read_flight(path, last=0))
-        except (OSError, FlightLogError):
-            continue
-    if not heads:
-        return {}
-    newest = max((h.attempt, h.started_t) for h in heads)[0]
-    out: dict[int, FlightTail] = {}
-    for h in sorted(heads, key=lambda h: h.started_t):
-        if h.attempt == newest:
-            out[h.rank] = h  # a rank started twice in one attempt: the later one
-    return dict(sorted(out.items()))

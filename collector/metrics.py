@@ -16,17 +16,11 @@ from meshscope.collector.schema import StepRecord
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PHASES = ("forward", "backward", "optimizer", "comm_exposed", "data")
 FAULT_KINDS = ("dead_rank", "hang", "nonfinite", "injected")
-ANOMALY_TYPES = (
-    "straggler",
-    "comm",
-    "expert_imbalance",
-    "loss_spike",
-    "nan",
-    "memory",
-    "multivariate",
-    "gradient_exploding",
-    "gradient_vanishing",
-)
+
+
+def faults_counter(registry: CollectorRegistry) -> Counter:
+    """`meshscope_faults_total{kind}`, declared once for the ranks and the watchers beside them."""
+    return Counter("meshscope_faults", "Faults seen, by kind (FAULT_KINDS).", ["kind"], registry=registry)
 
 
 class MeshscopeMetrics:
@@ -103,7 +97,7 @@ class MeshscopeMetrics:
             ["peer"],
             registry=r,
         )
-        self.faults = Counter("meshscope_faults", "Faults seen, by kind.", ["kind"], registry=r)
+        self.faults = faults_counter(r)
         self.restarts = Counter("meshscope_restarts", "Elastic restarts of this job.", registry=r)
         self.recovery = Gauge(
             "meshscope_recovery_seconds", "Time of the last recovery, failure to first step.", registry=r
@@ -188,7 +182,8 @@ class DetectorMetrics:
     """What the detection engine beside a run exports (its own endpoint, job
     `meshscope_detector`): kept apart so per-rank queries never see a detector's series."""
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, registry: CollectorRegistry = REGISTRY, anomaly_types: tuple[str, ...] = ()) -> None:
+        """`anomaly_types`: the types the engine's rules declare, counted from 0."""
         self.anomaly_score = Gauge(
             "meshscope_anomaly_score",
             "Latest anomaly score (higher = more anomalous).",
@@ -198,12 +193,7 @@ class DetectorMetrics:
         self.anomalies = Counter(
             "meshscope_anomalies", "Anomalies opened, by type.", ["type"], registry=registry
         )
-        for kind in ANOMALY_TYPES:  # from 0, so increase() sees the first anomaly
+        for kind in anomaly_types:  # from 0, so increase() sees the first anomaly
             self.anomalies.labels(type=kind)
-        self.faults = Counter(
-            "meshscope_faults",
-            "Faults the watchers beside the run found, by kind.",
-            ["kind"],
-            registry=registry,
-        )
+        self.faults = faults_counter(registry)
         self.faults.labels(kind="hang")

@@ -43,7 +43,9 @@ def write_stacks(flight: Path, request_id: str = "", step: int = -1) -> Path:
     return out
 
 
-def answer_requests(folder: Path, answer: Callable[[str], object], stop: threading.Event, poll_s: float = 0.2) -> None:
+def answer_requests(
+    folder: Path, answer: Callable[[str], object], stop: threading.Event, poll_s: float = 0.2
+) -> None:
     """The responder's loop: call `answer(request_id)` each time the request file changes."""
     request, answered = Path(folder) / REQUEST_FILE, None
     while not stop.wait(poll_s):

@@ -119,6 +119,11 @@ class DetectionEngine:
         self.on_score(name, score)
 
     @property
+    def anomaly_types(self) -> tuple[str, ...]:
+        """Every anomaly type this engine's rules can raise, in rule order."""
+        return tuple(dict.fromkeys(t for rule in [*self.rules, *self.window_rules] for t in rule.types))
+
+    @property
     def last_expert_step(self) -> int:
         return self._window("expert_load").last_step
 

@@ -39,8 +39,6 @@ class LiveDetection:
         leader: LeaderLock | None = None,
     ) -> None:
         self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
-        self.registry = registry or CollectorRegistry()
-        self.metrics = DetectorMetrics(self.registry)
         self.leader = leader or LeaderLock(self.run_dir)
         self.on_open, self.on_round = list(on_open), list(on_round)
         self.store: RunStore | None = None
@@ -51,6 +49,8 @@ class LiveDetection:
             on_score=self._score,
             top_k=run_info(self.run_dir).top_k,
         )
+        self.registry = registry or CollectorRegistry()
+        self.metrics = DetectorMetrics(self.registry, anomaly_types=self.engine.anomaly_types)
         self.closed: list[Episode] = []
         self._written: set[tuple] | None = None  # anomaly events already in the store
         self._stop = threading.Event()

@@ -1,19 +1,18 @@
 """Detectors as interchangeable rules: what the engine holds in a list and asks in order.
 
-Three kinds, one small protocol each:
+Two kinds, one small protocol each; every rule declares the anomaly `types` it can raise (the
+exported `meshscope_anomalies_total{type}` label set comes from them):
 
 - a **StepRule** judges one complete step (every rank recorded it): `learn(warm)` on the
   warm-up rows, `judge(step, row, verdict)` returns its flags (it may read what earlier rules
   said in `verdict`), `update(row, normal)` moves its baseline on;
 - a **WindowRule** judges a table that arrives in windows (expert load, gradient statistics):
   `judge(frame)` returns (step, flag) pairs and learns as it goes;
-- a **MomentRule** judges the present, not a finished step, so it sees a hang in progress:
-  `poll()` returns a diagnosis or None (`detectors.hang.HangWatch` is one).
 
 A `Flag` becomes an episode in the engine (`detectors.episodes`), then an `anomaly` event.
-Adding a detector: a class here following one protocol, an entry in the engine's list
-(`DetectionEngine.rules` / `window_rules`), its type in `collector.metrics.ANOMALY_TYPES`,
-and a board panel if it exports a score.
+Hangs in progress are not judged here: the watchdog (`meshscope.watchdog`) reads the present.
+Adding a detector: a class here following one protocol with its `types`, an entry in the
+engine's list (`DetectionEngine.rules` / `window_rules`), and a board panel if it exports a score.
 """
 
 from __future__ import annotations
@@ -78,6 +77,7 @@ class StepRule(Protocol):
     """Judges one complete step (see the module doc)."""
 
     name: str
+    types: tuple[str, ...]  # the anomaly types its flags carry
     during_warmup: bool  # judges before the warm-up ends (a NaN needs no baseline)
 
     def learn(self, warm: Any) -> None:
@@ -94,17 +94,11 @@ class WindowRule(Protocol):
     """Judges a table of the run store as its windows arrive (see the module doc)."""
 
     name: str
+    types: tuple[str, ...]  # the anomaly types its flags carry
     table: str  # which table of the run store it reads
 
     def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]:
         """(step, flag) for the rows after the last judged step; learns as it goes."""
-
-
-class MomentRule(Protocol):
-    """Judges the present (see the module doc)."""
-
-    def poll(self) -> Any:
-        """A finding about now, or None."""
 
 
 # --- step rules ---------------------------------------------------------------------------
@@ -114,6 +108,7 @@ class NonFiniteRule:
     """A rank's loss is NaN or Inf."""
 
     name, during_warmup = "nan", True
+    types = ("nan",)
 
     def __init__(self) -> None:
         self.detector = NonFinite()
@@ -141,10 +136,12 @@ class NonFiniteRule:
 
 
 class StallRule:
-    """A step many times the usual one: a stuck collective. Loud, so no confirmation, and it
-    explains the step (nothing else is judged). It owns the usual step time."""
+    """A step many times the usual one: a stall (a stuck collective, a blocked input). Loud,
+    so no confirmation, and it explains the step (nothing else is judged). It owns the usual
+    step time."""
 
     name, during_warmup = "stall", False
+    types = ("stall",)
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
@@ -160,7 +157,7 @@ class StallRule:
         if step_s > self.factor * usual:
             return [
                 Flag(
-                    "comm",
+                    "stall",
                     step_s / usual,
                     ranks=row.ranks,
                     final=True,
@@ -180,6 +177,7 @@ class StragglerRule:
     several at once."""
 
     name, during_warmup = "straggler", False
+    types = ("straggler",)
 
     def __init__(self, ratio: float, on_score: Any, persistent: list[PersistentStraggler]) -> None:
         """`persistent`: one detector per horizon (a few steps on a quiet cluster; longer
@@ -271,6 +269,7 @@ class CommRule:
     rank (a straggler's peers wait in communication too, so a straggler step is not judged)."""
 
     name, during_warmup = "comm", False
+    types = ("comm",)
 
     def __init__(self, threshold: float, slowdown: float) -> None:
         self.detector = RobustZ(threshold=threshold)
@@ -304,6 +303,7 @@ class LossSpikeRule:
     """The loss jumped far beyond its usual step-to-step change."""
 
     name, during_warmup = "loss_spike", False
+    types = ("loss_spike",)
 
     def __init__(self, threshold: float) -> None:
         self.detector = RobustZ(threshold=threshold)
@@ -332,6 +332,7 @@ class MemoryRule:
     """A rank's memory grows step after step (a leak). Its baseline moves on every step."""
 
     name, during_warmup = "memory", False
+    types = ("memory",)
 
     def __init__(self, mb_per_step: float) -> None:
         self.detector = MemoryGrowth(mb_per_step=mb_per_step)
@@ -363,6 +364,7 @@ class MultivariateRule:
     steps every other rule found normal, once it has enough rows to trust its scales."""
 
     name, during_warmup = "multivariate", False
+    types = ("multivariate",)
 
     def __init__(self, on_score: Any) -> None:
         self.forest = OnlineIsolationForest(min_scale=MULTIVARIATE_MIN_SCALE)
@@ -400,6 +402,7 @@ class ExpertRule:
     (`detectors.domain.ExpertLoad`); a move toward balance is never an anomaly."""
 
     name, table = "expert_imbalance", "expert_load"
+    types = ("expert_imbalance",)
 
     def __init__(self, warmup: int, hog_min: float, top_k: int | None = None) -> None:
         self.warmup, self.top_k, self.hog_min = warmup, top_k, hog_min
@@ -476,6 +479,7 @@ class GradientRule:
     from the gradient inspector's table (`grad_stats`)."""
 
     name, table = "gradient", "grad_stats"
+    types = ("gradient_exploding", "gradient_vanishing")
 
     def __init__(self, explode_factor: float = 100.0, vanish_factor: float = 1000.0, warmup: int = 5) -> None:
         self.explode, self.vanish, self.warmup = explode_factor, vanish_factor, warmup

@@ -20,7 +20,9 @@ from meshscope.collector.schema import Event
 from meshscope.collector.store import RunStore
 from meshscope.detectors.episodes import Episode
 from meshscope.detectors.live import LiveDetection
-from meshscope.watchdog.hang import Diagnosis, HangWatch, NodeExchange, pid_alive
+from meshscope.watchdog.exchange import NodeExchange
+from meshscope.watchdog.verdicts import Diagnosis
+from meshscope.watchdog.watch import HangWatch, pid_alive
 
 log = logging.getLogger("meshscope.sidecar")
 

@@ -30,9 +30,10 @@ MODULES = {
     "detectors": [
         "meshscope.detectors.engine",
         "meshscope.detectors.live",
-        "meshscope.explain.rootcause",
+        "meshscope.explain.ranking",
         "meshscope.feedback.loop",
-        "meshscope.watchdog.hang",
+        "meshscope.watchdog.watch",
+        "meshscope.watchdog.diagnose",
         "meshscope.detectors.series",
         "meshscope.collector.report",
         "meshscope.collector.controls",

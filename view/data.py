@@ -20,7 +20,7 @@ import pandas as pd
 from meshscope.collector.figures import balancedness as balancedness_of
 from meshscope.collector.figures import tokens_per_second, with_compute
 from meshscope.collector.store import STORE_NAME, load_events, load_steps, store_path
-from meshscope.explain.rootcause import Anomaly, RunFacts
+from meshscope.explain.facts import Anomaly, RunFacts
 
 LIVE_WITHIN_S = 30.0  # a run whose store changed this recently is shown as running
 # Alert names (Prometheus rules and embedded alerts) -> the anomaly types they stand for.
@@ -31,7 +31,7 @@ ALERT_TYPES = {
     "LossNotFinite": {"nan"},
     "AnomalyDetected": None,
     "HangDetected": {"hang"},
-    "TrainingStalled": {"hang"},
+    "TrainingStalled": {"hang", "stall"},
 }
 
 

@@ -9,7 +9,8 @@ import pandas as pd
 import streamlit as st
 
 from meshscope.collector.store import load_events, load_expert_load, load_grad_stats, load_steps
-from meshscope.explain.rootcause import Cause, RunFacts, explain
+from meshscope.explain.facts import Cause, RunFacts
+from meshscope.explain.ranking import explain
 from meshscope.view import data
 from meshscope.view.settings import ViewSettings
 
@@ -55,7 +56,7 @@ def grad_stats(run_dir: str, version: float) -> pd.DataFrame:
 @st.cache_data(show_spinner="ranking causes…")
 def causes(run_dir: str, version: float, anomaly_id: int | None, start: int, kind: str) -> list[Cause]:
     """Ranked causes of one anomaly (or hang, found by its start step and type)."""
-    from meshscope.explain.rootcause import causes_for
+    from meshscope.explain.ranking import causes_for
 
     f = facts(run_dir, version)
     if anomaly_id is not None:

@@ -20,8 +20,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from meshscope.collector.flightlog import FlightRecord, FlightTail
-from meshscope.watchdog.hang import Diagnosis, diagnose
+from meshscope.collector.flightread import FlightRecord, FlightTail
+from meshscope.watchdog.diagnose import diagnose
+from meshscope.watchdog.verdicts import Diagnosis
 
 _RANK = re.compile(r"^(.*?)(\d+)(\.json)?$")
 _TORCH = ("/torch/distributed/", "/torch/nn/parallel/", "c10d_logger.py")

@@ -24,7 +24,7 @@ def explain(
     """Probable causes of what went wrong in a run (or one anomaly), ranked, with evidence."""
     import json
 
-    from meshscope.explain.rootcause import explain as rank_causes
+    from meshscope.explain.ranking import explain as rank_causes
 
     _readable_store(run)
     try:

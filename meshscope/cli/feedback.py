@@ -29,7 +29,9 @@ def feedback_ingest(
     devices: int = typer.Option(8, min=1, help="serving devices for the placement suggestion"),
 ) -> None:
     """Diagnose serving load against the run and store ranked suggestions."""
-    from meshscope.feedback.loop import FeedbackError, ingest, knowledge_base
+    from meshscope.feedback.knowledge import knowledge_base
+    from meshscope.feedback.loop import ingest
+    from meshscope.feedback.serving import FeedbackError
 
     run = _run_dir(run)
     try:
@@ -70,7 +72,8 @@ def feedback_apply(
 ) -> None:
     """Approve a suggestion: the running trainer applies it at its next control step."""
     from meshscope.collector.controls import ControlError
-    from meshscope.feedback.loop import FeedbackError, approve
+    from meshscope.feedback.loop import approve
+    from meshscope.feedback.serving import FeedbackError
 
     run = _run_dir(run)
     try:
@@ -89,7 +92,8 @@ def feedback_outcomes(
     after: int = typer.Option(50, min=2, help="steps after a change before it is judged"),
 ) -> None:
     """Measure applied changes against their prediction; store them in the knowledge base."""
-    from meshscope.feedback.loop import knowledge_base, settle_outcomes
+    from meshscope.feedback.knowledge import knowledge_base
+    from meshscope.feedback.loop import settle_outcomes
 
     run = _run_dir(run)
     done = settle_outcomes(run, knowledge_base(run.parent), after=after)
@@ -112,7 +116,8 @@ def feedback_export(
     output: Path = typer.Option(Path("placement.json"), "--output", "-o"),
 ) -> None:
     """Write the latest serving placement suggestions (replicas, slots, devices) as JSON."""
-    from meshscope.feedback.loop import Suggestion, export_placement
+    from meshscope.feedback.loop import export_placement
+    from meshscope.feedback.suggestions import Suggestion
 
     run = _run_dir(run)
     events = load_events(run, kind="suggestion")

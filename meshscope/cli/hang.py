@@ -25,7 +25,7 @@ def hang_report(
 ) -> None:
     """The last hang diagnosis of a run (else one from its flight logs), or a diagnosis of a
     plain job's PyTorch Flight Recorder dumps."""
-    from meshscope.watchdog.hang import diagnose_folder
+    from meshscope.watchdog.watch import diagnose_folder
 
     if (run is None) == (flight_recorder is None):
         fail("give either --run DIR or --flight-recorder DIR")

@@ -14,7 +14,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 from root_cause import DATA, judge, runs  # noqa: E402
 
-from meshscope.explain.rootcause import CAUSE_KINDS, RunFacts, explain  # noqa: E402
+from meshscope.explain.facts import CAUSE_KINDS, RunFacts  # noqa: E402
+from meshscope.explain.ranking import explain  # noqa: E402
 from tests.helpers.runs import REPO  # noqa: E402
 
 

@@ -13,16 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshscope.collector.controls import ControlChange, ControlError
-from meshscope.feedback.loop import (
-    FeedbackError,
-    KnowledgeBase,
-    bias_correction,
-    diagnose,
-    place_experts,
-    predicted_balancedness,
-    read_serving_load,
-    suggest,
-)
+from meshscope.feedback.knowledge import KnowledgeBase
+from meshscope.feedback.placement import place_experts
+from meshscope.feedback.serving import FeedbackError, read_serving_load
+from meshscope.feedback.suggestions import bias_correction, diagnose, predicted_balancedness, suggest
 
 
 def _pt(obj) -> bytes:

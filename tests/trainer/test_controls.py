@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from meshscope.collector.controls import load_controls
+from meshscope.collector.figures import balancedness
 from meshscope.collector.store import latest_step, load_events, load_expert_load, store_path
-from meshscope.feedback.loop import approve, balancedness, ingest
+from meshscope.feedback.loop import approve, ingest
 from tests.helpers.ports import free_port_range
 from tests.helpers.runs import REPO, TINY
 

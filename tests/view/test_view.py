@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from meshscope.collector.controls import load_controls
 from meshscope.collector.store import load_events
-from meshscope.explain.rootcause import Anomaly, RunFacts
+from meshscope.explain.facts import Anomaly, RunFacts
 from meshscope.view import data
 from tests.helpers.runs import REPO
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshscope.watchdog.hang import HangConfig, HangWatch
+from meshscope.watchdog.watch import HangConfig, HangWatch
 from tests.helpers.ports import free_port_range
 from tests.watchdog.hang_cases import FAULT_STEP, rank_main
 
@@ -195,7 +195,7 @@ def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_
     watchdog sees its ranks stall, asks B through the store, and names rank 2."""
     import torch.distributed as dist
 
-    from meshscope.watchdog.hang import NodeExchange
+    from meshscope.watchdog.exchange import NodeExchange
 
     port = free_port_range(2)
     store_port = port + 1

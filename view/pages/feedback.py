@@ -11,15 +11,10 @@ import streamlit as st
 
 from meshscope.collector.controls import ControlError, load_controls
 from meshscope.collector.store import load_events
-from meshscope.feedback.loop import (
-    FeedbackError,
-    Suggestion,
-    approve,
-    export_placement,
-    ingest,
-    knowledge_base,
-    settle_outcomes,
-)
+from meshscope.feedback.knowledge import knowledge_base
+from meshscope.feedback.loop import approve, export_placement, ingest, settle_outcomes
+from meshscope.feedback.serving import FeedbackError
+from meshscope.feedback.suggestions import Suggestion
 from meshscope.view import ui
 
 run_dir, _ = ui.open_run("Feedback")

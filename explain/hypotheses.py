@@ -1,194 +1,33 @@
-"""Root cause: from a run's steps, expert loads and events, the probable causes of what went
-wrong, ranked, each with its evidence, a confidence and the next action.
-
-An anomaly says *that* something is off (a straggler, communication, memory); a cause says
-*why*, in the terms of the person who has to act: a slow host, a slow link, a hang and its call
-site, the first non-finite module, routing, a leak, a crash, recovery that keeps failing. Each
-hypothesis is one small function over the facts of one window of steps; it answers with a
-`Cause` or nothing. A hypothesis that fits the data better says so through its confidence, and
-the most specific one wins: a concurrent routing collapse explains slower communication better
-than a slow link does, and a hang the watchdog diagnosed outranks any reading of step times.
-
-Pure reading: the store is opened read-only, nothing is written.
-"""
+"""The hypotheses of root cause: each is one small function over the facts of one window of
+steps that answers with `Cause`s or nothing, in the terms of the person who has to act: a slow
+host, a slow link, a hang and its call site, the first non-finite module, routing, a leak, a
+crash, recovery that keeps failing. `HYPOTHESES` lists them; a new one is a function added there."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from meshscope.collector.figures import balancedness, with_compute
-from meshscope.collector.rundir import run_info
 from meshscope.collector.schema import nonfinite_mask
-from meshscope.collector.store import load_events, load_expert_load, load_steps
-from meshscope.detectors.engine import DetectionEngine
-
-# What each cause means, for people and for the view's legend.
-CAUSE_KINDS = {
-    "hang": "a rank stopped or diverged; its peers waited in a collective",
-    "slow_host": "one rank's own compute is slow (host or device); its peers wait for it",
-    "slow_link": "communication slowed on every rank while compute did not: the link",
-    "nonfinite": "a NaN/Inf appeared; the first module that produced it",
-    "routing": "the router sends most tokens to few experts",
-    "leak": "one rank's memory grows step after step",
-    "crash": "a rank's process died",
-    "recovery_failing": "restarts keep failing at the same place",
-}
-STALL_MIN_S = 1.0  # a wait shorter than this is slowness, not a stall
-STALL_FACTOR = 20.0  # ... or shorter than this many typical steps
-SLOW_RATIO = 1.5  # compute this many times its peers' makes a straggler
-LINK_RISE = 3.0  # exposed communication this many times its usual on every rank
-LEAK_MIN_BYTES = 16 * 2**20
-BASELINE_STEPS = 30
-
-
-@dataclass
-class Cause:
-    """One probable cause: what, who, how sure, why we think so, and what to do next."""
-
-    kind: str
-    title: str
-    confidence: float
-    ranks: list[int]
-    step: int | None
-    evidence: list[str]
-    action: str
-    anomaly_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.confidence = round(float(self.confidence), 3)
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready (the view and `meshscope explain --json`)."""
-        return asdict(self)
-
-
-@dataclass
-class Anomaly:
-    """An anomaly episode as the store holds it (or as a replay of the detectors found it)."""
-
-    id: int | None
-    type: str
-    ranks: list[int]
-    start_step: int
-    end_step: int
-    score: float = 0.0
-    layer: int | None = None
-    expert: int | None = None
-    module: str | None = None
-    evidence: dict[str, Any] = field(default_factory=dict)
-    severity: str = "warning"
-
-    @classmethod
-    def from_event(cls, row: Any) -> Anomaly:
-        """From a row of `load_events(run, "anomaly")`."""
-        d = row["detail"]
-        return cls(
-            int(row["id"]),
-            d.get("type", "?"),
-            list(d.get("ranks") or []),
-            int(d.get("start_step", row["step"] if row["step"] is not None else 0)),
-            int(d.get("end_step", d.get("start_step", 0))),
-            float(d.get("score", 0.0)),
-            d.get("layer"),
-            d.get("expert"),
-            d.get("module"),
-            d.get("evidence") or {},
-            row["severity"],
-        )
-
-
-@dataclass
-class RunFacts:
-    """Everything explain reads about one run, loaded once."""
-
-    run_dir: Path
-    steps: pd.DataFrame
-    events: pd.DataFrame
-    experts: pd.DataFrame
-    anomalies: list[Anomaly]
-
-    @classmethod
-    def load(cls, run_dir: str | Path) -> RunFacts:
-        """Read the store; when no detector judged the run live, replay the detectors."""
-        run_dir = Path(run_dir)
-        steps, events, experts = load_steps(run_dir), load_events(run_dir), load_expert_load(run_dir)
-        stored = events[events["kind"] == "anomaly"]
-        if len(stored):
-            anomalies = [Anomaly.from_event(row) for _, row in stored.iterrows()]
-        else:
-            anomalies = replay_anomalies(run_dir, steps, experts)
-        return cls(run_dir, steps, events, experts, anomalies)
-
-    def anomaly(self, anomaly_id: int) -> Anomaly:
-        """The stored anomaly with this event id; KeyError naming the ids there are."""
-        for a in self.anomalies:
-            if a.id == anomaly_id:
-                return a
-        ids = [a.id for a in self.anomalies if a.id is not None]
-        hint = "" if ids else f"; `meshscope detect --run {self.run_dir}` stores them"
-        raise KeyError(f"no anomaly {anomaly_id} in {self.run_dir} (anomaly ids: {ids or 'none'}{hint})")
-
-
-def replay_anomalies(run_dir: Path, steps: pd.DataFrame, experts: pd.DataFrame) -> list[Anomaly]:
-    """The detectors' episodes over a recorded run (ids are None: they are not in the store)."""
-    if steps.empty:
-        return []
-    found: list[Anomaly] = []
-    engine = DetectionEngine(
-        top_k=run_info(run_dir).top_k,
-        on_close=lambda ep: found.append(
-            Anomaly(
-                None,
-                ep.type,
-                list(ep.ranks),
-                ep.start_step,
-                ep.end_step,
-                ep.score,
-                ep.layer,
-                ep.expert,
-                ep.module,
-                ep.evidence,
-            )
-        ),
-    )
-    engine.process(steps, experts)
-    engine.finish()
-    return found
-
-
-# --- hypotheses -------------------------------------------------------------------------------
-
-
-@dataclass
-class Window:
-    """The steps a hypothesis looks at, and the quiet steps before them it compares with."""
-
-    lo: int
-    hi: int
-
-    def of(self, df: pd.DataFrame) -> pd.DataFrame:
-        return df[(df["step"] >= self.lo) & (df["step"] <= self.hi)]
-
-    def before(self, df: pd.DataFrame) -> pd.DataFrame:
-        return df[(df["step"] < self.lo) & (df["step"] >= self.lo - BASELINE_STEPS)]
-
-
-def _pivot(df: pd.DataFrame, column: str) -> pd.DataFrame:
-    return df.pivot_table(index="step", columns="rank", values=column, aggfunc="last")
-
-
-def _span(lo: int, hi: int) -> str:
-    return f"step {lo}" if lo == hi else f"steps {lo}–{hi}"
-
-
-def _who(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+from meshscope.explain.facts import (
+    BASELINE_STEPS,
+    LEAK_MIN_BYTES,
+    LINK_RISE,
+    SLOW_RATIO,
+    STALL_FACTOR,
+    STALL_MIN_S,
+    Cause,
+    RunFacts,
+    Window,
+    _pivot,
+    _span,
+    _step_time_rise,
+    _top_k,
+    _who,
+)
 
 
 def _hang_events(facts: RunFacts, w: Window) -> list[Cause]:
@@ -408,30 +247,6 @@ def _routing(facts: RunFacts, w: Window) -> list[Cause]:
     return [best] if best else []
 
 
-def _top_k(facts: RunFacts, every: int) -> int:
-    """Experts per token: the run's config, else the counts (a layer's window holds k x the
-    tokens its steps processed)."""
-    known = run_info(facts.run_dir).top_k
-    if known is not None:
-        return known
-    per_step = facts.steps.groupby("step")["tokens"].sum().median() if not facts.steps.empty else 0
-    routed = facts.experts.groupby(["step", "layer"])["tokens"].sum().median()
-    experts = facts.experts["expert"].nunique()
-    if not per_step or not routed:
-        return 1
-    return int(min(experts, max(1, round(routed / (per_step * every)))))
-
-
-def _step_time_rise(facts: RunFacts, w: Window) -> float:
-    win, base = w.of(facts.steps), w.before(facts.steps)
-    if win.empty or base.empty:
-        return 1.0
-    return float(
-        win.groupby("step")["step_s"].max().median()
-        / max(base.groupby("step")["step_s"].max().median(), 1e-9)
-    )
-
-
 def _leak(facts: RunFacts, w: Window) -> list[Cause]:
     """One rank's memory rising steadily while its peers' does not."""
     steps = facts.steps[(facts.steps["step"] >= w.lo - 5) & (facts.steps["step"] <= w.hi)]
@@ -611,47 +426,3 @@ HYPOTHESES: list[Callable[[RunFacts, Window], list[Cause]]] = [
     _nonfinite,
     _crash,
 ]
-
-
-def _rank_causes(causes: list[Cause]) -> list[Cause]:
-    """One cause per (kind, ranks), most confident first; a routing collapse in the same
-    window explains slower communication better than a slow link does."""
-    if any(c.kind == "routing" for c in causes):
-        for c in causes:
-            if c.kind == "slow_link":
-                c.confidence = round(c.confidence * 0.6, 3)
-                c.evidence.append("the routing changed at the same time (see routing)")
-    merged: dict[tuple, Cause] = {}
-    for c in causes:
-        key = (c.kind, tuple(c.ranks))
-        if key in merged:
-            kept = merged[key]
-            kept.anomaly_ids = sorted(set(kept.anomaly_ids) | set(c.anomaly_ids))
-            if c.confidence > kept.confidence:
-                c.anomaly_ids = kept.anomaly_ids
-                merged[key] = c
-        else:
-            merged[key] = c
-    return sorted(merged.values(), key=lambda c: (-c.confidence, c.step if c.step is not None else 1 << 62))
-
-
-def causes_for(facts: RunFacts, anomaly: Anomaly) -> list[Cause]:
-    """The ranked causes of one anomaly: every hypothesis over its window."""
-    w = Window(anomaly.start_step, anomaly.end_step)
-    causes = [c for h in HYPOTHESES for c in h(facts, w)]
-    for c in causes:
-        c.anomaly_ids = [anomaly.id] if anomaly.id is not None else []
-    return _rank_causes(causes)
-
-
-def explain(run: str | Path | RunFacts, anomaly_id: int | None = None) -> list[Cause]:
-    """Probable causes, most confident first: of one stored anomaly, or of the whole run (its
-    anomalies' windows plus what events say on their own: hangs, NaNs, deaths)."""
-    facts = run if isinstance(run, RunFacts) else RunFacts.load(run)
-    if anomaly_id is not None:
-        return causes_for(facts, facts.anomaly(anomaly_id))
-    causes = [c for a in facts.anomalies for c in causes_for(facts, a)]
-    if not facts.steps.empty:
-        whole = Window(int(facts.steps["step"].min()), int(facts.steps["step"].max()))
-        causes += [c for h in (_hang_events, _nonfinite, _crash) for c in h(facts, whole)]
-    return _rank_causes(causes)

@@ -1,0 +1,57 @@
+"""Root cause's answer: every hypothesis over an anomaly's window (or over the whole run), one
+cause per kind and ranks, most confident first. The most specific explanation wins: a
+concurrent routing collapse explains slower communication better than a slow link does, and a
+hang the watchdog diagnosed outranks any reading of step times.
+
+Pure reading: the store is opened read-only, nothing is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshscope.explain.facts import Anomaly, Cause, RunFacts, Window
+from meshscope.explain.hypotheses import HYPOTHESES, _crash, _hang_events, _nonfinite
+
+
+def _rank_causes(causes: list[Cause]) -> list[Cause]:
+    """One cause per (kind, ranks), most confident first; a routing collapse in the same
+    window explains slower communication better than a slow link does."""
+    if any(c.kind == "routing" for c in causes):
+        for c in causes:
+            if c.kind == "slow_link":
+                c.confidence = round(c.confidence * 0.6, 3)
+                c.evidence.append("the routing changed at the same time (see routing)")
+    merged: dict[tuple, Cause] = {}
+    for c in causes:
+        key = (c.kind, tuple(c.ranks))
+        if key in merged:
+            kept = merged[key]
+            kept.anomaly_ids = sorted(set(kept.anomaly_ids) | set(c.anomaly_ids))
+            if c.confidence > kept.confidence:
+                c.anomaly_ids = kept.anomaly_ids
+                merged[key] = c
+        else:
+            merged[key] = c
+    return sorted(merged.values(), key=lambda c: (-c.confidence, c.step if c.step is not None else 1 << 62))
+
+
+def causes_for(facts: RunFacts, anomaly: Anomaly) -> list[Cause]:
+    """The ranked causes of one anomaly: every hypothesis over its window."""
+    w = Window(anomaly.start_step, anomaly.end_step)
+    causes = [c for h in HYPOTHESES for c in h(facts, w)]
+    for c in causes:
+        c.anomaly_ids = [anomaly.id] if anomaly.id is not None else []
+    return _rank_causes(causes)
+
+
+def explain(run: str | Path | RunFacts, anomaly_id: int | None = None) -> list[Cause]:
+    """Probable causes, most confident first: of one stored anomaly, or of the whole run (its
+    anomalies' windows plus what events say on their own: hangs, NaNs, deaths)."""
+    facts = run if isinstance(run, RunFacts) else RunFacts.load(run)
+    if anomaly_id is not None:
+        return causes_for(facts, facts.anomaly(anomaly_id))
+    causes = [c for a in facts.anomalies for c in causes_for(facts, a)]
+    if not facts.steps.empty:
+        whole = Window(int(facts.steps["step"].min()), int(facts.steps["step"].max()))
+        causes += [c for h in (_hang_events, _nonfinite, _crash) for c in h(facts, whole)]
+    return _rank_causes(causes)

@@ -1,0 +1,474 @@
+"""The diagnosis of a stall: a pure function of every rank's flight-log tail, liveness and
+stacks. `CHECKS` are asked in order; the first that recognises the picture gives the verdict:
+
+1. **mismatch**: ranks that issued the same collective (group, sequence number) with a
+   different op, shape or dtype than the others, or all-to-all split sizes that do not pair
+   up (rank i sends rank j what j does not expect);
+2. **desync**: the same sequence number issued at different training steps: a rank skipped a
+   collective earlier and has been pairing with the wrong partner since;
+3. **error** / **dead**: a rank that raised or vanished (no clean exit) while peers wait;
+4. **compute** (everywhere): no rank is in a collective and none progresses;
+5. **remote**: every rank seen here entered it; the ones behind are another node's;
+6. **missing** / **compute**: ranks that never entered the collective the others wait in,
+   and where they are instead (another collective, or compute per their stack);
+7. **stuck**: everyone entered it; the transport or a device is at fault."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from meshscope.collector.flightread import (
+    ASYNC_P2P_OPS,
+    FlightRecord,
+    FlightTail,
+)
+from meshscope.watchdog.verdicts import Diagnosis, Verdict
+
+ALL_TO_ALL = ("all_to_all", "all_to_all_single")
+
+
+# Errors a rank gets because a peer went away: it is a victim, not the culprit.
+PEER_LOST = (
+    "Connection closed",
+    "Connection reset",
+    "Read error",
+    "Broken pipe",
+    "Timed out waiting",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+)
+
+
+def _ranks(ranks: Any) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _members(tails: dict[int, FlightTail], group: str, world: int) -> list[int]:
+    for tail in tails.values():
+        if group in tail.groups:
+            return list(tail.groups[group])
+    return list(range(world))
+
+
+def _where(tail: FlightTail | None, stack: list[str] | None) -> str:
+    """Where a rank is: the innermost frame of its main thread, and the collectives it has in
+    flight (an async one in flight is not necessarily where it blocks)."""
+    opened = tail.open_records() if tail is not None else []
+    flying = ", ".join(f"{r.op} #{r.seq} on group {r.group} from {r.site}" for r in opened[-2:])
+    if stack:
+        return f"at {stack[-1]}" + (f" with {flying} in flight" if flying else " (no collective in flight)")
+    if flying:
+        return f"with {flying} in flight"
+    return "somewhere unknown (no stack, no collective in flight)"
+
+
+def _majority(values: dict[int, Any]) -> tuple[Any, list[int]]:
+    """The most common value and the ranks that differ from it (none on a tie of two)."""
+    counts = Counter(values.values()).most_common()
+    if len(counts) > 1 and counts[0][1] == counts[1][1]:
+        return counts[0][0], []
+    common = counts[0][0]
+    return common, sorted(r for r, v in values.items() if v != common)
+
+
+def _split_culprits(records: dict[int, FlightRecord], members: list[int]) -> list[int]:
+    """Ranks whose all-to-all sends do not match what the receivers expect."""
+
+    def sizes(text: str, key: str) -> list[int] | None:
+        part = next((p for p in text.split() if p.startswith(key + "=")), None)
+        if part is None or part.endswith("=even"):
+            return None
+        return [int(x) for x in part.split("=", 1)[1].split(",")]
+
+    blame: Counter[int] = Counter()
+    for i, ri in records.items():
+        send = sizes(ri.splits, "in")
+        for j, rj in records.items():
+            expect = sizes(rj.splits, "out")
+            if send is None or expect is None or i == j:
+                continue
+            pi, pj = members.index(i), members.index(j)
+            if pj < len(send) and pi < len(expect) and send[pj] != expect[pi]:
+                blame[i] += 1
+                blame[j] += 1
+    if not blame:
+        return []
+    top = max(blame.values())
+    return sorted(r for r, n in blame.items() if n == top)
+
+
+def _mismatch(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
+    """The earliest collective whose signature differs between ranks."""
+    found: list[tuple[float, Diagnosis]] = []
+    by_key: dict[tuple[str, int], dict[int, FlightRecord]] = {}
+    for rank, tail in tails.items():
+        for r in tail.records:
+            if not r.p2p:
+                by_key.setdefault((r.group, r.seq), {})[rank] = r
+    for (group, seq), records in by_key.items():
+        if len(records) < 2:
+            continue
+        members = _members(tails, group, world)
+        a2a = all(r.op in ALL_TO_ALL for r in records.values())
+        sig = {rank: _signature(r, a2a) for rank, r in records.items()}
+        common, odd = _majority(sig)
+        what = "op/shape/dtype"
+        if not odd and len(set(sig.values())) > 1:
+            # No majority (two ranks): the one that changed what it issues from this call site
+            # is the odd one; when neither or both did, either may be wrong.
+            odd = _changed_from_history(tails, records, a2a) or sorted(records)
+        if not odd and a2a:
+            odd, what = _split_culprits(records, members), "split sizes"
+        if not odd:
+            continue
+        sample = records[odd[0]]
+        others = [r for r in records if r not in odd]
+        theirs = records[others[0]] if others else None
+        why = (
+            f"{_ranks(odd)} issued {sample.op} #{seq} on group {group} with "
+            f"{_signature_text(sample)}"
+            + (f" while {_ranks(others)} issued {_signature_text(theirs)}" if theirs else "")
+            + f" ({what} mismatch, at {sample.site})"
+        )
+        t = min(r.t_issue for r in records.values())
+        found.append(
+            (
+                t,
+                Diagnosis(
+                    Verdict.MISMATCH,
+                    odd,
+                    others,
+                    why,
+                    op=sample.op,
+                    seq=seq,
+                    group=group,
+                    evidence={"mismatch": what},
+                ),
+            )
+        )
+    return min(found, key=lambda x: x[0])[1] if found else None
+
+
+def _signature(r: FlightRecord, a2a: bool) -> tuple:
+    return (r.op, r.dtype) if a2a else (r.op, r.shapes, r.dtype)
+
+
+def _same_place_before(tail: FlightTail, rec: FlightRecord) -> FlightRecord | None:
+    """The record a rank issued at the same place of the previous step (the n-th collective of
+    its group in step s-1 for the n-th of step s): what it issues there rarely changes."""
+    if rec.step is None or rec.step < 1:
+        return None
+    group = [r for r in tail.records if r.group == rec.group]
+    place = sum(1 for r in group if r.step == rec.step and r.seq < rec.seq)
+    before = sorted((r for r in group if r.step == rec.step - 1), key=lambda r: r.seq)
+    return before[place] if place < len(before) else None
+
+
+def _changed_from_history(
+    tails: dict[int, FlightTail], records: dict[int, FlightRecord], a2a: bool
+) -> list[int]:
+    """Ranks whose record differs from what they issued at the same place one step earlier;
+    [] unless only some ranks changed."""
+    changed = []
+    for rank, rec in records.items():
+        before = _same_place_before(tails[rank], rec)
+        if before is not None and _signature(before, a2a) != _signature(rec, a2a):
+            changed.append(rank)
+    return sorted(changed) if 0 < len(changed) < len(records) else []
+
+
+def _signature_text(r: FlightRecord) -> str:
+    parts = [r.op, f"shape {r.shapes or '-'}", f"dtype {r.dtype or '-'}"]
+    if r.splits:
+        parts.append(r.splits)
+    return ", ".join(parts)
+
+
+def _desync_in(seqs: dict[int, dict[int, FlightRecord]]) -> tuple | None:
+    """In one group: the first collective whose ranks pair records of different steps, when
+    the group was in step before and stays out of step the same way over two later steps."""
+    order = sorted(seqs)
+    agreed = False
+    for i, seq in enumerate(order):
+        records = seqs[seq]
+        steps = {rank: r.step for rank, r in records.items()}
+        usual, odd = _majority(steps)
+        if not odd:
+            agreed = agreed or len(records) > 1
+            continue
+        if not agreed:
+            return None  # never in step: not a training-loop group
+        offset = {r: steps[r] - usual for r in odd}
+        later = [seqs[k] for k in order[i + 1 :] if len(seqs[k]) > 1]
+        # ...over steps to come, not one burst (a checkpoint's two barriers)
+        spans_steps = len({rec.step for recs in later for q, rec in recs.items() if q not in odd}) >= 2
+        persistent = spans_steps and all(
+            r not in recs or recs[r].step - _majority({q: x.step for q, x in recs.items()})[0] == offset[r]
+            for recs in later
+            for r in odd
+        )
+        return (min(r.t_issue for r in records.values()), seq, records, steps, odd) if persistent else None
+    return None
+
+
+def _desync(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
+    """Ranks pairing collectives of different steps: one skipped a collective earlier.
+
+    Credible only when the group was in step before (a matching sequence number earlier) and
+    stays out of step after, the same way, over at least two later steps: a group used off
+    the training loop (a background checkpoint's barriers) matches or not by timing alone."""
+    by_group: dict[str, dict[int, dict[int, FlightRecord]]] = {}
+    for rank, tail in tails.items():
+        for r in tail.records:
+            if r.step >= 0 and not r.p2p:
+                by_group.setdefault(r.group, {}).setdefault(r.seq, {})[rank] = r
+    found = [(f, group) for group, seqs in by_group.items() if (f := _desync_in(seqs)) is not None]
+    if not found:
+        return None
+    (_, seq, records, steps, odd), group = min(found, key=lambda f: f[0][0])
+    others = [r for r in records if r not in odd]
+    first = min(steps[r] for r in others)
+    since = min(first, steps[odd[0]])
+    one = len(odd) == 1
+    what = "skipped a collective" if any(steps[r] > first for r in odd) else "issued an extra collective"
+    return Diagnosis(
+        Verdict.DESYNC,
+        odd,
+        others,
+        f"{_ranks(odd)} issued {records[odd[0]].op} #{seq} on group {group} at step "
+        f"{steps[odd[0]]} while {_ranks(others)} did at step {first}: {'it' if one else 'they'} "
+        f"{what} around step {since} and {'has' if one else 'have'} paired with the wrong partner since",
+        op=records[odd[0]].op,
+        seq=seq,
+        group=group,
+        evidence={"desync_since_step": since},
+    )
+
+
+def _reference_order(tails: dict[int, FlightTail], before: int) -> list[str]:
+    """The call sites of one step in program order, from the latest step before `before`
+    that every rank ran the same way (a rank that skipped a collective ran its step
+    differently, so its own steps are no reference)."""
+    by_step: dict[int, dict[int, list[str]]] = {}
+    for rank, tail in tails.items():
+        for r in sorted(tail.records, key=lambda r: r.t_issue):
+            if 0 <= r.step < before:
+                sites = by_step.setdefault(r.step, {}).setdefault(rank, [])
+                if r.site not in sites:
+                    sites.append(r.site)
+    for step in sorted(by_step, reverse=True):
+        orders = by_step[step]
+        if len(orders) == len(tails) and all(o == orders[next(iter(orders))] for o in orders.values()):
+            return orders[next(iter(orders))]
+    return []
+
+
+def _frontier(tails: dict[int, FlightTail]) -> tuple[str, int, str, list[int]] | None:
+    """The collective the waiting ranks are stuck in: (group, seq, op, waiting ranks).
+
+    Ranks may wait in different collectives: in a deadlock between groups (a rank skipped
+    the gradient all-reduce and waits in the next step-end all-reduce, while its peers wait
+    in the gradient one) the one that comes first in the program is the one that was
+    skipped. Program order: step, then the call site's place in a step every rank ran alike
+    (`_reference_order`); ties go to the collective most ranks wait in."""
+    oldest = {}
+    for rank, tail in tails.items():
+        opened = [r for r in tail.open_records() if r.op not in ASYNC_P2P_OPS]
+        if opened:
+            oldest[rank] = min(opened, key=lambda r: r.t_issue)
+    if not oldest:
+        return None
+    key_count = Counter((r.group, r.seq) for r in oldest.values())
+    steps = [r.step for r in oldest.values() if r.step >= 0]
+    reference = _reference_order(tails, min(steps)) if steps else []
+
+    def order(key: tuple[str, int]) -> tuple:
+        rec = next(r for r in oldest.values() if (r.group, r.seq) == key)
+        step = rec.step if rec.step >= 0 else float("inf")
+        place = reference.index(rec.site) if rec.site in reference else float("inf")
+        return (step, place, -key_count[key], key[1])
+
+    group, seq = min(key_count, key=order)
+    waiting = sorted(r for r, rec in oldest.items() if (rec.group, rec.seq) == (group, seq))
+    return group, seq, oldest[waiting[0]].op, waiting
+
+
+@dataclass
+class Stall:
+    """The facts of one stall, as every check sees them."""
+
+    tails: dict[int, FlightTail]
+    world: int
+    alive: dict[int, bool]
+    stacks: dict[int, list[str]]
+    frontier: tuple[str, int, str, list[int]] | None  # the collective the waiting ranks are in
+
+    @property
+    def waiting(self) -> list[int]:
+        """The ranks waiting in the frontier collective."""
+        return self.frontier[3] if self.frontier else []
+
+    def at_frontier(self) -> dict[str, Any]:
+        """op, seq and group of the frontier collective (all None without one)."""
+        group, seq, op, _ = self.frontier or (None, None, None, None)
+        return {"op": op, "seq": seq, "group": group}
+
+
+def _check_mismatch(s: Stall) -> Diagnosis | None:
+    return _mismatch(s.tails, s.world)
+
+
+def _check_desync(s: Stall) -> Diagnosis | None:
+    return _desync(s.tails, s.world)
+
+
+def _check_error(s: Stall) -> Diagnosis | None:
+    """A rank that raised (not because a peer went away) while the others waited."""
+    raised = sorted(
+        r
+        for r, t in s.tails.items()
+        if t.last_error and t.closed and not any(p in t.last_error for p in PEER_LOST)
+    )
+    if not raised:
+        return None
+    t = s.tails[raised[0]]
+    return Diagnosis(
+        Verdict.ERROR,
+        raised,
+        s.waiting,
+        f"{_ranks(raised)} stopped with an error at step {t.step} ({t.last_error}) while "
+        f"{_ranks(s.waiting) if s.waiting else 'its peers'} waited",
+        evidence={"error": t.last_error},
+    )
+
+
+def _check_dead(s: Stall) -> Diagnosis | None:
+    """A rank that vanished without a clean exit (its victims, who lost the peer, are not it)."""
+    tails = s.tails
+    dead = sorted(
+        r for r in range(s.world) if (r not in tails or not tails[r].closed) and s.alive.get(r) is False
+    )
+    victims = [r for r, t in tails.items() if any(p in t.last_error for p in PEER_LOST)]
+    dead = [r for r in dead if r not in victims] or dead
+    if not dead:
+        return None
+    last = max((tails[r].step for r in dead if r in tails), default=-1)
+    left = set(s.waiting) - set(dead)
+    f = s.at_frontier()
+    where = (
+        f" while {_ranks(left)} waited in {f['op']} #{f['seq']} on group {f['group']}"
+        if left and s.frontier
+        else ""
+    )
+    where = where or (f" while {_ranks(left)} waited" if left else "")
+    return Diagnosis(
+        Verdict.DEAD,
+        dead,
+        [r for r in s.waiting if r not in dead],
+        f"{_ranks(dead)} died without a clean exit (last step {last}){where}",
+        **f,
+    )
+
+
+def _check_no_collective(s: Stall) -> Diagnosis | None:
+    """Nobody is in a collective and nobody progresses: compute or input everywhere."""
+    if s.frontier is not None:
+        return None
+    places = "; ".join(f"rank {r} {_where(None, s.stacks.get(r))}" for r in sorted(s.tails))
+    return Diagnosis(
+        Verdict.COMPUTE,
+        sorted(s.tails),
+        [],
+        f"no rank is in a collective and none progresses: all are stuck in compute or input ({places})",
+    )
+
+
+def _members_behind(s: Stall) -> tuple[list[int], list[int]]:
+    """Members of the frontier's group: (unseen here, seen but never entered it)."""
+    group, seq, _, _ = s.frontier
+    members = _members(s.tails, group, s.world)
+    unseen = [r for r in members if r not in s.tails]  # another node's, not shared with us
+    absent = [r for r in members if r in s.tails and s.tails[r].last_seq(group) < seq]
+    return unseen, absent
+
+
+def _check_remote(s: Stall) -> Diagnosis | None:
+    """Everyone seen here entered it: one of the ranks this node cannot see is behind."""
+    unseen, absent = _members_behind(s)
+    if absent or not unseen:
+        return None
+    f = s.at_frontier()
+    return Diagnosis(
+        Verdict.REMOTE,
+        unseen,
+        s.waiting,
+        f"every rank seen here entered {f['op']} #{f['seq']} on group {f['group']}; {_ranks(unseen)} left "
+        "nothing to read here (another node's ranks, or no dump): one of them is behind",
+        **f,
+        evidence={"unseen_ranks": unseen},
+    )
+
+
+def _check_absent(s: Stall) -> Diagnosis | None:
+    """Ranks that never entered the collective the others wait in, and where they are."""
+    _, absent = _members_behind(s)
+    if not absent:
+        return None
+    # compute: its stack shows it outside any collective; without a stack (a post-mortem)
+    # or with a collective in flight elsewhere it is only known to be missing
+    tails, stacks = s.tails, s.stacks
+    in_compute = all(stacks.get(r) and not (tails.get(r) and tails[r].open_records()) for r in absent)
+    places = "; ".join(f"rank {r} is {_where(tails.get(r), stacks.get(r))}" for r in absent)
+    f = s.at_frontier()
+    return Diagnosis(
+        Verdict.COMPUTE if in_compute else Verdict.MISSING,
+        absent,
+        s.waiting,
+        f"{_ranks(absent)} never entered {f['op']} #{f['seq']} on group {f['group']} that "
+        f"{_ranks(s.waiting)} {'waits' if len(s.waiting) == 1 else 'wait'} in ({places})",
+        **f,
+    )
+
+
+def _check_stuck(s: Stall) -> Diagnosis | None:
+    """Everyone entered it and it does not complete."""
+    f = s.at_frontier()
+    return Diagnosis(
+        Verdict.STUCK,
+        [],
+        s.waiting,
+        f"every rank of group {f['group']} entered {f['op']} #{f['seq']} and it does not complete: "
+        "the transport or a device is at fault, not a rank's code",
+        **f,
+    )
+
+
+# Asked in order; the first verdict wins (the last always answers).
+CHECKS: list[Callable[[Stall], Diagnosis | None]] = [
+    _check_mismatch,
+    _check_desync,
+    _check_error,
+    _check_dead,
+    _check_no_collective,
+    _check_remote,
+    _check_absent,
+    _check_stuck,
+]
+
+
+def diagnose(
+    tails: dict[int, FlightTail],
+    world: int,
+    *,
+    alive: dict[int, bool] | None = None,
+    stacks: dict[int, list[str]] | None = None,
+) -> Diagnosis:
+    """Explain a stall from every rank's flight-log tail, liveness and stacks (module doc)."""
+    stall = Stall(tails, world, alive or {}, stacks or {}, _frontier(tails))
+    diag = next(d for check in CHECKS if (d := check(stall)) is not None)
+    diag.stacks = dict(stall.stacks)
+    return diag

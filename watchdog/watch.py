@@ -1,0 +1,235 @@
+"""The watchdog at runtime: `HangWatch` runs beside the workers (in the sidecar), never inside
+them. It reads each rank's flight-log header from `<run>/live/` every `poll_s` (a few hundred
+bytes per rank, no process group involved). When no rank has made progress for a threshold
+derived from the recent step time, or a rank died without a clean exit, it asks the live ranks
+for their Python stacks (`collector.stacks`), reads every rank's tail, asks the other nodes
+(`exchange`) and hands the facts to `diagnose`.
+
+A run directory is per node, so each node's watchdog reads its own ranks; without the
+exchange, ranks it cannot see are reported as unseen, never blamed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from meshscope.collector.flightread import (
+    FlightLogError,
+    FlightTail,
+    latest_logs,
+    read_flight,
+)
+from meshscope.collector.stacks import crash_stack, request_stacks, stack_answer
+from meshscope.watchdog.diagnose import diagnose
+from meshscope.watchdog.exchange import NodeExchange
+from meshscope.watchdog.verdicts import Diagnosis
+
+log = logging.getLogger("meshscope.hang")
+
+
+class HangConfig(BaseModel):
+    """When a stall counts as a hang, and what to do about it (the `[hang]` TOML section)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_stall_s: float = Field(
+        3.0, gt=0, description="never call a stall shorter than this a hang (`--hang-after`)"
+    )
+    step_factor: float = Field(
+        20.0, gt=0, description="...nor one shorter than this many typical steps (slow models get longer)"
+    )
+    startup_s: float = Field(
+        120.0, gt=0, description="before the first step finishes there is no step time: this long is a hang"
+    )
+    poll_s: float = Field(0.25, gt=0, description="how often the flight-log headers are read")
+    stacks_wait_s: float = Field(1.5, gt=0, description="how long the live ranks get to answer with stacks")
+    on_hang: Literal["report", "abort"] = Field(
+        "report",
+        description="report: event, metric and alert; abort: also kill the workers, so the "
+        "elastic agent restarts them from the last checkpoint",
+    )
+
+    def threshold_s(self, step_s: float) -> float:
+        """Seconds without progress that make a hang, given the typical step time."""
+        if step_s <= 0:
+            return self.startup_s
+        return max(self.min_stall_s, self.step_factor * step_s)
+
+
+def pid_alive(pid: int) -> bool:
+    """A live process (a zombie, dead but not yet reaped by torchrun, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+class HangWatch:
+    """Watches one node's ranks through their flight logs; see the module doc."""
+
+    def __init__(
+        self,
+        live_dir: Path,
+        config: HangConfig | None = None,
+        on_hang: Callable[[Diagnosis], None] = lambda d: None,
+        clock: Callable[[], float] = time.time,
+        leader: Callable[[], bool] = lambda: True,
+        exchange: NodeExchange | None = None,
+    ) -> None:
+        self.live_dir = Path(live_dir)
+        self.exchange = exchange  # several nodes: tails and stacks through the store
+        self.leader = leader  # agents sharing a run directory: one watches
+        self.config = config or HangConfig()
+        self.on_hang, self.clock = on_hang, clock
+        self.diagnosed: dict[frozenset, float] = {}  # attempt -> its progress when diagnosed
+        self.last: Diagnosis | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="meshscope-hang", daemon=True)
+
+    def start(self) -> HangWatch:
+        """Poll on a thread of its own until `stop()`."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.poll_s):
+            try:
+                self.poll()
+            except Exception:  # watching must never take training down
+                log.exception("hang watch round failed")
+
+    def poll(self) -> Diagnosis | None:
+        """One look; a diagnosis (also handed to `on_hang`) when this attempt is stuck."""
+        if not self.live_dir.is_dir() or not self.leader():
+            return None
+        heads = latest_logs(self.live_dir)
+        if not heads:
+            return None
+        if self.exchange is not None:
+            try:
+                self._answer(heads)
+            except Exception as err:  # the store is not up (yet): this node answers later
+                log.debug("hang exchange: %s", err)
+        attempt = frozenset((r, h.pid) for r, h in heads.items())
+        progress = max(h.progress_t for h in heads.values())
+        if attempt in self.diagnosed and self.diagnosed[attempt] >= progress:
+            return None  # diagnosed, and nothing moved since (a new stall is judged anew)
+        if all(h.closed for h in heads.values()) and not any(h.last_error for h in heads.values()):
+            return None  # a clean end
+        world = max(h.world_size for h in heads.values())
+        alive = {r: pid_alive(h.pid) for r, h in heads.items()}
+        dead = [r for r, h in heads.items() if not h.closed and not alive[r]]
+        running = [h for r, h in heads.items() if not h.closed and alive[r]]
+        failed = any(h.closed and h.last_error for h in heads.values())
+        if not dead and not failed and running:
+            idle = self.clock() - max(h.progress_t for h in running)
+            if idle < self.config.threshold_s(max(h.step_s for h in running)):
+                return None
+        elif not dead and not failed:
+            return None
+        # a crash is judged once per attempt; a stall again if progress resumes and stops
+        self.diagnosed[attempt] = float("inf") if dead or failed else progress
+        tails, stacks = self._local_picture(heads, [r for r, h in heads.items() if alive[r] and not h.closed])
+        if self.exchange is not None and len(tails) < world:
+            try:
+                request_id = f"{os.getpid()}-{self.clock():.6f}"
+                self.exchange.request(request_id)
+                self.exchange.publish(request_id, tails, stacks)
+                remote_tails, remote_stacks = self.exchange.gather(
+                    request_id,
+                    world,
+                    self.config.stacks_wait_s + 4 * self.config.poll_s,
+                    mine=(tails, stacks),
+                )
+                tails = {**remote_tails, **tails}
+                stacks = {**remote_stacks, **stacks}
+            except Exception as err:  # no store: diagnose what this node sees
+                log.warning("hang exchange with other nodes failed: %s", err)
+        diag = diagnose(tails, world, alive=alive, stacks=stacks)
+        diag.evidence["detected_at"] = self.clock()
+        diag.evidence["stalled_since"] = max((h.progress_t for h in heads.values()), default=0.0)
+        diag.evidence["pids"] = {str(r): h.pid for r, h in heads.items()}
+        diag.evidence["step"] = max((t.step for t in tails.values()), default=-1)
+        self.last = diag
+        self.on_hang(diag)
+        return diag
+
+    def _answer(self, heads: dict[int, FlightTail]) -> None:
+        """Other nodes' watchdogs asked: send this node's tails and stacks."""
+        requests = self.exchange.pending()
+        if not requests:
+            return
+        tails, stacks = self._local_picture(
+            heads, [r for r, h in heads.items() if not h.closed and pid_alive(h.pid)]
+        )
+        for request_id in requests:
+            self.exchange.publish(request_id, tails, stacks)
+
+    def _local_picture(
+        self, heads: dict[int, FlightTail], live: list[int]
+    ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
+        """This node's ranks: every flight-log tail, the live ranks' stacks, and the crash
+        stacks of the ranks that could not answer."""
+        stacks = self._gather_stacks(live, heads)
+        tails = {}
+        for rank, head in heads.items():
+            try:
+                tails[rank] = read_flight(head.path)
+            except (OSError, FlightLogError):
+                continue
+        for rank, head in heads.items():
+            if rank not in stacks:
+                crash = crash_stack(head.path)
+                if crash:
+                    stacks[rank] = crash
+        return tails, stacks
+
+    def _gather_stacks(self, ranks: list[int], heads: dict[int, FlightTail]) -> dict[int, list[str]]:
+        """Ask the live ranks for their stacks and wait a little for the answers."""
+        request_id = f"{self.clock():.6f}"
+        request_stacks(self.live_dir, request_id)
+        deadline = time.monotonic() + self.config.stacks_wait_s
+        stacks: dict[int, list[str]] = {}
+        while time.monotonic() < deadline and len(stacks) < len(ranks):
+            for rank in ranks:
+                if rank not in stacks:
+                    answer = stack_answer(heads[rank].path, request_id)
+                    if answer is not None:
+                        stacks[rank] = answer
+            time.sleep(0.05)
+        return stacks
+
+
+def diagnose_folder(live_dir: Path) -> Diagnosis | None:
+    """A post-mortem: the newest attempt's flight logs, crash dumps and last stacks."""
+    heads = latest_logs(live_dir) if Path(live_dir).is_dir() else {}
+    if not heads:
+        return None
+    tails = {r: read_flight(h.path) for r, h in heads.items()}
+    stacks = {}
+    for rank, head in heads.items():
+        stack = crash_stack(head.path) or stack_answer(head.path, None)
+        if stack:
+            stacks[rank] = stack
+    world = max(h.world_size for h in heads.values())
+    alive = {r: pid_alive(h.pid) for r, h in heads.items()}
+    return diagnose(tails, world, alive=alive, stacks=stacks)
