@@ -72,6 +72,7 @@ class Alert:
 
     @classmethod
     def from_anomaly(cls, run_id: str, detail: dict[str, Any], link: str = "") -> Alert:
+        """The alert for an anomaly episode as it opens."""
         where = ", ".join(f"{k}={detail[k]}" for k in ("ranks", "layer", "expert") if k in detail)
         facts = {
             "run": run_id,
@@ -126,6 +127,7 @@ class Alert:
         )
 
     def text(self) -> str:
+        """Title and facts as plain text (Slack text, email body)."""
         return self.title + "\n" + "\n".join(f"{k}: {v}" for k, v in self.facts.items())
 
 
@@ -137,10 +139,13 @@ class Channel(Protocol):
 
 
 class SlackWebhook:
+    """Posts alerts to a Slack incoming webhook (the URL is the secret)."""
+
     def __init__(self, url: str, name: str = "slack", timeout_s: float = 5.0) -> None:
         self.name, self._url, self.timeout_s = name, url, timeout_s
 
     def send(self, alert: Alert) -> None:
+        """Post one alert; raises on an HTTP error so the outbox retries."""
         body = json.dumps({"text": alert.text()}).encode()
         req = urllib.request.Request(self._url, data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
@@ -152,6 +157,8 @@ class SlackWebhook:
 
 
 class Email:
+    """Sends alerts by SMTP (STARTTLS unless turned off)."""
+
     def __init__(
         self,
         host: str,
@@ -170,6 +177,7 @@ class Email:
         self.timeout_s = timeout_s
 
     def send(self, alert: Alert) -> None:
+        """Send one alert; raises on an SMTP error so the outbox retries."""
         msg = EmailMessage()
         msg["Subject"], msg["From"], msg["To"] = alert.title, self.sender, ", ".join(self.to)
         msg.set_content(alert.text())
@@ -231,6 +239,7 @@ class Outbox:
         return paths
 
     def pending(self) -> list[Path]:
+        """Alerts written and not yet delivered, oldest first."""
         return sorted(p for p in self.folder.glob("*.json") if p.name != "sent.json")
 
     def deliver(self) -> int:

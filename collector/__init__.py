@@ -12,7 +12,8 @@ Nothing in this package imports another meshscope package.
 """
 
 from meshscope.collector.env import DistEnv
-from meshscope.collector.monitor import Monitor, MonitorConfig
+from meshscope.collector.monitor import Monitor
+from meshscope.collector.monitor_config import MonitorConfig
 from meshscope.collector.probe import DeviceProbe, HostProbe
 from meshscope.collector.schema import Event, StepRecord
 

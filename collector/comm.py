@@ -23,18 +23,22 @@ WireBytes = Callable[[Any, "dist.GradBucket", int], int]
 
 
 def allreduce_sent_bytes(payload: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `payload` bytes."""
     return 0 if world_size <= 1 else (2 * (world_size - 1) * payload) // world_size
 
 
 def alltoall_sent_bytes(payload: int, world_size: int) -> int:
+    """Bytes one rank sends in an all-to-all of `payload` bytes."""
     return 0 if world_size <= 1 else ((world_size - 1) * payload) // world_size
 
 
 def allgather_sent_bytes(own_chunk: int, world_size: int) -> int:
+    """Bytes one rank sends in an all-gather of its `own_chunk`."""
     return max(0, world_size - 1) * own_chunk
 
 
 def bucket_bytes(bucket: dist.GradBucket) -> int:
+    """A DDP gradient bucket's size in bytes."""
     buf = bucket.buffer()
     return buf.numel() * buf.element_size()
 
@@ -78,11 +82,13 @@ class CommMeter:
         return self._window.sampled
 
     def count(self, raw: int, wire: int) -> None:
+        """Add a bucket's raw and on-the-wire bytes to this window."""
         with self._lock:
             self._window.bytes_raw += raw
             self._window.bytes_wire += wire
 
     def launched(self, raw: int, wire: int) -> list[Any]:
+        """A bucket's collective was issued: returns its timing span."""
         mark = self.probe.mark()
         span = [mark, None]
         with self._lock:
@@ -92,12 +98,15 @@ class CommMeter:
         return span
 
     def completed(self, span: list[Any]) -> None:
+        """The collective of `span` finished."""
         span[1] = self.probe.mark()
 
     def compute_done(self) -> None:
+        """Backward finished: the wait for communication starts."""
         self._window.wait[0] = self.probe.mark()
 
     def reduced(self) -> None:
+        """Every bucket is reduced: the wait for communication ends."""
         self._window.wait[1] = self.probe.mark()
 
     def take(self, sample_next: bool = True) -> CommWindow:
@@ -149,6 +158,7 @@ class BackwardWatch:
         self.meter = meter
 
     def attach(self, model: torch.nn.Module) -> None:
+        """Hook `model` so the end of its backward is seen."""
         model.register_forward_hook(self._on_forward)
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -104,6 +104,7 @@ class LateFlag:
         self._pending: tuple[torch.Tensor, Any] | None = None
 
     def exchange(self, local: bool) -> bool:
+        """Offer this rank's flag; returns the agreed value of the previous exchange."""
         agreed = self.settle()
         t = torch.tensor([1.0 if local else 0.0])
         self._pending = (t, self.plane.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))

@@ -28,6 +28,7 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        """torchrun's variables (the one place meshscope reads them)."""
         env = os.environ if environ is None else environ
 
         def num(name: str, default: int) -> int:
@@ -55,6 +56,7 @@ class DistEnv:
 
     @property
     def is_distributed(self) -> bool:
+        """More than one rank."""
         return self.world_size > 1
 
     def local_ranks(self) -> list[int]:

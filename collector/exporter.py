@@ -17,6 +17,7 @@ class PortInUseError(RuntimeError):
 
 
 def port_for(base_port: int, local_rank: int) -> int:
+    """The /metrics port of a local rank."""
     return base_port + local_rank
 
 

@@ -27,7 +27,13 @@ class MeshscopeMetrics:
     """The metric families of one process, registered on `registry`."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        r = registry
+        self._step_families(registry)
+        self._layer_families(registry)
+        self._fault_families(registry)
+        self._touch_known_children()
+
+    def _step_families(self, r: CollectorRegistry) -> None:
+        """What every step of this rank measures."""
         self.step_duration = Histogram(
             "meshscope_step_duration_seconds",
             "Wall time of one training step on this rank.",
@@ -57,6 +63,15 @@ class MeshscopeMetrics:
         )
         self.loss = Gauge("meshscope_loss", "Last step's training loss.", registry=r)
         self.grad_norm = Gauge("meshscope_grad_norm", "Last step's global gradient norm.", registry=r)
+        self.memory = Gauge(
+            "meshscope_memory_bytes",
+            "Memory; kind=allocated|reserved (device), rss (host).",
+            ["kind"],
+            registry=r,
+        )
+
+    def _layer_families(self, r: CollectorRegistry) -> None:
+        """Per layer (bounded: layers, experts, modules), exported by rank 0."""
         # the gradient inspector's, exported by rank 0 (gradients are all-reduced: one answer)
         self.layer_grad_norm = Gauge(
             "meshscope_layer_grad_norm",
@@ -68,12 +83,6 @@ class MeshscopeMetrics:
             "meshscope_layer_update_ratio",
             "Norm of one layer's last update over its weights' norm.",
             ["module"],
-            registry=r,
-        )
-        self.memory = Gauge(
-            "meshscope_memory_bytes",
-            "Memory; kind=allocated|reserved (device), rss (host).",
-            ["kind"],
             registry=r,
         )
         self.expert_tokens = Counter(
@@ -91,6 +100,9 @@ class MeshscopeMetrics:
         self.expert_imbalance = Gauge(
             "meshscope_expert_imbalance_ratio", "Max / mean expert load of a layer.", ["layer"], registry=r
         )
+
+    def _fault_families(self, r: CollectorRegistry) -> None:
+        """Liveness, faults, restarts and what the run is."""
         self.heartbeat_age = Gauge(
             "meshscope_heartbeat_age_seconds",
             "Seconds since a rank's last heartbeat (exported by its node's watcher).",
@@ -103,7 +115,6 @@ class MeshscopeMetrics:
             "meshscope_recovery_seconds", "Time of the last recovery, failure to first step.", registry=r
         )
         self.run_info = Info("meshscope_run", "What this run is.", registry=r)
-        self._touch_known_children()
 
     def _touch_known_children(self) -> None:
         """Create bounded label sets up front so every series exists from the first scrape."""
@@ -120,6 +131,7 @@ class MeshscopeMetrics:
     def describe_run(
         self, *, device: str, backend: str, world_size: int, compression: str, version: str
     ) -> None:
+        """Set `meshscope_run_info` (what this run is)."""
         self.run_info.info(
             {
                 "device": device,

@@ -14,6 +14,7 @@ PROTOCOL_ATTRIBUTE = "expert_token_counts"
 
 
 def is_moe_layer(module: torch.nn.Module) -> bool:
+    """Whether `module` follows the MoE protocol (exposes its per-expert token counts)."""
     return isinstance(getattr(module, PROTOCOL_ATTRIBUTE, None), torch.Tensor)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,130 +39,15 @@ from meshscope.collector.flightlog import FlightLog
 from meshscope.collector.flightlog import allreduce_hook as flight_allreduce_hook
 from meshscope.collector.metrics import MeshscopeMetrics
 from meshscope.collector.moe import find_moe_layers
+from meshscope.collector.monitor_config import MonitorConfig
 from meshscope.collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
 from meshscope.collector.readback import Readback, ScalarWindow
 from meshscope.collector.schema import Event, StepRecord
+from meshscope.collector.scope import PendingStep, StepContext, StepScope
 from meshscope.collector.store import RunStore
 from meshscope.collector.version import VERSION
 
 log = logging.getLogger("meshscope.monitor")
-
-
-@dataclass(kw_only=True)
-class MonitorConfig:
-    """How a Monitor records. Built once at the edge and handed down."""
-
-    run_dir: Path
-    """Folder of this run: store.sqlite and targets.json live here."""
-    run_id: str = ""
-    """Run identifier; defaults to the run directory's name."""
-    metrics_port: int | None = 9400
-    """Base port of the per-rank /metrics exporter (port = base + local rank); None = no exporter."""
-    metrics_host: str = "127.0.0.1"
-    """Address the exporter binds to and the one written into targets.json."""
-    expert_every: int = 5
-    """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
-    sync_every: int = 10
-    """Steps per window: device scalars of a window share one buffer and one copy to the host,
-    and finished steps go to the store and /metrics once per window (and on flush/close)."""
-    comm_sample_every: int = 10
-    """Time each gradient bucket on one step in this many (the wait for communication, which
-    makes the comm ratio, is measured every step)."""
-    nan_events: bool = True
-    """Write a `nan` event when the logged loss turns non-finite. Off when a tensor tracer
-    reports non-finite steps itself (with the module): one event per finding, not two."""
-    flight_log: bool = True
-    """Keep the collective flight log (`collector.flightlog`) in `<run_dir>/live/`, which the
-    hang watchdog reads; it gives DDP a Python all-reduce hook so every bucket is seen."""
-    flight_capacity: int = 2048
-    """Collectives the flight log keeps per rank (a ring)."""
-
-    def __post_init__(self) -> None:
-        self.run_dir = Path(self.run_dir)
-        if not self.run_id:
-            self.run_id = self.run_dir.name
-        if self.expert_every < 1:
-            raise ValueError(f"MonitorConfig.expert_every must be >= 1, got {self.expert_every}")
-        if self.sync_every < 1:
-            raise ValueError(f"MonitorConfig.sync_every must be >= 1, got {self.sync_every}")
-        if self.comm_sample_every < 1:
-            raise ValueError(f"MonitorConfig.comm_sample_every must be >= 1, got {self.comm_sample_every}")
-        if self.flight_capacity < 16:
-            raise ValueError(f"MonitorConfig.flight_capacity must be >= 16, got {self.flight_capacity}")
-        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
-            raise ValueError(f"MonitorConfig.metrics_port must be a TCP port, got {self.metrics_port}")
-
-
-@dataclass
-class _Pending:
-    """A finished step whose numbers may still live on the device."""
-
-    step: int
-    tokens: int
-    wall_time: float
-    bounds: tuple[Any, Any]
-    phases: dict[str, tuple[Any, Any]]
-    comm: CommWindow
-    memory: dict[str, int]
-    scalars: dict[str, float] = field(default_factory=dict)
-    device_keys: list[str] = field(default_factory=list)
-    window: ScalarWindow | None = None
-    offset: int = 0
-
-    def marks(self) -> list[Any]:
-        """Every device mark this step's record reads."""
-        spans = [self.bounds, *self.phases.values(), *self.comm.spans, self.comm.wait]
-        return [m for span in spans for m in span if m is not None]
-
-
-class _Phase:
-    """A phase's two marks (a plain class: a generator-based context costs more per step)."""
-
-    __slots__ = ("scope", "name", "start")
-
-    def __init__(self, scope: StepScope, name: str) -> None:
-        self.scope, self.name = scope, name
-
-    def __enter__(self) -> None:
-        self.start = self.scope._probe.mark()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.scope.phases[self.name] = (self.start, self.scope._probe.mark())
-
-
-class StepScope:
-    """Handed out by `Monitor.step()`: time named phases and log scalars."""
-
-    def __init__(self, probe: DeviceProbe) -> None:
-        self._probe = probe
-        self.phases: dict[str, tuple[Any, Any]] = {}
-        self.scalars: dict[str, Any] = {}
-
-    def phase(self, name: str) -> _Phase:
-        """`with s.phase("forward"): ...` times a named part of the step."""
-        return _Phase(self, name)
-
-    def log(self, **scalars: Any) -> None:
-        """Record loss, grad_norm, ...: tensors are kept as they are and read later."""
-        for key, value in scalars.items():
-            self.scalars[key] = value.detach() if isinstance(value, torch.Tensor) else value
-
-
-class _Step:
-    """The context `Monitor.step()` returns (a plain class: cheaper than a generator)."""
-
-    __slots__ = ("mon", "tokens", "step", "scope", "wall", "start")
-
-    def __init__(self, mon: Monitor, tokens: int, step: int | None) -> None:
-        self.mon, self.tokens, self.step = mon, tokens, step
-
-    def __enter__(self) -> StepScope:
-        self.scope, self.wall, self.start = self.mon._begin(self.tokens, self.step)
-        return self.scope
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is None:  # a step that raised is not a step
-            self.mon._end(self.scope, self.tokens, self.wall, self.start)
 
 
 class Monitor:
@@ -193,7 +77,7 @@ class Monitor:
         self._ddp_bytes = (0, 0)  # (raw, wire) per step when DDP reduces in C++ (no hook)
         # Built here on every rank (a side group is collective) unless the caller shares one.
         self.control = control if control is not None else ControlPlane.maybe()
-        self._pending: list[_Pending] = []
+        self._pending: list[PendingStep] = []
         self._window = ScalarWindow()
         self._window_steps = 0
         self._expert_reads: list[tuple[int, Readback]] = []
@@ -314,10 +198,10 @@ class Monitor:
             acc.add_(module.expert_token_counts.detach())
 
     # --- the step -------------------------------------------------------------------------
-    def step(self, tokens: int = 0, step: int | None = None) -> _Step:
+    def step(self, tokens: int = 0, step: int | None = None) -> StepContext:
         """`with mon.step(tokens=n) as s:` measures one training step; `step` defaults to the
         previous one plus one."""
-        return _Step(self, tokens, step)
+        return StepContext(self, tokens, step)
 
     def _begin(self, tokens: int, step: int | None) -> tuple[StepScope, float, Any]:
         self._step = self._step + 1 if step is None else step
@@ -328,7 +212,7 @@ class Monitor:
         return StepScope(self.probe), time.time(), self.probe.mark()
 
     def _end(self, scope: StepScope, tokens: int, wall: float, start: Any) -> None:
-        pending = _Pending(
+        pending = PendingStep(
             step=self._step,
             tokens=tokens,
             wall_time=wall,
@@ -361,7 +245,7 @@ class Monitor:
                 comm.measured_s = self._ddp_stats.fresh_seconds()
         return comm
 
-    def _take_scalars(self, p: _Pending, scalars: dict[str, Any]) -> None:
+    def _take_scalars(self, p: PendingStep, scalars: dict[str, Any]) -> None:
         """Host values are read now; device tensors join the window's buffer."""
         on_device = {k: v for k, v in scalars.items() if readback.is_device_tensor(v)}
         p.scalars = {k: float(v) for k, v in scalars.items() if k not in on_device}
@@ -374,6 +258,7 @@ class Monitor:
         self._window, self._window_steps = ScalarWindow(), 0
 
     def should_sync_experts(self, step: int) -> bool:
+        """Whether this step closes an expert-load window."""
         return bool(self._moe_layers) and (step + 1) % self.config.expert_every == 0
 
     def _sync_experts(self, step: int) -> None:
@@ -409,14 +294,14 @@ class Monitor:
                 read.wait()
             self._emit_experts(step, read.value().tolist())
 
-    def _finished(self, p: _Pending) -> bool:
+    def _finished(self, p: PendingStep) -> bool:
         if p.window is not None and not p.window.ready():
             return False
         if not self.probe.asynchronous:  # host marks are times already taken
             return True
         return all(mark_ready(self.probe, m) for m in p.marks())
 
-    def _wait(self, p: _Pending) -> None:
+    def _wait(self, p: PendingStep) -> None:
         """Block until a step's numbers are on the host: flush and close only."""
         if p.window is not None:
             p.window.wait()
@@ -428,7 +313,7 @@ class Monitor:
             self.metrics.observe_experts(table)
             self.store.add_expert_load(step, table)
 
-    def _record(self, p: _Pending) -> StepRecord:
+    def _record(self, p: PendingStep) -> StepRecord:
         sec = self.probe.seconds  # the marks are finished: reading them does not wait
         step_s = sec(*p.bounds)
         phases = {name: sec(*span) for name, span in p.phases.items()}
@@ -465,7 +350,7 @@ class Monitor:
             nonfinite=nonfinite,
         )
 
-    def _comm_seconds(self, p: _Pending) -> tuple[float, float]:
+    def _comm_seconds(self, p: PendingStep) -> tuple[float, float]:
         """(communication in flight, communication the step waited for after compute).
 
         The wait is measured every step (`BackwardWatch`). The time in flight, from the first
@@ -501,6 +386,7 @@ class Monitor:
         step: int | None = None,
         detail: dict[str, Any] | None = None,
     ) -> Event:
+        """Record an Event of this run (store, and the flight log's timeline)."""
         ev = Event(
             kind=kind,
             run_id=self.config.run_id,

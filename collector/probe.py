@@ -22,15 +22,20 @@ class DeviceProbe(Protocol):
 
     asynchronous: bool
 
-    def mark(self) -> Any: ...
+    def mark(self) -> Any:
+        """Record a point on the device's stream (an event); returns it."""
 
-    def ready(self, mark: Any) -> bool: ...
+    def ready(self, mark: Any) -> bool:
+        """Whether the device has passed `mark` (never blocks)."""
 
-    def wait(self, mark: Any) -> None: ...
+    def wait(self, mark: Any) -> None:
+        """Block until the device has passed `mark` (a sync point)."""
 
-    def seconds(self, start: Any, end: Any) -> float: ...
+    def seconds(self, start: Any, end: Any) -> float:
+        """Device time between two passed marks."""
 
-    def memory(self) -> dict[str, int]: ...
+    def memory(self) -> dict[str, int]:
+        """Allocated, reserved and host RSS bytes."""
 
 
 def mark_ready(probe: Any, mark: Any) -> bool:
@@ -70,16 +75,21 @@ class HostProbe:
     asynchronous = False
 
     def mark(self) -> float:
+        """Now, on the host clock."""
         return time.perf_counter()
 
     def ready(self, mark: float) -> bool:
+        """Always: the host has passed every mark it made."""
         return True
 
     def wait(self, mark: float) -> None:
+        """Nothing to wait for on the host."""
         return None
 
     def seconds(self, start: float, end: float) -> float:
+        """Host time between two marks."""
         return max(0.0, end - start)
 
     def memory(self) -> dict[str, int]:
+        """Host RSS (no device memory on the CPU)."""
         return {"allocated": 0, "reserved": 0, "rss": host_rss_bytes()}

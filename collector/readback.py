@@ -82,6 +82,7 @@ class ScalarWindow:
         return not self._parts and (self.readback is None or self.readback.ready())
 
     def wait(self) -> None:
+        """Close the window and wait for its copy to land (flush and close only)."""
         self.close()
         if self.readback is not None:
             self.readback.wait()

@@ -66,6 +66,7 @@ _STEP_ROW = operator.attrgetter(*STEP_COLUMNS)  # a StepRecord as a row, in one 
 
 
 def store_path(run_dir: str | Path) -> Path:
+    """The run store's file in a run directory."""
     return Path(run_dir) / STORE_NAME
 
 
@@ -130,12 +131,15 @@ class RunStore:
             self._items.append(item)
 
     def add_step(self, rec: StepRecord) -> None:
+        """Queue a StepRecord for the writer thread."""
         self._put(("step", rec))
 
     def add_event(self, event: Event) -> None:
+        """Queue an Event for the writer thread."""
         self._put(("event", event))
 
     def add_expert_load(self, step: int, tokens: list[list[float]]) -> None:
+        """Queue one window's tokens per (layer, expert)."""
         self._put(("experts", (step, tokens)))
 
     def add_tensor_stats(self, rows: list[dict[str, Any]]) -> None:
@@ -154,6 +158,7 @@ class RunStore:
         done.wait(timeout)
 
     def close(self) -> None:
+        """Write what is queued and close the connection."""
         if self._thread.is_alive():
             self._stopping = True
             self._wake.set()
@@ -173,67 +178,53 @@ class RunStore:
                 return
 
     def _commit(self, items: list[tuple[str, Any]]) -> None:
-        steps, events, experts, stats, grads, barriers = [], [], [], [], [], []
+        """Write one batch in one transaction, then release the flushes waiting on it."""
+        rows: dict[str, list[tuple]] = {kind: [] for kind in _INSERT}
+        barriers = []
         for kind, payload in items:
-            if kind == "step":
-                steps.append(_STEP_ROW(payload))
-            elif kind == "event":
-                events.append(
-                    (
-                        payload.time,
-                        payload.run_id,
-                        payload.kind,
-                        payload.severity,
-                        payload.rank,
-                        payload.step,
-                        json.dumps(payload.detail, default=str),
-                    )
-                )
-            elif kind == "experts":
-                step, table = payload
-                experts.extend(
-                    (step, layer, expert, float(tok))
-                    for layer, row in enumerate(table)
-                    for expert, tok in enumerate(row)
-                )
-            elif kind == "stats":
-                stats.extend(payload)
-            elif kind == "grads":
-                grads.extend(payload)
-            else:
+            if kind == "barrier":
                 barriers.append(payload)
+            else:
+                rows[kind].extend(_ROWS[kind](payload))
         with self._conn:  # one transaction per batch
-            if steps:
-                marks = ",".join("?" * len(STEP_COLUMNS))
-                self._conn.executemany(
-                    f"INSERT OR REPLACE INTO steps ({','.join(STEP_COLUMNS)}) VALUES ({marks})", steps
-                )
-            if events:
-                self._conn.executemany(
-                    "INSERT INTO events (time, run_id, kind, severity, rank, step, detail) "
-                    "VALUES (?,?,?,?,?,?,?)",
-                    events,
-                )
-            if experts:
-                self._conn.executemany(
-                    "INSERT OR REPLACE INTO expert_load (step, layer, expert, tokens) VALUES (?,?,?,?)",
-                    experts,
-                )
-            if stats:
-                cols = ",".join(f'"{c}"' for c in TENSOR_STAT_COLUMNS)
-                self._conn.executemany(
-                    f"INSERT OR REPLACE INTO tensor_stats ({cols}) VALUES "
-                    f"({','.join('?' * len(TENSOR_STAT_COLUMNS))})",
-                    stats,
-                )
-            if grads:
-                self._conn.executemany(
-                    f"INSERT OR REPLACE INTO grad_stats ({','.join(GRAD_STAT_COLUMNS)}) VALUES "
-                    f"({','.join('?' * len(GRAD_STAT_COLUMNS))})",
-                    grads,
-                )
+            for kind, batch in rows.items():
+                if batch:
+                    self._conn.executemany(_INSERT[kind], batch)
         for done in barriers:
             done.set()
+
+
+def _insert(table: str, columns: tuple[str, ...], verb: str = "INSERT OR REPLACE") -> str:
+    names = ",".join(f'"{c}"' for c in columns)
+    return f"{verb} INTO {table} ({names}) VALUES ({','.join('?' * len(columns))})"
+
+
+def _event_row(e: Event) -> list[tuple]:
+    return [(e.time, e.run_id, e.kind, e.severity, e.rank, e.step, json.dumps(e.detail, default=str))]
+
+
+def _expert_rows(payload: tuple[int, list[list[float]]]) -> list[tuple]:
+    step, table = payload
+    return [
+        (step, layer, expert, float(tok)) for layer, row in enumerate(table) for expert, tok in enumerate(row)
+    ]
+
+
+# Per queued kind: how its payload becomes rows, and the statement that writes them.
+_ROWS: dict[str, Any] = {
+    "step": lambda rec: [_STEP_ROW(rec)],
+    "event": _event_row,
+    "experts": _expert_rows,
+    "stats": list,
+    "grads": list,
+}
+_INSERT = {
+    "step": _insert("steps", STEP_COLUMNS),
+    "event": _insert("events", ("time", "run_id", "kind", "severity", "rank", "step", "detail"), "INSERT"),
+    "experts": _insert("expert_load", ("step", "layer", "expert", "tokens")),
+    "stats": _insert("tensor_stats", TENSOR_STAT_COLUMNS),
+    "grads": _insert("grad_stats", GRAD_STAT_COLUMNS),
+}
 
 
 class StoreError(ValueError):

@@ -72,6 +72,7 @@ def _email(r: AlertRouting) -> list[dict[str, Any]]:
 
 
 def alertmanager_config(routing: AlertRouting, templates: list[str]) -> dict[str, Any]:
+    """Alertmanager's configuration for this routing (secrets by file)."""
     wait, interval, repeat = ("1s", "1s", "1h") if routing.fast else ("10s", "1m", "4h")
     config: dict[str, Any] = {
         "route": {

@@ -79,6 +79,7 @@ def _base(uid: str, title: str, *, layer: bool = False) -> dashboard.Dashboard:
 
 
 def training() -> dashboard.Dashboard:
+    """The Training board: progress, step time, tokens/s, communication, memory."""
     return (
         _base("meshscope-training", "meshscope / Training")
         .with_row(dashboard.Row("Progress"))
@@ -140,6 +141,7 @@ def training() -> dashboard.Dashboard:
 
 
 def experts() -> dashboard.Dashboard:
+    """The Experts board: layer x expert load heatmap, imbalance, top experts."""
     sel = f'{RUN},layer=~"$layer"'
     load_heatmap = (
         heatmap.Panel()
@@ -192,6 +194,7 @@ def experts() -> dashboard.Dashboard:
 
 
 def faults() -> dashboard.Dashboard:
+    """The Faults board: restarts, recovery, dead ranks, hangs, anomalies."""
     return (
         _base("meshscope-faults", "meshscope / Faults and anomalies")
         .with_panel(_stat("Restarts", "short", _q(f"max(meshscope_restarts_total{{{RUN}}})")))
@@ -237,78 +240,70 @@ def faults() -> dashboard.Dashboard:
     )
 
 
+def _debug_panels() -> list:
+    """The Debug board's panels, top to bottom."""
+    return [
+        _ts(
+            "Steps per minute per rank (0 = hung)",
+            "short",
+            _q(f"increase(meshscope_steps_total{{{RUN}}}[1m])", "rank {{rank}}"),
+            desc="A rank at 0 while up is stuck: in a collective if its peers are also at 0.",
+        ),
+        _ts(
+            "Heartbeat age per peer",
+            "s",
+            _q(f"max by (peer) (meshscope_heartbeat_age_seconds{{{RUN}}})", "peer {{peer}}"),
+        ),
+        _ts(
+            "Non-finite losses",
+            "short",
+            _q(
+                f'increase(meshscope_faults_total{{{RUN},kind="nonfinite"}}[$__rate_interval])',
+                "rank {{rank}}",
+            ),
+        ),
+        _ts(
+            "Hangs and dead ranks",
+            "short",
+            _q(
+                f'increase(meshscope_faults_total{{{RUN},kind=~"hang|dead_rank"}}[$__rate_interval])',
+                "{{kind}} rank {{rank}}",
+            ),
+        ),
+        _ts(
+            "Compute per rank vs the median",
+            "x",
+            _q(f"run_rank:meshscope_compute_vs_median:ratio{{{RUN}}}", "rank {{rank}}"),
+        ),
+        _ts(
+            "Slowest step (max over ranks)",
+            "s",
+            _q(f"max(run_rank:meshscope_step_duration_seconds:p99_1m{{{RUN}}})", "p99"),
+        ),
+        _ts(
+            "Gradient norm per layer",
+            "short",
+            _q(f"max by (module) (meshscope_layer_grad_norm{{{RUN}}})", "{{module}}"),
+            desc="Sampled steps, before clipping. A layer 100x above its usual "
+            "norm is a gradient_exploding anomaly, 1000x below "
+            "gradient_vanishing (events in the run store).",
+        ),
+        _ts(
+            "Update / weight ratio per layer",
+            "short",
+            _q(f"max by (module) (meshscope_layer_update_ratio{{{RUN}}})", "{{module}}"),
+            desc="Norm of the optimizer's update over the weights' norm; around "
+            "1e-3 is healthy, far below: the layer has stopped learning.",
+        ),
+    ]
+
+
 def debug() -> dashboard.Dashboard:
-    return (
-        _base("meshscope-debug", "meshscope / Debug")
-        .with_panel(
-            _ts(
-                "Steps per minute per rank (0 = hung)",
-                "short",
-                _q(f"increase(meshscope_steps_total{{{RUN}}}[1m])", "rank {{rank}}"),
-                desc="A rank at 0 while up is stuck: in a collective if its peers are also at 0.",
-            )
-        )
-        .with_panel(
-            _ts(
-                "Heartbeat age per peer",
-                "s",
-                _q(f"max by (peer) (meshscope_heartbeat_age_seconds{{{RUN}}})", "peer {{peer}}"),
-            )
-        )
-        .with_panel(
-            _ts(
-                "Non-finite losses",
-                "short",
-                _q(
-                    f'increase(meshscope_faults_total{{{RUN},kind="nonfinite"}}[$__rate_interval])',
-                    "rank {{rank}}",
-                ),
-            )
-        )
-        .with_panel(
-            _ts(
-                "Hangs and dead ranks",
-                "short",
-                _q(
-                    f'increase(meshscope_faults_total{{{RUN},kind=~"hang|dead_rank"}}[$__rate_interval])',
-                    "{{kind}} rank {{rank}}",
-                ),
-            )
-        )
-        .with_panel(
-            _ts(
-                "Compute per rank vs the median",
-                "x",
-                _q(f"run_rank:meshscope_compute_vs_median:ratio{{{RUN}}}", "rank {{rank}}"),
-            )
-        )
-        .with_panel(
-            _ts(
-                "Slowest step (max over ranks)",
-                "s",
-                _q(f"max(run_rank:meshscope_step_duration_seconds:p99_1m{{{RUN}}})", "p99"),
-            )
-        )
-        .with_panel(
-            _ts(
-                "Gradient norm per layer",
-                "short",
-                _q(f"max by (module) (meshscope_layer_grad_norm{{{RUN}}})", "{{module}}"),
-                desc="Sampled steps, before clipping. A layer 100x above its usual "
-                "norm is a gradient_exploding anomaly, 1000x below "
-                "gradient_vanishing (events in the run store).",
-            )
-        )
-        .with_panel(
-            _ts(
-                "Update / weight ratio per layer",
-                "short",
-                _q(f"max by (module) (meshscope_layer_update_ratio{{{RUN}}})", "{{module}}"),
-                desc="Norm of the optimizer's update over the weights' norm; around "
-                "1e-3 is healthy, far below: the layer has stopped learning.",
-            )
-        )
-    )
+    """The Debug board: anomaly scores, non-finite values, gradients per layer."""
+    board = _base("meshscope-debug", "meshscope / Debug")
+    for panel in _debug_panels():
+        board = board.with_panel(panel)
+    return board
 
 
 BOARDS = {"training": training, "experts": experts, "faults": faults, "debug": debug}
@@ -322,6 +317,7 @@ def build_all() -> dict[str, dict]:
 
 
 def render(board: dict) -> str:
+    """A board as the committed JSON text."""
     return json.dumps(board, indent=2, sort_keys=True) + "\n"
 
 
@@ -344,6 +340,7 @@ def board_queries(board: dict) -> list[tuple[str, str]]:
 
 
 def write_all(folder: Path = OUT) -> list[Path]:
+    """Write every board's JSON into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, board in build_all().items():

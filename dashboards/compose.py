@@ -41,6 +41,7 @@ def compose_configs() -> dict[str, str]:
 
 
 def write_compose_configs(folder: Path = FOLDER) -> list[Path]:
+    """Write the compose stack's Prometheus and Alertmanager configs."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, text in compose_configs().items():

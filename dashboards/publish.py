@@ -29,6 +29,7 @@ class Published:
 
 
 def read_token(path: Path) -> str:
+    """A Grafana token from its file; PublishError naming the file otherwise."""
     try:
         token = Path(path).read_text().strip()
     except OSError as err:

@@ -57,6 +57,7 @@ class Component:
 
 
 def find_binary(component: str) -> str:
+    """The installed binary of a stack component; StackError naming the package."""
     for name in BINARIES[component]:
         path = shutil.which(name)
         if path:
@@ -257,5 +258,6 @@ def targets_by_run(prometheus_url: str) -> dict[str, dict[str, int]]:
 
 
 def firing_alerts(prometheus_url: str) -> list[dict[str, Any]]:
+    """The alerts Prometheus is firing now."""
     alerts = json.loads(_http(f"{prometheus_url}/api/v1/alerts"))["data"]["alerts"]
     return [a for a in alerts if a["state"] == "firing"]

@@ -16,6 +16,7 @@ from sklearn.utils.validation import check_is_fitted
 
 
 def as_matrix(X: pd.DataFrame | np.ndarray) -> np.ndarray:
+    """Rows x columns as floats (a 1-D input is one column)."""
     arr = X.to_numpy(dtype=float) if isinstance(X, pd.DataFrame) else np.asarray(X, dtype=float)
     return arr.reshape(-1, 1) if arr.ndim == 1 else arr
 
@@ -38,11 +39,25 @@ class Detector(OutlierMixin, BaseEstimator):
         if self._parameter_constraints:
             self._validate_params()
 
+    def fit(self, X: pd.DataFrame | np.ndarray, y: None = None) -> Detector:
+        """Learn what normal rows look like from `X`; returns self."""
+        raise NotImplementedError
+
+    def score_samples(self, X: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """Per row: higher is more normal."""
+        raise NotImplementedError
+
+    def culprits(self, X: pd.DataFrame | np.ndarray) -> list[list[int]]:
+        """Per row: the columns (ranks, experts) that make it anomalous."""
+        raise NotImplementedError
+
     def decision_function(self, X: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """Negative for anomalies: `score_samples` shifted by the threshold."""
         check_is_fitted(self)
         return self.score_samples(X) + self._offset()
 
     def predict(self, X: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """-1 for anomalies, +1 for normal rows."""
         return np.where(self.decision_function(X) < 0, -1, 1)
 
 
@@ -54,12 +69,14 @@ class WindowedDetector(Detector):
     window: int
 
     def fit(self, X, y=None):
+        """Start the window from `X`; returns self."""
         self._check()
         self.history_ = as_matrix(X)[-self.window :]
         self._learn()
         return self
 
     def partial_fit(self, X, y=None):
+        """Slide the window over `X`; returns self."""
         check_is_fitted(self)
         return self.fit(np.vstack([self.history_, as_matrix(X)]))
 

@@ -49,6 +49,7 @@ class Straggler(WindowedDetector):
         self.best_ = np.percentile(self.history_, 10, axis=0)  # each rank's own best recent time
 
     def ratios(self, X) -> np.ndarray:
+        """Each rank's compute over its peers' (and over its own best)."""
         X = as_matrix(X)
         others = _median_of_others(X)
         return np.minimum(X / np.maximum(others, 1e-9), X / np.maximum(self.best_, 1e-9))
@@ -257,6 +258,7 @@ class ExpertLoad(WindowedDetector):
         self.usual_ = np.median(self.history_, axis=0)
 
     def hotness(self, X) -> np.ndarray:
+        """Per expert: 0 at its fair share, 1 when it takes every token (top-k aware)."""
         X = as_matrix(X)
         experts = X.shape[1]
         top = 1.0 / max(1, min(self.top_k, experts))
@@ -264,6 +266,7 @@ class ExpertLoad(WindowedDetector):
         return (X - fair) / max(top - fair, 1e-9)
 
     def starvation(self, X) -> np.ndarray:
+        """Per expert: 0 at its fair share, 1 when it gets nothing."""
         X = as_matrix(X)
         return 1.0 - X * X.shape[1]
 
@@ -283,6 +286,7 @@ class ExpertLoad(WindowedDetector):
         return hog, low
 
     def factors(self, X) -> np.ndarray:
+        """Per expert: the larger of its hog and starvation severities."""
         hog, low = self.severities(X)
         return np.maximum(hog, low)
 
@@ -301,6 +305,7 @@ class NonFinite(Detector):
         return 0.5
 
     def fit(self, X, y=None) -> NonFinite:
+        """Nothing to learn: NaN and Inf need no baseline."""
         self.n_features_ = as_matrix(X).shape[1]
         return self
 

@@ -23,9 +23,7 @@ from meshscope.detectors.features import COLUMN, StepFeaturizer, StepView, step_
 from meshscope.detectors.rules import (
     MULTIVARIATE,
     CommRule,
-    ExpertRule,
     Flag,
-    GradientRule,
     LossSpikeRule,
     MemoryRule,
     MultivariateRule,
@@ -37,6 +35,7 @@ from meshscope.detectors.rules import (
     WindowRule,
 )
 from meshscope.detectors.thresholds import Thresholds
+from meshscope.detectors.window_rules import ExpertRule, GradientRule
 
 
 @dataclass
@@ -125,10 +124,12 @@ class DetectionEngine:
 
     @property
     def last_expert_step(self) -> int:
+        """The last expert-load window judged."""
         return self._window("expert_load").last_step
 
     @property
     def last_grad_step(self) -> int:
+        """The last gradient-statistics window judged."""
         return self._window("grad_stats").last_step
 
     def _window(self, table: str) -> WindowRule:

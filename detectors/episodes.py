@@ -25,9 +25,11 @@ class Episode:
 
     @property
     def confirmed(self) -> bool:
+        """Flagged often enough to be reported."""
         return self.count >= self.confirm
 
     def detail(self) -> dict[str, Any]:
+        """The `anomaly` event's detail (`AnomalyDetail`)."""
         d = {
             "type": self.type,
             "ranks": self.ranks,
@@ -46,6 +48,8 @@ class Episode:
 
 
 class EpisodeTracker:
+    """Turns per-step flags into episodes: opened when confirmed, closed after `gap` quiet steps."""
+
     def __init__(self, gap: int = 3) -> None:
         self.gap = gap
         self.open: dict[tuple, Episode] = {}
@@ -95,5 +99,6 @@ class EpisodeTracker:
         return [ep for ep in done if ep.confirmed]
 
     def close_all(self) -> list[Episode]:
+        """Close every open episode; the confirmed ones."""
         done, self.open = list(self.open.values()), {}
         return [ep for ep in done if ep.confirmed]

@@ -92,6 +92,7 @@ class StepFeaturizer:
         self._rss: deque[float] = deque(maxlen=slope_window)
 
     def row(self, view: StepView) -> np.ndarray:
+        """The multivariate features of one step."""
         c = view.cols
         step_s, compute = c["step_s"], view.compute_s
         slowest = max(step_s.max(), 1e-9)

@@ -56,6 +56,7 @@ class PackedForest:
         self.denominator = len(roots) * float(average_path_length(forest.max_samples_))
 
     def score_samples(self, X: np.ndarray) -> np.ndarray:
+        """Mean path length per row, as scikit-learn's IsolationForest scores it."""
         X = np.asarray(X, dtype=np.float32).astype(float)  # the trees split float32 inputs
         node = np.broadcast_to(self.roots, (len(X), len(self.roots))).copy()
         row = np.arange(len(X))[:, None]
@@ -95,6 +96,7 @@ class OnlineIsolationForest(Detector):
     }
 
     def fit(self, X, y=None) -> OnlineIsolationForest:
+        """Fit the forest on the last `window` rows; returns self."""
         self._check()
         X = np.nan_to_num(as_matrix(X))[-self.window :]
         self.center_ = np.median(X, axis=0)
@@ -138,5 +140,6 @@ class OnlineIsolationForest(Detector):
         return self
 
     def explain(self, X, names: list[str], top: int = 3) -> list[list[tuple[str, float]]]:
+        """Per row, the features that deviate most (name, robust z)."""
         dev = np.abs(self._scaled(np.nan_to_num(as_matrix(X))))
         return [[(names[i], round(float(row[i]), 2)) for i in np.argsort(-row)[:top]] for row in dev]

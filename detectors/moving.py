@@ -41,6 +41,7 @@ class RobustZ(WindowedDetector):
         self.scale_ = np.maximum(mad, np.maximum(np.abs(self.center_) * 0.01, self.min_scale))
 
     def zscores(self, X) -> np.ndarray:
+        """(X - median) / scaled MAD, per column."""
         return (as_matrix(X) - self.center_) / self.scale_
 
     def score_samples(self, X) -> np.ndarray:
@@ -64,6 +65,7 @@ class EWMA(Detector):
         self.min_std = min_std
 
     def fit(self, X, y=None) -> EWMA:
+        """Start the moving mean and variance from `X`; returns self."""
         self._check()
         X = as_matrix(X)
         self.mean_ = np.nanmean(X, axis=0)
@@ -71,6 +73,7 @@ class EWMA(Detector):
         return self.partial_fit(X)
 
     def partial_fit(self, X, y=None) -> EWMA:
+        """Move the mean and variance over `X`; returns self."""
         for row in as_matrix(X):
             ok = np.isfinite(row)
             diff = np.where(ok, row - self.mean_, 0.0)

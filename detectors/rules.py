@@ -12,20 +12,18 @@ exported `meshscope_anomalies_total{type}` label set comes from them):
 A `Flag` becomes an episode in the engine (`detectors.episodes`), then an `anomaly` event.
 Hangs in progress are not judged here: the watchdog (`meshscope.watchdog`) reads the present.
 Adding a detector: a class here following one protocol with its `types`, an entry in the
-engine's list (`DetectionEngine.rules` / `window_rules`), and a board panel if it exports a score.
-"""
+engine's list (`DetectionEngine.rules` / `window_rules`), and a board panel if it exports a score."""
 
 from __future__ import annotations
 
 import collections
-import statistics
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from meshscope.detectors.domain import ExpertLoad, MemoryGrowth, NonFinite, PersistentStraggler, Straggler
+from meshscope.detectors.domain import MemoryGrowth, NonFinite, PersistentStraggler, Straggler
 from meshscope.detectors.isolation import OnlineIsolationForest
 from meshscope.detectors.moving import RobustZ
 
@@ -33,6 +31,8 @@ from meshscope.detectors.moving import RobustZ
 # the gradient norm either: 3-4x spikes for a step or two are ordinary in LM training (4 in a
 # 15,000-step clean run here) and a spike that matters shows as a loss spike or a NaN.
 MULTIVARIATE = ["step_spread", "compute_spread", "comm_ratio", "loss_delta", "mem_slope"]
+
+
 # The smallest change per feature that can matter (the forest's scale floor): 5 % spread or
 # comm ratio, 0.05 in loss, 1 MiB/step of memory. A feature that sat still in the window would
 # otherwise turn the first wiggle into a million IQRs.
@@ -73,38 +73,39 @@ class Verdict:
         return any(f.type == type for f in self.flags)
 
 
-class StepRule(Protocol):
-    """Judges one complete step (see the module doc)."""
+class StepRule:
+    """Judges one complete step (see the module doc). Subclasses override `judge`, and
+    `learn`/`update` when they keep a baseline."""
 
     name: str
     types: tuple[str, ...]  # the anomaly types its flags carry
-    during_warmup: bool  # judges before the warm-up ends (a NaN needs no baseline)
+    during_warmup: bool = False  # judges before the warm-up ends (a NaN needs no baseline)
 
     def learn(self, warm: Any) -> None:
         """Fit on the warm-up rows (one row per step)."""
 
     def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
         """This step's flags; `verdict` holds what earlier rules said."""
+        raise NotImplementedError
 
     def update(self, row: Any, normal: bool) -> None:
         """Move the baseline on (most rules only on normal steps)."""
 
 
-class WindowRule(Protocol):
+class WindowRule:
     """Judges a table of the run store as its windows arrive (see the module doc)."""
 
     name: str
     types: tuple[str, ...]  # the anomaly types its flags carry
     table: str  # which table of the run store it reads
+    last_step: int = -1  # the last step judged
 
     def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]:
         """(step, flag) for the rows after the last judged step; learns as it goes."""
+        raise NotImplementedError
 
 
-# --- step rules ---------------------------------------------------------------------------
-
-
-class NonFiniteRule:
+class NonFiniteRule(StepRule):
     """A rank's loss is NaN or Inf."""
 
     name, during_warmup = "nan", True
@@ -131,11 +132,8 @@ class NonFiniteRule:
             )
         ]
 
-    def update(self, row: Any, normal: bool) -> None:
-        pass
 
-
-class StallRule:
+class StallRule(StepRule):
     """A step many times the usual one: a stall (a stuck collective, a blocked input). Loud,
     so no confirmation, and it explains the step (nothing else is judged). It owns the usual
     step time."""
@@ -171,7 +169,7 @@ class StallRule:
             self.step_time.partial_fit(row.col("step_s"))
 
 
-class StragglerRule:
+class StragglerRule(StepRule):
     """A rank computes slower than its peers: much slower now (`Straggler`), or a little
     slower than its usual pace, step after step (`PersistentStraggler`, three ranks or more);
     several at once."""
@@ -264,7 +262,7 @@ class StragglerRule:
                 p.partial_fit(row.compute)
 
 
-class CommRule:
+class CommRule(StepRule):
     """Communication's share of the step jumped and the step got slower: the network, not a
     rank (a straggler's peers wait in communication too, so a straggler step is not judged)."""
 
@@ -299,7 +297,7 @@ class CommRule:
             self.detector.partial_fit(row.col("comm_ratio"))
 
 
-class LossSpikeRule:
+class LossSpikeRule(StepRule):
     """The loss jumped far beyond its usual step-to-step change."""
 
     name, during_warmup = "loss_spike", False
@@ -328,7 +326,7 @@ class LossSpikeRule:
             self.detector.partial_fit(row.col("loss_delta"))
 
 
-class MemoryRule:
+class MemoryRule(StepRule):
     """A rank's memory grows step after step (a leak). Its baseline moves on every step."""
 
     name, during_warmup = "memory", False
@@ -359,7 +357,7 @@ class MemoryRule:
         self.detector.partial_fit(row.rss)
 
 
-class MultivariateRule:
+class MultivariateRule(StepRule):
     """IsolationForest over the relative features: what no single rule saw. Judged only on
     steps every other rule found normal, once it has enough rows to trust its scales."""
 
@@ -391,132 +389,3 @@ class MultivariateRule:
     def update(self, row: Any, normal: bool) -> None:
         if normal:
             self.forest.partial_fit(row.multivariate)
-
-
-# --- window rules ----------------------------------------------------------------------------
-
-
-class ExpertRule:
-    """An expert takes far more tokens than balance and its usual share (it hogs), or almost
-    none (it starves), in units of the balanced share 1/E and the top-k maximum 1/k
-    (`detectors.domain.ExpertLoad`); a move toward balance is never an anomaly."""
-
-    name, table = "expert_imbalance", "expert_load"
-    types = ("expert_imbalance",)
-
-    def __init__(self, warmup: int, hog_min: float, top_k: int | None = None) -> None:
-        self.warmup, self.top_k, self.hog_min = warmup, top_k, hog_min
-        self.tokens_per_step: float | None = None  # over all ranks, set by the engine
-        self.detectors: dict[int, ExpertLoad] = {}
-        self._warm: dict[int, list[np.ndarray]] = {}
-        self.last_step = -1
-        self.spacing = 1
-
-    def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]:
-        out = []
-        for step, window in frame[frame["step"] > self.last_step].groupby("step"):
-            if self.last_step >= 0:
-                self.spacing = int(step) - self.last_step
-            for layer, grp in window.groupby("layer"):
-                tokens = grp.sort_values("expert")["tokens"].to_numpy(dtype=float)
-                if tokens.sum() <= 0:
-                    continue
-                share = (tokens / tokens.sum()).reshape(1, -1)
-                det = self.detectors.get(layer)
-                if det is None or step < self.warmup:
-                    warm = self._warm.setdefault(layer, [])
-                    warm.append(share)
-                    if step >= self.warmup - 1 or det is not None:
-                        k = self._top_k(tokens.sum(), int(step), len(tokens))
-                        self.detectors[layer] = ExpertLoad(top_k=k, hog_min=self.hog_min).fit(np.vstack(warm))
-                    continue
-                out += self._flags(int(step), int(layer), det, share)
-            self.last_step = int(step)
-        return out
-
-    def _top_k(self, routed: float, step: int, experts: int) -> int:
-        """The run's top-k when known; else from the counts themselves: a layer routes each
-        token to k experts, so its window holds k x the tokens the steps processed."""
-        if self.top_k is not None:
-            return self.top_k
-        span = self.spacing if self.last_step >= 0 else step + 1
-        if not self.tokens_per_step:
-            return 1
-        return int(min(experts, max(1, round(routed / (self.tokens_per_step * span)))))
-
-    def _flags(self, step: int, layer: int, det: ExpertLoad, share: np.ndarray) -> list[tuple[int, Flag]]:
-        hog, low = det.severities(share)
-        experts = share.shape[1]
-        flagged = [e for e in range(experts) if hog[0][e] > 0 or low[0][e] > 0]
-        if not flagged:
-            det.partial_fit(share)  # routing drifts as the router learns: follow it
-        balance = float(det.balancedness(share)[0])
-        return [
-            (
-                step,
-                Flag(
-                    "expert_imbalance",
-                    float(max(hog[0][e], low[0][e])),
-                    layer=layer,
-                    expert=e,
-                    gap=2 * self.spacing,
-                    evidence={
-                        "kind": "hog" if hog[0][e] > 0 else "starve",
-                        "share": round(float(share[0][e]), 4),
-                        "usual_share": round(float(det.usual_[e]), 4),
-                        "balanced_share": round(1 / experts, 4),
-                        "max_share": round(1 / max(1, min(det.top_k, experts)), 4),
-                        "balancedness": round(balance, 4),
-                    },
-                ),
-            )
-            for e in flagged
-        ]
-
-
-class GradientRule:
-    """A layer's gradient norm far above its usual one (exploding) or far below (vanishing),
-    from the gradient inspector's table (`grad_stats`)."""
-
-    name, table = "gradient", "grad_stats"
-    types = ("gradient_exploding", "gradient_vanishing")
-
-    def __init__(self, explode_factor: float = 100.0, vanish_factor: float = 1000.0, warmup: int = 5) -> None:
-        self.explode, self.vanish, self.warmup = explode_factor, vanish_factor, warmup
-        self.history: dict[str, collections.deque] = {}
-        self.last_step = -1
-
-    def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]:
-        out = []
-        for row in frame[frame["step"] > self.last_step].itertuples():
-            history = self.history.setdefault(row.module, collections.deque(maxlen=20))
-            g = float(row.grad_norm)
-            if not np.isfinite(g):
-                continue  # non-finite gradients are the tracer's (a `nan` event)
-            if len(history) >= self.warmup:
-                usual = statistics.median(history)
-                kind = (
-                    "gradient_exploding"
-                    if usual > 0 and g > usual * self.explode
-                    else "gradient_vanishing"
-                    if usual > 0 and g < usual / self.vanish
-                    else None
-                )
-                if kind is not None:
-                    out.append(
-                        (
-                            int(row.step),
-                            Flag(
-                                kind,
-                                g / usual,
-                                module=row.module,
-                                gap=1,
-                                evidence={"module": row.module, "grad_norm": g, "usual": usual},
-                            ),
-                        )
-                    )
-                    continue  # an outlier does not become the new usual
-            history.append(g)
-        if not frame.empty:
-            self.last_step = max(self.last_step, int(frame["step"].max()))
-        return out

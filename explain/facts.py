@@ -167,9 +167,11 @@ class Window:
     hi: int
 
     def of(self, df: pd.DataFrame) -> pd.DataFrame:
+        """The rows inside the window."""
         return df[(df["step"] >= self.lo) & (df["step"] <= self.hi)]
 
     def before(self, df: pd.DataFrame) -> pd.DataFrame:
+        """The quiet rows just before the window (the baseline)."""
         return df[(df["step"] < self.lo) & (df["step"] >= self.lo - BASELINE_STEPS)]
 
 

@@ -6,6 +6,7 @@ crash, recovery that keeps failing. `HYPOTHESES` lists them; a new one is a func
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -344,15 +345,22 @@ def _nonfinite_from_steps(facts: RunFacts, w: Window) -> list[Cause]:
     ]
 
 
+def _events_where(ev: pd.DataFrame, kind: str, key: str, value: Any) -> pd.DataFrame:
+    """Events of `kind` whose detail has `key` == `value`."""
+    rows = ev[ev["kind"] == kind]
+    return rows[[d.get(key) == value for d in rows["detail"]]]
+
+
+def _deaths(ev: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Deaths as the next attempt reports them (faults), and as the watchdog saw them happen.
+    The last death of a job that gave up has no next attempt: only the watchdog saw it."""
+    return _events_where(ev, "fault", "type", "dead_rank"), _events_where(ev, "hang", "type", "dead")
+
+
 def _crash(facts: RunFacts, w: Window) -> list[Cause]:
     """Ranks that died, and restarts that keep failing."""
     ev = facts.events
-    faults = ev[(ev["kind"] == "fault")]
-    faults = faults[[d.get("type") == "dead_rank" for d in faults["detail"]]]
-    # The watchdog sees a death as it happens; the next attempt reports it as a fault. The last
-    # death of a job that gave up has no next attempt, so it is only in the watchdog's events.
-    seen = ev[(ev["kind"] == "hang")]
-    seen = seen[[d.get("type") == "dead" for d in seen["detail"]]]
+    faults, seen = _deaths(ev)
     if faults.empty and seen.empty:
         return []
     restarts = int((ev["kind"] == "restart").sum())
@@ -360,21 +368,17 @@ def _crash(facts: RunFacts, w: Window) -> list[Cause]:
         {int(d["rank"]) for d in faults["detail"] if "rank" in d}
         | {int(r) for d in seen["detail"] for r in d.get("culprit_ranks") or []}
     )
-    aborted = ev[(ev["kind"] == "hang")]
-    aborted = aborted[[d.get("action") == "abort" for d in aborted["detail"]]]
     finished = bool((ev["kind"] == "run_end").any())
     deaths = max(len(faults), len(seen))
-    repeated = (restarts >= 1 and not finished) or deaths >= 3
     at = pd.concat([faults["step"], seen["step"]]).dropna()
     at = at[at >= 0]
-    first_step = int(at.min()) if len(at) else None
-    steps_at = sorted({int(s) for s in at})
+    first = int(at.min()) if len(at) else None
     evidence = [
         f"{_who(dead)} died without an exit mark (no clean stop) at "
-        f"step(s) {', '.join(map(str, steps_at)) or '?'}",
+        f"step(s) {', '.join(str(s) for s in sorted({int(s) for s in at})) or '?'}",
         f"{restarts} restart(s); the run {'finished' if finished else 'did not finish'}",
     ]
-    if len(aborted):
+    if len(_events_where(ev, "hang", "action", "abort")):
         # The watchdog killed them on purpose: the hang is the cause, the deaths its cure.
         evidence.append("the hang watchdog aborted these processes (see the hang)")
         return [
@@ -383,37 +387,30 @@ def _crash(facts: RunFacts, w: Window) -> list[Cause]:
                 f"{_who(dead)} stopped by the hang watchdog",
                 0.4,
                 dead,
-                first_step,
+                first,
                 evidence,
                 "see the hang cause",
             )
         ]
-    if repeated:
+    if (restarts >= 1 and not finished) or deaths >= 3:
         return [
             Cause(
                 "recovery_failing",
                 f"recovery keeps failing: {_who(dead)} died in {deaths} attempts",
                 min(0.95, 0.8 + 0.05 * restarts),
                 dead,
-                first_step,
+                first,
                 evidence,
                 "stop restarting: the fault comes back after every resume from the checkpoint (a "
                 "bad host, a bad sample at that step, a code path that always fails); drain that "
                 "rank's host or skip the data at that step",
             )
         ]
-    return [
-        Cause(
-            "crash",
-            f"{_who(dead)} died at step {first_step}",
-            0.9,
-            dead,
-            first_step,
-            evidence,
-            f"read rank {dead[0]}'s log and `dmesg` on its host (OOM killer, "
-            "signal 9, a hardware error); torchrun restarted it from the last checkpoint",
-        )
-    ]
+    action = (
+        f"read rank {dead[0]}'s log and `dmesg` on its host (OOM killer, "
+        "signal 9, a hardware error); torchrun restarted it from the last checkpoint"
+    )
+    return [Cause("crash", f"{_who(dead)} died at step {first}", 0.9, dead, first, evidence, action)]
 
 
 HYPOTHESES: list[Callable[[RunFacts, Window], list[Cause]]] = [

@@ -127,6 +127,101 @@ def predicted_balancedness(load: np.ndarray, bias: np.ndarray) -> float:
     return balancedness(np.asarray(load, dtype=float) * np.exp(bias))
 
 
+def _router_bias(d: LayerDiagnosis, load: np.ndarray, model: dict[str, Any], devices: int) -> Suggestion:
+    """The aux-loss-free bias update (DeepSeek-V3) that evens this layer's routing."""
+    bias = bias_correction(load)
+    after = predicted_balancedness(load, bias)
+    gamma = bias_rate(load)
+    slow = (
+        ""
+        if gamma == GAMMA
+        else f" (DeepSeek-V3's {GAMMA:g} would take {np.abs(bias).max() / GAMMA:.0f} steps to move the "
+        f"bias as far as the shares say; this closes it within {HORIZON_STEPS})"
+    )
+    return Suggestion(
+        "router_bias",
+        "training",
+        d.layer,
+        {"gamma": gamma, "bias": bias.round(4).tolist()},
+        {"balancedness_before": round(d.serving_balancedness, 3), "balancedness_after": round(after, 3)},
+        f"layer {d.layer}: experts {d.hot} take {sum(d.shares[e] for e in d.hot):.0%} of "
+        f"serving tokens (balanced {len(load) and 1 / len(load):.0%} each); the aux-loss-free "
+        f"bias update (DeepSeek-V3) shifts routing only, the gates stay, so the loss is not "
+        f"pulled by a balancing term; a one-shot correction from the measured shares, then "
+        f"sign updates with γ={gamma:g}" + slow,
+        control={"kind": "router_bias", "layer": d.layer, "values": [gamma, *bias.round(4).tolist()]},
+    )
+
+
+def _aux_loss(d: LayerDiagnosis, load: np.ndarray, model: dict[str, Any], devices: int) -> Suggestion:
+    """A stronger load-balancing loss (slower than the bias; it costs some LM loss)."""
+    coef = float(model.get("aux_loss_coef", 0.01))
+    new_coef = min(BOUNDS.aux_loss_coef_max, max(2 * coef, 1e-3))
+    return Suggestion(
+        "aux_loss_coef",
+        "training",
+        -1,
+        {"from": coef, "to": new_coef},
+        {
+            "balancedness_before": round(d.serving_balancedness, 3),
+            "balancedness_after": round(min(1.0, d.serving_balancedness + 0.1), 3),
+        },
+        "a stronger load-balancing loss evens routing through the gradient: slower than the "
+        "bias, and it trades some language-model loss for balance",
+        control={"kind": "aux_loss_coef", "layer": -1, "values": [new_coef]},
+    )
+
+
+def _capacity(d: LayerDiagnosis, load: np.ndarray, model: dict[str, Any], devices: int) -> Suggestion | None:
+    """A capacity factor the hottest expert fits in (None when it fits already)."""
+    factor = float(model.get("capacity_factor", 1.25))
+    need = max(d.shares) * len(load)  # the hottest expert's share over the fair share
+    if need <= factor:
+        return None
+    new = min(BOUNDS.capacity_factor_max, round(need + 0.05, 2))
+    return Suggestion(
+        "capacity_factor",
+        "training",
+        d.layer,
+        {"from": factor, "to": new},
+        {
+            "dropped_share_before": round(_dropped(load, factor), 3),
+            "dropped_share_after": round(_dropped(load, new), 3),
+        },
+        f"at this load the hottest expert needs {need:.2f}x its fair share; tokens over "
+        f"capacity skip it (memory and compute grow with the factor)",
+        control={"kind": "capacity_factor", "layer": d.layer, "values": [new]},
+    )
+
+
+def _placement(d: LayerDiagnosis, load: np.ndarray, model: dict[str, Any], devices: int) -> Suggestion | None:
+    """EPLB placement for serving (None when the default layout is as balanced)."""
+    plan = place_experts(load, devices=devices, redundant=max(1, devices // 2))
+    if plan.after <= plan.before + 0.01:  # the default layout is as good: nothing to move
+        return None
+    return Suggestion(
+        "placement",
+        "serving",
+        d.layer,
+        {
+            "devices": devices,
+            "replicas": plan.replicas,
+            "device_of_slot": plan.device_of_slot,
+            "slot_expert": plan.slot_expert,
+        },
+        {
+            "device_balancedness_before": round(plan.before, 3),
+            "device_balancedness_after": round(plan.after, 3),
+        },
+        f"replicate the heaviest experts ({plan.redundant} extra slots) and pack them onto "
+        f"{devices} devices by load (as DeepSeek's EPLB does)",
+    )
+
+
+# What a skewed layer can be offered, in this order (each may have nothing to offer).
+REMEDIES = [_router_bias, _aux_loss, _capacity, _placement]
+
+
 def suggest(
     diagnoses: list[LayerDiagnosis],
     serving: ServingLoad,
@@ -139,97 +234,13 @@ def suggest(
     """Suggestions for the layers whose serving load is skewed, ranked by expected gain and by
     how such suggestions worked before."""
     model = model or {}
-    out: list[Suggestion] = []
-    for d in diagnoses:
-        if d.serving_balancedness >= skew_below:
-            continue
-        load = serving.tokens[d.layer]
-        bias = bias_correction(load)
-        after = predicted_balancedness(load, bias)
-        gamma = bias_rate(load)
-        out.append(
-            Suggestion(
-                "router_bias",
-                "training",
-                d.layer,
-                {"gamma": gamma, "bias": bias.round(4).tolist()},
-                {
-                    "balancedness_before": round(d.serving_balancedness, 3),
-                    "balancedness_after": round(after, 3),
-                },
-                f"layer {d.layer}: experts {d.hot} take {sum(d.shares[e] for e in d.hot):.0%} of "
-                f"serving tokens (balanced {len(load) and 1 / len(load):.0%} each); the aux-loss-free "
-                f"bias update (DeepSeek-V3) shifts routing only, the gates stay, so the loss is not "
-                f"pulled by a balancing term; a one-shot correction from the measured shares, then "
-                f"sign updates with γ={gamma:g}"
-                + (
-                    ""
-                    if gamma == GAMMA
-                    else f" (DeepSeek-V3's {GAMMA:g} would take "
-                    f"{np.abs(bias).max() / GAMMA:.0f} steps to move the bias as far as the shares "
-                    f"say; this closes it within {HORIZON_STEPS})"
-                ),
-                control={"kind": "router_bias", "layer": d.layer, "values": [gamma, *bias.round(4).tolist()]},
-            )
-        )
-        coef = float(model.get("aux_loss_coef", 0.01))
-        new_coef = min(BOUNDS.aux_loss_coef_max, max(2 * coef, 1e-3))
-        out.append(
-            Suggestion(
-                "aux_loss_coef",
-                "training",
-                -1,
-                {"from": coef, "to": new_coef},
-                {
-                    "balancedness_before": round(d.serving_balancedness, 3),
-                    "balancedness_after": round(min(1.0, d.serving_balancedness + 0.1), 3),
-                },
-                "a stronger load-balancing loss evens routing through the gradient: slower than the "
-                "bias, and it trades some language-model loss for balance",
-                control={"kind": "aux_loss_coef", "layer": -1, "values": [new_coef]},
-            )
-        )
-        factor = float(model.get("capacity_factor", 1.25))
-        need = max(d.shares) * len(load)  # the hottest expert's share over the fair share
-        if need > factor:
-            new = min(BOUNDS.capacity_factor_max, round(need + 0.05, 2))
-            out.append(
-                Suggestion(
-                    "capacity_factor",
-                    "training",
-                    d.layer,
-                    {"from": factor, "to": new},
-                    {
-                        "dropped_share_before": round(_dropped(load, factor), 3),
-                        "dropped_share_after": round(_dropped(load, new), 3),
-                    },
-                    f"at this load the hottest expert needs {need:.2f}x its fair share; tokens over "
-                    f"capacity skip it (memory and compute grow with the factor)",
-                    control={"kind": "capacity_factor", "layer": d.layer, "values": [new]},
-                )
-            )
-        plan = place_experts(load, devices=devices, redundant=max(1, devices // 2))
-        if plan.after <= plan.before + 0.01:  # the default layout is as good: nothing to move
-            continue
-        out.append(
-            Suggestion(
-                "placement",
-                "serving",
-                d.layer,
-                {
-                    "devices": devices,
-                    "replicas": plan.replicas,
-                    "device_of_slot": plan.device_of_slot,
-                    "slot_expert": plan.slot_expert,
-                },
-                {
-                    "device_balancedness_before": round(plan.before, 3),
-                    "device_balancedness_after": round(plan.after, 3),
-                },
-                f"replicate the heaviest experts ({plan.redundant} extra slots) and pack them onto "
-                f"{devices} devices by load (as DeepSeek's EPLB does)",
-            )
-        )
+    out = [
+        s
+        for d in diagnoses
+        if d.serving_balancedness < skew_below
+        for remedy in REMEDIES
+        if (s := remedy(d, serving.tokens[d.layer], model, devices)) is not None
+    ]
     for s in out:
         if kb is not None and "balancedness_after" in s.expected:
             # what such changes delivered before calibrates what this one promises

@@ -21,6 +21,7 @@ WORKER_ENTRY = "meshscope.worker"  # the trainer with the tracer wired in
 
 
 def new_run_id() -> str:
+    """A run id that sorts by time: UTC timestamp and pid."""
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + f"{os.getpid() % 10000:04d}"
 
 
@@ -47,6 +48,7 @@ def prepare_run(cfg: RunConfig) -> RunConfig:
 
 
 def agent_config(cfg: RunConfig) -> Path:
+    """Where this agent writes the config its workers read."""
     return cfg.run_dir / "agents" / f"{os.getpid()}.json"
 
 
@@ -88,6 +90,7 @@ def torchrun_command(cfg: RunConfig, warm: bool) -> list[str]:
 
 
 def worker_environment(cfg: RunConfig) -> dict[str, str]:
+    """The workers' environment: the user's, plus what the device and meshscope need."""
     device = resolve_device(cfg.device, backend=cfg.backend)
     env = dict(os.environ)
     env.update(backend_environment(device.kind, device.backend))
@@ -100,6 +103,7 @@ def worker_environment(cfg: RunConfig) -> dict[str, str]:
 
 
 def zygote_socket() -> Path:
+    """The warm standby's socket for this agent."""
     return Path(tempfile.gettempdir()) / f"meshscope-zygote-{os.getpid()}.sock"
 
 
@@ -152,6 +156,7 @@ class Launch:
         )
 
     def poll(self) -> int | None:
+        """torchrun's exit code once it ended (then the zygote goes too), else None."""
         code = self.torchrun.poll()
         if code is not None:
             self.close()
@@ -159,9 +164,11 @@ class Launch:
 
     @property
     def returncode(self) -> int | None:
+        """torchrun's exit code, None while it runs."""
         return self.torchrun.returncode
 
     def close(self) -> None:
+        """Stop the zygote (torchrun stops itself)."""
         if self.zygote is not None and self.zygote.poll() is None:
             self.zygote.terminate()
             self.zygote.wait(timeout=10)
@@ -169,6 +176,7 @@ class Launch:
 
 
 def launch(cfg: RunConfig) -> Launch:
+    """Start torchrun (and the warm standby) for `cfg`."""
     return Launch(cfg)
 
 

@@ -147,6 +147,7 @@ class CheckpointManager:
 
     # --- loading ------------------------------------------------------------------------
     def checkpoints(self) -> list[Path]:
+        """The finished checkpoint folders, oldest first."""
         return sorted(p for p in self.root.glob("step_*") if p.is_dir())
 
     def newest_valid(self) -> tuple[Path | None, list[str]]:

@@ -32,6 +32,7 @@ class HookSpec:
 
 
 def fp16_wire_bytes(state: Any, bucket: dist.GradBucket, world_size: int) -> int:
+    """Bytes an fp16-compressed bucket puts on the wire."""
     return allreduce_sent_bytes(bucket_bytes(bucket) // 2, world_size)
 
 

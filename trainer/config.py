@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from meshscope.collector.monitor import MonitorConfig
+from meshscope.collector.monitor_config import MonitorConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

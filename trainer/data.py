@@ -11,6 +11,8 @@ import torch
 
 
 class SyntheticTokens:
+    """Deterministic token batches per rank: a learnable stream without a dataset."""
+
     def __init__(
         self,
         *,

@@ -36,6 +36,7 @@ def _torch_npu() -> Any | None:
 
 
 def npu_count() -> int:
+    """Ascend NPUs visible through torch_npu (0 without it)."""
     if _torch_npu() is None:
         return 0
     npu = getattr(torch, "npu", None)
@@ -43,6 +44,7 @@ def npu_count() -> int:
 
 
 def cuda_count() -> int:
+    """CUDA devices visible (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -60,6 +62,7 @@ class Device:
 
     @property
     def torch_device(self) -> torch.device:
+        """The torch.device of this rank."""
         return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, self.index)
 
     def activate(self) -> None:
@@ -97,14 +100,17 @@ class AcceleratorProbe:
         self._index = device.index
 
     def mark(self) -> Any:
+        """Record an event on the current stream."""
         event = self._module.Event(enable_timing=True)
         event.record()
         return event
 
     def ready(self, mark: Any) -> bool:
+        """Whether the device has passed `mark` (event query, no sync)."""
         return bool(mark.query())
 
     def wait(self, mark: Any) -> None:
+        """Block until the device has passed `mark`."""
         mark.synchronize()  # sync point: the Monitor's flush and close only
 
     def seconds(self, start: Any, end: Any) -> float:
@@ -112,6 +118,7 @@ class AcceleratorProbe:
         return max(0.0, start.elapsed_time(end) / 1000.0)
 
     def memory(self) -> dict[str, int]:
+        """The device's allocated and reserved bytes, and host RSS."""
         return {
             "allocated": int(self._module.memory_allocated(self._index)),
             "reserved": int(self._module.memory_reserved(self._index)),
@@ -120,6 +127,7 @@ class AcceleratorProbe:
 
 
 def available_kinds() -> list[str]:
+    """The device kinds this machine has, best first."""
     kinds = []
     if npu_count():
         kinds.append("npu")

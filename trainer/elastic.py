@@ -56,6 +56,8 @@ def attempt_id(env: DistEnv) -> int:
 
 
 class ElasticRun:
+    """A worker's elastic side: checkpoints, resume, heartbeats and the agreed stop."""
+
     def __init__(
         self,
         cfg: TrainerConfig,
@@ -255,15 +257,18 @@ class ElasticRun:
 
     # --- during training ------------------------------------------------------------------
     def should_checkpoint(self, step: int) -> bool:
+        """Whether this step ends with a checkpoint."""
         every = self.cfg.elastic.checkpoint_every
         return self.ckpt is not None and step > 0 and step % every == 0
 
     def checkpoint(self, state: Any) -> None:
+        """Save model, optimizer, hook state and RNG (DCP, in the background when asked)."""
         hook = state.hook_state.state_dict() if hasattr(state.hook_state, "state_dict") else None
         local = {"rng": torch.get_rng_state(), "hook": hook, "step": state.step}
         self.ckpt.save(state.step, state.model, state.optimizer, local)
 
     def after_step(self, state: Any) -> None:
+        """Beat, and checkpoint when due."""
         if self.heartbeat is not None:
             self.heartbeat.step = state.step
         if (
@@ -282,6 +287,7 @@ class ElasticRun:
         return self._stop_flag.exchange(self.stop_requested)
 
     def mark_failed(self, err: BaseException) -> None:
+        """Tell the peers this rank ends with an error."""
         if self.heartbeat is not None:
             try:
                 self.heartbeat.mark_exit(f"error:{type(err).__name__}")
@@ -289,6 +295,7 @@ class ElasticRun:
                 pass
 
     def finish(self, state: Any, reason: str) -> None:
+        """Settle the stop flag, finish checkpoints, and say a clean goodbye."""
         if self._stop_flag is not None:
             self._stop_flag.settle()  # no exchange left in flight when the group goes
         if self.ckpt is not None:

@@ -58,6 +58,7 @@ class AcceleratorTripwire:
         self._undo: list[Callable[[], None]] = []
 
     def install(self) -> AcceleratorTripwire:
+        """Make any accelerator initialisation raise (before a fork)."""
         import torch
 
         owners = {"cuda": torch.cuda, "_C": torch._C, "npu": getattr(torch, "npu", None)}
@@ -71,6 +72,7 @@ class AcceleratorTripwire:
         return self
 
     def uninstall(self) -> None:
+        """Put the accelerator entry points back."""
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()

@@ -32,14 +32,17 @@ log = logging.getLogger("meshscope.heartbeat")
 
 
 def hb_key(attempt: int, rank: int) -> str:
+    """The store key of a rank's heartbeat in one attempt."""
     return f"{PREFIX}/hb/{attempt}/{rank}"
 
 
 def exit_key(attempt: int, rank: int) -> str:
+    """The store key of a rank's clean or failed exit in one attempt."""
     return f"{PREFIX}/exit/{attempt}/{rank}"
 
 
 def world_key(attempt: int) -> str:
+    """The store key of an attempt's world size."""
     return f"{PREFIX}/world/{attempt}"
 
 
@@ -106,6 +109,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="meshscope-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
+        """Start beating on a thread of its own."""
         if self.rank == 0:
             self.store.set(world_key(self.attempt), str(self.world))
         self._beat()
@@ -117,6 +121,7 @@ class Heartbeat:
         self.store.set(exit_key(self.attempt, self.rank), f"{reason} {time.time()}")
 
     def stop(self) -> None:
+        """Stop beating."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
@@ -208,6 +213,7 @@ class NodeWatch(_Watcher):
         self.on_dead, self.on_age = on_dead, on_age
 
     def look(self) -> None:
+        """Read this node's beats once; export ages, report the silent."""
         beats = (
             self.store.multi_get([hb_key(self.attempt, r) for r in self.ranks])
             if _all_set(self.store, [hb_key(self.attempt, r) for r in self.ranks])
@@ -252,6 +258,7 @@ class JobWatch(_Watcher):
         self.on_dead = on_dead
 
     def look(self) -> None:
+        """Read every node's summary once; report lost nodes."""
         keys = [node_key(self.attempt, n) for n in self.nodes]
         if not _all_set(self.store, keys):
             return

@@ -57,13 +57,16 @@ class Injection:
     params: dict[str, float | str] = field(default_factory=dict)
 
     def active(self, step: int, rank: int) -> bool:
+        """Whether it acts on `rank` at `step`."""
         return rank == self.rank and self.step <= step < self.step + self.steps
 
     @property
     def key(self) -> str:
+        """Its identity in the fired set (kind@step/rank)."""
         return f"{self.kind}@{self.step}/{self.rank}"
 
     def param(self, name: str) -> Any:
+        """A parameter, or its kind's default."""
         return self.params.get(name, KINDS[self.kind][name])
 
 
@@ -196,6 +199,7 @@ class Injector:
                 moe.router.logit_bias = None
 
     def poison_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """The loss, NaN while a loss `nan` injection is active."""
         nan = self._active("nan", step)
         return loss * float("nan") if nan is not None and not nan.param("module") else loss
 
@@ -257,10 +261,12 @@ class Injector:
             time.sleep(statistics.median(self._normal_steps) * (slow.param("factor") - 1))
 
     def step_took(self, step: int, seconds: float) -> None:
+        """Remember a normal step's time (slow injections scale it)."""
         if not any(i.active(step, self.rank) for i in self.mine):
             self._normal_steps.append(seconds)
 
     def comm_delay_s(self) -> float:
+        """The delay an active comm_delay adds to each collective."""
         delay = self._active("comm_delay", self._step)
         return delay.param("ms") / 1000 if delay is not None else 0.0
 

@@ -95,6 +95,7 @@ def build(
 def train_step(
     state: TrainState, mon: Monitor, cfg: TrainerConfig, device: Device, injector: Injector
 ) -> None:
+    """One optimizer step in named phases: forward, backward, optimizer."""
     tokens = cfg.train.batch_size * cfg.model.seq_len
     injector.before_step(state.step, state.model)
     if state.tracer is not None:

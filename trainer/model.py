@@ -97,6 +97,7 @@ class MoEFeedForward(nn.Module):
         self.z_loss = torch.zeros(())
 
     def capacity(self, tokens: int) -> int:
+        """Tokens each expert takes at most in a batch of `tokens`."""
         k, e = self.router.top_k, len(self.experts)
         return max(1, math.ceil(self.capacity_factor * tokens * k / e))
 
@@ -151,6 +152,7 @@ class MoELM(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
 
     def moe_layers(self) -> list[MoEFeedForward]:
+        """The MoE layers, in order (what the Monitor reads counts from)."""
         return [b.moe for b in self.blocks]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

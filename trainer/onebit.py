@@ -61,6 +61,7 @@ def decompress(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def padded_length(n: int, world_size: int, block: int) -> int:
+    """`n` rounded up to whole blocks on every rank."""
     step = block * world_size
     return (n + step - 1) // step * step
 
@@ -99,9 +100,11 @@ class OneBitState:
     server_error: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
+        """The error feedback and iteration, for a checkpoint."""
         return {"worker": dict(self.worker_error), "server": dict(self.server_error), "iter": self.iter}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from `state_dict`."""
         self.worker_error = dict(sd["worker"])
         self.server_error = dict(sd["server"])
         self.iter = int(sd["iter"])
@@ -160,6 +163,7 @@ def onebit_allreduce(state: OneBitState, grad: torch.Tensor, key: int) -> torch.
 
 
 def onebit_bucket(state: OneBitState, bucket: dist.GradBucket) -> torch.Tensor:
+    """One bucket's 1-bit all-reduce with error feedback (plain during warm-up)."""
     grad = bucket.buffer()
     if state.iter < state.warmup_steps:
         dist.all_reduce(grad, group=state.process_group)

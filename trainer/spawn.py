@@ -36,6 +36,7 @@ def _fallback(argv: list[str], why: str) -> None:
 
 
 def main() -> None:
+    """Ask the warm standby for a worker, or start a plain one."""
     argv = sys.argv[1:]
     path = os.environ.get(SOCKET_ENV, "")
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -64,6 +64,8 @@ def fired_injections(cfg: TrainerConfig) -> set[str]:
 
 
 def make_injector(cfg: TrainerConfig, env: DistEnv, mon: Monitor) -> Injector:
+    """The fault injector of this rank, reporting each firing as an event."""
+
     def report(inj: Injection, step: int) -> None:
         mon.metrics.faults.labels(kind="injected").inc()
         mon.event(
@@ -102,6 +104,19 @@ def write_pid(cfg: TrainerConfig, env: DistEnv) -> None:
 TracerFactory = Callable[[TrainerConfig, DistEnv, Monitor, Any], tuple[Any, Any]]
 
 
+def build_monitor(cfg: TrainerConfig, env: DistEnv, device: Any, control: Any, traced: bool) -> Monitor:
+    """The rank's Monitor, as a user's loop would build it."""
+    config = MonitorConfig(
+        run_dir=cfg.run_dir,
+        run_id=cfg.run_id,
+        metrics_port=cfg.metrics_port,
+        expert_every=cfg.expert_every,
+        comm_sample_every=cfg.comm_sample_every,
+        nan_events=not traced,  # a tracer reports non-finite steps with their module
+    )
+    return Monitor(config, env=env, probe=device.probe(), control=control)
+
+
 def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | None = None) -> None:
     """One rank of the reference trainer; `make_tracer` (from the composition root) adds the
     tensor tracer, which this package does not import."""
@@ -109,20 +124,7 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
     device.activate()
     init_process_group(env, device.backend)
     control = ControlPlane.maybe()  # every collective meshscope adds goes through it
-    mon = Monitor(
-        MonitorConfig(
-            run_dir=cfg.run_dir,
-            run_id=cfg.run_id,
-            metrics_port=cfg.metrics_port,
-            expert_every=cfg.expert_every,
-            comm_sample_every=cfg.comm_sample_every,
-            # a tracer reports non-finite steps with their module
-            nan_events=cfg.trace == "off" or make_tracer is None,
-        ),
-        env=env,
-        probe=device.probe(),
-        control=control,
-    )
+    mon = build_monitor(cfg, env, device, control, traced=cfg.trace != "off" and make_tracer is not None)
     elastic = ElasticRun(cfg, env, mon, started_at=STARTED_AT, control=control)
     write_pid(cfg, env)
     try:
@@ -170,12 +172,14 @@ ENTRY_ENV = "MESHSCOPE_WORKER_ENTRY"  # the module whose main() a worker runs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's one flag: the resolved run config."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", type=Path, required=True, help="resolved run config (JSON)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one rank of the reference trainer (no tracer)."""
     run_worker(load_config(parse_args(argv).config, own_sections=True), DistEnv.from_environ())
 
 

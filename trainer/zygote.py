@@ -149,6 +149,7 @@ def _reap(clients: dict[int, socket.socket], by_conn: dict[socket.socket, int]) 
 
 
 def main() -> None:
+    """Serve fork requests until the agent goes."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--socket", type=Path, required=True)
     ap.add_argument(

@@ -47,6 +47,7 @@ class NodeExchange:
 
     @property
     def store(self) -> Any:
+        """The store, connected on first use."""
         if callable(self._store) and not hasattr(self._store, "set"):
             self._store = self._store()
         return self._store

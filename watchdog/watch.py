@@ -106,6 +106,7 @@ class HangWatch:
         return self
 
     def stop(self) -> None:
+        """Stop polling."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)

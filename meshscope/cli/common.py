@@ -23,6 +23,7 @@ err_console = Console(stderr=True, soft_wrap=True)  # messages stay whole for gr
 
 
 def fail(message: str, code: int = 2) -> None:
+    """Print the error and exit (2: bad input, before anything started)."""
     err_console.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(code)
 

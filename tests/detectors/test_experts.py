@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from meshscope.detectors.domain import ExpertLoad
-from meshscope.detectors.rules import ExpertRule
+from meshscope.detectors.window_rules import ExpertRule
 
 
 def balanced_noise(experts, rows=8, seed=0, spread=0.15):

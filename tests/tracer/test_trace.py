@@ -165,7 +165,7 @@ def test_random_bytes_never_load_and_never_crash(tmp_path, blob):
 def test_the_gradient_inspector_measures_every_layer_and_the_engine_flags_outliers():
     import pandas as pd
 
-    from meshscope.detectors.rules import GradientRule
+    from meshscope.detectors.window_rules import GradientRule
     from meshscope.tracer.gradients import GradientInspector, InspectorConfig, layer_names
 
     torch.manual_seed(0)

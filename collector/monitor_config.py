@@ -1,0 +1,51 @@
+"""How a Monitor records: its one config, built once at the edge and handed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(kw_only=True)
+class MonitorConfig:
+    """How a Monitor records. Built once at the edge and handed down."""
+
+    run_dir: Path
+    """Folder of this run: store.sqlite and targets.json live here."""
+    run_id: str = ""
+    """Run identifier; defaults to the run directory's name."""
+    metrics_port: int | None = 9400
+    """Base port of the per-rank /metrics exporter (port = base + local rank); None = no exporter."""
+    metrics_host: str = "127.0.0.1"
+    """Address the exporter binds to and the one written into targets.json."""
+    expert_every: int = 5
+    """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
+    sync_every: int = 10
+    """Steps per window: device scalars of a window share one buffer and one copy to the host,
+    and finished steps go to the store and /metrics once per window (and on flush/close)."""
+    comm_sample_every: int = 10
+    """Time each gradient bucket on one step in this many (the wait for communication, which
+    makes the comm ratio, is measured every step)."""
+    nan_events: bool = True
+    """Write a `nan` event when the logged loss turns non-finite. Off when a tensor tracer
+    reports non-finite steps itself (with the module): one event per finding, not two."""
+    flight_log: bool = True
+    """Keep the collective flight log (`collector.flightlog`) in `<run_dir>/live/`, which the
+    hang watchdog reads; it gives DDP a Python all-reduce hook so every bucket is seen."""
+    flight_capacity: int = 2048
+    """Collectives the flight log keeps per rank (a ring)."""
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        if not self.run_id:
+            self.run_id = self.run_dir.name
+        if self.expert_every < 1:
+            raise ValueError(f"MonitorConfig.expert_every must be >= 1, got {self.expert_every}")
+        if self.sync_every < 1:
+            raise ValueError(f"MonitorConfig.sync_every must be >= 1, got {self.sync_every}")
+        if self.comm_sample_every < 1:
+            raise ValueError(f"MonitorConfig.comm_sample_every must be >= 1, got {self.comm_sample_every}")
+        if self.flight_capacity < 16:
+            raise ValueError(f"MonitorConfig.flight_capacity must be >= 16, got {self.flight_capacity}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"MonitorConfig.metrics_port must be a TCP port, got {self.metrics_port}")

@@ -1,0 +1,86 @@
+"""One step as the Monitor sees it on the host: the scope a loop times phases and logs scalars
+in, the context `Monitor.step()` returns, and the pending record whose numbers may still be on
+the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshscope.collector.comm import CommWindow
+from meshscope.collector.probe import DeviceProbe
+from meshscope.collector.readback import ScalarWindow
+
+
+@dataclass
+class PendingStep:
+    """A finished step whose numbers may still live on the device."""
+
+    step: int
+    tokens: int
+    wall_time: float
+    bounds: tuple[Any, Any]
+    phases: dict[str, tuple[Any, Any]]
+    comm: CommWindow
+    memory: dict[str, int]
+    scalars: dict[str, float] = field(default_factory=dict)
+    device_keys: list[str] = field(default_factory=list)
+    window: ScalarWindow | None = None
+    offset: int = 0
+
+    def marks(self) -> list[Any]:
+        """Every device mark this step's record reads."""
+        spans = [self.bounds, *self.phases.values(), *self.comm.spans, self.comm.wait]
+        return [m for span in spans for m in span if m is not None]
+
+
+class PhaseTimer:
+    """A phase's two marks (a plain class: a generator-based context costs more per step)."""
+
+    __slots__ = ("scope", "name", "start")
+
+    def __init__(self, scope: StepScope, name: str) -> None:
+        self.scope, self.name = scope, name
+
+    def __enter__(self) -> None:
+        self.start = self.scope._probe.mark()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.scope.phases[self.name] = (self.start, self.scope._probe.mark())
+
+
+class StepScope:
+    """Handed out by `Monitor.step()`: time named phases and log scalars."""
+
+    def __init__(self, probe: DeviceProbe) -> None:
+        self._probe = probe
+        self.phases: dict[str, tuple[Any, Any]] = {}
+        self.scalars: dict[str, Any] = {}
+
+    def phase(self, name: str) -> PhaseTimer:
+        """`with s.phase("forward"): ...` times a named part of the step."""
+        return PhaseTimer(self, name)
+
+    def log(self, **scalars: Any) -> None:
+        """Record loss, grad_norm, ...: tensors are kept as they are and read later."""
+        for key, value in scalars.items():
+            self.scalars[key] = value.detach() if isinstance(value, torch.Tensor) else value
+
+
+class StepContext:
+    """The context `Monitor.step()` returns (a plain class: cheaper than a generator)."""
+
+    __slots__ = ("mon", "tokens", "step", "scope", "wall", "start")
+
+    def __init__(self, mon: Any, tokens: int, step: int | None) -> None:
+        self.mon, self.tokens, self.step = mon, tokens, step
+
+    def __enter__(self) -> StepScope:
+        self.scope, self.wall, self.start = self.mon._begin(self.tokens, self.step)
+        return self.scope
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:  # a step that raised is not a step
+            self.mon._end(self.scope, self.tokens, self.wall, self.start)

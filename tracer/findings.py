@@ -1,0 +1,127 @@
+"""What the tracer is told and what it finds: its config, a `Finding` (the first non-finite
+module of a step), and the small pieces it reads tensors and RNG state with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshscope.collector.readback import Readback
+
+MODES = ("off", "nonfinite", "stats", "full")
+
+
+Report = Callable[[str, int, dict[str, Any]], None]  # (kind, step, detail)
+
+
+def _floats(values: Any) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values.detach()] if values.is_floating_point() else []
+    if isinstance(values, (list, tuple)):
+        return [v.detach() for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return []
+
+
+def _finite(values: Any) -> bool:
+    # sync point: host reads, only after a finding (to tell input, parameter, output apart)
+    return all(bool(torch.isfinite(t).all()) for t in _floats(values))
+
+
+class _Ready:
+    """Host values already in hand, in the shape of a Readback."""
+
+    def __init__(self, values: list[float]) -> None:
+        self._values = torch.tensor(values, dtype=torch.float64)
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def value(self) -> torch.Tensor:
+        return self._values
+
+
+def _device_rng(model: torch.nn.Module) -> Any:
+    """The RNG state of the model's accelerator, if it has one."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "cpu":
+        return None
+    module = getattr(torch, param.device.type, None)
+    return module.get_rng_state(param.device) if module is not None else None
+
+
+def _set_rng(model: torch.nn.Module, state: tuple[torch.Tensor, Any]) -> None:
+    cpu, device = state
+    torch.set_rng_state(cpu)
+    if device is not None:
+        param = next(model.parameters())
+        getattr(torch, param.device.type).set_rng_state(device, param.device)
+
+
+@dataclass
+class _Span:
+    where: str
+    index: int
+    first: tuple[int, int]  # outputs (forward) or output gradients (backward)
+    second: tuple[int, int] = (0, 0)  # input gradients (backward)
+
+
+@dataclass
+class _Step:
+    step: int
+    spans: list[_Span]
+    readback: Readback | None
+    forward: list[tuple[int, tuple, Any]]
+    backward: list[tuple[int, Any, Any]]
+
+
+@dataclass
+class Finding:
+    """The first non-finite module of a step."""
+
+    module: str
+    where: str
+    tensor: str
+    step: int
+    rank: int
+    module_class: str
+    note: str = ""
+    snapshot: str | None = None
+
+    def detail(self) -> dict[str, Any]:
+        """The `nan` event's detail."""
+        return {
+            "module": self.module,
+            "where": self.where,
+            "tensor": self.tensor,
+            "class": self.module_class,
+            "note": self.note,
+            "snapshot": self.snapshot,
+        }
+
+
+@dataclass(kw_only=True)
+class TracerConfig:
+    """What the tracer does; see the module doc for the modes."""
+
+    mode: str = "nonfinite"
+    stats_every: int = 10
+    """`stats` and `full`: statistics every this many steps."""
+    max_snapshots: int = 5
+    """Snapshots per rank per run (`full`: per finding, no limit below this)."""
+    repeat_after: int = 100
+    """The same module, phase and tensor is reported again only this many steps later."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"TracerConfig.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for name in ("stats_every", "repeat_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TracerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_snapshots < 0:
+            raise ValueError(f"TracerConfig.max_snapshots must be >= 0, got {self.max_snapshots}")
