@@ -1,6 +1,11 @@
 """Accelerator figures in one invocation, for a lent GPU (tests never need one).
 
-    python3 benchmarks/gpu.py [--device cuda] [--quick] [--out DIR]
+    python3 benchmarks/gpu.py [--device cuda] [--quick] [--out DIR]   # default: $OUT, else runs/gpu
+
+meshscope is one package whose rooms are folders at the repository root: on a machine where it
+is not installed, install it without its dependencies first (setuptools maps the folders):
+`python3 -m pip install --no-deps --no-build-isolation --target /tmp/site . && export
+PYTHONPATH=/tmp/site` (with `-e .` instead of `--target` where the interpreter's site is writable).
 
 Parts, each reported as it finishes (a failing part is reported and the rest still run):
 1. host-device syncs per step, counted with `torch.cuda.set_sync_debug_mode("warn")` (every
@@ -434,7 +439,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer steps: a smoke test")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu")))
     ap.add_argument("--parts", default="1234567", help="which parts to run, e.g. 124")
     args = ap.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

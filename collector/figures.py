@@ -38,3 +38,23 @@ def balancedness(load: Any) -> Any:
     top = load.max(axis=-1)
     out = np.where(top > 0, load.mean(axis=-1) / np.where(top > 0, top, 1.0), 1.0)
     return float(out) if out.ndim == 0 else out
+
+
+# When a wait is a stall, said once: a wait longer than STALL_STEP_FACTOR typical steps and
+# longer than a floor. The floor depends on who asks: the live watchdog must not page on a
+# checkpoint's pause (HANG_FLOOR_S, `--hang-after`), root cause looks back at recorded steps and
+# may call a shorter wait a stall (STALL_FLOOR_S). The engine's `stall` anomaly is a step
+# SLOW_STEP_FACTOR times its usual length (it has no wait to measure, only step times), and the
+# Prometheus rule TrainingStalled is the backstop that knows no step time: no step in 3 minutes.
+STALL_STEP_FACTOR = 20.0
+HANG_FLOOR_S = 3.0
+STALL_FLOOR_S = 1.0
+SLOW_STEP_FACTOR = 10.0
+
+
+def stall_threshold_s(
+    typical_step_s: float, floor_s: float = HANG_FLOOR_S, factor: float = STALL_STEP_FACTOR
+) -> float:
+    """Seconds without progress that make a stall, given the typical step time (the floor
+    alone while there is no step time yet)."""
+    return max(floor_s, factor * typical_step_s) if typical_step_s > 0 else floor_s

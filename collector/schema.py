@@ -140,3 +140,17 @@ def anomaly_key(detail: AnomalyDetail | dict[str, Any]) -> tuple:
     """What makes two anomaly events the same episode (judging a run twice writes it once; an
     alert and the view name it the same way)."""
     return tuple(tuple(detail.get(k) or ()) if k == "ranks" else detail.get(k) for k in ANOMALY_IDENTITY)
+
+
+def anomaly_link(detail: AnomalyDetail | dict[str, Any]) -> dict[str, str]:
+    """How a link names an anomaly that may not be stored yet (an alert goes out as the episode
+    opens): its type and first step, and its rank and layer when it has one. The view's
+    `resolve_link` reads the same keys."""
+    ranks = list(detail.get("ranks") or [])
+    params = {
+        "type": detail.get("type"),
+        "start": detail.get("start_step"),
+        "rank": ranks[0] if len(ranks) == 1 else None,
+        "layer": detail.get("layer"),
+    }
+    return {k: str(v) for k, v in params.items() if v is not None}

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
+from meshscope.collector.figures import SLOW_STEP_FACTOR
 from meshscope.detectors.domain import PersistentStraggler
 from meshscope.detectors.episodes import Episode, EpisodeTracker
 from meshscope.detectors.features import COLUMN, StepFeaturizer, StepView, step_views
@@ -90,7 +91,7 @@ class DetectionEngine:
         # In order: a later rule may read what earlier ones said about the step (Verdict).
         self.rules: list[StepRule] = [
             NonFiniteRule(),
-            StallRule(factor=10.0 / s),  # a step 10x the usual: a stuck collective
+            StallRule(factor=SLOW_STEP_FACTOR / s),  # a step 10x the usual: a stuck collective
             StragglerRule(
                 ratio=1 + (self.config.thresholds.straggler_ratio - 1) / s,
                 on_score=self._score,

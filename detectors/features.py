@@ -135,30 +135,3 @@ def step_features(steps: pd.DataFrame, slope_window: int = 10) -> pd.DataFrame:
     return pd.DataFrame(
         rows or None, index=pd.Index([v.step for v in views], name="step"), columns=STEP_FEATURES
     )
-
-
-def expert_features(expert_load: pd.DataFrame) -> pd.DataFrame:
-    """Per (step, layer): imbalance (max/mean), cv, normalised entropy, hot/starved expert."""
-    if expert_load.empty:
-        return pd.DataFrame(
-            columns=["step", "layer", "imbalance", "cv", "entropy", "hot_expert", "hot_share", "starved"]
-        )
-    rows = []
-    for (step, layer), grp in expert_load.groupby(["step", "layer"]):
-        tokens = grp.sort_values("expert")["tokens"].to_numpy(dtype=float)
-        total, n = tokens.sum(), len(tokens)
-        share = tokens / total if total > 0 else np.full(n, 1 / n)
-        nz = share[share > 0]
-        rows.append(
-            {
-                "step": step,
-                "layer": layer,
-                "imbalance": share.max() * n,
-                "cv": share.std() / share.mean(),
-                "entropy": float(-(nz * np.log(nz)).sum() / np.log(n)),
-                "hot_expert": int(share.argmax()),
-                "hot_share": float(share.max()),
-                "starved": int((share < 0.1 / n).sum()),
-            }
-        )
-    return pd.DataFrame(rows)

@@ -26,12 +26,6 @@ CAUSE_KINDS = {
 }
 
 
-STALL_MIN_S = 1.0  # a wait shorter than this is slowness, not a stall
-
-
-STALL_FACTOR = 20.0  # ... or shorter than this many typical steps
-
-
 SLOW_RATIO = 1.5  # compute this many times its peers' makes a straggler
 
 

@@ -11,15 +11,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from meshscope.collector.figures import balancedness, with_compute
+from meshscope.collector.figures import STALL_FLOOR_S, balancedness, stall_threshold_s, with_compute
 from meshscope.collector.schema import nonfinite_mask
 from meshscope.explain.facts import (
     BASELINE_STEPS,
     LEAK_MIN_BYTES,
     LINK_RISE,
     SLOW_RATIO,
-    STALL_FACTOR,
-    STALL_MIN_S,
     Cause,
     RunFacts,
     Window,
@@ -77,7 +75,7 @@ def _stall(facts: RunFacts, w: Window) -> list[Cause]:
     out = []
     for step, row in wait.iterrows():
         longest = float(row.max())
-        if longest < max(STALL_MIN_S, STALL_FACTOR * typical):
+        if longest < stall_threshold_s(typical, floor_s=STALL_FLOOR_S):
             continue
         culprits = [int(r) for r, v in row.items() if v < 0.25 * longest]
         if not culprits:

@@ -16,7 +16,7 @@ from urllib.parse import urlencode
 from meshscope.alerts.notify import Alert, Email, Outbox, SlackWebhook, parse_host_port, read_secret
 from meshscope.collector.exporter import PortInUseError, serve_metrics, write_detector_target
 from meshscope.collector.rundir import OUTBOX, LeaderLock, live_dir
-from meshscope.collector.schema import Event
+from meshscope.collector.schema import Event, anomaly_link
 from meshscope.collector.store import RunStore
 from meshscope.detectors.episodes import Episode
 from meshscope.detectors.live import LiveDetection
@@ -154,9 +154,8 @@ class Sidecar:
 
     def _alert_anomaly(self, ep: Episode) -> None:
         """Alert as soon as an anomaly is confirmed; the event follows when it ends."""
-        rank = ep.ranks[0] if len(ep.ranks) == 1 else None
-        link = self._link(type=ep.type, start=ep.start_step, rank=rank, layer=ep.layer)
-        self.outbox.put(Alert.from_anomaly(self.cfg.run_id, ep.detail(), link))
+        detail = ep.detail()
+        self.outbox.put(Alert.from_anomaly(self.cfg.run_id, detail, self._link(**anomaly_link(detail))))
 
     def _hung(self, diag: Diagnosis) -> None:
         """A hang or broken collective: event, metric, alert, and (abort) end the workers so

@@ -77,3 +77,20 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
         "meshscope/dashboards/grafana/dashboards/training.json",
     ):
         assert needed in names, needed
+
+
+def test_a_checkout_imports_without_being_installed(tmp_path):
+    """PYTHONPATH=<checkout> (a lent machine, a quick try): the rooms load from the folders."""
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"
+        "sys.path_hooks[:] = [h for h in sys.path_hooks if 'editable' not in repr(h)]\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import meshscope.watchdog.verdicts, meshscope.collector.rundir\n"
+        "print(meshscope.watchdog.verdicts.__file__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(REPO / "watchdog" / "verdicts.py")

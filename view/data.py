@@ -19,6 +19,7 @@ import pandas as pd
 
 from meshscope.collector.figures import balancedness as balancedness_of
 from meshscope.collector.figures import tokens_per_second, with_compute
+from meshscope.collector.schema import anomaly_link
 from meshscope.collector.store import STORE_NAME, load_events, load_steps, store_path
 from meshscope.explain.facts import Anomaly, RunFacts
 
@@ -165,7 +166,7 @@ def link_query(run: str, anomaly: Anomaly | None = None) -> str:
     if anomaly is not None and anomaly.id is not None:
         params["anomaly"] = str(anomaly.id)
     elif anomaly is not None:
-        params.update(type=anomaly.type, start=str(anomaly.start_step))
+        params.update(anomaly_link({"type": anomaly.type, "start_step": anomaly.start_step}))
     return urlencode(params)
 
 

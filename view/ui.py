@@ -8,7 +8,13 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from meshscope.collector.store import load_events, load_expert_load, load_grad_stats, load_steps
+from meshscope.collector.store import (
+    load_events,
+    load_expert_load,
+    load_grad_stats,
+    load_steps,
+    load_tensor_stats,
+)
 from meshscope.explain.facts import Cause, RunFacts
 from meshscope.explain.ranking import explain
 from meshscope.view import data
@@ -45,12 +51,20 @@ def runs_table(runs_dir: str, _now_bucket: int) -> pd.DataFrame:
 
 @st.cache_data(show_spinner="reading the run store…")
 def facts(run_dir: str, version: float) -> RunFacts:
+    """Everything root cause reads about the run, cached per store version."""
     return RunFacts.load(run_dir)
 
 
 @st.cache_data(show_spinner=False)
 def grad_stats(run_dir: str, version: float) -> pd.DataFrame:
+    """The gradient inspector's per-layer table, cached per store version."""
     return load_grad_stats(run_dir)
+
+
+@st.cache_data(show_spinner=False)
+def tensor_stats(run_dir: str, version: float) -> pd.DataFrame:
+    """The tracer's per-module statistics (`--trace stats|full`), cached per store version."""
+    return load_tensor_stats(run_dir)
 
 
 @st.cache_data(show_spinner="ranking causes…")

@@ -20,6 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from meshscope.collector.figures import HANG_FLOOR_S, STALL_STEP_FACTOR, stall_threshold_s
 from meshscope.collector.flightread import (
     FlightLogError,
     FlightTail,
@@ -40,10 +41,12 @@ class HangConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     min_stall_s: float = Field(
-        3.0, gt=0, description="never call a stall shorter than this a hang (`--hang-after`)"
+        HANG_FLOOR_S, gt=0, description="never call a stall shorter than this a hang (`--hang-after`)"
     )
     step_factor: float = Field(
-        20.0, gt=0, description="...nor one shorter than this many typical steps (slow models get longer)"
+        STALL_STEP_FACTOR,
+        gt=0,
+        description="...nor one shorter than this many typical steps (slow models get longer)",
     )
     startup_s: float = Field(
         120.0, gt=0, description="before the first step finishes there is no step time: this long is a hang"
@@ -60,7 +63,7 @@ class HangConfig(BaseModel):
         """Seconds without progress that make a hang, given the typical step time."""
         if step_s <= 0:
             return self.startup_s
-        return max(self.min_stall_s, self.step_factor * step_s)
+        return stall_threshold_s(step_s, floor_s=self.min_stall_s, factor=self.step_factor)
 
 
 def pid_alive(pid: int) -> bool:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO
+from tests.helpers.runs import REPO, meshscope
 
 
 def stack_up(tmp_path, *extra, env=None):
@@ -54,11 +54,5 @@ def test_a_busy_port_names_the_part(tmp_path):
 
 
 def test_status_without_a_stack_says_so(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "meshscope", "stack", "status", "--home", str(tmp_path / "nothing")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = meshscope("stack", "status", "--home", str(tmp_path / "nothing"), timeout=60)
     assert out.returncode == 1 and "no stack started" in out.stdout

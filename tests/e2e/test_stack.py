@@ -3,8 +3,6 @@ Alertmanager with our routing), a real run with injected faults, a Slack-style w
 aiosmtpd mailbox. Every board's PromQL is run against what Prometheus scraped."""
 
 import re
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,17 +11,11 @@ import requests
 from meshscope.dashboards.boards import board_queries, build_all
 from tests.conftest import require_binary
 from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO, start_run, wait_for
+from tests.helpers.runs import REPO, meshscope, start_run, wait_for
 from tests.helpers.sinks import Mailbox, Sink
 
 pytestmark = pytest.mark.e2e
 RUN = "e2e"
-
-
-def meshscope(*args, timeout=60):
-    return subprocess.run(
-        [sys.executable, "-m", "meshscope", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
 
 
 @pytest.fixture(scope="module")

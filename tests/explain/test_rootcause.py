@@ -4,7 +4,6 @@ right rank where the data can tell; nothing on clean runs; one anomaly explained
 import json
 import shutil
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from root_cause import DATA, judge, runs  # noqa: E402
 
 from meshscope.explain.facts import CAUSE_KINDS, RunFacts  # noqa: E402
 from meshscope.explain.ranking import explain  # noqa: E402
-from tests.helpers.runs import REPO  # noqa: E402
+from tests.helpers.runs import meshscope  # noqa: E402
 
 
 @pytest.mark.parametrize("run", runs(), ids=lambda p: p.name)
@@ -37,13 +36,7 @@ def _stored(tmp_path: Path, name: str) -> Path:
     """A recorded run whose anomalies were judged and stored, as a live run has them."""
     run = tmp_path / name
     shutil.copytree(DATA / name, run)
-    subprocess.run(
-        [sys.executable, "-m", "meshscope", "detect", "--run", str(run)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    meshscope("detect", "--run", str(run), check=True)
     return run
 
 
@@ -60,13 +53,7 @@ def test_one_anomaly_is_explained_by_its_window(tmp_path):
 
 def test_the_cli_prints_the_ranked_causes_and_refuses_what_is_not_a_run(tmp_path):
     run = _stored(tmp_path, "slow")
-    out = subprocess.run(
-        [sys.executable, "-m", "meshscope", "explain", "--run", str(run), "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = meshscope("explain", "--run", str(run), "--json")
     assert out.returncode == 0, out.stderr
     causes = json.loads(out.stdout)
     assert causes[0]["kind"] == "slow_host" and causes[0]["ranks"] == [1]

@@ -1,11 +1,7 @@
 """The engine beside a live run: a slowed rank becomes one straggler anomaly, nothing before."""
 
-import subprocess
-import sys
-
 from meshscope.collector.store import load_events
-from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO, TINY
+from tests.helpers.runs import TINY, start_run
 from tests.helpers.sinks import Sink
 
 
@@ -19,31 +15,17 @@ def test_live_run_with_a_slow_rank_yields_one_straggler_event(tmp_path):
     sink.start()
     webhook = tmp_path / "webhook"
     webhook.write_text(f"http://127.0.0.1:{sink.port}/hook")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshscope",
-            "run",
-            "--config",
-            str(config),
-            "--run-dir",
-            str(tmp_path),
-            "--run-id",
-            "live",
-            "--metrics-port",
-            str(free_port_range(3)),
-            "--steps",
-            "60",
-            "--inject",
-            "slow@step=40,rank=1,steps=8,factor=3",
-            "--slack-webhook-file",
-            str(webhook),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = start_run(
+        tmp_path,
+        "live",
+        None,
+        "--steps",
+        "60",
+        "--inject",
+        "slow@step=40,rank=1,steps=8,factor=3",
+        "--slack-webhook-file",
+        str(webhook),
+        config=config,
     )
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out

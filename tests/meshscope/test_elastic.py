@@ -14,28 +14,12 @@ from meshscope.collector.store import latest_step, load_events, load_expert_load
 from meshscope.config import load_config
 from meshscope.trainer.model import MoELM
 from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO, TINY
+from tests.helpers.runs import REPO, TINY, start_run
 
 
 def meshscope_run(root, run_id, *flags, port=None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "meshscope",
-        "run",
-        "--config",
-        str(TINY),
-        "--run-dir",
-        str(root),
-        "--run-id",
-        run_id,
-        "--metrics-port",
-        str(port or free_port_range(3)),
-        *flags,
-    ]
-    return subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    """`meshscope run` in its own session (the test kills whole process trees)."""
+    return start_run(root, run_id, port, *flags, new_session=True)
 
 
 def final_params(run_dir):

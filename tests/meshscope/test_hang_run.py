@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from meshscope.collector.store import load_events
 from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO, start_run
+from tests.helpers.runs import meshscope, start_run
 
 
 @pytest.mark.parametrize(
@@ -55,10 +52,5 @@ def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, ki
     assert detail["detected_at"] - detail["stalled_since"] < 10
     kinds = events["kind"].tolist()
     assert "resume" in kinds and kinds[-1] == "run_end"  # restarted from a checkpoint, finished
-    report = subprocess.run(
-        [sys.executable, "-m", "meshscope", "hang-report", "--run", str(tmp_path / "h")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    report = meshscope("hang-report", "--run", str(tmp_path / "h"))
     assert report.returncode == 0 and f"[{culprit}]" in report.stdout

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from meshscope.collector.store import load_events
 from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO, start_run
+from tests.helpers.runs import meshscope, start_run
 
 
 @pytest.mark.parametrize("where,tensor,replays", [("forward", "parameter", 0), ("backward", "gradient", 1)])
@@ -37,12 +34,6 @@ def test_the_tracer_names_the_poisoned_module_and_rank(tmp_path, where, tensor, 
     assert len(snapshots) == 1 and snapshots.iloc[0]["detail"]["path"] == detail["snapshot"]
     # forward: the Inf weight is in the snapshot, so the re-run gives Inf again (exit 0);
     # backward: the NaN came from a hook, not the module, and replay says so (exit 1)
-    replay = subprocess.run(
-        [sys.executable, "-m", "meshscope", "replay", detail["snapshot"]],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    replay = meshscope("replay", detail["snapshot"])
     assert replay.returncode == replays, replay.stdout + replay.stderr
     assert module in replay.stdout

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -17,8 +16,7 @@ from meshscope.collector.controls import load_controls
 from meshscope.collector.figures import balancedness
 from meshscope.collector.store import latest_step, load_events, load_expert_load, store_path
 from meshscope.feedback.loop import approve, ingest
-from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO, TINY
+from tests.helpers.runs import TINY, meshscope, start_run
 
 SKEWED = (
     TINY.read_text()
@@ -39,13 +37,7 @@ def _raw_control(run, kind: str, layer: int, values: list[float]) -> None:
 
 
 def _feedback(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "meshscope", "feedback", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return meshscope("feedback", *args)
 
 
 @pytest.fixture(scope="module")
@@ -54,28 +46,7 @@ def controlled(tmp_path_factory):
     config = root / "skewed.toml"
     config.write_text(SKEWED)
     run = root / "c"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshscope",
-            "run",
-            "--config",
-            str(config),
-            "--run-dir",
-            str(root),
-            "--run-id",
-            "c",
-            "--steps",
-            "150",
-            "--metrics-port",
-            str(free_port_range(3)),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_run(root, "c", None, "--steps", "150", config=config)
     deadline = time.monotonic() + 120
     while latest_step(run) < 12 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)

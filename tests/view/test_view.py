@@ -5,8 +5,6 @@ page turns an upload into suggestions and an approval into a queued change."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from meshscope.collector.controls import load_controls
 from meshscope.collector.store import load_events
 from meshscope.explain.facts import Anomaly, RunFacts
 from meshscope.view import data
-from tests.helpers.runs import REPO
+from tests.helpers.runs import REPO, meshscope
 
 APP = str(REPO / "view" / "app.py")
 DATA = REPO / "benchmarks" / "data"
@@ -29,13 +27,7 @@ def runs(tmp_path_factory) -> Path:
     for name in ("slow", "skip_collective", "expert_collapse-2", "nan"):
         shutil.copytree(DATA / name, root / name)
     for name in ("slow", "expert_collapse-2", "nan"):
-        subprocess.run(
-            [sys.executable, "-m", "meshscope", "detect", "--run", str(root / name)],
-            cwd=REPO,
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
+        meshscope("detect", "--run", str(root / name), check=True)
     return root
 
 
@@ -174,3 +166,22 @@ def test_malformed_uploads_get_a_clear_message(tmp_path, monkeypatch, name, cont
 def test_facts_of_a_run_without_stored_anomalies_come_from_a_replay():
     facts = RunFacts.load(DATA / "slow")
     assert [a.type for a in facts.anomalies] == ["straggler"] and facts.anomalies[0].id is None
+
+
+def test_debug_page_shows_the_tracers_tensor_statistics(runs, monkeypatch, tmp_path):
+    from meshscope.collector.store import RunStore
+
+    run = tmp_path / "runs" / "traced"
+    shutil.copytree(DATA / "nan", run)
+    store = RunStore(run)
+    rows = [
+        {"step": s, "rank": r, "module": "blocks.0.ln1", "where": "forward", "absmax": 1.0 + s,
+         "norm": 2.0, "mean": 0.0, "std": 1.0, "nonfinite": int(s == 20 and r == 1)}
+        for s in (10, 20) for r in (0, 1)
+    ]  # fmt: skip
+    store.add_tensor_stats(rows)
+    store.close()
+    at = app(run.parent, monkeypatch, "debug", run="traced")
+    assert "Tensor statistics per module" in text(at)
+    flagged = at.dataframe[-1].value
+    assert list(zip(flagged["step"], flagged["rank"])) == [(20, 1)]

@@ -1,4 +1,5 @@
-"""Debug: hang diagnoses (culprit, collective, stacks) and tensor-tracer findings."""
+"""Debug: hang diagnoses (culprit, collective, stacks), tensor-tracer findings and statistics,
+gradients per layer."""
 
 import plotly.express as px
 import streamlit as st
@@ -42,3 +43,26 @@ if not grads.empty:
         px.line(grads, x="step", y="grad_norm", color="module", log_y=True, title="gradient norm per layer"),
         key="grad_norm",
     )
+stats = ui.tensor_stats(str(run_dir), data.store_version(run_dir))
+if not stats.empty:
+    st.header("Tensor statistics per module")
+    st.caption(
+        "From `--trace stats` (every 10th step) or `full`: each module's outputs, reduced on the device."
+    )
+    module = st.selectbox("module", sorted(stats["module"].unique()), key="stats_module")
+    picked = stats[stats["module"] == module]
+    st.plotly_chart(
+        px.line(
+            picked,
+            x="step",
+            y="absmax",
+            color="rank",
+            line_dash="where",
+            log_y=True,
+            title=f"{module}: absmax",
+        ),
+        key="tensor_absmax",
+    )
+    bad = stats[stats["nonfinite"] > 0]
+    if not bad.empty:
+        st.dataframe(bad.sort_values(["step", "rank"]), hide_index=True, key="tensor_nonfinite")
