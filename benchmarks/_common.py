@@ -12,7 +12,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from tests.helpers.dist import run_ranks  # noqa: E402,F401  (one spawner for tests and benchmarks)
+from fixtures.dist import run_ranks  # noqa: E402,F401  (one spawner for tests and benchmarks)
 
 
 def machine() -> str:

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from _common import REPO, machine
 
+from fixtures.ports import free_port_range
+from fixtures.sinks import Sink
 from meshscope.collector.store import load_steps
 from meshscope.dashboards.alertmanager import AlertRouting
 from meshscope.dashboards.stack import StackConfig, down, up
-from tests.helpers.ports import free_port_range
-from tests.helpers.sinks import Sink
 
 SLOW_AT, NAN_AT = 40, 170
 ALERTS = {"StragglerRank": SLOW_AT, "AnomalyDetected": SLOW_AT, "LossNotFinite": NAN_AT}
@@ -47,7 +47,7 @@ def one_run(runs: Path, run_id: str, sink: Sink) -> dict[str, float]:
         "meshscope",
         "run",
         "--config",
-        str(REPO / "tests/data/tiny.toml"),
+        str(REPO / "fixtures/tiny.toml"),
         "--run-dir",
         str(runs),
         "--run-id",

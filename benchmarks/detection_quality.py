@@ -1,6 +1,6 @@
 """How well the detectors find labelled faults, against two baselines, and what a step costs.
 
-Recorded runs (benchmarks/data/<name>/store.sqlite, recorded once with `--record`): two clean
+Recorded runs (fixtures/stores/<name>/store.sqlite, recorded once with `--record`): two clean
 runs and one run per injection kind, on 2 CPU ranks. The `injected` events are the ground truth.
 Scoring replays the stores in seconds:
   * ours: detectors.engine.DetectionEngine (as `meshscope run` and `meshscope detect` use it);
@@ -28,46 +28,19 @@ import pandas as pd
 from _common import REPO, machine
 from sklearn.ensemble import IsolationForest
 
-from meshscope.collector.store import load_events, load_expert_load, load_steps
+from fixtures import recorded
+from meshscope.collector.store import load_events, load_steps
 from meshscope.detectors.engine import DetectionEngine
 from meshscope.detectors.episodes import Episode, EpisodeTracker
 
-DATA = REPO / "benchmarks" / "data"
-START = 80
-RUNS = {
-    "clean-a": [],
-    "clean-b": [],
-    "slow": [f"slow@step={START},rank=1,steps=10,factor=3"],
-    "comm_delay": [f"comm_delay@step={START},rank=0,steps=10,ms=60"],
-    "nan": [f"nan@step={START},rank=1"],
-    "expert_collapse": [f"expert_collapse@step={START},rank=0,steps=20,layer=0"],
-    "memory_leak": [f"memory_leak@step={START},rank=1,steps=20,mb_per_step=8"],
-    "hang": [f"hang@step={START},rank=0,seconds=2"],
-}
-# Held out: recorded after the thresholds were fixed, with other steps, ranks and strengths.
-HELD_OUT = {
-    "clean-c": [],
-    "slow-2": ["slow@step=60,rank=0,steps=8,factor=2.5"],
-    "comm_delay-2": ["comm_delay@step=100,rank=1,steps=6,ms=40"],
-    "nan-2": ["nan@step=110,rank=0"],
-    "expert_collapse-2": ["expert_collapse@step=60,rank=1,steps=15,layer=1"],
-    "memory_leak-2": ["memory_leak@step=50,rank=0,steps=25,mb_per_step=4"],
-    "hang-2": ["hang@step=100,rank=1,seconds=1.5"],
-}
-EXPECTED = {
-    "slow": {"straggler"},
-    "comm_delay": {"comm", "stall", "straggler", "multivariate"},
-    "nan": {"nan"},
-    "expert_collapse": {"expert_imbalance", "loss_spike"},
-    "memory_leak": {"memory"},
-    "hang": {"straggler", "stall", "comm", "multivariate"},
-}
+DATA = recorded.STORES
+START, RUNS, HELD_OUT, EXPECTED = recorded.START, recorded.DETECTION, recorded.HELD_OUT, recorded.ANOMALIES
 
 
 def _bench_config() -> Path:
     config = Path(tempfile.mkdtemp()) / "bench.toml"
     config.write_text(
-        (REPO / "tests/data/tiny.toml")
+        (REPO / "fixtures/tiny.toml")
         .read_text()
         .replace("d_model = 32", "d_model = 64")
         .replace("batch_size = 8", "batch_size = 16")
@@ -118,11 +91,8 @@ def record(steps: int = 150, only: list[str] | None = None) -> None:
 
 
 def ours(run: Path) -> list[Episode]:
-    episodes: list[Episode] = []
-    engine = DetectionEngine(on_close=episodes.append)
-    engine.process(load_steps(run), load_expert_load(run))
-    engine.finish()
-    return episodes
+    """Our engine's episodes over a recorded run."""
+    return recorded.replay(run)
 
 
 def _episodes(flags: pd.Series, type_: str) -> list[Episode]:

@@ -27,15 +27,11 @@ from pathlib import Path
 
 from _common import REPO, machine
 
-from meshscope.collector.rundir import run_info
-from meshscope.collector.store import load_events, load_expert_load, load_steps
-from meshscope.detectors.engine import DetectionEngine
-from meshscope.detectors.episodes import Episode
+from fixtures import recorded
 
-DATA = REPO / "benchmarks" / "data" / "experts"
-SHAPES = [(4, 1), (4, 2), (8, 2), (16, 4)]
+DATA = recorded.EXPERTS
+SHAPES, FAULTS, run_names = recorded.EXPERT_SHAPES, recorded.EXPERT_FAULTS, recorded.expert_runs
 START, STEPS, FAULT_STEPS, CLEAN_STEPS = 50, 90, 20, 400
-FAULTS = {"collapse": 20.0, "hog": 2.5, "starve": -30.0}
 CONFIG = """nproc = 2
 device = "cpu"
 expert_every = 2
@@ -54,15 +50,6 @@ steps = {steps}
 batch_size = 8
 lr = 1e-2
 """
-
-
-def run_names() -> list[tuple[str, int, int, str]]:
-    """(name, experts, top_k, fault or 'clean') of every recorded run."""
-    out = []
-    for experts, top_k in SHAPES:
-        for fault in (*FAULTS, "clean"):
-            out.append((f"e{experts}k{top_k}-{fault}", experts, top_k, fault))
-    return out
 
 
 def record() -> None:
@@ -109,37 +96,7 @@ def record() -> None:
         print(f"recorded {name}")
 
 
-def judge(run: Path, *, use_config: bool = True) -> list[Episode]:
-    """The expert_imbalance episodes the engine raises on a recorded run."""
-    found: list[Episode] = []
-    engine = DetectionEngine(top_k=run_info(run).top_k if use_config else None, on_close=found.append)
-    engine.process(load_steps(run), load_expert_load(run))
-    engine.finish()
-    return [e for e in found if e.type == "expert_imbalance"]
-
-
-def score(use_config: bool = True) -> dict[str, dict]:
-    """Per fault kind: tp, fn, fp, delays; and false alarms on clean runs."""
-    table: dict[str, dict] = {k: {"tp": 0, "fn": 0, "fp": 0, "delays": []} for k in (*FAULTS, "clean")}
-    for name, _, _, fault in run_names():
-        run = DATA / name
-        episodes = judge(run, use_config=use_config)
-        row = table[fault]
-        if fault == "clean":
-            row["fp"] += len(episodes)
-            row["steps"] = row.get("steps", 0) + int(load_steps(run)["step"].max()) + 1
-            continue
-        inj = load_events(run, kind="injected")["detail"].iloc[0]
-        layer, lo = int(inj["params"]["layer"]), int(inj["start_step"])
-        hi = lo + int(inj["steps"]) + 6  # the window after the fault still holds its tokens
-        hits = [e for e in episodes if e.layer == layer and e.start_step <= hi and e.end_step >= lo]
-        row["fp"] += len([e for e in episodes if e not in hits])
-        if hits:
-            row["tp"] += 1
-            row["delays"].append(max(0, min(e.start_step for e in hits) - lo))
-        else:
-            row["fn"] += 1
-    return table
+judge, score = recorded.expert_episodes, recorded.expert_scores
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ def worker_pid(run_dir: Path, rank: int) -> int | None:
 def run_variant(name: str, root: Path, args: argparse.Namespace) -> list[dict]:
     steps = args.every * (args.kills + 1) + 10
     config = root / f"{name}.toml"
-    text = (REPO / "tests/data/tiny.toml").read_text()
+    text = (REPO / "fixtures/tiny.toml").read_text()
     config.write_text(text + f"\n[elastic]\nwarm_standby = {str(name == 'warm').lower()}\n")
     cmd = [
         sys.executable,

@@ -227,7 +227,7 @@ def overhead_pair(
 @part("3 moe dispatch steps/s")
 def moe_dispatch(device: Device, steps: int) -> dict:
     sys.path.insert(0, str(REPO))
-    from tests.trainer.test_moe_dispatch import loop_reference
+    from fixtures.moe_reference import loop_reference
 
     cfg = ModelConfig(vocab_size=1024, seq_len=128, layers=4, d_model=256, heads=4, experts=8, top_k=2)
     data = SyntheticTokens(vocab_size=1024, seq_len=128, batch_size=16, seed=0)

@@ -2,7 +2,7 @@
 timeout, in the same run.
 
 Each scenario runs twice on 3 gloo ranks (the culprit is rank 2, misbehaving at step 3; see
-tests/watchdog/hang_cases.py): once with flight logs and meshscope's watchdog at its default
+fixtures/hang_cases.py): once with flight logs and meshscope's watchdog at its default
 settings, once plain with the process group's timeout set to `--pg-timeout`. For the watchdog:
 delay from the stall (the last progress of any rank) to the diagnosis, and whether rank and
 collective are right. For the plain job: when its first rank errored (timeout or a broken
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from _common import machine
 
+from fixtures.hang_cases import FAULT_STEP, rank_main
+from fixtures.ports import free_port_range
 from meshscope.watchdog.watch import HangConfig, HangWatch
-from tests.helpers.ports import free_port_range
-from tests.watchdog.hang_cases import FAULT_STEP, rank_main
 
 WORLD, CULPRIT = 3, 2
 EXPECTED = {

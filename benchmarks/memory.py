@@ -38,7 +38,7 @@ mon = None
 if watched:
     from prometheus_client import CollectorRegistry
     from meshscope.collector import Monitor, MonitorConfig
-    from tests.helpers.ports import free_port_range
+    from fixtures.ports import free_port_range
     mon = Monitor(MonitorConfig(run_dir=__import__("pathlib").Path(tempfile.mkdtemp()) / "run",
                                 run_id="mem", metrics_port=free_port_range(1)),
                   registry=CollectorRegistry())

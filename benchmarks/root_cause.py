@@ -23,51 +23,11 @@ from pathlib import Path
 
 from _common import REPO, machine
 
-from meshscope.collector.store import load_events
+from fixtures import recorded
 
-DATA = REPO / "benchmarks" / "data"
-# What each injection kind should be explained as, and whether the culprit rank is knowable
-# from what was recorded (a delayed link slows every rank alike).
-EXPECTED = {
-    "slow": ("slow_host", True),
-    "comm_delay": ("slow_link", False),
-    "nan": ("nonfinite", True),
-    "expert_collapse": ("routing", False),
-    "memory_leak": ("leak", True),
-    "hang": ("hang", True),
-    "kill": ("crash", True),
-    "kill_loop": ("recovery_failing", True),
-    "skip_collective": ("hang", True),
-    "collective_mismatch": ("hang", True),
-}
-RECORDED_HERE = {
-    "kill": ["kill@step=25,rank=1"],
-    "kill_loop": ["kill@step=12,rank=1", "kill@step=14,rank=1", "kill@step=16,rank=1"],
-    "skip_collective": ["skip_collective@step=20,rank=1"],
-    "collective_mismatch": ["collective_mismatch@step=20,rank=0,what=shape"],
-}
-FLAGS = {
-    "kill": ["--max-restarts", "2"],
-    "kill_loop": ["--max-restarts", "2"],
-    "skip_collective": ["--max-restarts", "1", "--on-hang", "abort"],
-    "collective_mismatch": ["--max-restarts", "1", "--on-hang", "abort"],
-}
-
-
-def runs() -> list[Path]:
-    """Every recorded run with an injection, in a stable order."""
-    return sorted(
-        p for p in DATA.iterdir() if (p / "store.sqlite").exists() and not p.name.startswith("clean")
-    )
-
-
-def injection_kind(run: Path) -> tuple[str, int]:
-    """The run's injected kind (kill_loop when one kind was injected repeatedly) and rank."""
-    inj = load_events(run, kind="injected")["detail"]
-    kind = inj.iloc[0]["kind"]
-    if run.name.startswith("kill_loop"):
-        kind = "kill_loop"
-    return kind, int(inj.iloc[0]["rank"])
+DATA = recorded.STORES
+EXPECTED, RECORDED_HERE, FLAGS = recorded.CAUSES, recorded.ROOT_CAUSE, recorded.ROOT_CAUSE_FLAGS
+runs, injection_kind = recorded.injected_runs, recorded.injection_kind
 
 
 def judge(run: Path) -> dict:
@@ -97,7 +57,7 @@ def judge(run: Path) -> dict:
 def record(only: list[str] | None = None) -> None:
     """Record the runs this benchmark adds (the others come from detection_quality.py)."""
     config = Path(tempfile.mkdtemp()) / "bench.toml"
-    config.write_text((REPO / "tests/data/tiny.toml").read_text())
+    config.write_text((REPO / "fixtures/tiny.toml").read_text())
     for name, injections in RECORDED_HERE.items():
         if only and name not in only:
             continue

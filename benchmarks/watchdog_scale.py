@@ -22,8 +22,8 @@ import time
 import torch.distributed as dist
 from _common import machine
 
+from fixtures.ports import free_port_range
 from meshscope.trainer.heartbeat import JobWatch, NodeWatch, connect_store, hb_key
-from tests.helpers.ports import free_port_range
 
 
 def capacity(port: int, threads: int = 8, seconds: float = 1.5) -> float:

@@ -66,12 +66,12 @@ def test_no_room_imports_the_composition_root():
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("folder", [*ROOMS, "meshscope", "tests", "benchmarks"])
+@pytest.mark.parametrize("folder", [*ROOMS, "meshscope", "tests", "benchmarks", "fixtures"])
 def test_every_import_goes_through_the_one_name(folder):
     bare = {
         str(path.relative_to(REPO)): sorted(n for n in _imported(path) if n.split(".")[0] in OLD_NAMES)
         for path in (REPO / folder).rglob("*.py")
-        if "data" not in path.relative_to(REPO).parts
+        if "stores" not in path.relative_to(REPO).parts
     }
     bare = {f: names for f, names in bare.items() if names}
     assert not bare, f"import meshscope.<room>, not <room>: {bare}"
@@ -79,5 +79,23 @@ def test_every_import_goes_through_the_one_name(folder):
 
 def test_the_contract_sees_every_room():
     """A new room must be placed in ALLOWED (and in pyproject's package list) on purpose."""
-    folders = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"meshscope", "tests"}
+    folders = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"meshscope", "tests", "fixtures"}
     assert folders == set(ALLOWED), folders ^ set(ALLOWED)
+
+
+def test_tests_and_benchmarks_share_fixtures_not_each_other():
+    """What both need (recorded runs, fault programs) lives in fixtures/; neither imports the other."""
+    crossing = {}
+    for folder, other in (("tests", "benchmarks"), ("benchmarks", "tests")):
+        for path in (REPO / folder).rglob("*.py"):
+            if path == Path(__file__).resolve():
+                continue  # this test reads both folders by design
+            text = path.read_text()
+            names = _imported(path)
+            if any(n.split(".")[0] == other for n in names) or f'/ "{other}"' in text:
+                crossing[str(path.relative_to(REPO))] = other
+    benchmark_modules = {p.stem for p in (REPO / "benchmarks").glob("*.py")}
+    for path in (REPO / "tests").rglob("*.py"):
+        if _imported(path) & benchmark_modules:
+            crossing[str(path.relative_to(REPO))] = sorted(_imported(path) & benchmark_modules)
+    assert not crossing, crossing

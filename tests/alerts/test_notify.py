@@ -5,9 +5,9 @@ import logging
 import pytest
 from aiosmtpd.controller import Controller
 
+from fixtures.ports import free_port_range
+from fixtures.sinks import Sink
 from meshscope.alerts.notify import Alert, Email, Outbox, OutboxConfig, SlackWebhook, read_secret
-from tests.helpers.ports import free_port_range
-from tests.helpers.sinks import Sink
 
 DETAIL = {"type": "straggler", "ranks": [1], "score": 2.9, "start_step": 40, "end_step": 47}
 

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
+from fixtures.dist import run_ranks
 from meshscope.collector import DistEnv, Monitor, MonitorConfig
 from meshscope.collector.control import ControlPlane, ControlPlaneError, LateFlag
-from tests.helpers.dist import run_ranks
 
 
 class HostCountsMoE(torch.nn.Module):

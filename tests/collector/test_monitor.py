@@ -7,11 +7,11 @@ import requests
 import torch
 from prometheus_client import CollectorRegistry
 
+from fixtures.ports import free_port_range
 from meshscope.collector import Monitor, MonitorConfig
 from meshscope.collector.env import DistEnv
 from meshscope.collector.exporter import PortInUseError
 from meshscope.collector.store import load_events, load_expert_load, load_steps
-from tests.helpers.ports import free_port_range
 
 
 class ToyMoE(torch.nn.Module):

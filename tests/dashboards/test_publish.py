@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from typer.testing import CliRunner
 
+from fixtures.ports import free_port_range
 from meshscope.cli import app
 from meshscope.dashboards.boards import build_all
-from tests.helpers.ports import free_port_range
 
 TOKEN = "glsa_secret_token_123"
 

@@ -6,8 +6,8 @@ import socket
 import subprocess
 import sys
 
-from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO, meshscope
+from fixtures.ports import free_port_range
+from fixtures.runs import REPO, meshscope
 
 
 def stack_up(tmp_path, *extra, env=None):

@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from fixtures.recorded import expert_scores
 from meshscope.detectors.domain import ExpertLoad
 from meshscope.detectors.window_rules import ExpertRule
 
@@ -71,20 +72,10 @@ def test_the_rule_reads_top_k_from_the_counts():
     assert first[1].evidence["kind"] == "hog" and first[1].evidence["max_share"] == 0.5
 
 
-# --- recorded runs at several (experts, top-k): benchmarks/expert_judgement.py ---------------
-def _bench():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import expert_judgement
-
-    return expert_judgement
-
-
+# --- recorded runs at several (experts, top-k): fixtures/stores/experts ----------------------
 @pytest.mark.parametrize("use_config", [True, False], ids=["top-k from config", "top-k inferred"])
 def test_collapses_hogs_and_starvation_found_within_3_steps_and_clean_runs_silent(use_config):
-    table = _bench().score(use_config)
+    table = expert_scores(use_config)
     for kind, row in table.items():
         if kind == "clean":
             assert row["fp"] == 0 and row["steps"] >= 1600

@@ -1,18 +1,15 @@
-"""Replay the recorded runs of benchmarks/data: every injected fault found with its type and
+"""Replay the recorded runs of fixtures/stores: every injected fault found with its type and
 rank, and nothing raised on the clean runs (a regression guard on detection quality)."""
-
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from detection_quality import DATA, EXPECTED, HELD_OUT, RUNS, ours  # noqa: E402
+from fixtures.recorded import ANOMALIES as EXPECTED
+from fixtures.recorded import DETECTION, HELD_OUT, PERSISTENT
+from fixtures.recorded import STORES as DATA
+from fixtures.recorded import replay as ours
+from meshscope.collector.store import load_events
 
-from meshscope.collector.store import load_events  # noqa: E402
-
-ALL = [*RUNS, *HELD_OUT]
+ALL = [*DETECTION, *HELD_OUT]
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if n.startswith("clean")])
@@ -41,7 +38,7 @@ def test_a_persistent_1_4x_straggler_on_a_noisy_4_rank_run_is_named():
     """Recorded: 4 CPU ranks on 2 cores (bursts of 50 % for several steps in clean runs),
     rank 2 slowed 1.4x from step 100 for good (its peers speed up as it sleeps, so either
     horizon may name it first); the clean twin raises nothing."""
-    slow = ours(DATA / "persistent" / "slow4")
+    slow = ours(PERSISTENT / "slow4")
     assert [(e.type, e.ranks) for e in slow] == [("straggler", [2])]
     assert 100 <= slow[0].start_step <= 115
-    assert ours(DATA / "persistent" / "clean4") == []
+    assert ours(PERSISTENT / "clean4") == []

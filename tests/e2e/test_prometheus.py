@@ -5,11 +5,11 @@ import subprocess
 import pytest
 import requests
 
+from fixtures.ports import free_port_range
+from fixtures.runs import start_run, wait_for
+from fixtures.servers import Prometheus
 from meshscope.dashboards.prometheus import write_prometheus_config
 from tests.conftest import require_binary
-from tests.helpers.ports import free_port_range
-from tests.helpers.runs import start_run, wait_for
-from tests.helpers.servers import Prometheus
 
 pytestmark = pytest.mark.e2e
 

@@ -8,11 +8,11 @@ import time
 import pytest
 import requests
 
+from fixtures.ports import free_port_range
+from fixtures.runs import REPO, meshscope, start_run, wait_for
+from fixtures.sinks import Mailbox, Sink
 from meshscope.dashboards.boards import board_queries, build_all
 from tests.conftest import require_binary
-from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO, meshscope, start_run, wait_for
-from tests.helpers.sinks import Mailbox, Sink
 
 pytestmark = pytest.mark.e2e
 RUN = "e2e"
@@ -191,7 +191,7 @@ def test_one_alert_path_a_run_under_the_stack_never_pages_from_its_own_outbox(st
     out = meshscope(
         "run",
         "--config",
-        str(REPO / "tests/data/tiny.toml"),
+        str(REPO / "fixtures/tiny.toml"),
         "--run-dir",
         str(stack["runs"]),
         "--run-id",
@@ -213,7 +213,7 @@ def test_one_alert_path_a_run_under_the_stack_never_pages_from_its_own_outbox(st
     refused = meshscope(
         "run",
         "--config",
-        str(REPO / "tests/data/tiny.toml"),
+        str(REPO / "fixtures/tiny.toml"),
         "--run-dir",
         str(stack["tmp"] / "elsewhere"),
         "--alerts",

@@ -13,9 +13,9 @@ import time
 import pytest
 import requests
 
+from fixtures.ports import free_port_range
+from fixtures.runs import REPO
 from tests.conftest import require_binary
-from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO
 
 pytestmark = pytest.mark.e2e
 ARTIFACTS = REPO / "test-artifacts"
@@ -36,7 +36,7 @@ def view(tmp_path_factory):
     """`meshscope view` over two recorded runs, as a person starts it."""
     runs = tmp_path_factory.mktemp("runs")
     for name in ("skip_collective", "slow"):
-        shutil.copytree(REPO / "benchmarks" / "data" / name, runs / name)
+        shutil.copytree(REPO / "fixtures" / "stores" / name, runs / name)
     subprocess.run(
         [sys.executable, "-m", "meshscope", "detect", "--run", str(runs / "slow")],
         cwd=REPO,

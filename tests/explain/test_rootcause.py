@@ -4,25 +4,25 @@ right rank where the data can tell; nothing on clean runs; one anomaly explained
 import json
 import shutil
 import sqlite3
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from root_cause import DATA, judge, runs  # noqa: E402
-
-from meshscope.explain.facts import CAUSE_KINDS, RunFacts  # noqa: E402
-from meshscope.explain.ranking import explain  # noqa: E402
-from tests.helpers.runs import meshscope  # noqa: E402
+from fixtures.recorded import CAUSES, injected_runs, injection_kind
+from fixtures.recorded import STORES as DATA
+from fixtures.runs import meshscope
+from meshscope.explain.facts import CAUSE_KINDS, RunFacts
+from meshscope.explain.ranking import explain
 
 
-@pytest.mark.parametrize("run", runs(), ids=lambda p: p.name)
+@pytest.mark.parametrize("run", injected_runs(), ids=lambda p: p.name)
 def test_the_injected_cause_is_ranked_first(run):
-    row = judge(run)
-    assert row["ok"], {k: v for k, v in row.items() if k != "causes"}
-    for cause in row["causes"]:
+    kind, rank = injection_kind(run)
+    want, rank_known = CAUSES[kind]
+    causes = explain(run)
+    assert causes and causes[0].kind == want, (kind, [(c.kind, c.ranks) for c in causes[:3]])
+    assert not rank_known or causes[0].ranks == [rank], (kind, causes[0].ranks)
+    for cause in causes:
         assert cause.kind in CAUSE_KINDS and cause.evidence and cause.action, cause
         assert 0 < cause.confidence <= 1
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from meshscope.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
-RECORDED = REPO / "benchmarks" / "data" / "slow" / "store.sqlite"
+RECORDED = REPO / "fixtures" / "stores" / "slow" / "store.sqlite"
 runner = CliRunner()
 FUZZ = settings(
     max_examples=150,

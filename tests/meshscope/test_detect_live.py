@@ -1,8 +1,8 @@
 """The engine beside a live run: a slowed rank becomes one straggler anomaly, nothing before."""
 
+from fixtures.runs import TINY, start_run
+from fixtures.sinks import Sink
 from meshscope.collector.store import load_events
-from tests.helpers.runs import TINY, start_run
-from tests.helpers.sinks import Sink
 
 
 def test_live_run_with_a_slow_rank_yields_one_straggler_event(tmp_path):

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from fixtures.ports import free_port_range
+from fixtures.runs import REPO, TINY, start_run
 from meshscope.collector.store import latest_step, load_events, load_expert_load, load_steps
 from meshscope.config import load_config
 from meshscope.trainer.model import MoELM
-from tests.helpers.ports import free_port_range
-from tests.helpers.runs import REPO, TINY, start_run
 
 
 def meshscope_run(root, run_id, *flags, port=None):

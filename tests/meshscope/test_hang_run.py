@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from fixtures.ports import free_port_range
+from fixtures.runs import meshscope, start_run
 from meshscope.collector.store import load_events
-from tests.helpers.ports import free_port_range
-from tests.helpers.runs import meshscope, start_run
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,10 @@ import socket
 import pytest
 from typer.testing import CliRunner
 
+from fixtures.ports import free_port_range
+from fixtures.runs import sample, scrape, start_run, wait_for
 from meshscope.cli import app
 from meshscope.collector.store import load_events, load_expert_load, load_steps
-from tests.helpers.ports import free_port_range
-from tests.helpers.runs import sample, scrape, start_run, wait_for
 
 FAMILIES = [
     "meshscope_step_duration_seconds",

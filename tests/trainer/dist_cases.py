@@ -1,4 +1,4 @@
-"""Functions run on every rank by tests/helpers/dist.run_ranks (module level, for spawn)."""
+"""Functions run on every rank by fixtures/dist.run_ranks (module level, for spawn)."""
 
 from __future__ import annotations
 

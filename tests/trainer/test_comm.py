@@ -5,10 +5,10 @@ import types
 import pytest
 import torch
 
+from fixtures.dist import run_ranks
 from meshscope.collector.comm import allreduce_sent_bytes
 from meshscope.trainer.comm import build_hook, fp16_wire_bytes, powersgd_wire_bytes
 from meshscope.trainer.onebit import compress, decompress, onebit_wire_bytes, pack_signs, unpack_signs
-from tests.helpers.dist import run_ranks
 from tests.trainer import dist_cases
 
 

@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
+from fixtures.runs import TINY, meshscope, start_run
 from meshscope.collector.controls import load_controls
 from meshscope.collector.figures import balancedness
 from meshscope.collector.store import latest_step, load_events, load_expert_load, store_path
 from meshscope.feedback.loop import approve, ingest
-from tests.helpers.runs import TINY, meshscope, start_run
 
 SKEWED = (
     TINY.read_text()

@@ -1,5 +1,6 @@
 import torch.distributed as dist
 
+from fixtures.ports import free_port_range
 from meshscope.trainer.heartbeat import (
     Heartbeat,
     JobWatch,
@@ -9,7 +10,6 @@ from meshscope.trainer.heartbeat import (
     hb_key,
     previous_attempt_failures,
 )
-from tests.helpers.ports import free_port_range
 
 
 class Clock:

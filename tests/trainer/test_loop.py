@@ -9,18 +9,18 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from fixtures.runs import REPO
 from meshscope.collector import Monitor, MonitorConfig, readback
 from meshscope.collector.store import load_steps
 from meshscope.config import load_config
 from meshscope.trainer.device import Device
 from meshscope.trainer.inject import Injector, parse_injection
 from meshscope.trainer.loop import build, build_optimizer, step_if_finite, train_step
-from tests.helpers.runs import REPO
 
 
 def test_fused_adamw_skips_a_non_finite_step_on_the_device():
     model = torch.nn.Linear(3, 1)
-    cfg = load_config(REPO / "tests/data/tiny.toml")
+    cfg = load_config(REPO / "fixtures/tiny.toml")
     opt = build_optimizer(model, cfg, Device("cpu"))
     assert opt.defaults["fused"]
     model(torch.ones(1, 3)).sum().backward()
@@ -71,7 +71,7 @@ def forbid_host_reads(monkeypatch):
 
 
 def test_the_training_step_reads_nothing_from_the_device(tmp_path, monkeypatch):
-    cfg = load_config(REPO / "tests/data/tiny.toml", {"runs_root": str(tmp_path), "run_id": "s"})
+    cfg = load_config(REPO / "fixtures/tiny.toml", {"runs_root": str(tmp_path), "run_id": "s"})
     monkeypatch.setattr(readback, "is_device_tensor", lambda v: isinstance(v, torch.Tensor))
     mon = Monitor(
         MonitorConfig(run_dir=cfg.run_dir, metrics_port=None, sync_every=4, expert_every=2),

@@ -6,25 +6,10 @@ up to capacity, `index_add_` back), kept here as the specification.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from fixtures.moe_reference import loop_reference
 from meshscope.trainer.config import ModelConfig
 from meshscope.trainer.model import MoEFeedForward
-
-
-def loop_reference(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    weights, chosen, _, _ = moe.router(flat)
-    e_ = moe.experts
-    out = torch.zeros_like(flat)
-    cap = moe.capacity(flat.shape[0])
-    for e in range(len(e_)):
-        token_idx, slot = torch.nonzero(chosen == e, as_tuple=True)
-        token_idx, slot = token_idx[:cap], slot[:cap]
-        h = F.gelu(flat[token_idx] @ e_.w1[e] + e_.b1[e])
-        y = (h @ e_.w2[e] + e_.b2[e]) * weights[token_idx, slot].unsqueeze(-1)
-        out.index_add_(0, token_idx, y)
-    return out.reshape(x.shape)
 
 
 @pytest.mark.parametrize(

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
+from fixtures.runs import REPO
 from meshscope.collector.store import load_steps
 from meshscope.config import load_config
-from tests.helpers.runs import REPO
 
 
 def write_config(tmp_path, *inject):
     cfg = load_config(
-        REPO / "tests/data/tiny.toml",
+        REPO / "fixtures/tiny.toml",
         {
             "run_id": "z",
             "runs_root": str(tmp_path),

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from fixtures.recorded import STORES
+from fixtures.runs import REPO, meshscope
 from meshscope.collector.controls import load_controls
 from meshscope.collector.store import load_events
 from meshscope.explain.facts import Anomaly, RunFacts
 from meshscope.view import data
-from tests.helpers.runs import REPO, meshscope
 
 APP = str(REPO / "view" / "app.py")
-DATA = REPO / "benchmarks" / "data"
+DATA = STORES
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.hang_cases import FAULT_STEP, rank_main
+from fixtures.ports import free_port_range
 from meshscope.watchdog.watch import HangConfig, HangWatch
-from tests.helpers.ports import free_port_range
-from tests.watchdog.hang_cases import FAULT_STEP, rank_main
 
 WORLD = 3
 CULPRIT = WORLD - 1
@@ -98,8 +98,8 @@ def test_a_clean_run_is_not_a_hang(tmp_path):
     ],
 )
 def test_flight_recorder_dumps_of_a_plain_job_are_diagnosed(tmp_path, scenario, kind, op):
+    from fixtures.hang_cases import fr_rank_main
     from meshscope.watchdog.flight_recorder import diagnose_dumps
-    from tests.watchdog.hang_cases import fr_rank_main
 
     ctx = mp.get_context("spawn")
     port = free_port_range(1)
