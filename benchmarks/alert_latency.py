@@ -24,8 +24,8 @@ from _common import REPO, machine
 
 from fixtures.ports import free_port_range
 from fixtures.sinks import Sink
+from meshscope.alerts.config import AlertRouting
 from meshscope.collector.store import load_steps
-from meshscope.dashboards.alertmanager import AlertRouting
 from meshscope.dashboards.stack import StackConfig, down, up
 
 SLOW_AT, NAN_AT = 40, 170
@@ -92,7 +92,8 @@ def main() -> None:
         prometheus_port=port,
         alertmanager_port=port + 1,
         scrape_interval_s=1.0,
-        routing=AlertRouting(slack_webhook_file=hook, fast=True),
+        routing=AlertRouting(slack_webhook_file=hook),
+        fast=True,
     )
     (tmp / "runs").mkdir()
     up(cfg)

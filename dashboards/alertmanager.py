@@ -9,47 +9,37 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from meshscope.alerts.config import AlertRouting
 
 TEMPLATE = Path(__file__).parent / "templates" / "meshscope.tmpl"
 
 
-@dataclass(kw_only=True)
-class AlertRouting:
-    """Where alerts go. `fast` shortens grouping waits to a second (tests and benchmarks)."""
-
-    slack_webhook_file: Path | None = None
-    email_to: list[str] = field(default_factory=list)
-    smtp_smarthost: str = "127.0.0.1:25"
-    smtp_from: str = "meshscope@localhost"
-    smtp_username: str | None = None
-    smtp_password_file: Path | None = None
-    smtp_require_tls: bool = True
-    view_url: str = "http://127.0.0.1:8501"
-    fast: bool = False
-    check_files: bool = True  # False when the paths are another machine's (a container's secrets)
-
-    def __post_init__(self) -> None:
-        if self.email_to and ":" not in self.smtp_smarthost:
-            raise ValueError(f"AlertRouting.smtp_smarthost must be host:port, got {self.smtp_smarthost!r}")
-        for name in ("slack_webhook_file", "smtp_password_file") if self.check_files else ():
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"AlertRouting.{name}: no such file {path}")
+def checked(routing: AlertRouting, check_files: bool = True) -> AlertRouting:
+    """ValueError naming the field when Alertmanager could not use `routing`: an SMTP relay
+    that is not host:port, or (`check_files`: the paths are this machine's) a missing secret."""
+    if routing.email_to:
+        host, sep, port = routing.smtp.rpartition(":")
+        if not (sep and host and port.isdigit()):
+            raise ValueError(f"AlertRouting.smtp must be host:port, got {routing.smtp!r}")
+    missing = routing.missing_files() if check_files else []
+    if missing:
+        raise ValueError(f"AlertRouting.{missing[0]}")
+    return routing
 
 
-def _abs(path: Path, r: AlertRouting) -> Path:
-    return Path(path).resolve() if r.check_files else Path(path)
+def _abs(path: Path, resolve: bool) -> Path:
+    return Path(path).resolve() if resolve else Path(path)
 
 
-def _slack(r: AlertRouting) -> list[dict[str, Any]]:
+def _slack(r: AlertRouting, resolve: bool) -> list[dict[str, Any]]:
     if r.slack_webhook_file is None:
         return []
     return [
         {
-            "api_url_file": str(_abs(r.slack_webhook_file, r)),
+            "api_url_file": str(_abs(r.slack_webhook_file, resolve)),
             "send_resolved": True,
             "title": '{{ template "meshscope.title" . }}',
             "text": '{{ template "meshscope.text" . }}',
@@ -71,9 +61,14 @@ def _email(r: AlertRouting) -> list[dict[str, Any]]:
     ]
 
 
-def alertmanager_config(routing: AlertRouting, templates: list[str]) -> dict[str, Any]:
-    """Alertmanager's configuration for this routing (secrets by file)."""
-    wait, interval, repeat = ("1s", "1s", "1h") if routing.fast else ("10s", "1m", "4h")
+def alertmanager_config(
+    routing: AlertRouting, templates: list[str], *, fast: bool = False, check_files: bool = True
+) -> dict[str, Any]:
+    """Alertmanager's configuration for this routing (secrets by file). `fast`: 1 s grouping
+    waits (tests, benchmarks); `check_files`: False when the paths are another machine's (a
+    container's secrets)."""
+    checked(routing, check_files)
+    wait, interval, repeat = ("1s", "1s", "1h") if fast else ("10s", "1m", "4h")
     config: dict[str, Any] = {
         "route": {
             "receiver": "slack",
@@ -84,10 +79,13 @@ def alertmanager_config(routing: AlertRouting, templates: list[str]) -> dict[str
             "routes": [{"matchers": ['severity="critical"'], "receiver": "slack-and-email"}],
         },
         "receivers": [
-            {"name": "slack", **({"slack_configs": _slack(routing)} if routing.slack_webhook_file else {})},
+            {
+                "name": "slack",
+                **({"slack_configs": _slack(routing, check_files)} if routing.slack_webhook_file else {}),
+            },
             {
                 "name": "slack-and-email",
-                **({"slack_configs": _slack(routing)} if routing.slack_webhook_file else {}),
+                **({"slack_configs": _slack(routing, check_files)} if routing.slack_webhook_file else {}),
                 **({"email_configs": _email(routing)} if routing.email_to else {}),
             },
         ],
@@ -109,14 +107,14 @@ def alertmanager_config(routing: AlertRouting, templates: list[str]) -> dict[str
     }
     if routing.email_to:
         smtp = {
-            "smtp_smarthost": routing.smtp_smarthost,
+            "smtp_smarthost": routing.smtp,
             "smtp_from": routing.smtp_from,
-            "smtp_require_tls": routing.smtp_require_tls,
+            "smtp_require_tls": routing.smtp_tls,
         }
-        if routing.smtp_username:
-            smtp["smtp_auth_username"] = routing.smtp_username
+        if routing.smtp_user:
+            smtp["smtp_auth_username"] = routing.smtp_user
         if routing.smtp_password_file:
-            smtp["smtp_auth_password_file"] = str(_abs(routing.smtp_password_file, routing))
+            smtp["smtp_auth_password_file"] = str(_abs(routing.smtp_password_file, check_files))
         config["global"] = smtp
     return config
 
@@ -126,12 +124,12 @@ def view_url_template(view_url: str) -> str:
     return '{{ define "meshscope.view_url" }}' + view_url.rstrip("/") + "{{ end }}\n"
 
 
-def write_alertmanager_config(folder: Path, routing: AlertRouting) -> Path:
+def write_alertmanager_config(folder: Path, routing: AlertRouting, fast: bool = False) -> Path:
     """Write `alertmanager.yml` and its templates into `folder` (JSON is valid YAML)."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(TEMPLATE, folder / TEMPLATE.name)
     (folder / "view_url.tmpl").write_text(view_url_template(routing.view_url))
     templates = [str((folder / "*.tmpl").resolve())]
     path = folder / "alertmanager.yml"
-    path.write_text(json.dumps(alertmanager_config(routing, templates), indent=2))
+    path.write_text(json.dumps(alertmanager_config(routing, templates, fast=fast), indent=2))
     return path

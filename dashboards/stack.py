@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshscope.alerts.config import AlertRouting
 from meshscope.collector.exporter import TARGETS_INDEX
-from meshscope.dashboards.alertmanager import AlertRouting, write_alertmanager_config
+from meshscope.dashboards.alertmanager import checked, write_alertmanager_config
 from meshscope.dashboards.prometheus import write_prometheus_config, write_rules
 
 BINARIES = {
@@ -43,6 +44,10 @@ class StackConfig:
     alertmanager_port: int = 9093
     scrape_interval_s: float = 5.0
     routing: AlertRouting = field(default_factory=AlertRouting)
+    fast: bool = False  # 1 s alert grouping waits (tests, benchmarks)
+
+    def __post_init__(self) -> None:
+        checked(self.routing)  # a bad relay or a missing secret fails before anything starts
 
 
 @dataclass
@@ -76,7 +81,7 @@ def _commands(cfg: StackConfig) -> dict[str, list[str]]:
         rule_files=[str(rules)],
         alertmanager=am,
     )
-    am_config = write_alertmanager_config(home / "alertmanager", cfg.routing)
+    am_config = write_alertmanager_config(home / "alertmanager", cfg.routing, fast=cfg.fast)
     return {
         "prometheus": [
             find_binary("prometheus"),

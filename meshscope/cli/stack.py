@@ -36,20 +36,19 @@ def stack_up(
     fast: bool = typer.Option(False, help="1 s alert grouping waits (tests, benchmarks)"),
 ) -> None:
     """Start Prometheus (rules, file_sd over the runs) and Alertmanager (Slack, email)."""
-    from meshscope.dashboards.alertmanager import AlertRouting
+    from meshscope.alerts.config import AlertRouting
     from meshscope.dashboards.stack import StackConfig, StackError, up
 
     try:
         routing = AlertRouting(
             slack_webhook_file=slack_webhook_file,
             email_to=email_to.split(",") if email_to else [],
-            smtp_smarthost=smtp,
+            smtp=smtp,
             smtp_from=smtp_from,
-            smtp_username=smtp_user,
+            smtp_user=smtp_user,
             smtp_password_file=smtp_password_file,
-            smtp_require_tls=smtp_tls,
+            smtp_tls=smtp_tls,
             view_url=view_url,
-            fast=fast,
         )
         comps = up(
             StackConfig(
@@ -59,6 +58,7 @@ def stack_up(
                 alertmanager_port=alertmanager_port,
                 scrape_interval_s=scrape_interval,
                 routing=routing,
+                fast=fast,
             )
         )
     except (ValueError, StackError) as err:

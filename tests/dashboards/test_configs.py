@@ -10,8 +10,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from meshscope.alerts.config import AlertRouting
 from meshscope.collector.metrics import DetectorMetrics, MeshscopeMetrics
-from meshscope.dashboards.alertmanager import AlertRouting, alertmanager_config, write_alertmanager_config
+from meshscope.dashboards.alertmanager import alertmanager_config, checked, write_alertmanager_config
 from meshscope.dashboards.boards import OUT, board_queries, build_all, render
 from meshscope.dashboards.prometheus import RULES, write_prometheus_config
 from tests.conftest import require_binary
@@ -78,8 +79,8 @@ def test_amtool_accepts_the_alertmanager_config(tmp_path, email):
     routing = AlertRouting(
         slack_webhook_file=hook,
         email_to=["oncall@example.org"] if email else [],
-        smtp_smarthost="127.0.0.1:1025",
-        smtp_username="bot",
+        smtp="127.0.0.1:1025",
+        smtp_user="bot",
         smtp_password_file=password if email else None,
     )
     path = write_alertmanager_config(tmp_path / "am", routing)
@@ -105,9 +106,9 @@ def test_routing_warning_to_slack_critical_to_slack_and_email_inhibition_by_rank
 
 def test_bad_routing_names_the_field(tmp_path):
     with pytest.raises(ValueError, match="slack_webhook_file"):
-        AlertRouting(slack_webhook_file=tmp_path / "missing")
-    with pytest.raises(ValueError, match="smtp_smarthost"):
-        AlertRouting(email_to=["a@example.org"], smtp_smarthost="localhost")
+        checked(AlertRouting(slack_webhook_file=tmp_path / "missing"))
+    with pytest.raises(ValueError, match="smtp"):
+        checked(AlertRouting(email_to=["a@example.org"], smtp="localhost"))
 
 
 def test_committed_boards_are_what_the_code_generates():
