@@ -5,6 +5,7 @@ so its type, default (none: the TOML or the field's default applies) and help ar
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -57,7 +58,7 @@ def field_at(model: type[BaseModel], path: str) -> FieldInfo:
 
 def _flag_type(annotation: Any) -> type:
     """What the command line parses for a field; pydantic then validates the value."""
-    if get_origin(annotation) in (Union, getattr(__import__("types"), "UnionType", Union)):
+    if get_origin(annotation) in (Union, types.UnionType):
         annotation = next(a for a in get_args(annotation) if a is not type(None))
     if get_origin(annotation) is Literal:
         return str
