@@ -13,9 +13,15 @@ Beside the ring, a responder thread answers the watchdog's requests for Python s
 (`sys._current_frames`), and faulthandler writes the stacks of a crash to `<...>.crash`
 (`collector.stacks`). The format and the reader are in `collector.flightread`.
 
-"Completed" means the work's future completed: on gloo, the data arrived; on NCCL/HCCL the
-future follows the device stream, so a record there says what was issued and in which order,
-which is what a diagnosis of a hang needs.
+"Completed" means the device finished it. On the host (gloo on CPU) that is when the call
+returns or its future completes. On an accelerator both happen as soon as the kernel is
+enqueued (NCCL's `Work.get_future()` only says the work was enqueued), so there the log is
+given the Monitor's device probe and keeps device truth on a thread of its own: an async
+collective is completed when its `Work.is_completed()` says so (NCCL and HCCL query the
+work's end event; no wait), a blocking one when an event recorded after it in stream order
+has passed, and progress is the device's: the last step whose end event completed, with the
+time it did. A rank whose host is blocked in a kernel launch behind a stuck stream thus still
+says where its device is. Nothing here synchronises the device.
 
 Collectives are seen by wrapping the `torch.distributed` functions once per process
 (`FlightLog.install`). Code that imported a function by name before that (`from
@@ -44,7 +50,10 @@ import torch
 import torch.distributed as dist
 
 from meshscope.collector.flightread import (
+    CLOCK_DEVICE,
+    CLOCK_HOST,
     CLOSED,
+    DEVICE_STEP_OFFSET,
     ERROR_OFFSET,
     HEADER,
     HEADER_SIZE,
@@ -151,7 +160,15 @@ class FlightLog:
     _originals: dict[str, Callable[..., Any]] = {}
 
     def __init__(
-        self, folder: Path, *, rank: int, world_size: int, capacity: int = 2048, attempt: int = 0
+        self,
+        folder: Path,
+        *,
+        rank: int,
+        world_size: int,
+        capacity: int = 2048,
+        attempt: int = 0,
+        probe: Any = None,
+        device_poll_s: float = 0.02,
     ) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -178,6 +195,8 @@ class FlightLog:
             0.0,
             RUNNING,
             attempt,
+            -1,
+            CLOCK_HOST,
             b"",
         )
         self._written = 0
@@ -191,6 +210,10 @@ class FlightLog:
         self._crash_file = None
         self._responder: threading.Thread | None = None
         self._stop = threading.Event()
+        self._device: _DeviceTruth | None = None
+        if probe is not None and getattr(probe, "asynchronous", False):
+            struct.pack_into("<i", self._map, DEVICE_STEP_OFFSET + 8, CLOCK_DEVICE)
+            self._device = _DeviceTruth(self, probe, device_poll_s).start()
 
     # --- records ------------------------------------------------------------------------
     def _group(self, group: Any) -> tuple[str, int]:
@@ -258,6 +281,16 @@ class FlightLog:
         else:
             self.note_error(error)
 
+    def enqueued(self, slot: int, result: Any) -> None:
+        """The call returned: on the host that is completion (or its future's); on a device the
+        device thread decides (see the module doc)."""
+        if self._device is not None:
+            self._device.watch(slot, result)
+        elif result is None or not hasattr(result, "get_future"):
+            self.finish(slot)
+        else:  # async: completed when its future is (gloo: the data arrived)
+            result.get_future().add_done_callback(functools.partial(_done, self, slot))
+
     def note_error(self, error: BaseException) -> None:
         """Keep the first error this rank met (a failed collective, or what ended the worker)."""
         if self._map[ERROR_OFFSET] == 0:
@@ -271,13 +304,21 @@ class FlightLog:
         self._step_started = time.perf_counter()
         struct.pack_into("<q", self._map, STEP_OFFSET, step)
 
-    def step_end(self) -> None:
-        """A step ended: progress, and the typical step time the watchdog scales by."""
-        took = time.perf_counter() - self._step_started
+    def step_end(self, mark: Any = None) -> None:
+        """A step ended on the host: progress, and the typical step time the watchdog scales
+        by. On a device, `mark` (the step's end event) says when the device ended it."""
+        if self._device is not None and mark is not None:
+            self._device.step_ended(self._step, mark)
+            return
+        self.progressed(self._step, time.perf_counter() - self._step_started)
+
+    def progressed(self, step: int, took: float) -> None:
+        """Step `step` is finished (by the host, or by the device) and took `took` seconds."""
         # a slow EMA: one slow step (a checkpoint) must not raise the stall threshold much
         self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
         struct.pack_into("<d", self._map, PROGRESS_OFFSET, time.time())
         struct.pack_into("<d", self._map, STEP_S_OFFSET, self._step_s)
+        struct.pack_into("<q", self._map, DEVICE_STEP_OFFSET, step)
 
     # --- wrapping torch.distributed ---------------------------------------------------------
     def install(self) -> FlightLog:
@@ -322,6 +363,8 @@ class FlightLog:
     def close(self) -> None:
         """A clean exit: the watchdog must not take this rank for dead."""
         self._stop.set()
+        if self._device is not None:
+            self._device.stop()
         struct.pack_into("<i", self._map, STATE_HDR_OFFSET, CLOSED)
         if FlightLog._active is self:
             FlightLog._active = None
@@ -346,13 +389,94 @@ def _logged(name: str, spec: _Op, original: Callable[..., Any]) -> Callable[...,
         except BaseException as err:
             log.finish(slot, err)
             raise
-        if result is None or not hasattr(result, "get_future"):
-            log.finish(slot)
-        else:  # async: completed when its future is (gloo: the data arrived)
-            result.get_future().add_done_callback(functools.partial(_done, log, slot))
+        log.enqueued(slot, result)
         return result
 
     return logged
+
+
+class _DeviceTruth:
+    """The flight log's device thread: completion and progress from the device (module doc).
+
+    It only ever *queries* (`Work.is_completed()`, `probe.ready(event)`); the host thread only
+    appends. Collectives are checked each on its own (groups run on different streams, and
+    the control plane's host group completes on the host); step ends in order."""
+
+    def __init__(self, log: FlightLog, probe: Any, poll_s: float) -> None:
+        self.log, self.probe, self.poll_s = log, probe, poll_s
+        self._work: list[tuple[int, Callable[[], bool], Any]] = []
+        self._steps: list[tuple[int, Any]] = []
+        self._last_end: Any = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshscope-flight-device", daemon=True)
+
+    def start(self) -> _DeviceTruth:
+        """Query on a thread of its own until `stop()`."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop querying (the log is closing)."""
+        self._stop.set()
+
+    def watch(self, slot: int, result: Any) -> None:
+        """A collective was enqueued: its Work when async, else an event after it (the call
+        made the current stream wait for it, so the event passes once it ran)."""
+        if result is not None and hasattr(result, "is_completed"):
+            check, work = result.is_completed, result
+        else:
+            mark = self.probe.mark()
+            check, work = (lambda: self.probe.ready(mark)), None
+        with self._lock:
+            self._work.append((slot, check, work))
+
+    def step_ended(self, step: int, mark: Any) -> None:
+        """The host reached the end of `step`; the device gets there at `mark`."""
+        with self._lock:
+            self._steps.append((step, mark))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001  (a query must never take the job down)
+                continue
+
+    def poll(self) -> None:
+        """One round of queries."""
+        with self._lock:
+            work, steps = list(self._work), list(self._steps)
+        finished = []
+        for entry in work:
+            slot, check, handle = entry
+            if check():
+                self.log.finish(slot, _work_error(handle))
+                finished.append(entry)
+        done_steps = 0
+        for step, mark in steps:
+            if not self.probe.ready(mark):
+                break
+            took = self.probe.seconds(self._last_end, mark) if self._last_end is not None else 0.0
+            self._last_end = mark
+            if took > 0:
+                self.log.progressed(step, took)
+            else:
+                struct.pack_into("<q", self.log._map, DEVICE_STEP_OFFSET, step)
+                struct.pack_into("<d", self.log._map, PROGRESS_OFFSET, time.time())
+            done_steps += 1
+        with self._lock:
+            gone = {id(e) for e in finished}
+            self._work = [e for e in self._work if id(e) not in gone]
+            del self._steps[:done_steps]
+
+
+def _work_error(work: Any) -> BaseException | None:
+    """The error a finished Work met, where the backend says (None: success, or unknown)."""
+    try:
+        return work.exception() if work is not None and hasattr(work, "exception") else None
+    except Exception as err:  # noqa: BLE001  (some backends raise the error itself here)
+        return err
 
 
 def _done(log: FlightLog, slot: int, fut: Any) -> None:

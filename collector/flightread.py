@@ -11,10 +11,13 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MAGIC = b"MSFLT1\0\0"
-# magic, rank, world, pid, capacity, written, step, progress_t, started_t, step_s, state,
-# attempt (torchrun's restart count), last_error
-HEADER = struct.Struct("<8siiiiqqdddii128s")
+MAGIC = b"MSFLT2\0\0"
+# magic, rank, world, pid, capacity, written, step (the host's), progress_t, started_t, step_s,
+# state, attempt (torchrun's restart count), device_step, clock, last_error.
+# On an accelerator `progress_t`, `step_s`, `device_step` and completion are the device's,
+# from events the flight log's own thread queries (`clock` = CLOCK_DEVICE); on the host the
+# host's own (CLOCK_HOST).
+HEADER = struct.Struct("<8siiiiqqdddiiqi128s")
 HEADER_SIZE = 256
 # seq, step, t_issue, t_done, group, op, state, dtype, shapes, splits, site, peer, group_size
 RECORD = struct.Struct("<qqdd16s24sb15s56s56s96sii")
@@ -28,7 +31,10 @@ PROGRESS_OFFSET = struct.calcsize("<8siiiiqq")
 STEP_OFFSET = struct.calcsize("<8siiiiq")
 STEP_S_OFFSET = struct.calcsize("<8siiiiqqdd")
 STATE_HDR_OFFSET = struct.calcsize("<8siiiiqqddd")
-ERROR_OFFSET = struct.calcsize("<8siiiiqqdddii")
+DEVICE_STEP_OFFSET = struct.calcsize("<8siiiiqqdddii")
+ERROR_OFFSET = struct.calcsize("<8siiiiqqdddiiqi")
+CLOCK_HOST, CLOCK_DEVICE = 0, 1
+CLOCK_NAMES = {CLOCK_HOST: "host", CLOCK_DEVICE: "device events"}
 # point-to-point ops: numbered apart from the group's collectives, matched pairwise
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 ASYNC_P2P_OPS = frozenset({"isend", "irecv"})  # in flight is normal for them
@@ -94,6 +100,8 @@ class FlightTail:
     closed: bool
     last_error: str
     attempt: int
+    device_step: int = -1  # the last step the device finished (the host's step on the CPU)
+    clock: str = "host"  # what said "completed": the host, or device events
     records: list[FlightRecord] = field(default_factory=list)
     groups: dict[str, list[int]] = field(default_factory=dict)
 
@@ -153,11 +161,22 @@ def read_flight(path: Path, last: int | None = None) -> FlightTail:
             raw = f.read(HEADER_SIZE)
     else:
         raw = path.read_bytes()
-    _, rank, world, pid, capacity, written, step, progress_t, started_t, step_s, state, attempt, error = (
-        _header(raw, path)
-    )
+    (_, rank, world, pid, capacity, written, step, progress_t, started_t, step_s, state, attempt,
+     device_step, clock, error) = _header(raw, path)  # fmt: skip
     tail = FlightTail(
-        path, rank, world, pid, step, progress_t, started_t, step_s, state == CLOSED, text_of(error), attempt
+        path,
+        rank,
+        world,
+        pid,
+        step,
+        progress_t,
+        started_t,
+        step_s,
+        state == CLOSED,
+        text_of(error),
+        attempt,
+        device_step,
+        CLOCK_NAMES.get(clock, "host"),
     )
     if last == 0:
         return tail

@@ -103,6 +103,7 @@ class Monitor:
                     world_size=self.env.world_size,
                     attempt=self.env.restart_count,
                     capacity=config.flight_capacity,
+                    probe=self.probe,  # on a device: completion and progress from its events
                 )
                 .install()
                 .start_responder()
@@ -224,7 +225,7 @@ class Monitor:
         self._take_scalars(pending, scope.scalars)
         self._pending.append(pending)
         if self.flight is not None:
-            self.flight.step_end()
+            self.flight.step_end(pending.bounds[1])
         if self.should_sync_experts(self._step):
             self._sync_experts(self._step)
         self._window_steps += 1

@@ -20,8 +20,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 Compression = Literal["none", "fp16", "powersgd", "onebit"]
-DeviceKind = Literal["auto", "cpu", "cuda", "npu"]
-BackendKind = Literal["auto", "gloo", "nccl", "hccl"]
+DeviceKind = Literal["auto", "cpu", "cuda", "npu", "sim"]
+BackendKind = Literal["auto", "gloo", "nccl", "hccl", "simnccl", "simhccl"]
 TraceMode = Literal["off", "nonfinite", "stats", "full"]
 
 
@@ -124,7 +124,11 @@ class TrainerConfig(_Strict):
 
     run_id: str = Field("", description="defaults to a timestamp")
     runs_root: Path = Field(Path("runs"), description="runs are created under this folder")
-    device: DeviceKind = Field("auto", description="auto = npu, else cuda, else cpu")
+    device: DeviceKind = Field(
+        "auto",
+        description="auto = npu, else cuda, else cpu; sim = a simulated accelerator on the CPU "
+        "(NCCL/HCCL semantics: asynchronous stream, events, enqueue-time futures)",
+    )
     backend: BackendKind = Field(
         "auto",
         description="collective backend: auto = the device's (hccl, nccl, gloo); "

@@ -6,6 +6,8 @@
 The backend defaults to the device's own (hccl, nccl, gloo); gloo may also carry accelerator
 tensors, which is how several ranks share one device (nccl and hccl refuse two ranks on one
 device). Ascend mirrors CUDA here: events, memory, set_device, synchronize through `torch.npu`.
+`sim` is a simulated accelerator on the CPU (`trainer.sim`): never picked by `auto`, it gives
+a CPU run the semantics of a device stream, with the `simnccl`/`simhccl` backends.
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ from typing import Any
 import torch
 
 from meshscope.collector.probe import HostProbe, host_rss_bytes
+from meshscope.trainer import sim
 
-BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo", "sim": "simnccl"}
 # Backends that can carry each device's tensors.
-COMPATIBLE = {"npu": ("hccl", "gloo"), "cuda": ("nccl", "gloo"), "cpu": ("gloo",)}
+COMPATIBLE = {
+    "npu": ("hccl", "gloo"),
+    "cuda": ("nccl", "gloo"),
+    "cpu": ("gloo",),
+    "sim": ("simnccl", "simhccl", "gloo"),
+}
 
 
 class DeviceUnavailable(RuntimeError):
@@ -62,32 +70,42 @@ class Device:
 
     @property
     def torch_device(self) -> torch.device:
-        """The torch.device of this rank."""
-        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, self.index)
+        """The torch.device of this rank (the sim's device is the host)."""
+        return torch.device("cpu") if self.kind in ("cpu", "sim") else torch.device(self.kind, self.index)
+
+    @property
+    def on_host(self) -> bool:
+        """Tensors live in host memory (cpu and the sim)."""
+        return self.kind in ("cpu", "sim")
 
     def activate(self) -> None:
         """Bind this process to its device (before building the model or the process group)."""
-        if self.kind == "cuda":
-            torch.cuda.set_device(self.index)
-        elif self.kind == "npu":
-            torch.npu.set_device(self.index)  # type: ignore[attr-defined]
+        if self.kind == "sim":
+            sim.register_backends()
+        if self.kind != "cpu":
+            accelerator_module(self.kind).set_device(self.index)
 
     def upload(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor onto this device without blocking the host (pinned, non-blocking)."""
-        if self.kind == "cpu":
+        if self.on_host:
             return tensor
         return tensor.pin_memory().to(self.torch_device, non_blocking=True)
 
     def synchronize(self) -> None:
         """Wait for the device: the only explicit sync in the trainer (checkpoints, benchmarks)."""
-        if self.kind == "cuda":
-            torch.cuda.synchronize(self.index)
-        elif self.kind == "npu":
-            torch.npu.synchronize(self.index)  # type: ignore[attr-defined]
+        if self.kind != "cpu":
+            accelerator_module(self.kind).synchronize(self.index)  # sync point
 
     def probe(self) -> Any:
         """Timing and memory for the Monitor: events on accelerators, perf_counter on the host."""
         return HostProbe() if self.kind == "cpu" else AcceleratorProbe(self)
+
+
+def accelerator_module(kind: str) -> Any:
+    """The module that drives a device kind: torch.cuda, torch.npu, or the sim."""
+    if kind == "sim":
+        return sim.SIM
+    return torch.cuda if kind == "cuda" else torch.npu  # type: ignore[attr-defined]
 
 
 class AcceleratorProbe:
@@ -96,7 +114,7 @@ class AcceleratorProbe:
     asynchronous = True
 
     def __init__(self, device: Device) -> None:
-        self._module = torch.cuda if device.kind == "cuda" else torch.npu
+        self._module = accelerator_module(device.kind)
         self._index = device.index
 
     def mark(self) -> Any:
@@ -149,7 +167,7 @@ def resolve_backend(kind: str, requested: str = "auto") -> str:
 
 def device_count(kind: str) -> int:
     """Visible devices of a kind (the host counts as one)."""
-    return {"npu": npu_count, "cuda": cuda_count}.get(kind, lambda: 1)()
+    return {"npu": npu_count, "cuda": cuda_count, "sim": sim.SIM.device_count}.get(kind, lambda: 1)()
 
 
 def check_placement(kind: str, backend: str, nproc: int) -> None:
@@ -169,8 +187,8 @@ def resolve_device(requested: str = "auto", local_rank: int = 0, backend: str = 
     """Pick the device for this worker; an unavailable explicit request is a clear error."""
     if requested == "auto":
         requested = available_kinds()[0]
-    if requested == "cpu":
-        return Device("cpu", backend=resolve_backend("cpu", backend))
+    if requested in ("cpu", "sim"):
+        return Device(requested, local_rank % device_count(requested), resolve_backend(requested, backend))
     if requested == "npu":
         if _torch_npu() is None:
             raise DeviceUnavailable(
@@ -181,7 +199,7 @@ def resolve_device(requested: str = "auto", local_rank: int = 0, backend: str = 
     elif requested == "cuda":
         count = cuda_count()
     else:
-        raise DeviceUnavailable(f"--device {requested}: unknown device (npu, cuda, cpu or auto)")
+        raise DeviceUnavailable(f"--device {requested}: unknown device (npu, cuda, cpu, sim or auto)")
     if count == 0:
         raise DeviceUnavailable(f"--device {requested}: no {requested} device is visible")
     return Device(requested, local_rank % count, resolve_backend(requested, backend))
@@ -190,7 +208,7 @@ def resolve_device(requested: str = "auto", local_rank: int = 0, backend: str = 
 def backend_environment(kind: str, backend: str = "", *, timeout_s: int = 600) -> dict[str, str]:
     """Environment the launcher gives workers for this device's collective library."""
     env = {"OMP_NUM_THREADS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    if (backend or BACKENDS[kind]) == "gloo":
+    if (backend or BACKENDS[kind]) in ("gloo", *sim.SIM_BACKENDS):  # the sim runs on gloo
         env["GLOO_SOCKET_IFNAME"] = "lo"
     elif kind == "npu":
         env["HCCL_CONNECT_TIMEOUT"] = str(timeout_s)

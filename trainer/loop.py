@@ -60,7 +60,7 @@ def build(
         bucket_mb = cfg.train.bucket_cap_mb if cfg.train.overlap else NO_OVERLAP_BUCKET_MB
         ddp = DDP(
             model,
-            device_ids=None if device.kind == "cpu" else [device.index],
+            device_ids=None if device.on_host else [device.index],
             bucket_cap_mb=bucket_mb,
             gradient_as_bucket_view=True,
         )

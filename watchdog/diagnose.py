@@ -471,4 +471,6 @@ def diagnose(
     stall = Stall(tails, world, alive or {}, stacks or {}, _frontier(tails))
     diag = next(d for check in CHECKS if (d := check(stall)) is not None)
     diag.stacks = dict(stall.stacks)
+    # what said "completed": the host, device events, or the backend's own Flight Recorder
+    diag.evidence.setdefault("source", ", ".join(sorted({t.clock for t in tails.values()})))
     return diag

@@ -135,7 +135,22 @@ def read_dumps(folder: Path, prefix: str | None = None) -> dict[int, FlightTail]
         rank = int(match.group(2))
         records = [to_record(e) for e in dump["entries"] if isinstance(e, dict)]
         records.sort(key=lambda r: r.t_issue)
-        tails[rank] = FlightTail(path, rank, 0, -1, -1, 0.0, 0.0, 0.0, False, "", 0, records, _groups(dump))
+        tails[rank] = FlightTail(
+            path,
+            rank,
+            0,
+            -1,
+            -1,
+            0.0,
+            0.0,
+            0.0,
+            False,
+            "",
+            0,
+            clock="flight recorder",
+            records=records,
+            groups=_groups(dump),
+        )
     if not tails:
         raise DumpError(f"{folder}: no Flight Recorder dumps (files named <prefix><rank>)")
     world = max(tails) + 1

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.hang_cases import FAULT_STEP, rank_main
+from fixtures.hang_cases import BACKENDS, FAULT_STEP, rank_main
 from fixtures.ports import free_port_range
 from meshscope.watchdog.watch import HangConfig, HangWatch
 
@@ -18,13 +18,17 @@ WORLD = 3
 CULPRIT = WORLD - 1
 
 
-def watch_scenario(tmp_path: Path, scenario: str, timeout_s: float = 45.0, world: int = WORLD):
-    """Run the scenario on `world` ranks and return (diagnosis or None, seconds from the culprit's
-    fault to the diagnosis, processes' exit codes)."""
+def watch_scenario(
+    tmp_path: Path, scenario: str, timeout_s: float = 45.0, world: int = WORLD, backend: str = "gloo"
+):
+    """Run the scenario on `world` ranks and return the diagnosis (None: none came)."""
     live = tmp_path / "live"
     ctx = mp.get_context("spawn")
     port = free_port_range(1)
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario)) for r in range(world)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario), kwargs={"backend": backend})
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     watch = HangWatch(live, HangConfig(min_stall_s=1.5, poll_s=0.1, stacks_wait_s=1.0))
@@ -56,10 +60,12 @@ def watch_scenario(tmp_path: Path, scenario: str, timeout_s: float = 45.0, world
         ("error", "error"),
     ],
 )
-def test_names_the_culprit_rank_and_collective(tmp_path, scenario, kind):
-    diag = watch_scenario(tmp_path, scenario)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_names_the_culprit_rank_and_collective(tmp_path, scenario, kind, backend):
+    diag = watch_scenario(tmp_path, scenario, backend=backend)
     assert diag is not None, f"{scenario}: no diagnosis"
     detail = diag.detail()
+    assert detail["source"] == ("host" if backend == "gloo" else "device events"), detail
     assert detail["culprit_ranks"] == [CULPRIT], detail["why"]
     assert detail["type"] == kind, detail["why"]
     assert detail["why"] and str(CULPRIT) in detail["why"]
@@ -225,3 +231,14 @@ def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_
     assert diag is not None and diag.culprit_ranks == [CULPRIT] and diag.kind == "compute", diag
     assert diag.seq == FAULT_STEP and "_compute" in diag.why  # B's stack, through the store
     assert diag.waiting_ranks == [0, 1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_everyone_in_the_collective_but_the_transport_stuck(tmp_path, backend):
+    # sim: the culprit's stream stops and every host runs on; gloo: the culprit freezes in the
+    # middle of the transfer. Every rank entered all-reduce #FAULT_STEP and none finishes it.
+    diag = watch_scenario(tmp_path, "transport", backend=backend)
+    assert diag is not None, "transport stuck: no diagnosis"
+    assert diag.kind == "stuck", diag.why
+    assert diag.culprit_ranks == [] and diag.waiting_ranks == list(range(WORLD)), diag.why
+    assert (diag.op, diag.seq) == ("all_reduce", FAULT_STEP), diag.why
