@@ -105,6 +105,12 @@ class FlightTail:
     records: list[FlightRecord] = field(default_factory=list)
     groups: dict[str, list[int]] = field(default_factory=dict)
 
+    @property
+    def current_step(self) -> int:
+        """The step this rank is in as the clock that completes its work sees it: on a device,
+        the one after the last step the device finished (the host may be far ahead)."""
+        return self.device_step + 1 if self.clock == CLOCK_NAMES[CLOCK_DEVICE] else self.step
+
     def open_records(self) -> list[FlightRecord]:
         """Collectives issued and not completed: where this rank may be waiting."""
         return [r for r in self.records if r.state == "issued"]

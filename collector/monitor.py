@@ -50,6 +50,9 @@ from meshscope.collector.version import VERSION
 log = logging.getLogger("meshscope.monitor")
 
 
+EXPERT_COUNT_DTYPE = torch.int64  # what expert counts travel in (see _count_experts)
+
+
 class Monitor:
     """Per-process measurement: StepRecords to the store and to /metrics, expert load, events.
 
@@ -190,13 +193,16 @@ class Monitor:
         return model
 
     def _count_experts(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        # Added on the device now (a layer may update its counts in place): no sync.
+        # Added on the device now (a layer may update its counts in place): no sync. Token
+        # counts are whole numbers: int64 keeps them exact over any window and every backend
+        # reduces it (HCCL has no float64 all-reduce).
         layer = self._layer_index[id(module)]
+        counts = module.expert_token_counts.detach().round().to(EXPERT_COUNT_DTYPE)
         acc = self._expert_acc[layer]
         if acc is None:
-            self._expert_acc[layer] = module.expert_token_counts.detach().to(torch.float64, copy=True)
+            self._expert_acc[layer] = counts
         else:
-            acc.add_(module.expert_token_counts.detach())
+            acc.add_(counts)
 
     # --- the step -------------------------------------------------------------------------
     def step(self, tokens: int = 0, step: int | None = None) -> StepContext:

@@ -116,11 +116,14 @@ class TracerConfig:
     """Snapshots per rank per run (`full`: per finding, no limit below this)."""
     repeat_after: int = 100
     """The same module, phase and tensor is reported again only this many steps later."""
+    max_lag_steps: int = 32
+    """Steps whose flags may wait for a lagging device; past it the tracer waits for the
+    oldest (a sync point) rather than drop a flag unjudged."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"TracerConfig.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        for name in ("stats_every", "repeat_after"):
+        for name in ("stats_every", "repeat_after", "max_lag_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TracerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_snapshots < 0:

@@ -65,7 +65,10 @@ class GradientInspector:
         self.params = [p for n, p in model.named_parameters() if p.requires_grad]
         layers = [names[n] for n, p in model.named_parameters() if p.requires_grad]
         self.layers = list(dict.fromkeys(layers))
-        self._group = torch.tensor([self.layers.index(x) for x in layers])
+        # the layer index of each parameter, on the device once: copying a pageable host
+        # tensor to the device at every sampled step would synchronise the stream
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self._group = torch.tensor([self.layers.index(x) for x in layers], device=device)
         self._step = -1
         self._grads: torch.Tensor | None = None
         self._before: list[torch.Tensor] | None = None
@@ -74,8 +77,7 @@ class GradientInspector:
     def _per_layer(self, norms: list[torch.Tensor]) -> torch.Tensor:
         """Per-parameter norms -> per-layer norms (square root of the summed squares)."""
         squares = torch.stack([n.float() for n in norms]) ** 2
-        group = self._group.to(squares.device)
-        return torch.zeros(len(self.layers), device=squares.device).index_add_(0, group, squares).sqrt()
+        return torch.zeros(len(self.layers), device=squares.device).index_add_(0, self._group, squares).sqrt()
 
     def before_clip(self, step: int) -> None:
         """On a sampled step: gradient norms per layer and a copy of the weights."""

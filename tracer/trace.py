@@ -80,6 +80,7 @@ class TensorTracer:
         self._snapshots = 0
         self._rng: tuple[torch.Tensor, Any] | None = None
         self._flags: list[tuple[int, Readback, Callable[[], torch.Tensor] | None, Any]] = []
+        self._lag_note = ""  # while a late re-run is judged: what its findings must say
         if self.config.mode == "full":
             self._attach()
 
@@ -169,7 +170,11 @@ class TensorTracer:
                 )
             while self._flags and self._flags[0][1].ready():
                 self._check_flags(*self._flags.pop(0))
-            del self._flags[:-2]  # an accelerator falls behind by a step at most
+            # never drop an unjudged flag: past the window, wait for the device
+            while len(self._flags) > self.config.max_lag_steps:
+                step, flags, *rest = self._flags.pop(0)
+                flags.wait()  # sync point: the device lags more than max_lag_steps
+                self._check_flags(step, flags, *rest)
             return
         tensors, spans = self._collect()
         readback = None
@@ -217,15 +222,7 @@ class TensorTracer:
         own_loss_bad = has_loss and not math.isfinite(values[0])
         if rerun is None:
             self._emit(
-                Finding(
-                    "",
-                    "forward",
-                    "output",
-                    step,
-                    self.rank,
-                    "",
-                    note="loss or gradient norm non-finite; no re-run given to localise it",
-                )
+                self._unlocalised(step, "loss or gradient norm non-finite; no re-run given to localise it")
             )
             return
         self._localise(step, rerun, rng, report_transient=own_loss_bad or not has_loss)
@@ -233,38 +230,46 @@ class TensorTracer:
     def _localise(
         self, step: int, rerun: Callable[[], torch.Tensor], rng: Any, report_transient: bool = True
     ) -> None:
-        """Re-run the step with hooks on the bare module and judge it on the host."""
+        """Re-run the step with hooks on the bare module and judge it on the host. A device
+        that lagged means the re-run comes steps later, on later weights: the finding says so."""
         attached = bool(self._handles)
         self._attach()
         saved = (torch.get_rng_state(), _device_rng(self.model))
         if rng is not None:
             _set_rng(self.model, rng)
         self._forward, self._backward = [], []
+        lag = max(0, self._step - step)
+        late = f" (judged {lag} step{'s' if lag != 1 else ''} late, on the weights of step {self._step})"
+        before = len(self.findings)
         try:
             loss = rerun()
             params = [p for p in self.model.parameters() if p.requires_grad]
             if loss.requires_grad:  # not .backward(): no .grad, so DDP's hooks stay quiet
                 torch.autograd.grad(loss, params, allow_unused=True)
-            before = len(self.findings)
+            self._lag_note = late if lag else ""
             self._judge_now(step)
             if len(self.findings) == before and report_transient:
+                why = (
+                    "finite when the step was re-run on this rank: a transient fault"
+                    if not lag
+                    else f"finite when re-run{late}: not localised, the weights have moved on"
+                )
+                self._emit(self._unlocalised(step, f"non-finite loss, but {why}"))
+        except Exception as err:  # noqa: BLE001  (the fault is reported whatever the re-run does)
+            if len(self.findings) == before:
                 self._emit(
-                    Finding(
-                        "",
-                        "forward",
-                        "output",
-                        step,
-                        self.rank,
-                        "",
-                        note="non-finite loss, but finite when the step was re-run "
-                        "on this rank: a transient fault",
-                    )
+                    self._unlocalised(step, f"non-finite step; the re-run failed ({err}): not localised")
                 )
         finally:
+            self._lag_note = ""
             _set_rng(self.model, saved)
             self._forward, self._backward = [], []
             if not attached:
                 self._detach()
+
+    def _unlocalised(self, step: int, note: str) -> Finding:
+        """A finding that names no module: the fault is reported, and why it is not placed."""
+        return Finding("", "forward", "output", step, self.rank, "", note=note)
 
     def _judge_now(self, step: int) -> None:
         """Judge the hooked tensors of a re-run on the host."""
@@ -364,6 +369,7 @@ class TensorTracer:
         note: str = "",
     ) -> Finding:
         module = self.modules[index]
+        note = (note + self._lag_note).strip()
         finding = Finding(
             self.names[index],
             where,

@@ -118,6 +118,10 @@ class ElasticConfig(_Strict):
         return value
 
 
+# Faults that only a device with a stream can have, and the devices that can inject them.
+DEVICE_ONLY_FAULTS = {"stream_hang": ("sim",)}
+
+
 class TrainerConfig(_Strict):
     """Everything the reference trainer needs; `meshscope.config.RunConfig` adds the sections
     of what runs beside it (alerts, hang watchdog, detection)."""
@@ -172,9 +176,14 @@ class TrainerConfig(_Strict):
 
         for spec in self.inject:
             try:
-                parse_injection(spec)
+                injection = parse_injection(spec)
             except InjectionError as err:
                 raise ValueError(f"inject: {err}") from None
+            if injection.kind in DEVICE_ONLY_FAULTS and self.device not in DEVICE_ONLY_FAULTS[injection.kind]:
+                raise ValueError(
+                    f"inject: {spec!r} needs --device {' or '.join(DEVICE_ONLY_FAULTS[injection.kind])} "
+                    f"(a device stream to stop), not {self.device}"
+                )
         return self
 
     @property

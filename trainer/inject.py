@@ -7,7 +7,10 @@ logit=: 20 collapses routing onto the expert, a few units make it hog, negative 
 memory_leak (mb_per_step=), skip_collective (the rank skips its gradient all-reduces of that
 step, as a rank taking a wrong branch would), collective_mismatch (what=shape|op|dtype|split:
 the rank's first gradient collective of that step disagrees with its peers'; `split` makes
-every rank exchange tokens with all_to_all_single, the rank with wrong split sizes). An expert
+every rank exchange tokens with all_to_all_single, the rank with wrong split sizes),
+stream_hang (the rank's device stream stops: every kernel from then on, its collectives
+included, never finishes, while its host runs on: a stuck transport or device; `--device sim`
+only, the one device whose stream can be stopped on purpose). An expert
 collapse acts on every rank (the router is replicated, so a real collapse does too); its `rank`
 only says which rank reports it. Every injection writes an `injected` event when it starts
 (the ground truth detectors are scored against) and fires once per run, also across restarts.
@@ -28,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshscope.trainer import sim
+
 KINDS = {
     "kill": {},
     "hang": {"seconds": 3600.0},
@@ -38,6 +43,7 @@ KINDS = {
     "memory_leak": {"mb_per_step": 16.0},
     "skip_collective": {},
     "collective_mismatch": {"what": "shape"},
+    "stream_hang": {},
 }
 # Parameters that take a word, not a number, and the words they take; free text.
 CHOICES = {"what": ("shape", "op", "dtype", "split"), "where": ("forward", "backward")}
@@ -179,12 +185,21 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGKILL)
             if inj.kind == "hang":
                 time.sleep(inj.param("seconds"))
+            if inj.kind == "stream_hang":
+                self._flush()  # the ground truth must reach the store before the stream stops
+                sim.stream().hang()
         self._route(step, model)
         self._poison_parameter(step, model)
         leak = self._active("memory_leak", step)
         if leak is not None:  # on the model's device: a GPU leak shows in allocated memory
             device = next(model.parameters()).device
             self._leak.append(torch.ones(int(leak.param("mb_per_step") * (1 << 20) // 4), device=device))
+
+    def replay(self, step: int, model: torch.nn.Module) -> None:
+        """Act as at `step` again until the next `before_step`: a tracer re-running a step the
+        device finished late meets the faults that step had, not today's."""
+        self._step = step
+        self._poison_parameter(step, model)
 
     def _route(self, step: int, model: torch.nn.Module) -> None:
         collapse = next((i for i in self.collapses if i.step <= step < i.step + i.steps), None)
@@ -249,7 +264,7 @@ class Injector:
             params = list(model.get_submodule(inj.param("module")).parameters())
             if params:
                 flat = params[0].view(-1)
-                self._poisoned.append((params[0], 0, float(flat[0])))
+                self._poisoned.append((params[0], 0, float(flat[0])))  # sync point: injection only
                 flat[0] = float("inf")
 
     def slow_down(self, step: int) -> None:

@@ -125,6 +125,7 @@ def train_step(
         step = state.step
 
         def rerun() -> torch.Tensor:  # the bare model: no DDP, no collective
+            injector.replay(step, state.model)  # a late re-run meets the step's own faults
             loss, _ = state.model.loss(state.model(inputs), targets)
             return injector.poison_loss(loss, step)
 

@@ -172,7 +172,8 @@ class HangWatch:
         diag.evidence["detected_at"] = self.clock()
         diag.evidence["stalled_since"] = max((h.progress_t for h in heads.values()), default=0.0)
         diag.evidence["pids"] = {str(r): h.pid for r, h in heads.items()}
-        diag.evidence["step"] = max((t.step for t in tails.values()), default=-1)
+        diag.evidence["step"] = max((t.current_step for t in tails.values()), default=-1)
+        diag.evidence["host_step"] = max((t.step for t in tails.values()), default=-1)
         self.last = diag
         self.on_hang(diag)
         return diag

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fixtures.ports import free_port_range
-from fixtures.runs import meshscope, start_run
+from fixtures.runs import meshscope, sample, scrape, start_run, wait_for
 from meshscope.collector.store import load_events
 
 
@@ -54,3 +54,32 @@ def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, ki
     assert "resume" in kinds and kinds[-1] == "run_end"  # restarted from a checkpoint, finished
     report = meshscope("hang-report", "--run", str(tmp_path / "h"))
     assert report.returncode == 0 and f"[{culprit}]" in report.stdout
+
+
+def test_a_stuck_transport_on_a_device_is_a_hang_with_its_metric(tmp_path):
+    # The simulated accelerator: collectives return at once and the hosts run on after the
+    # culprit's stream stops; only device truth (events) shows the stall.
+    port = free_port_range(4)
+    proc = start_run(
+        tmp_path,
+        "s",
+        port,
+        *("--device", "sim", "--nproc", "3", "--steps", "14", "--checkpoint-every", "4"),
+        *("--inject", "stream_hang@step=5,rank=2", "--max-restarts", "1", "--on-hang", "abort"),
+    )
+    counted = None
+    try:
+        counted = wait_for(
+            lambda: (f := scrape(port + 3)) and sample(f, "meshscope_faults", "_total", kind="hang"), 120
+        )
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert counted == 1, "meshscope_faults_total{kind=hang} never counted the stuck transport"
+    assert proc.returncode == 0, out[-3000:]
+    events = load_events(tmp_path / "s")
+    (detail,) = events[events["kind"] == "hang"]["detail"]
+    assert detail["type"] == "stuck" and detail["source"] == "device events", detail["why"]
+    assert detail["waiting_ranks"] == [0, 1, 2] and detail["op"] == "all_reduce", detail
+    assert detail["step"] == 5 and detail["host_step"] >= 5, detail  # the device's step, not the host's
+    assert "resume" in events["kind"].tolist()

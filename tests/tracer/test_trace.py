@@ -204,3 +204,57 @@ def test_the_gradient_inspector_measures_every_layer_and_the_engine_flags_outlie
         ("gradient_exploding", "blocks.1", 14),
         ("gradient_vanishing", "ln_f", 14),
     ]
+
+
+class LaggingReadback:
+    """A readback whose device never catches up on its own: ready only once waited for."""
+
+    def __init__(self, tensor):
+        self._value, self._ready = tensor.detach().clone(), False
+
+    def ready(self):
+        return self._ready
+
+    def wait(self):
+        self._ready = True
+
+    def value(self):
+        return self._value
+
+
+def test_a_lagging_device_never_costs_a_flag_and_the_late_rerun_meets_the_steps_fault(tmp_path, monkeypatch):
+    import meshscope.tracer.trace as trace_module
+
+    monkeypatch.setattr(trace_module, "Readback", LaggingReadback)
+    module = "blocks.1.moe.router.gate"
+    torch.manual_seed(0)
+    model = MoELM(CFG)
+    injector = Injector([parse_injection(f"nan@step=2,rank=0,module={module}")], 0, lambda inj, step: None)
+    injector.arm(model)
+    reports = []
+    tracer = TensorTracer(
+        model, TracerConfig(max_lag_steps=5), report=lambda kind, step, d: reports.append((kind, step, d))
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len))
+    for step in range(12):
+        injector.before_step(step, model)
+        tracer.step_begin(step)
+
+        def rerun(step=step):
+            injector.replay(step, model)  # as the trainer's loop does
+            return model.loss(model(tokens), tokens)[0]
+
+        loss = rerun()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.zero_grad()
+        tracer.step_end(loss=loss, grad_norm=norm, rerun=rerun)
+        if step < 2 + 5:
+            assert not reports, "judged before the window ran out: the device had not answered"
+    nans = [(s, d) for kind, s, d in reports if kind == "nan"]
+    assert len(nans) == 1, nans
+    step, detail = nans[0]
+    assert step == 2 and (detail["module"], detail["tensor"]) == (module, "parameter"), detail
+    assert "judged 5 steps late" in detail["note"], detail
+    tracer.close()
