@@ -205,14 +205,37 @@ def resolve_device(requested: str = "auto", local_rank: int = 0, backend: str = 
     return Device(requested, local_rank % count, resolve_backend(requested, backend))
 
 
-def backend_environment(kind: str, backend: str = "", *, timeout_s: int = 600) -> dict[str, str]:
+# How long a collective may wait for its peers before the collective library gives up.
+COLLECTIVE_TIMEOUT_S = 600
+# torch_npu: the process group's timeout must be larger than HCCL's own (HCCL_EXEC_TIMEOUT,
+# HCCL_CONNECT_TIMEOUT), so that HCCL's error, which names the stuck operation, comes first.
+PG_TIMEOUT_MARGIN_S = 60
+# Atlas training (and 300I Duo) parts round HCCL_EXEC_TIMEOUT *down* to a multiple of 68 s
+# (68 s at least, 17340 s at most); A2/A3 parts take the value as given.
+HCCL_EXEC_STEP_S, HCCL_EXEC_MAX_S = 68, 17340
+
+
+def hccl_exec_timeout_s(requested: int) -> int:
+    """The execution timeout an Atlas training part really applies for `requested` seconds."""
+    return min(HCCL_EXEC_MAX_S, max(HCCL_EXEC_STEP_S, requested // HCCL_EXEC_STEP_S * HCCL_EXEC_STEP_S))
+
+
+def process_group_timeout_s(kind: str, timeout_s: int = COLLECTIVE_TIMEOUT_S) -> int:
+    """The `init_process_group` timeout: on Ascend above HCCL's own timeouts (see above)."""
+    return timeout_s + PG_TIMEOUT_MARGIN_S if kind == "npu" else timeout_s
+
+
+def backend_environment(
+    kind: str, backend: str = "", *, timeout_s: int = COLLECTIVE_TIMEOUT_S
+) -> dict[str, str]:
     """Environment the launcher gives workers for this device's collective library."""
     env = {"OMP_NUM_THREADS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     if (backend or BACKENDS[kind]) in ("gloo", *sim.SIM_BACKENDS):  # the sim runs on gloo
         env["GLOO_SOCKET_IFNAME"] = "lo"
     elif kind == "npu":
         env["HCCL_CONNECT_TIMEOUT"] = str(timeout_s)
-        env["HCCL_EXEC_TIMEOUT"] = str(timeout_s)
+        # a multiple of 68 s, so that every Atlas part applies the value written here
+        env["HCCL_EXEC_TIMEOUT"] = str(hccl_exec_timeout_s(timeout_s))
     elif kind == "cuda":
         env["TORCH_NCCL_BLOCKING_WAIT"] = "0"
     return env

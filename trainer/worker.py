@@ -25,13 +25,13 @@ from meshscope.collector.control import ControlPlane  # noqa: E402
 from meshscope.collector.store import load_events  # noqa: E402
 from meshscope.trainer.config import TrainerConfig, load_config  # noqa: E402
 from meshscope.trainer.controls import ControlApplier  # noqa: E402
-from meshscope.trainer.device import resolve_device  # noqa: E402
+from meshscope.trainer.device import process_group_timeout_s, resolve_device  # noqa: E402
 from meshscope.trainer.elastic import ElasticRun, attempt_id  # noqa: E402
 from meshscope.trainer.inject import Injection, Injector, parse_injection  # noqa: E402
 from meshscope.trainer.loop import build, train  # noqa: E402
 
 
-def init_process_group(env: DistEnv, backend: str) -> None:
+def init_process_group(env: DistEnv, backend: str, kind: str = "cpu") -> None:
     """One process group per torchrun attempt.
 
     On the agent's store, which outlives restarts, a per-attempt prefix keeps restarted workers
@@ -50,7 +50,11 @@ def init_process_group(env: DistEnv, backend: str) -> None:
     if env.agent_store:
         store = dist.PrefixStore(f"attempt_{attempt_id(env)}_w{env.world_size}", store)
     dist.init_process_group(
-        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=600)
+        backend,
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=process_group_timeout_s(kind)),
     )
 
 
@@ -122,7 +126,7 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
     tensor tracer, which this package does not import."""
     device = resolve_device(cfg.device, env.local_rank, backend=cfg.backend)
     device.activate()
-    init_process_group(env, device.backend)
+    init_process_group(env, device.backend, device.kind)
     control = ControlPlane.maybe()  # every collective meshscope adds goes through it
     mon = build_monitor(cfg, env, device, control, traced=cfg.trace != "off" and make_tracer is not None)
     elastic = ElasticRun(cfg, env, mon, started_at=STARTED_AT, control=control)

@@ -1,3 +1,5 @@
+"""Device resolution, the same on any machine: what is visible is stubbed, never assumed."""
+
 import pytest
 
 from meshscope.collector.probe import HostProbe
@@ -5,7 +7,14 @@ from meshscope.trainer import device as devmod
 from meshscope.trainer.device import DeviceUnavailable, backend_environment, resolve_device
 
 
-def test_auto_picks_cpu_with_gloo_here():
+@pytest.fixture(autouse=True)
+def a_host_without_accelerators(monkeypatch):
+    """A GPU or NPU on the test machine must not change what these tests see."""
+    monkeypatch.setattr(devmod, "cuda_count", lambda: 0)
+    monkeypatch.setattr(devmod, "_torch_npu", lambda: None)
+
+
+def test_auto_picks_cpu_with_gloo_without_accelerators():
     d = resolve_device("auto")
     assert (d.kind, d.backend) == ("cpu", "gloo")
     assert isinstance(d.probe(), HostProbe)
@@ -19,6 +28,15 @@ def test_npu_without_torch_npu_is_a_clear_error():
 def test_cuda_without_a_gpu_is_a_clear_error():
     with pytest.raises(DeviceUnavailable, match="no cuda device"):
         resolve_device("cuda")
+
+
+def test_sim_is_chosen_only_by_name_and_runs_simnccl():
+    assert resolve_device("auto").kind == "cpu"
+    d = resolve_device("sim", local_rank=2)
+    assert (d.kind, d.backend, d.index, d.on_host) == ("sim", "simnccl", 2, True)
+    assert resolve_device("sim", backend="simhccl").backend == "simhccl"
+    with pytest.raises(DeviceUnavailable, match="--backend nccl: cannot carry sim tensors"):
+        resolve_device("sim", backend="nccl")
 
 
 def test_npu_is_preferred_when_present(monkeypatch):

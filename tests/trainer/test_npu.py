@@ -1,6 +1,8 @@
-"""Ascend readiness without hardware: the NPU path against a stand-in `torch.npu` that records
-every call, the way torch_npu exposes it (set_device, synchronize, Event, memory counters)."""
+"""Ascend readiness without hardware: the NPU path against a stand-in `torch.npu` that answers
+only the names torch's device modules have, with device semantics (the sim's events complete
+when its stream gets there, not when recorded), and records every call."""
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -11,65 +13,72 @@ from prometheus_client import CollectorRegistry
 from meshscope.collector import Monitor, MonitorConfig
 from meshscope.collector.store import load_steps
 from meshscope.trainer import device as devmod
+from meshscope.trainer import sim
 from meshscope.trainer.device import (
     AcceleratorProbe,
     DeviceUnavailable,
     backend_environment,
     check_placement,
+    hccl_exec_timeout_s,
+    process_group_timeout_s,
     resolve_device,
 )
 
 
-class StandInNpu:
-    """Records calls; events complete when recorded (an idle device)."""
+def public_names(cls):
+    return sorted(n for n in vars(cls) if not n.startswith("_"))
+
+
+class RecordingNpu:
+    """`torch.npu` as the sim answers it, every call recorded ("Event.query" for methods)."""
 
     def __init__(self, count=2):
+        self._sim = sim.SimAccelerator(count=count)
         self.calls = []
-        self.count = count
-        npu = self
+        calls = self.calls
 
-        class Event:
-            def __init__(self, enable_timing=False):
-                npu.calls.append("Event")
-                self.t = None
+        class Event(sim.SimEvent):
+            def __init__(self, *args, **kwargs):
+                calls.append("Event")
+                super().__init__(*args, **kwargs)
 
-            def record(self, stream=None):
-                npu.calls.append("Event.record")
-                self.t = time.perf_counter()
+        for name in public_names(sim.SimEvent):
 
-            def query(self):
-                npu.calls.append("Event.query")
-                return self.t is not None
+            def recorded(self, *args, _name=name, **kwargs):
+                calls.append(f"Event.{_name}")
+                return getattr(sim.SimEvent, _name)(self, *args, **kwargs)
 
-            def synchronize(self):
-                npu.calls.append("Event.synchronize")
-
-            def elapsed_time(self, end):
-                npu.calls.append("Event.elapsed_time")
-                return (end.t - self.t) * 1000.0
-
+            setattr(Event, name, recorded)
         self.Event = Event
 
     def __getattr__(self, name):
+        target = getattr(self._sim, name)  # AttributeError: torch.npu has no such name either
+
         def call(*args, **kwargs):
             self.calls.append(name)
-            return {
-                "device_count": self.count,
-                "is_available": True,
-                "is_initialized": False,
-                "memory_allocated": 1 << 20,
-                "memory_reserved": 2 << 20,
-            }.get(name)
+            return target(*args, **kwargs)
 
         return call
 
 
 @pytest.fixture
 def npu(monkeypatch):
-    stand_in = StandInNpu()
+    stand_in = RecordingNpu()
     monkeypatch.setattr(devmod, "_torch_npu", lambda: SimpleNamespace())
     monkeypatch.setattr(torch, "npu", stand_in, raising=False)
     return stand_in
+
+
+def test_the_stand_in_answers_only_names_the_real_device_modules_have():
+    # torch_npu mirrors torch.cuda's names; torch.cuda is importable everywhere
+    for name in public_names(sim.SimAccelerator):
+        assert hasattr(torch.cuda, name), f"torch.cuda has no {name}: the sim must not either"
+    for name in public_names(sim.SimEvent):
+        assert hasattr(torch.cuda.Event, name), f"torch.cuda.Event has no {name}"
+    with pytest.raises(AttributeError):
+        sim.SIM.memory_allocated_bytes  # noqa: B018  (a plausible name no device module has)
+    with pytest.raises(AttributeError):
+        RecordingNpu().synchronise  # noqa: B018
 
 
 def test_npu_resolves_with_hccl_and_its_index(npu):
@@ -103,20 +112,35 @@ def test_monitor_on_npu_events_reads_without_waiting(tmp_path, npu):
         probe=probe,
         registry=CollectorRegistry(),
     )
-    for _ in range(3):
+    gate = threading.Event()
+    sim.stream().enqueue(gate.wait)  # the device is busy: nothing recorded after this completes
+    leak = []
+    for step in range(3):
         with mon.step(tokens=4) as s:
             with s.phase("forward"):
                 time.sleep(0.002)
+                if step == 2:
+                    leak.append(torch.ones(16 << 20))  # 64 MB the device keeps
     mon.store.flush()
+    assert len(load_steps(tmp_path / "r")) == 0  # the steps wait for their events; the host did not
+    assert "Event.synchronize" not in npu.calls
+    gate.set()
+    mon.flush()
     steps = load_steps(tmp_path / "r")
-    assert len(steps) == 3 and (steps["forward_s"] >= 0.002).all()
-    assert steps["mem_allocated"].eq(1 << 20).all() and steps["mem_reserved"].eq(2 << 20).all()
-    assert "Event.query" in npu.calls and "Event.synchronize" not in npu.calls
+    # the host slept in forward while the device was busy elsewhere: device time is the
+    # device's (its events all passed at once when it got there), not the host's sleep
+    assert len(steps) == 3 and (steps["forward_s"] < 0.002).all(), steps["forward_s"].tolist()
+    grown = steps["mem_allocated"].iloc[2] - steps["mem_allocated"].iloc[0]
+    assert grown >= 32 << 20, steps["mem_allocated"].tolist()  # the device layer's figure, not a constant
+    assert "Event.query" in npu.calls and "memory_allocated" in npu.calls
     mon.close()
 
 
-def test_hccl_timeouts_reach_the_workers():
-    env = backend_environment("npu", "hccl", timeout_s=120)
-    assert env["HCCL_CONNECT_TIMEOUT"] == env["HCCL_EXEC_TIMEOUT"] == "120"
+def test_hccl_timeouts_reach_the_workers_below_the_process_groups():
+    env = backend_environment("npu", "hccl", timeout_s=600)
+    assert env["HCCL_CONNECT_TIMEOUT"] == "600"
+    assert env["HCCL_EXEC_TIMEOUT"] == "544"  # 600 s on Atlas training parts is 8 x 68 s
+    assert process_group_timeout_s("npu", 600) > 600
     assert "GLOO_SOCKET_IFNAME" not in env
     assert backend_environment("npu", "gloo")["GLOO_SOCKET_IFNAME"] == "lo"
+    assert [hccl_exec_timeout_s(s) for s in (1, 68, 135, 136, 10**6)] == [68, 68, 68, 136, 17340]
