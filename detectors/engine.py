@@ -47,6 +47,7 @@ class _Row:
     compute: np.ndarray
     loss: np.ndarray
     rss: np.ndarray
+    device_mem: np.ndarray  # allocated device memory per rank (0 on the CPU)
     ranks: list[int]
     loss_bad: np.ndarray | None = None  # 1 where a logged loss was NaN/Inf (not: unlogged)
 
@@ -173,6 +174,7 @@ class DetectionEngine:
             view.compute_s.reshape(1, -1),
             view.cols["loss"].reshape(1, -1),
             view.cols["mem_rss"].reshape(1, -1),
+            view.cols["mem_allocated"].reshape(1, -1),
             [int(r) for r in view.ranks],
             view.cols["loss_bad"].reshape(1, -1),
         )
@@ -192,7 +194,10 @@ class DetectionEngine:
 
     def _fit(self) -> None:
         warm = _Row(
-            *(np.vstack([getattr(w, f) for w in self._warm]) for f in ("feats", "compute", "loss", "rss")),
+            *(
+                np.vstack([getattr(w, f) for w in self._warm])
+                for f in ("feats", "compute", "loss", "rss", "device_mem")
+            ),
             self._ranks,
         )
         for rule in self.rules:

@@ -45,6 +45,7 @@ _PER_RANK = [
     "grad_norm",
     "tokens",
     "mem_rss",
+    "mem_allocated",  # device memory (0 on the CPU)
 ]
 
 
@@ -64,6 +65,14 @@ class StepView:
         return compute_seconds(c["step_s"], c["comm_exposed_s"], c["data_s"])
 
 
+def _column(steps: pd.DataFrame, name: str) -> np.ndarray:
+    """A per-rank column as floats; device memory unknown (an older store, or unread) is 0."""
+    if name not in steps.columns:
+        return np.zeros(len(steps))
+    values = steps[name].to_numpy(dtype=float)
+    return np.nan_to_num(values, nan=0.0) if name == "mem_allocated" else values
+
+
 def step_views(steps: pd.DataFrame, after: int = -1) -> Iterator[StepView]:
     """The complete steps after `after`, in order (a step some rank has not written yet, or
     never will because it died, is left out)."""
@@ -74,7 +83,7 @@ def step_views(steps: pd.DataFrame, after: int = -1) -> Iterator[StepView]:
     order = np.lexsort((rank, step))
     step, rank = step[order], rank[order]
     world = steps["world_size"].to_numpy()[order]
-    cols = {c: steps[c].to_numpy(dtype=float)[order] for c in _PER_RANK}
+    cols = {c: _column(steps, c)[order] for c in _PER_RANK}
     cols["loss_bad"] = nonfinite_mask(steps, "loss").astype(float)[order]
     uniq, first, counts = np.unique(step, return_index=True, return_counts=True)
     for s, a, n in zip(uniq, first, counts):

@@ -327,34 +327,41 @@ class LossSpikeRule(StepRule):
 
 
 class MemoryRule(StepRule):
-    """A rank's memory grows step after step (a leak). Its baseline moves on every step."""
+    """A rank's memory grows step after step (a leak), host memory (RSS) or device memory
+    (allocated, from the device layer): each has its own baseline, which moves every step."""
 
     name, during_warmup = "memory", False
     types = ("memory",)
+    SERIES = {"device": "device_mem", "host": "rss"}  # what each kind of memory is read from
 
     def __init__(self, mb_per_step: float) -> None:
-        self.detector = MemoryGrowth(mb_per_step=mb_per_step)
+        self.detectors = {kind: MemoryGrowth(mb_per_step=mb_per_step) for kind in self.SERIES}
 
     def learn(self, warm: Any) -> None:
-        self.detector.fit(warm.rss)
+        for kind, detector in self.detectors.items():
+            detector.fit(getattr(warm, self.SERIES[kind]))
 
     def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
-        leak = self.detector.culprits(row.rss)[0]
-        if not leak:
-            return []
-        rate = float(self.detector.slopes(row.rss)[0].max() * self.detector.mb_per_step)
-        return [
-            Flag(
-                "memory",
-                -float(self.detector.score_samples(row.rss)[0]),
-                ranks=[row.ranks[i] for i in leak],
-                confirm=2,
-                evidence={"mb_per_step": round(rate, 2)},
-            )
-        ]
+        flags = []
+        for kind, detector in self.detectors.items():  # device first: the scarcer memory
+            series = getattr(row, self.SERIES[kind])
+            leak = detector.culprits(series)[0]
+            if leak:
+                rate = float(detector.slopes(series)[0].max() * detector.mb_per_step)
+                flags.append(
+                    Flag(
+                        "memory",
+                        -float(detector.score_samples(series)[0]),
+                        ranks=[row.ranks[i] for i in leak],
+                        confirm=2,
+                        evidence={"mb_per_step": round(rate, 2), "memory": kind},
+                    )
+                )
+        return flags[:1]
 
     def update(self, row: Any, normal: bool) -> None:
-        self.detector.partial_fit(row.rss)
+        for kind, detector in self.detectors.items():
+            detector.partial_fit(getattr(row, self.SERIES[kind]))
 
 
 class MultivariateRule(StepRule):

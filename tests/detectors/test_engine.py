@@ -7,9 +7,12 @@ import pytest
 from meshscope.detectors.engine import DetectionEngine, EngineConfig
 
 
-def synthetic_run(steps=120, ranks=4, seed=0, slow=None, leak=None, nan_at=None, wave=False):
+def synthetic_run(
+    steps=120, ranks=4, seed=0, slow=None, leak=None, nan_at=None, wave=False, device_leak=None
+):
     """StepRecords of a healthy run, plus optional faults: slow=(rank, start, end, factor),
-    leak=(rank, start, mb_per_step), nan_at=(rank, step)."""
+    leak=(rank, start, mb_per_step) in host memory, device_leak=(...) in device memory,
+    nan_at=(rank, step)."""
     rng = np.random.default_rng(seed)
     rows = []
     for step in range(steps):
@@ -20,6 +23,8 @@ def synthetic_run(steps=120, ranks=4, seed=0, slow=None, leak=None, nan_at=None,
         step_s = compute.max() + 0.01
         for r in range(ranks):
             rss = 1e9 + (leak[2] * 2**20 * max(0, step - leak[1]) if leak and r == leak[0] else 0)
+            dl = device_leak
+            allocated = 4e9 + (dl[2] * 2**20 * max(0, step - dl[1]) if dl and r == dl[0] else 0)
             loss = 4.0 * np.exp(-step / 80) + 0.02 * rng.standard_normal()
             if nan_at == (r, step):
                 loss = float("nan")
@@ -37,6 +42,7 @@ def synthetic_run(steps=120, ranks=4, seed=0, slow=None, leak=None, nan_at=None,
                     grad_norm=1.0,
                     tokens=256,
                     mem_rss=rss,
+                    mem_allocated=allocated,
                 )
             )
     return pd.DataFrame(rows)
@@ -69,6 +75,13 @@ def test_memory_growth_and_nan_are_found_with_their_ranks():
     found = {(e.type, tuple(e.ranks)) for e in closed}
     assert ("nan", (3,)) in found and ("memory", (1,)) in found
     assert min(e.start_step for e in closed if e.type == "memory") <= 75
+
+
+def test_a_device_memory_leak_is_found_while_host_memory_stays_flat():
+    _, closed = run(synthetic_run(device_leak=(2, 60, 8.0)))
+    leaks = [e for e in closed if e.type == "memory"]
+    assert [e.ranks for e in leaks] == [[2]], [(e.type, e.ranks) for e in closed]
+    assert leaks[0].start_step <= 66 and leaks[0].detail()["evidence"]["memory"] == "device"
 
 
 def test_a_world_that_shrinks_starts_its_baselines_over():
