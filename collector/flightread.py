@@ -23,6 +23,9 @@ HEADER_SIZE = 256
 RECORD = struct.Struct("<qqdd16s24sb15s56s56s96sii")
 STATE_ISSUED, STATE_DONE, STATE_FAILED = 1, 2, 3
 STATE_NAMES = {STATE_ISSUED: "issued", STATE_DONE: "completed", STATE_FAILED: "failed"}
+# Not finished: issued (a Flight Recorder's "scheduled": enqueued, not yet begun on the device)
+# or started (a Flight Recorder's "started": the device began it).
+OPEN_STATES = ("issued", "started")
 RUNNING, CLOSED = 1, 2
 T_DONE_OFFSET = struct.calcsize("<qqd")
 STATE_OFFSET = struct.calcsize("<qqdd16s24s")
@@ -113,7 +116,7 @@ class FlightTail:
 
     def open_records(self) -> list[FlightRecord]:
         """Collectives issued and not completed: where this rank may be waiting."""
-        return [r for r in self.records if r.state == "issued"]
+        return [r for r in self.records if r.state in OPEN_STATES]
 
     def last_seq(self, group: str) -> int:
         """The last sequence number this rank issued on `group` (-1: none)."""

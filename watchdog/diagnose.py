@@ -7,17 +7,23 @@ stacks. `CHECKS` are asked in order; the first that recognises the picture gives
 2. **desync**: the same sequence number issued at different training steps: a rank skipped a
    collective earlier and has been pairing with the wrong partner since;
 3. **error** / **dead**: a rank that raised or vanished (no clean exit) while peers wait;
-4. **compute** (everywhere): no rank is in a collective and none progresses;
-5. **remote**: every rank seen here entered it; the ones behind are another node's;
-6. **missing** / **compute**: ranks that never entered the collective the others wait in,
+4. **none** (a post-mortem without stacks): every collective completed and matched;
+5. **compute** (everywhere): no rank is in a collective and none progresses;
+6. **remote**: every rank seen here entered it; the ones behind are another node's (or left
+   no dump);
+7. **missing** / **compute**: ranks that never entered the collective the others wait in,
    and where they are instead (another collective, or compute per their stack);
-7. **stuck**: everyone entered it; the transport or a device is at fault."""
+8. **stuck**: everyone entered it: the ranks whose device never started it (a Flight
+   Recorder's "scheduled" beside "started") when the dump says so, else the transport or a
+   device, no rank's code.
+
+`diagnose_groups` adds every process group that is stuck on its own."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshscope.collector.flightread import (
@@ -267,7 +273,9 @@ def _reference_order(tails: dict[int, FlightTail], before: int) -> list[str]:
     return []
 
 
-def _frontier(tails: dict[int, FlightTail]) -> tuple[str, int, str, list[int]] | None:
+def _frontier(
+    tails: dict[int, FlightTail], group: str | None = None
+) -> tuple[str, int, str, list[int]] | None:
     """The collective the waiting ranks are stuck in: (group, seq, op, waiting ranks).
 
     Ranks may wait in different collectives: in a deadlock between groups (a rank skipped
@@ -277,7 +285,11 @@ def _frontier(tails: dict[int, FlightTail]) -> tuple[str, int, str, list[int]] |
     (`_reference_order`); ties go to the collective most ranks wait in."""
     oldest = {}
     for rank, tail in tails.items():
-        opened = [r for r in tail.open_records() if r.op not in ASYNC_P2P_OPS]
+        opened = [
+            r
+            for r in tail.open_records()
+            if r.op not in ASYNC_P2P_OPS and (group is None or r.group == group)
+        ]
         if opened:
             oldest[rank] = min(opened, key=lambda r: r.t_issue)
     if not oldest:
@@ -306,6 +318,16 @@ class Stall:
     alive: dict[int, bool]
     stacks: dict[int, list[str]]
     frontier: tuple[str, int, str, list[int]] | None  # the collective the waiting ranks are in
+    group: str | None = None  # judging one stuck group of several (`diagnose_groups`)
+
+    def judged_tails(self) -> dict[int, FlightTail]:
+        """The tails the signature checks compare: one group's records when judging one."""
+        if self.group is None:
+            return self.tails
+        return {
+            r: replace(t, records=[x for x in t.records if x.group == self.group])
+            for r, t in self.tails.items()
+        }
 
     @property
     def waiting(self) -> list[int]:
@@ -319,11 +341,11 @@ class Stall:
 
 
 def _check_mismatch(s: Stall) -> Diagnosis | None:
-    return _mismatch(s.tails, s.world)
+    return _mismatch(s.judged_tails(), s.world)
 
 
 def _check_desync(s: Stall) -> Diagnosis | None:
-    return _desync(s.tails, s.world)
+    return _desync(s.judged_tails(), s.world)
 
 
 def _check_error(s: Stall) -> Diagnosis | None:
@@ -371,6 +393,20 @@ def _check_dead(s: Stall) -> Diagnosis | None:
         [r for r in s.waiting if r not in dead],
         f"{_ranks(dead)} died without a clean exit (last step {last}){where}",
         **f,
+    )
+
+
+def _check_all_done(s: Stall) -> Diagnosis | None:
+    """A post-mortem (no stacks, no liveness) where every collective completed and matched:
+    these records show no hang (the job may have stopped in compute, or been stopped)."""
+    if s.frontier is not None or s.stacks or s.alive:
+        return None
+    return Diagnosis(
+        Verdict.NONE,
+        [],
+        [],
+        "no hang in these records: every collective completed and matched on every rank "
+        f"({_ranks(s.tails)}); whatever stopped the job was not a collective",
     )
 
 
@@ -434,6 +470,27 @@ def _check_absent(s: Stall) -> Diagnosis | None:
     )
 
 
+def _check_not_started(s: Stall) -> Diagnosis | None:
+    """Everyone entered it, but on some ranks the device never began it (a Flight Recorder's
+    "scheduled" beside its peers' "started"): their device is busy with earlier work, or stuck."""
+    group, seq, _, _ = s.frontier
+    states = {r: rec.state for r in s.waiting if (rec := s.tails[r].record(group, seq)) is not None}
+    started = sorted(r for r, state in states.items() if state == "started")
+    scheduled = sorted(r for r, state in states.items() if state == "issued")
+    if not started or not scheduled:
+        return None
+    f = s.at_frontier()
+    return Diagnosis(
+        Verdict.STUCK,
+        scheduled,
+        started,
+        f"every rank of group {f['group']} issued {f['op']} #{f['seq']}; {_ranks(started)} started it "
+        f"on the device, {_ranks(scheduled)} never did (scheduled only): "
+        f"{'its' if len(scheduled) == 1 else 'their'} device is still busy with earlier work, or stuck",
+        **f,
+    )
+
+
 def _check_stuck(s: Stall) -> Diagnosis | None:
     """Everyone entered it and it does not complete."""
     f = s.at_frontier()
@@ -453,9 +510,11 @@ CHECKS: list[Callable[[Stall], Diagnosis | None]] = [
     _check_desync,
     _check_error,
     _check_dead,
+    _check_all_done,
     _check_no_collective,
     _check_remote,
     _check_absent,
+    _check_not_started,
     _check_stuck,
 ]
 
@@ -469,8 +528,57 @@ def diagnose(
 ) -> Diagnosis:
     """Explain a stall from every rank's flight-log tail, liveness and stacks (module doc)."""
     stall = Stall(tails, world, alive or {}, stacks or {}, _frontier(tails))
+    return _judge(stall)
+
+
+def _judge(stall: Stall) -> Diagnosis:
     diag = next(d for check in CHECKS if (d := check(stall)) is not None)
     diag.stacks = dict(stall.stacks)
     # what said "completed": the host, device events, or the backend's own Flight Recorder
-    diag.evidence.setdefault("source", ", ".join(sorted({t.clock for t in tails.values()})))
+    diag.evidence.setdefault("source", ", ".join(sorted({t.clock for t in stall.tails.values()})))
     return diag
+
+
+def diagnose_groups(
+    tails: dict[int, FlightTail],
+    world: int,
+    *,
+    alive: dict[int, bool] | None = None,
+    stacks: dict[int, list[str]] | None = None,
+) -> Diagnosis:
+    """`diagnose`, and every process group that is stuck on its own: a large job (data and
+    expert parallel groups) can hang in several groups at once with different culprits. A
+    group is stuck *because of another* when all of its culprits wait in that other group's
+    collective; the independent ones are reported, each with all its culprits, in the
+    `stuck_groups` evidence, and their culprits together are the verdict's."""
+    overall = diagnose(tails, world, alive=alive, stacks=stacks)
+    groups = sorted({r.group for t in tails.values() for r in t.open_records() if r.op not in ASYNC_P2P_OPS})
+    if len(groups) < 2:
+        return overall
+    per_group = {
+        g: _judge(Stall(tails, world, alive or {}, stacks or {}, _frontier(tails, g), group=g))
+        for g in groups
+    }
+    waiting_in = {g: set(d.waiting_ranks) for g, d in per_group.items()}
+    independent = [
+        g
+        for g, d in per_group.items()
+        if not d.culprit_ranks or not any(set(d.culprit_ranks) <= waiting_in[h] for h in groups if h != g)
+    ] or groups
+    overall.evidence["stuck_groups"] = [
+        {
+            "group": g,
+            "type": d.kind.value,
+            "op": d.op,
+            "seq": d.seq,
+            "culprit_ranks": d.culprit_ranks,
+            "waiting_ranks": d.waiting_ranks,
+            "independent": g in independent,
+            "why": d.why,
+        }
+        for g, d in per_group.items()
+    ]
+    if len(independent) > 1:
+        overall.culprit_ranks = sorted({r for g in independent for r in per_group[g].culprit_ranks})
+        overall.why = "; ".join(f"group {g}: {per_group[g].why}" for g in independent)
+    return overall

@@ -1,11 +1,19 @@
 """PyTorch Flight Recorder dumps, diagnosed like meshscope's own flight logs.
 
 A job that never ran meshscope can still be explained after the fact: PyTorch's Flight
-Recorder (`TORCH_FR_BUFFER_SIZE`, or `TORCH_NCCL_TRACE_BUFFER_SIZE` on older NCCL builds)
-dumps each rank's ring of collectives to `<prefix><rank>` (pickle) or JSON. Each entry becomes
-a `FlightRecord` (sequence number per process group, op, sizes, dtypes, state, call site) and
-`detectors.hang.diagnose` judges them: ranks that never entered the collective the others wait
-in, op/shape/dtype mismatches, and all-to-all split sizes when the dump lists per-peer tensors.
+Recorder (`TORCH_FR_BUFFER_SIZE`, or `TORCH_NCCL_TRACE_BUFFER_SIZE` on older NCCL builds;
+torch_npu's `TORCH_HCCL_TRACE_BUFFER_SIZE`, files `hccl_trace_rank_<R>`) dumps each rank's
+ring of collectives to `<prefix><rank>` (pickle) or JSON. Each entry becomes a `FlightRecord`
+(sequence number per process group, op, sizes, dtypes, device state, call site) and
+`watchdog.diagnose.diagnose_groups` judges them: every stuck group with its culprits, ranks
+that never entered the collective the others wait in, ranks whose device never started it,
+op/shape/dtype mismatches (inside a coalesced block too), all-to-all split sizes when the dump
+lists per-peer tensors, ranks that left no dump, and dumps that show no hang at all.
+
+The op comes from `profiling_name` ("nccl:all_reduce"); HCCL dumps may leave it empty, and then
+it is read from the Python frames (the `torch.distributed` function that issued it), else
+from the shapes. Entries of one coalesced block share a sequence number and are judged as one
+collective whose signature is all of theirs.
 
 Dumps are pickles; they are read with an unpickler that refuses every class, so a dump can
 hold only plain data (dicts, lists, strings, numbers) and a hostile file cannot run code.
@@ -17,15 +25,54 @@ import io
 import json
 import pickle
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from meshscope.collector.flightread import FlightRecord, FlightTail
-from meshscope.watchdog.diagnose import diagnose
+from meshscope.watchdog.diagnose import diagnose_groups
 from meshscope.watchdog.verdicts import Diagnosis
 
 _RANK = re.compile(r"^(.*?)(\d+)(\.json)?$")
-_TORCH = ("/torch/distributed/", "/torch/nn/parallel/", "c10d_logger.py")
+_TORCH = ("/torch/distributed/", "/torch/nn/parallel/", "c10d_logger.py", "/torch_npu/")
+# Backend op names (profiling_name after "nccl:"/"hccl:", c10d's Python names) -> meshscope's.
+OP_NAMES = {
+    "allreduce": "all_reduce",
+    "allgather": "all_gather",
+    "_allgather_base": "all_gather_into_tensor",
+    "all_gather_single": "all_gather_into_tensor",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "reduce_scatter_base": "reduce_scatter_tensor",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all_single",
+    "_broadcast_oop": "broadcast",
+}
+# torch.distributed functions that issue one collective: how a frame names the op.
+C10D_OPS = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "all_reduce_coalesced",
+    }
+)
+# Flight Recorder device states -> flight-log states ("scheduled": not begun on the device).
+STATES = {"scheduled": "issued", "started": "started", "completed": "completed"}
 
 
 class DumpError(ValueError):
@@ -80,9 +127,25 @@ def _numel(size: Any) -> int:
     return n
 
 
+def _op(entry: dict[str, Any]) -> str:
+    """The op of an entry: its profiling name, else the c10d function in its frames, else what
+    its shapes allow (HCCL dumps may carry no profiling name)."""
+    name = str(entry.get("profiling_name") or "").split(":", 1)[-1].split(" ", 1)[0].strip()
+    if not name:
+        frames = entry.get("frames") if isinstance(entry.get("frames"), list) else []
+        name = next(
+            (str(f.get("name")) for f in frames if isinstance(f, dict) and str(f.get("name")) in C10D_OPS), ""
+        )
+    if not name:
+        ins = sum(_numel(s) for s in entry.get("input_sizes") or [])
+        outs = sum(_numel(s) for s in entry.get("output_sizes") or [])
+        name = "all_gather" if outs > ins else "reduce_scatter" if ins > outs else "all_reduce"
+    return OP_NAMES.get(name, name)
+
+
 def to_record(entry: dict[str, Any]) -> FlightRecord:
     """A Flight Recorder entry as a meshscope flight record."""
-    op = str(entry.get("profiling_name", "?")).split(":", 1)[-1].split(" ", 1)[0]
+    op = _op(entry)
     p2p = bool(entry.get("is_p2p"))
     sizes_in = entry.get("input_sizes") or []
     sizes_out = entry.get("output_sizes") or []
@@ -92,7 +155,7 @@ def to_record(entry: dict[str, Any]) -> FlightRecord:
             f"in={','.join(str(_numel(s)) for s in sizes_in)} "
             f"out={','.join(str(_numel(s)) for s in sizes_out)}"
         )
-    done = entry.get("state") == "completed" or bool(entry.get("retired"))
+    state = "completed" if entry.get("retired") else STATES.get(str(entry.get("state")), "issued")
     created = entry.get("time_created_ns") or 0
     finished = entry.get("time_discovered_completed_ns") or 0
     group = entry.get("process_group") or ("?", "")
@@ -103,7 +166,7 @@ def to_record(entry: dict[str, Any]) -> FlightRecord:
         t_done=finished / 1e9,
         group=str(group[0]),
         op=op,
-        state="completed" if done else "issued",
+        state=state,
         dtype=",".join(str(d).lower() for d in (entry.get("input_dtypes") or [])[:1]),
         shapes=";".join("x".join(map(str, s)) or "scalar" for s in sizes_in),
         splits=splits,
@@ -111,6 +174,34 @@ def to_record(entry: dict[str, Any]) -> FlightRecord:
         peer=-1,
         group_size=0,
     )
+
+
+def _coalesced(records: list[FlightRecord]) -> list[FlightRecord]:
+    """Entries of one coalesced block (same group and sequence number on one rank) as one
+    record: its op lists the members, its shapes and dtypes are all of theirs."""
+    blocks: dict[tuple[str, int, bool], list[FlightRecord]] = {}
+    for r in records:
+        blocks.setdefault((r.group, r.seq, r.p2p), []).append(r)
+    out = []
+    for (_, _, p2p), block in blocks.items():
+        if len(block) == 1 or p2p:
+            out.extend(block)
+            continue
+        members = [r for r in block if r.op != "coalesced"] or block
+        states = {r.state for r in block}
+        state = "completed" if states == {"completed"} else "started" if "started" in states else "issued"
+        out.append(
+            replace(
+                members[0],
+                op="coalesced[" + ",".join(r.op for r in members) + "]",
+                shapes="|".join(r.shapes for r in members),
+                dtype=",".join(dict.fromkeys(r.dtype for r in members)),
+                state=state,
+                t_issue=min(r.t_issue for r in block),
+                t_done=max(r.t_done for r in block),
+            )
+        )
+    return sorted(out, key=lambda r: r.t_issue)
 
 
 def _groups(dump: dict[str, Any]) -> dict[str, list[int]]:
@@ -133,8 +224,7 @@ def read_dumps(folder: Path, prefix: str | None = None) -> dict[int, FlightTail]
             continue
         dump = load_dump(path)
         rank = int(match.group(2))
-        records = [to_record(e) for e in dump["entries"] if isinstance(e, dict)]
-        records.sort(key=lambda r: r.t_issue)
+        records = _coalesced([to_record(e) for e in dump["entries"] if isinstance(e, dict)])
         tails[rank] = FlightTail(
             path,
             rank,
@@ -153,17 +243,25 @@ def read_dumps(folder: Path, prefix: str | None = None) -> dict[int, FlightTail]
         )
     if not tails:
         raise DumpError(f"{folder}: no Flight Recorder dumps (files named <prefix><rank>)")
-    world = max(tails) + 1
+    world = _world(tails)
     for tail in tails.values():
         tail.world_size = world
     return tails
 
 
+def _world(tails: dict[int, FlightTail]) -> int:
+    """The job's size: the largest rank any group lists (a dump may be missing), else the
+    largest rank dumped."""
+    ranks = [r for t in tails.values() for members in t.groups.values() for r in members]
+    return max([*ranks, *tails]) + 1
+
+
 def diagnose_dumps(folder: Path, prefix: str | None = None) -> Diagnosis:
     """The hang diagnosis of a job from its Flight Recorder dumps."""
     tails = read_dumps(folder, prefix)
-    diag = diagnose(tails, max(tails) + 1)
-    missing = sorted(set(range(max(tails) + 1)) - set(tails))
+    world = _world(tails)
+    diag = diagnose_groups(tails, world)
+    missing = sorted(set(range(world)) - set(tails))
     if missing:
         diag.evidence["ranks_without_dump"] = missing
     return diag

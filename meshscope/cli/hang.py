@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def hang_report(
         help="a folder of PyTorch Flight Recorder dumps (<prefix><rank>) of a job that did not run meshscope",
     ),
     prefix: str | None = typer.Option(None, help="Flight Recorder dump names: <prefix><rank>"),
+    as_json: bool = typer.Option(False, "--json", help="print the diagnosis as one JSON object"),
 ) -> None:
     """The last hang diagnosis of a run (else one from its flight logs), or a diagnosis of a
     plain job's PyTorch Flight Recorder dumps."""
@@ -36,7 +38,7 @@ def hang_report(
             diag = diagnose_dumps(flight_recorder, prefix)
         except (DumpError, OSError) as err:
             fail(str(err))
-        _print_hang(diag.detail(), f"Flight Recorder dumps in {flight_recorder}")
+        _print_hang(diag.detail(), f"Flight Recorder dumps in {flight_recorder}", as_json)
         return
     from meshscope.collector.store import StoreError, check_store
 
@@ -56,15 +58,21 @@ def hang_report(
         if diag is None:
             fail(f"{run}: no hang event and no flight logs in {run / 'live'}")
         detail, source = diag.detail(), f"flight logs in {run / 'live'} (post-mortem)"
-    _print_hang(detail, source)
+    _print_hang(detail, source, as_json)
 
 
-def _print_hang(detail: dict, source: str) -> None:
+def _print_hang(detail: dict, source: str, as_json: bool = False) -> None:
+    if as_json:
+        typer.echo(json.dumps({**detail, "read_from": source}, default=str))
+        return
     table = Table(title=f"hang diagnosis ({source})", show_header=False)
-    for key in ("type", "culprit_ranks", "op", "seq", "group", "waiting_ranks", "why", "action"):
+    for key in ("type", "culprit_ranks", "op", "seq", "group", "waiting_ranks", "why", "action", "source"):
         if detail.get(key) is not None:
             table.add_row(key, str(detail[key]))
     console.print(table)
+    for group in detail.get("stuck_groups") or []:
+        mark = "" if group["independent"] else " (stuck because of another group)"
+        console.print(f"  group {group['group']}{mark}: {group['type']}, culprits {group['culprit_ranks']}")
     for rank, stack in sorted((detail.get("stacks") or {}).items()):
         console.print(f"[bold]rank {rank}[/] (innermost last)")
         for line in stack[-8:]:
