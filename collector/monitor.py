@@ -255,6 +255,7 @@ class Monitor:
     def _take_scalars(self, p: PendingStep, scalars: dict[str, Any]) -> None:
         """Host values are read now; device tensors join the window's buffer."""
         on_device = {k: v for k, v in scalars.items() if readback.is_device_tensor(v)}
+        # host tensor: device tensors went to the window above
         p.scalars = {k: float(v) for k, v in scalars.items() if k not in on_device}
         if on_device:
             p.device_keys = list(on_device)
@@ -299,7 +300,7 @@ class Monitor:
             step, read = self._expert_reads.pop(0)
             if block:
                 read.wait()
-            self._emit_experts(step, read.value().tolist())
+            self._emit_experts(step, read.value().tolist())  # host tensor: the landed copy
 
     def _finished(self, p: PendingStep) -> bool:
         if p.window is not None and not p.window.ready():

@@ -100,7 +100,7 @@ class GradientInspector:
             self._grads = self._before = None
         while self._pending and self._pending[0][1].ready():
             step, readback = self._pending.pop(0)
-            self._judge(step, readback.value().tolist())
+            self._judge(step, readback.value().tolist())  # host tensor: the landed copy
 
     def close(self) -> None:
         """Judge what is still in flight (waits for the device)."""

@@ -216,7 +216,7 @@ class TensorTracer:
         return self.config.mode == "stats" and self._step % self.config.stats_every == 0
 
     def _check_flags(self, step: int, flags: Readback, rerun: Any, rng: Any, has_loss: bool = False) -> None:
-        values = flags.value().tolist()
+        values = flags.value().tolist()  # host tensor: the landed copy
         if all(math.isfinite(v) for v in values):
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])

@@ -158,6 +158,11 @@ class TrainerConfig(_Strict):
         "measured every step)",
     )
     linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
+    audit_syncs: bool = Field(
+        False,
+        description="count every host read of a tensor value in the steps by call site "
+        "(<run>/sync_audit/rank<R>.json): unmarked ones are syncs nobody owns",
+    )
     trace: TraceMode = Field(
         "nonfinite",
         description="tensor tracer: off | nonfinite (first non-finite module, every "

@@ -76,18 +76,19 @@ class ControlApplier:
         values = self._agree(header, found[0][1].values if found else [])
         if values is None:
             return
-        cid, code, layer = int(header[0]), int(header[1]), int(header[2])
+        cid, code, layer = int(header[0]), int(header[1]), int(header[2])  # host tensor
         self._apply(cid, _KINDS.get(code, "?"), layer, values, step + 1)
 
     def _agree(self, header: torch.Tensor, values: list[float]) -> list[float] | None:
         if self.plane is not None:
             self.plane.broadcast(header, src=0)
-        if int(header[0]) == 0:
+        if int(header[0]) == 0:  # host tensor: the control plane's
             return None
+        # host tensor: the control plane's
         payload = torch.tensor(values if self.rank == 0 else [0.0] * int(header[3]), dtype=torch.float64)
         if self.plane is not None:
             self.plane.broadcast(payload, src=0)
-        return payload.tolist()
+        return payload.tolist()  # host tensor
 
     def _apply(self, cid: int, kind: str, layer: int, values: list[float], step: int) -> None:
         try:

@@ -27,7 +27,7 @@ from meshscope.trainer.model import MoELM
 
 # Devices whose AdamW has fused kernels that honour `found_inf`. Ascend is left out until
 # torch_npu's fused AdamW is checked on hardware; it reads the norm instead (a sync point).
-FUSED_DEVICES = ("cuda", "cpu")
+FUSED_DEVICES = ("cuda", "cpu", "sim")
 
 
 @dataclass

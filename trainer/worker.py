@@ -22,10 +22,12 @@ import torch.distributed as dist  # noqa: E402
 
 from meshscope.collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
 from meshscope.collector.control import ControlPlane  # noqa: E402
+from meshscope.collector.flightlog import FlightLog  # noqa: E402
 from meshscope.collector.store import load_events  # noqa: E402
+from meshscope.collector.syncaudit import SyncAudit  # noqa: E402
 from meshscope.trainer.config import TrainerConfig, load_config  # noqa: E402
 from meshscope.trainer.controls import ControlApplier  # noqa: E402
-from meshscope.trainer.device import process_group_timeout_s, resolve_device  # noqa: E402
+from meshscope.trainer.device import accelerator_module, process_group_timeout_s, resolve_device  # noqa: E402
 from meshscope.trainer.elastic import ElasticRun, attempt_id  # noqa: E402
 from meshscope.trainer.inject import Injection, Injector, parse_injection  # noqa: E402
 from meshscope.trainer.loop import build, train  # noqa: E402
@@ -121,11 +123,24 @@ def build_monitor(cfg: TrainerConfig, env: DistEnv, device: Any, control: Any, t
     return Monitor(config, env=env, probe=device.probe(), control=control)
 
 
+def start_audit(cfg: TrainerConfig, device: Any) -> SyncAudit | None:
+    """The sync audit, when asked for: steps are the flight log's (none before the first)."""
+    if not cfg.audit_syncs:
+        return None
+
+    def step() -> int:
+        log = FlightLog._active
+        return log._step if log is not None else -1
+
+    return SyncAudit(step).install(None if device.kind == "cpu" else accelerator_module(device.kind))
+
+
 def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | None = None) -> None:
     """One rank of the reference trainer; `make_tracer` (from the composition root) adds the
     tensor tracer, which this package does not import."""
     device = resolve_device(cfg.device, env.local_rank, backend=cfg.backend)
     device.activate()
+    audit = start_audit(cfg, device)
     init_process_group(env, device.backend, device.kind)
     control = ControlPlane.maybe()  # every collective meshscope adds goes through it
     mon = build_monitor(cfg, env, device, control, traced=cfg.trace != "off" and make_tracer is not None)
@@ -151,6 +166,8 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
         applier.replay_applied()  # a restarted worker keeps the changes approved before
         try:
             reason = train(state, mon, cfg, device, elastic, injector, applier)
+            if audit is not None:
+                audit.uninstall()  # the steps are over: what follows is shutdown
         except Exception as err:
             mon.fail(err)
             elastic.mark_failed(err)  # we failed, we did not vanish: not the culprit
@@ -167,6 +184,9 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
                 mon.event("run_end", detail={"steps": state.step})
             time.sleep(cfg.linger_s)  # lets Prometheus take a last scrape of short runs
     finally:
+        if audit is not None:
+            audit.uninstall()
+            audit.write(cfg.run_dir / "sync_audit" / f"rank{env.rank}.json")
         mon.close()
         if dist.is_initialized():
             dist.destroy_process_group()
