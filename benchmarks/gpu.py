@@ -18,7 +18,11 @@ Parts, each reported as it finishes (a failing part is reported and the rest sti
 5. warm vs plain restart times (benchmarks/fault_recovery.py on the device, gloo);
 6. wire bytes per compression hook, 2 ranks through gloo;
 7. debugging on the device, 2 ranks through gloo: the tensor tracer names a poisoned module
-   (forward, backward), the hang watchdog a skipped collective (abort, resume).
+   (forward, backward), the hang watchdog a skipped collective (abort, resume);
+8. the hang scenarios on NCCL itself (benchmarks/hang_detection.py's, 2 ranks, one GPU each:
+   skip, compute, op/shape/dtype/split mismatch, kill, error, and a transport stuck behind a
+   kernel that never ends): stall -> verdict delay and whether it is right. It needs 2 GPUs;
+   with one it says so and runs nothing.
 `--device cpu --quick` runs the same code here as a smoke test (parts 1 and 4-6 need less of it).
 """
 
@@ -435,12 +439,28 @@ def debugging(device: Device, steps: int) -> dict:
     return out
 
 
+@part("8 hang scenarios on nccl")
+def hangs_on_nccl(repeats: int) -> dict:
+    """The watchdog's verdicts and delays with the flight log on NCCL's own semantics."""
+    if torch.cuda.device_count() < 2:
+        return {"ran": False, "why": f"{torch.cuda.device_count()} GPU(s): 2 ranks on nccl need 2"}
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from hang_detection import EXPECTED, watched
+
+    out: dict[str, Any] = {"ran": True}
+    for scenario in EXPECTED:
+        out[scenario] = [watched(scenario, 60.0, backend="nccl", world=2) for _ in range(repeats)]
+    delays = [r["delay_s"] for runs in out.values() if isinstance(runs, list) for r in runs]
+    out["median_delay_s"] = statistics.median(delays)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer steps: a smoke test")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu")))
-    ap.add_argument("--parts", default="1234567", help="which parts to run, e.g. 124")
+    ap.add_argument("--parts", default="12345678", help="which parts to run, e.g. 124")
     args = ap.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     device = Device(args.device)
@@ -467,6 +487,8 @@ def main() -> None:
         wire_bytes(device, steps=8 if q else 20)
     if "7" in args.parts:
         debugging(device, steps=12 if q else 20)
+    if "8" in args.parts:
+        hangs_on_nccl(repeats=1)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_results.json").write_text(
         json.dumps({"machine": machine(), "device": device.kind, "results": RESULTS}, indent=2, default=str)

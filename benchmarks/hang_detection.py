@@ -1,14 +1,18 @@
 """Hang detection: seconds from the stall to the culprit named, against the process group's own
 timeout, in the same run.
 
-Each scenario runs twice on 3 gloo ranks (the culprit is rank 2, misbehaving at step 3; see
-fixtures/hang_cases.py): once with flight logs and meshscope's watchdog at its default
-settings, once plain with the process group's timeout set to `--pg-timeout`. For the watchdog:
-delay from the stall (the last progress of any rank) to the diagnosis, and whether rank and
-collective are right. For the plain job: when its first rank errored (timeout or a broken
-connection), measured from the culprit's fault, and whether the error names the culprit.
+Each scenario runs on 3 ranks (the culprit is rank 2, misbehaving at step 3; see
+fixtures/hang_cases.py) with flight logs and meshscope's watchdog at its default settings, on
+each backend of `--backends`: gloo (the host completes collectives) and simnccl (the simulated
+accelerator: collectives return at once and complete on a stream; device truth from events).
+On gloo it also runs plain, with the process group's timeout set to `--pg-timeout`. For the
+watchdog: delay from the stall (the last progress of any rank) to the diagnosis, and whether
+rank and collective are right (`transport`: everyone is in the collective, so no rank is to
+blame: right is "stuck" with every rank waiting). For the plain job: when its first rank
+errored (timeout or a broken connection), measured from the culprit's fault, and whether the
+error names the culprit.
 
-    .venv/bin/python benchmarks/hang_detection.py [--repeats 1 --pg-timeout 20]
+    .venv/bin/python benchmarks/hang_detection.py [--repeats 1 --pg-timeout 20 --backends gloo,simnccl]
 """
 
 from __future__ import annotations
@@ -37,15 +41,18 @@ EXPECTED = {
     "split": "mismatch",
     "kill": "dead",
     "error": "error",
+    "transport": "stuck",
 }
 
 
-def _spawn(live: Path, scenario: str, pg_timeout: float, flight: bool) -> list:
+def _spawn(
+    live: Path, scenario: str, pg_timeout: float, flight: bool, backend: str = "gloo", world: int = WORLD
+) -> list:
     ctx = mp.get_context("spawn")
     port = free_port_range(1)
     procs = [
-        ctx.Process(target=rank_main, args=(r, WORLD, port, str(live), scenario, pg_timeout, flight))
-        for r in range(WORLD)
+        ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario, pg_timeout, flight, backend))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -59,10 +66,12 @@ def _end(procs: list) -> None:
         p.join(10)
 
 
-def watched(scenario: str, pg_timeout: float) -> dict:
+def watched(scenario: str, pg_timeout: float, backend: str = "gloo", world: int = WORLD) -> dict:
+    """The watchdog at its defaults on one scenario: delay, verdict, and whether it is right."""
+    culprit = world - 1
     with tempfile.TemporaryDirectory() as tmp:
         live = Path(tmp) / "live"
-        procs = _spawn(live, scenario, pg_timeout, flight=True)
+        procs = _spawn(live, scenario, pg_timeout, flight=True, backend=backend, world=world)
         watch, diag = HangWatch(live, HangConfig()), None
         deadline = time.monotonic() + pg_timeout + 30
         try:
@@ -74,8 +83,9 @@ def watched(scenario: str, pg_timeout: float) -> dict:
     if diag is None:
         return {"named": False, "delay_s": float("nan"), "kind": "none"}
     d = diag.detail()
+    culprits = [] if scenario == "transport" else [culprit]
     right = (
-        d["culprit_ranks"] == [CULPRIT]
+        d["culprit_ranks"] == culprits
         and d["type"] == EXPECTED[scenario]
         and (d["seq"] == FAULT_STEP or d["type"] in ("dead", "error"))
     )
@@ -116,26 +126,39 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=20.0)
     parser.add_argument("--scenarios", default=",".join(EXPECTED))
+    parser.add_argument("--backends", default="gloo,simnccl")
     args = parser.parse_args()
     print(
-        f"# {machine()}\n# 3 gloo ranks, culprit rank {CULPRIT} at step {FAULT_STEP}; "
-        f"watchdog defaults {HangConfig()}; plain process-group timeout {args.pg_timeout:g} s"
+        f"# {machine()}\n# 3 ranks, culprit rank {CULPRIT} at step {FAULT_STEP}; "
+        f"watchdog defaults {HangConfig()}; plain process-group timeout {args.pg_timeout:g} s (gloo)"
     )
     print(
-        f"{'scenario':10} {'watchdog':>10} {'right':>6}  {'plain job':>10} {'named':>6}  "
+        f"{'scenario':10} {'backend':8} {'watchdog':>10} {'right':>6}  {'plain job':>10} {'named':>6}  "
         "plain job's first error"
     )
-    delays = []
+    delays: dict[str, list[float]] = {}
     for scenario in args.scenarios.split(","):
-        for _ in range(args.repeats):
-            w, p = watched(scenario, args.pg_timeout), plain(scenario, args.pg_timeout)
-            delays.append(w["delay_s"])
-            print(
-                f"{scenario:10} {w['delay_s']:9.2f}s {str(w['named']):>6}  "
-                f"{p['delay_s']:9.2f}s {str(p['named']):>6}  {p['error']}",
-                flush=True,
-            )
-    print(f"median watchdog delay {statistics.median(delays):.2f} s over {len(delays)} runs (target <= 5 s)")
+        for backend in args.backends.split(","):
+            for _ in range(args.repeats):
+                w = watched(scenario, args.pg_timeout, backend)
+                delays.setdefault(backend, []).append(w["delay_s"])
+                p = (
+                    plain(scenario, args.pg_timeout)
+                    if backend == "gloo" and scenario != "transport"
+                    else None
+                )
+                plain_cols = (
+                    f"{p['delay_s']:9.2f}s {str(p['named']):>6}  {p['error']}" if p else f"{'-':>10} {'-':>6}"
+                )
+                print(
+                    f"{scenario:10} {backend:8} {w['delay_s']:9.2f}s {str(w['named']):>6}  {plain_cols}",
+                    flush=True,
+                )
+    for backend, values in delays.items():
+        print(
+            f"median watchdog delay on {backend}: {statistics.median(values):.2f} s over {len(values)} runs "
+            "(target <= 5 s)"
+        )
 
 
 if __name__ == "__main__":

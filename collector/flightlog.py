@@ -202,6 +202,8 @@ class FlightLog:
         self._written = 0
         self._seq: dict[str, int] = {}
         self._groups: dict[int, tuple[str, int]] = {}
+        self._host_groups: set[str] = set()
+        self._host_slots: set[int] = set()  # records of host groups awaiting `enqueued`
         self._group_ranks: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._step = -1
@@ -225,6 +227,8 @@ class FlightLog:
             ranks = dist.get_process_group_ranks(pg)
             known = self._groups[key] = (name, len(ranks))
             self._group_ranks[name] = ranks
+            if dist.get_backend(pg) == "gloo":  # gloo completes on the host, whatever the device
+                self._host_groups.add(name)
             self._write_groups()
         return known
 
@@ -268,6 +272,8 @@ class FlightLog:
             )
             self._written += 1
             struct.pack_into("<q", self._map, WRITTEN_OFFSET, self._written)
+            if group in self._host_groups:
+                self._host_slots.add(slot)
         return slot
 
     def finish(self, slot: int, error: BaseException | None = None) -> None:
@@ -284,7 +290,9 @@ class FlightLog:
     def enqueued(self, slot: int, result: Any) -> None:
         """The call returned: on the host that is completion (or its future's); on a device the
         device thread decides (see the module doc)."""
-        if self._device is not None:
+        host = slot in self._host_slots
+        self._host_slots.discard(slot)
+        if self._device is not None and not (host and result is None):
             self._device.watch(slot, result)
         elif result is None or not hasattr(result, "get_future"):
             self.finish(slot)
