@@ -21,8 +21,9 @@ Parts, each reported as it finishes (a failing part is reported and the rest sti
    (forward, backward), the hang watchdog a skipped collective (abort, resume);
 8. the hang scenarios on NCCL itself (benchmarks/hang_detection.py's, 2 ranks, one GPU each:
    skip, compute, op/shape/dtype/split mismatch, kill, error, and a transport stuck behind a
-   kernel that never ends): stall -> verdict delay and whether it is right. It needs 2 GPUs;
-   with one it says so and runs nothing.
+   kernel that never ends), with NCCL's Flight Recorder on and asked for on demand: stall ->
+   verdict delay, whether it is right, and what the recorder's device states said. It needs
+   2 GPUs; with one it says so and runs nothing.
 `--device cpu --quick` runs the same code here as a smoke test (parts 1 and 4-6 need less of it).
 """
 
@@ -449,7 +450,9 @@ def hangs_on_nccl(repeats: int) -> dict:
 
     out: dict[str, Any] = {"ran": True}
     for scenario in EXPECTED:
-        out[scenario] = [watched(scenario, 60.0, backend="nccl", world=2) for _ in range(repeats)]
+        out[scenario] = [
+            watched(scenario, 60.0, backend="nccl", world=2, recorder=True) for _ in range(repeats)
+        ]
     delays = [r["delay_s"] for runs in out.values() if isinstance(runs, list) for r in runs]
     out["median_delay_s"] = statistics.median(delays)
     return out

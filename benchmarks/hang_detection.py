@@ -46,12 +46,21 @@ EXPECTED = {
 
 
 def _spawn(
-    live: Path, scenario: str, pg_timeout: float, flight: bool, backend: str = "gloo", world: int = WORLD
+    live: Path,
+    scenario: str,
+    pg_timeout: float,
+    flight: bool,
+    backend: str = "gloo",
+    world: int = WORLD,
+    recorder: bool = False,
 ) -> list:
     ctx = mp.get_context("spawn")
     port = free_port_range(1)
     procs = [
-        ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario, pg_timeout, flight, backend))
+        ctx.Process(
+            target=rank_main,
+            args=(r, world, port, str(live), scenario, pg_timeout, flight, backend, recorder),
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -66,12 +75,17 @@ def _end(procs: list) -> None:
         p.join(10)
 
 
-def watched(scenario: str, pg_timeout: float, backend: str = "gloo", world: int = WORLD) -> dict:
-    """The watchdog at its defaults on one scenario: delay, verdict, and whether it is right."""
+def watched(
+    scenario: str, pg_timeout: float, backend: str = "gloo", world: int = WORLD, recorder: bool = False
+) -> dict:
+    """The watchdog at its defaults on one scenario: delay, verdict, and whether it is right
+    (`recorder`: PyTorch's Flight Recorder on too, asked for on demand)."""
     culprit = world - 1
     with tempfile.TemporaryDirectory() as tmp:
         live = Path(tmp) / "live"
-        procs = _spawn(live, scenario, pg_timeout, flight=True, backend=backend, world=world)
+        procs = _spawn(
+            live, scenario, pg_timeout, flight=True, backend=backend, world=world, recorder=recorder
+        )
         watch, diag = HangWatch(live, HangConfig()), None
         deadline = time.monotonic() + pg_timeout + 30
         try:
@@ -83,9 +97,11 @@ def watched(scenario: str, pg_timeout: float, backend: str = "gloo", world: int 
     if diag is None:
         return {"named": False, "delay_s": float("nan"), "kind": "none"}
     d = diag.detail()
-    culprits = [] if scenario == "transport" else [culprit]
+    # transport: nobody's code is at fault ([]), unless a Flight Recorder saw the culprit's
+    # device never start the collective
+    culprits = ([], [culprit]) if scenario == "transport" else ([culprit],)
     right = (
-        d["culprit_ranks"] == culprits
+        d["culprit_ranks"] in culprits
         and d["type"] == EXPECTED[scenario]
         and (d["seq"] == FAULT_STEP or d["type"] in ("dead", "error"))
     )
@@ -94,6 +110,8 @@ def watched(scenario: str, pg_timeout: float, backend: str = "gloo", world: int 
         "delay_s": d["detected_at"] - d["stalled_since"],
         "kind": d["type"],
         "why": d["why"],
+        "source": d.get("source"),
+        "flight_recorder": d.get("flight_recorder"),
     }
 
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshscope.collector.devicetruth import DeviceTruth
 from meshscope.collector.flightread import (
     CLOCK_DEVICE,
     CLOCK_HOST,
@@ -74,7 +75,14 @@ from meshscope.collector.flightread import (
     flight_path,
     groups_path,
 )
-from meshscope.collector.stacks import RESPONDER_THREAD, answer_requests, crash_path, write_stacks
+from meshscope.collector.stacks import (
+    RESPONDER_THREAD,
+    answer_requests,
+    crash_path,
+    recorder_dump,
+    write_recorder_dump,
+    write_stacks,
+)
 
 # --- describing a call ------------------------------------------------------------------
 
@@ -211,11 +219,12 @@ class FlightLog:
         self._step_s = 0.0
         self._crash_file = None
         self._responder: threading.Thread | None = None
+        self._recorder: Callable[[], bytes] | None = None
         self._stop = threading.Event()
-        self._device: _DeviceTruth | None = None
+        self._device: DeviceTruth | None = None
         if probe is not None and getattr(probe, "asynchronous", False):
             struct.pack_into("<i", self._map, DEVICE_STEP_OFFSET + 8, CLOCK_DEVICE)
-            self._device = _DeviceTruth(self, probe, device_poll_s).start()
+            self._device = DeviceTruth(self, probe, device_poll_s).start()
 
     # --- records ------------------------------------------------------------------------
     def _group(self, group: Any) -> tuple[str, int]:
@@ -321,9 +330,11 @@ class FlightLog:
         self.progressed(self._step, time.perf_counter() - self._step_started)
 
     def progressed(self, step: int, took: float) -> None:
-        """Step `step` is finished (by the host, or by the device) and took `took` seconds."""
+        """Step `step` is finished (by the host, or by the device) and took `took` seconds
+        (0: unknown, the first step a device reports)."""
         # a slow EMA: one slow step (a checkpoint) must not raise the stall threshold much
-        self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
+        if took > 0:
+            self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
         struct.pack_into("<d", self._map, PROGRESS_OFFSET, time.time())
         struct.pack_into("<d", self._map, STEP_S_OFFSET, self._step_s)
         struct.pack_into("<q", self._map, DEVICE_STEP_OFFSET, step)
@@ -352,6 +363,7 @@ class FlightLog:
     def start_responder(self, poll_s: float = 0.2) -> FlightLog:
         """Answer stack requests from the watchdog; write a crash's stacks with faulthandler
         (the protocol: `collector.stacks`)."""
+        self._recorder = recorder_dump()  # the backend's own Flight Recorder, if it keeps one
         self._crash_file = open(crash_path(self.path), "w")
         self._faulthandler_was_on = faulthandler.is_enabled()
         faulthandler.enable(file=self._crash_file, all_threads=True)
@@ -365,7 +377,10 @@ class FlightLog:
         return self
 
     def write_stacks(self, request_id: str = "") -> Path:
-        """Every thread's Python stack, the main thread first, for the watchdog."""
+        """Every thread's Python stack, the main thread first, for the watchdog; and the
+        backend's Flight Recorder where it keeps one."""
+        if self._recorder is not None:
+            write_recorder_dump(self.path, request_id, self._recorder)
         return write_stacks(self.path, request_id, self._step)
 
     def close(self) -> None:
@@ -401,90 +416,6 @@ def _logged(name: str, spec: _Op, original: Callable[..., Any]) -> Callable[...,
         return result
 
     return logged
-
-
-class _DeviceTruth:
-    """The flight log's device thread: completion and progress from the device (module doc).
-
-    It only ever *queries* (`Work.is_completed()`, `probe.ready(event)`); the host thread only
-    appends. Collectives are checked each on its own (groups run on different streams, and
-    the control plane's host group completes on the host); step ends in order."""
-
-    def __init__(self, log: FlightLog, probe: Any, poll_s: float) -> None:
-        self.log, self.probe, self.poll_s = log, probe, poll_s
-        self._work: list[tuple[int, Callable[[], bool], Any]] = []
-        self._steps: list[tuple[int, Any]] = []
-        self._last_end: Any = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="meshscope-flight-device", daemon=True)
-
-    def start(self) -> _DeviceTruth:
-        """Query on a thread of its own until `stop()`."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop querying (the log is closing)."""
-        self._stop.set()
-
-    def watch(self, slot: int, result: Any) -> None:
-        """A collective was enqueued: its Work when async, else an event after it (the call
-        made the current stream wait for it, so the event passes once it ran)."""
-        if result is not None and hasattr(result, "is_completed"):
-            check, work = result.is_completed, result
-        else:
-            mark = self.probe.mark()
-            check, work = (lambda: self.probe.ready(mark)), None
-        with self._lock:
-            self._work.append((slot, check, work))
-
-    def step_ended(self, step: int, mark: Any) -> None:
-        """The host reached the end of `step`; the device gets there at `mark`."""
-        with self._lock:
-            self._steps.append((step, mark))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.poll()
-            except Exception:  # noqa: BLE001  (a query must never take the job down)
-                continue
-
-    def poll(self) -> None:
-        """One round of queries."""
-        with self._lock:
-            work, steps = list(self._work), list(self._steps)
-        finished = []
-        for entry in work:
-            slot, check, handle = entry
-            if check():
-                self.log.finish(slot, _work_error(handle))
-                finished.append(entry)
-        done_steps = 0
-        for step, mark in steps:
-            if not self.probe.ready(mark):
-                break
-            took = self.probe.seconds(self._last_end, mark) if self._last_end is not None else 0.0
-            self._last_end = mark
-            if took > 0:
-                self.log.progressed(step, took)
-            else:
-                struct.pack_into("<q", self.log._map, DEVICE_STEP_OFFSET, step)
-                struct.pack_into("<d", self.log._map, PROGRESS_OFFSET, time.time())
-            done_steps += 1
-        with self._lock:
-            gone = {id(e) for e in finished}
-            self._work = [e for e in self._work if id(e) not in gone]
-            del self._steps[:done_steps]
-
-
-def _work_error(work: Any) -> BaseException | None:
-    """The error a finished Work met, where the backend says (None: success, or unknown)."""
-    try:
-        return work.exception() if work is not None and hasattr(work, "exception") else None
-    except Exception as err:  # noqa: BLE001  (some backends raise the error itself here)
-        return err
 
 
 def _done(log: FlightLog, slot: int, fut: Any) -> None:

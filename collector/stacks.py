@@ -3,7 +3,14 @@
 The watchdog asks by writing a request id to `<live>/request`; each rank's responder thread sees
 the file change and writes every thread's Python stack to `<flight log>.stacks.json`, tagged with
 that id; faulthandler writes a crashing rank's stacks to `<flight log>.crash`. Files, not the
-process group: the group may be the thing that is stuck."""
+process group: the group may be the thing that is stuck.
+
+Where the collective backend keeps its own Flight Recorder (a trace buffer set through
+`TORCH_FR_BUFFER_SIZE`, NCCL's `TORCH_NCCL_TRACE_BUFFER_SIZE` or torch_npu's
+`TORCH_HCCL_TRACE_BUFFER_SIZE`), the responder also dumps it on the same request, to
+`<flight log>.fr` (no abort, no timeout needed): the backend's own device states (scheduled,
+started, completed) for the watchdog. The dump functions are feature-detected by name:
+torch_npu's `_dump_hccl_trace`, c10d's `_dump_nccl_trace` (older builds) and `_dump_fr_trace`."""
 
 from __future__ import annotations
 
@@ -41,6 +48,53 @@ def write_stacks(flight: Path, request_id: str = "", step: int = -1) -> Path:
     tmp.write_text(json.dumps({"request": request_id, "time": time.time(), "step": step, "stacks": stacks}))
     os.replace(tmp, out)
     return out
+
+
+FR_SUFFIX = ".fr"
+FR_BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_HCCL_TRACE_BUFFER_SIZE")
+
+
+def recorder_dump() -> Callable[[], bytes] | None:
+    """The backend's Flight Recorder dump function, when a trace buffer is on and one exists."""
+    if not any(os.environ.get(name, "0").strip() not in ("", "0") for name in FR_BUFFER_ENV):
+        return None
+    torch_npu = sys.modules.get("torch_npu")  # never imported here: only if the job did
+    c10d_npu = getattr(getattr(torch_npu, "_C", None), "_distributed_c10d", None)
+    import torch
+
+    c10d = torch._C._distributed_c10d
+    for owner, name in ((c10d_npu, "_dump_hccl_trace"), (c10d, "_dump_nccl_trace"), (c10d, "_dump_fr_trace")):
+        dump = getattr(owner, name, None)
+        if callable(dump):
+            return lambda dump=dump: dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+    return None
+
+
+def write_recorder_dump(flight: Path, request_id: str, dump: Callable[[], bytes]) -> Path | None:
+    """The backend's Flight Recorder, dumped beside the flight log for `request_id`."""
+    try:
+        raw = dump()
+    except Exception:  # noqa: BLE001  (a backend without a recorder for this group: no dump)
+        return None
+    out = Path(flight).with_suffix(FR_SUFFIX)
+    tmp = out.with_suffix(".fr.tmp")
+    tmp.write_bytes(raw)
+    os.replace(tmp, out)
+    tag = out.with_suffix(".fr.request")
+    tag.with_suffix(".tmp").write_text(request_id)
+    os.replace(tag.with_suffix(".tmp"), tag)
+    return out
+
+
+def recorder_answer(flight: Path, request_id: str) -> Path | None:
+    """The Flight Recorder dump a rank wrote for `request_id`, if it wrote one."""
+    out = Path(flight).with_suffix(FR_SUFFIX)
+    try:
+        if out.with_suffix(".fr.request").read_text().strip() == request_id:
+            return out
+    except OSError:
+        return None
+    return None
 
 
 def answer_requests(

@@ -17,7 +17,8 @@ stacks. `CHECKS` are asked in order; the first that recognises the picture gives
    Recorder's "scheduled" beside "started") when the dump says so, else the transport or a
    device, no rank's code.
 
-`diagnose_groups` adds every process group that is stuck on its own."""
+Mismatch and desync read only the records (`watchdog.signatures`). `diagnose_groups` adds
+every process group that is stuck on its own."""
 
 from __future__ import annotations
 
@@ -28,13 +29,10 @@ from typing import Any
 
 from meshscope.collector.flightread import (
     ASYNC_P2P_OPS,
-    FlightRecord,
     FlightTail,
 )
+from meshscope.watchdog.signatures import desync, group_members, mismatch, ranks_text
 from meshscope.watchdog.verdicts import Diagnosis, Verdict
-
-ALL_TO_ALL = ("all_to_all", "all_to_all_single")
-
 
 # Errors a rank gets because a peer went away: it is a victim, not the culprit.
 PEER_LOST = (
@@ -48,18 +46,6 @@ PEER_LOST = (
 )
 
 
-def _ranks(ranks: Any) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _members(tails: dict[int, FlightTail], group: str, world: int) -> list[int]:
-    for tail in tails.values():
-        if group in tail.groups:
-            return list(tail.groups[group])
-    return list(range(world))
-
-
 def _where(tail: FlightTail | None, stack: list[str] | None) -> str:
     """Where a rank is: the innermost frame of its main thread, and the collectives it has in
     flight (an async one in flight is not necessarily where it blocks)."""
@@ -70,189 +56,6 @@ def _where(tail: FlightTail | None, stack: list[str] | None) -> str:
     if flying:
         return f"with {flying} in flight"
     return "somewhere unknown (no stack, no collective in flight)"
-
-
-def _majority(values: dict[int, Any]) -> tuple[Any, list[int]]:
-    """The most common value and the ranks that differ from it (none on a tie of two)."""
-    counts = Counter(values.values()).most_common()
-    if len(counts) > 1 and counts[0][1] == counts[1][1]:
-        return counts[0][0], []
-    common = counts[0][0]
-    return common, sorted(r for r, v in values.items() if v != common)
-
-
-def _split_culprits(records: dict[int, FlightRecord], members: list[int]) -> list[int]:
-    """Ranks whose all-to-all sends do not match what the receivers expect."""
-
-    def sizes(text: str, key: str) -> list[int] | None:
-        part = next((p for p in text.split() if p.startswith(key + "=")), None)
-        if part is None or part.endswith("=even"):
-            return None
-        return [int(x) for x in part.split("=", 1)[1].split(",")]
-
-    blame: Counter[int] = Counter()
-    for i, ri in records.items():
-        send = sizes(ri.splits, "in")
-        for j, rj in records.items():
-            expect = sizes(rj.splits, "out")
-            if send is None or expect is None or i == j:
-                continue
-            pi, pj = members.index(i), members.index(j)
-            if pj < len(send) and pi < len(expect) and send[pj] != expect[pi]:
-                blame[i] += 1
-                blame[j] += 1
-    if not blame:
-        return []
-    top = max(blame.values())
-    return sorted(r for r, n in blame.items() if n == top)
-
-
-def _mismatch(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
-    """The earliest collective whose signature differs between ranks."""
-    found: list[tuple[float, Diagnosis]] = []
-    by_key: dict[tuple[str, int], dict[int, FlightRecord]] = {}
-    for rank, tail in tails.items():
-        for r in tail.records:
-            if not r.p2p:
-                by_key.setdefault((r.group, r.seq), {})[rank] = r
-    for (group, seq), records in by_key.items():
-        if len(records) < 2:
-            continue
-        members = _members(tails, group, world)
-        a2a = all(r.op in ALL_TO_ALL for r in records.values())
-        sig = {rank: _signature(r, a2a) for rank, r in records.items()}
-        common, odd = _majority(sig)
-        what = "op/shape/dtype"
-        if not odd and len(set(sig.values())) > 1:
-            # No majority (two ranks): the one that changed what it issues from this call site
-            # is the odd one; when neither or both did, either may be wrong.
-            odd = _changed_from_history(tails, records, a2a) or sorted(records)
-        if not odd and a2a:
-            odd, what = _split_culprits(records, members), "split sizes"
-        if not odd:
-            continue
-        sample = records[odd[0]]
-        others = [r for r in records if r not in odd]
-        theirs = records[others[0]] if others else None
-        why = (
-            f"{_ranks(odd)} issued {sample.op} #{seq} on group {group} with "
-            f"{_signature_text(sample)}"
-            + (f" while {_ranks(others)} issued {_signature_text(theirs)}" if theirs else "")
-            + f" ({what} mismatch, at {sample.site})"
-        )
-        t = min(r.t_issue for r in records.values())
-        found.append(
-            (
-                t,
-                Diagnosis(
-                    Verdict.MISMATCH,
-                    odd,
-                    others,
-                    why,
-                    op=sample.op,
-                    seq=seq,
-                    group=group,
-                    evidence={"mismatch": what},
-                ),
-            )
-        )
-    return min(found, key=lambda x: x[0])[1] if found else None
-
-
-def _signature(r: FlightRecord, a2a: bool) -> tuple:
-    return (r.op, r.dtype) if a2a else (r.op, r.shapes, r.dtype)
-
-
-def _same_place_before(tail: FlightTail, rec: FlightRecord) -> FlightRecord | None:
-    """The record a rank issued at the same place of the previous step (the n-th collective of
-    its group in step s-1 for the n-th of step s): what it issues there rarely changes."""
-    if rec.step is None or rec.step < 1:
-        return None
-    group = [r for r in tail.records if r.group == rec.group]
-    place = sum(1 for r in group if r.step == rec.step and r.seq < rec.seq)
-    before = sorted((r for r in group if r.step == rec.step - 1), key=lambda r: r.seq)
-    return before[place] if place < len(before) else None
-
-
-def _changed_from_history(
-    tails: dict[int, FlightTail], records: dict[int, FlightRecord], a2a: bool
-) -> list[int]:
-    """Ranks whose record differs from what they issued at the same place one step earlier;
-    [] unless only some ranks changed."""
-    changed = []
-    for rank, rec in records.items():
-        before = _same_place_before(tails[rank], rec)
-        if before is not None and _signature(before, a2a) != _signature(rec, a2a):
-            changed.append(rank)
-    return sorted(changed) if 0 < len(changed) < len(records) else []
-
-
-def _signature_text(r: FlightRecord) -> str:
-    parts = [r.op, f"shape {r.shapes or '-'}", f"dtype {r.dtype or '-'}"]
-    if r.splits:
-        parts.append(r.splits)
-    return ", ".join(parts)
-
-
-def _desync_in(seqs: dict[int, dict[int, FlightRecord]]) -> tuple | None:
-    """In one group: the first collective whose ranks pair records of different steps, when
-    the group was in step before and stays out of step the same way over two later steps."""
-    order = sorted(seqs)
-    agreed = False
-    for i, seq in enumerate(order):
-        records = seqs[seq]
-        steps = {rank: r.step for rank, r in records.items()}
-        usual, odd = _majority(steps)
-        if not odd:
-            agreed = agreed or len(records) > 1
-            continue
-        if not agreed:
-            return None  # never in step: not a training-loop group
-        offset = {r: steps[r] - usual for r in odd}
-        later = [seqs[k] for k in order[i + 1 :] if len(seqs[k]) > 1]
-        # ...over steps to come, not one burst (a checkpoint's two barriers)
-        spans_steps = len({rec.step for recs in later for q, rec in recs.items() if q not in odd}) >= 2
-        persistent = spans_steps and all(
-            r not in recs or recs[r].step - _majority({q: x.step for q, x in recs.items()})[0] == offset[r]
-            for recs in later
-            for r in odd
-        )
-        return (min(r.t_issue for r in records.values()), seq, records, steps, odd) if persistent else None
-    return None
-
-
-def _desync(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
-    """Ranks pairing collectives of different steps: one skipped a collective earlier.
-
-    Credible only when the group was in step before (a matching sequence number earlier) and
-    stays out of step after, the same way, over at least two later steps: a group used off
-    the training loop (a background checkpoint's barriers) matches or not by timing alone."""
-    by_group: dict[str, dict[int, dict[int, FlightRecord]]] = {}
-    for rank, tail in tails.items():
-        for r in tail.records:
-            if r.step >= 0 and not r.p2p:
-                by_group.setdefault(r.group, {}).setdefault(r.seq, {})[rank] = r
-    found = [(f, group) for group, seqs in by_group.items() if (f := _desync_in(seqs)) is not None]
-    if not found:
-        return None
-    (_, seq, records, steps, odd), group = min(found, key=lambda f: f[0][0])
-    others = [r for r in records if r not in odd]
-    first = min(steps[r] for r in others)
-    since = min(first, steps[odd[0]])
-    one = len(odd) == 1
-    what = "skipped a collective" if any(steps[r] > first for r in odd) else "issued an extra collective"
-    return Diagnosis(
-        Verdict.DESYNC,
-        odd,
-        others,
-        f"{_ranks(odd)} issued {records[odd[0]].op} #{seq} on group {group} at step "
-        f"{steps[odd[0]]} while {_ranks(others)} did at step {first}: {'it' if one else 'they'} "
-        f"{what} around step {since} and {'has' if one else 'have'} paired with the wrong partner since",
-        op=records[odd[0]].op,
-        seq=seq,
-        group=group,
-        evidence={"desync_since_step": since},
-    )
 
 
 def _reference_order(tails: dict[int, FlightTail], before: int) -> list[str]:
@@ -341,11 +144,11 @@ class Stall:
 
 
 def _check_mismatch(s: Stall) -> Diagnosis | None:
-    return _mismatch(s.judged_tails(), s.world)
+    return mismatch(s.judged_tails(), s.world)
 
 
 def _check_desync(s: Stall) -> Diagnosis | None:
-    return _desync(s.judged_tails(), s.world)
+    return desync(s.judged_tails(), s.world)
 
 
 def _check_error(s: Stall) -> Diagnosis | None:
@@ -362,8 +165,8 @@ def _check_error(s: Stall) -> Diagnosis | None:
         Verdict.ERROR,
         raised,
         s.waiting,
-        f"{_ranks(raised)} stopped with an error at step {t.step} ({t.last_error}) while "
-        f"{_ranks(s.waiting) if s.waiting else 'its peers'} waited",
+        f"{ranks_text(raised)} stopped with an error at step {t.step} ({t.last_error}) while "
+        f"{ranks_text(s.waiting) if s.waiting else 'its peers'} waited",
         evidence={"error": t.last_error},
     )
 
@@ -382,16 +185,16 @@ def _check_dead(s: Stall) -> Diagnosis | None:
     left = set(s.waiting) - set(dead)
     f = s.at_frontier()
     where = (
-        f" while {_ranks(left)} waited in {f['op']} #{f['seq']} on group {f['group']}"
+        f" while {ranks_text(left)} waited in {f['op']} #{f['seq']} on group {f['group']}"
         if left and s.frontier
         else ""
     )
-    where = where or (f" while {_ranks(left)} waited" if left else "")
+    where = where or (f" while {ranks_text(left)} waited" if left else "")
     return Diagnosis(
         Verdict.DEAD,
         dead,
         [r for r in s.waiting if r not in dead],
-        f"{_ranks(dead)} died without a clean exit (last step {last}){where}",
+        f"{ranks_text(dead)} died without a clean exit (last step {last}){where}",
         **f,
     )
 
@@ -406,7 +209,7 @@ def _check_all_done(s: Stall) -> Diagnosis | None:
         [],
         [],
         "no hang in these records: every collective completed and matched on every rank "
-        f"({_ranks(s.tails)}); whatever stopped the job was not a collective",
+        f"({ranks_text(s.tails)}); whatever stopped the job was not a collective",
     )
 
 
@@ -426,7 +229,7 @@ def _check_no_collective(s: Stall) -> Diagnosis | None:
 def _members_behind(s: Stall) -> tuple[list[int], list[int]]:
     """Members of the frontier's group: (unseen here, seen but never entered it)."""
     group, seq, _, _ = s.frontier
-    members = _members(s.tails, group, s.world)
+    members = group_members(s.tails, group, s.world)
     unseen = [r for r in members if r not in s.tails]  # another node's, not shared with us
     absent = [r for r in members if r in s.tails and s.tails[r].last_seq(group) < seq]
     return unseen, absent
@@ -442,8 +245,8 @@ def _check_remote(s: Stall) -> Diagnosis | None:
         Verdict.REMOTE,
         unseen,
         s.waiting,
-        f"every rank seen here entered {f['op']} #{f['seq']} on group {f['group']}; {_ranks(unseen)} left "
-        "nothing to read here (another node's ranks, or no dump): one of them is behind",
+        f"every rank seen here entered {f['op']} #{f['seq']} on group {f['group']}; {ranks_text(unseen)} "
+        "left nothing to read here (another node's ranks, or no dump): one of them is behind",
         **f,
         evidence={"unseen_ranks": unseen},
     )
@@ -464,8 +267,8 @@ def _check_absent(s: Stall) -> Diagnosis | None:
         Verdict.COMPUTE if in_compute else Verdict.MISSING,
         absent,
         s.waiting,
-        f"{_ranks(absent)} never entered {f['op']} #{f['seq']} on group {f['group']} that "
-        f"{_ranks(s.waiting)} {'waits' if len(s.waiting) == 1 else 'wait'} in ({places})",
+        f"{ranks_text(absent)} never entered {f['op']} #{f['seq']} on group {f['group']} that "
+        f"{ranks_text(s.waiting)} {'waits' if len(s.waiting) == 1 else 'wait'} in ({places})",
         **f,
     )
 
@@ -484,8 +287,8 @@ def _check_not_started(s: Stall) -> Diagnosis | None:
         Verdict.STUCK,
         scheduled,
         started,
-        f"every rank of group {f['group']} issued {f['op']} #{f['seq']}; {_ranks(started)} started it "
-        f"on the device, {_ranks(scheduled)} never did (scheduled only): "
+        f"every rank of group {f['group']} issued {f['op']} #{f['seq']}; {ranks_text(started)} started it "
+        f"on the device, {ranks_text(scheduled)} never did (scheduled only): "
         f"{'its' if len(scheduled) == 1 else 'their'} device is still busy with earlier work, or stuck",
         **f,
     )

@@ -215,6 +215,28 @@ def _groups(dump: dict[str, Any]) -> dict[str, list[int]]:
     return out
 
 
+def dump_tail(path: Path, rank: int) -> FlightTail:
+    """One rank's dump as a flight-log tail (DumpError when it is not one)."""
+    dump = load_dump(path)
+    records = _coalesced([to_record(e) for e in dump["entries"] if isinstance(e, dict)])
+    return FlightTail(
+        Path(path),
+        rank,
+        0,
+        -1,
+        -1,
+        0.0,
+        0.0,
+        0.0,
+        False,
+        "",
+        0,
+        clock="flight recorder",
+        records=records,
+        groups=_groups(dump),
+    )
+
+
 def read_dumps(folder: Path, prefix: str | None = None) -> dict[int, FlightTail]:
     """Every rank's dump in `folder` (files `<prefix><rank>`), as flight-log tails."""
     tails = {}
@@ -222,31 +244,24 @@ def read_dumps(folder: Path, prefix: str | None = None) -> dict[int, FlightTail]
         match = _RANK.match(path.name)
         if not path.is_file() or not match or (prefix is not None and match.group(1) != prefix):
             continue
-        dump = load_dump(path)
-        rank = int(match.group(2))
-        records = _coalesced([to_record(e) for e in dump["entries"] if isinstance(e, dict)])
-        tails[rank] = FlightTail(
-            path,
-            rank,
-            0,
-            -1,
-            -1,
-            0.0,
-            0.0,
-            0.0,
-            False,
-            "",
-            0,
-            clock="flight recorder",
-            records=records,
-            groups=_groups(dump),
-        )
+        tails[int(match.group(2))] = dump_tail(path, int(match.group(2)))
     if not tails:
         raise DumpError(f"{folder}: no Flight Recorder dumps (files named <prefix><rank>)")
     world = _world(tails)
     for tail in tails.values():
         tail.world_size = world
     return tails
+
+
+def recorder_verdict(paths: dict[int, Path], world: int) -> Diagnosis | None:
+    """The diagnosis of live ranks' on-demand Flight Recorder dumps (None: none readable)."""
+    tails = {}
+    for rank, path in paths.items():
+        try:
+            tails[rank] = dump_tail(path, rank)
+        except (DumpError, OSError):
+            continue
+    return diagnose_groups(tails, world) if tails else None
 
 
 def _world(tails: dict[int, FlightTail]) -> int:

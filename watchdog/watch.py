@@ -27,10 +27,11 @@ from meshscope.collector.flightread import (
     latest_logs,
     read_flight,
 )
-from meshscope.collector.stacks import crash_stack, request_stacks, stack_answer
+from meshscope.collector.stacks import crash_stack, recorder_answer, request_stacks, stack_answer
 from meshscope.watchdog.diagnose import diagnose
 from meshscope.watchdog.exchange import NodeExchange
-from meshscope.watchdog.verdicts import Diagnosis
+from meshscope.watchdog.flight_recorder import recorder_verdict
+from meshscope.watchdog.verdicts import Diagnosis, Verdict
 
 log = logging.getLogger("meshscope.hang")
 
@@ -102,6 +103,7 @@ class HangWatch:
         self.last: Diagnosis | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-hang", daemon=True)
+        self._recorder_dumps: dict[int, Path] = {}  # the live ranks' Flight Recorder dumps, last round
 
     def start(self) -> HangWatch:
         """Poll on a thread of its own until `stop()`."""
@@ -169,6 +171,7 @@ class HangWatch:
             except Exception as err:  # no store: diagnose what this node sees
                 log.warning("hang exchange with other nodes failed: %s", err)
         diag = diagnose(tails, world, alive=alive, stacks=stacks)
+        with_recorder(diag, self._recorder_dumps, world)
         diag.evidence["detected_at"] = self.clock()
         diag.evidence["stalled_since"] = max((h.progress_t for h in heads.values()), default=0.0)
         diag.evidence["pids"] = {str(r): h.pid for r, h in heads.items()}
@@ -209,7 +212,8 @@ class HangWatch:
         return tails, stacks
 
     def _gather_stacks(self, ranks: list[int], heads: dict[int, FlightTail]) -> dict[int, list[str]]:
-        """Ask the live ranks for their stacks and wait a little for the answers."""
+        """Ask the live ranks for their stacks (and, where the backend keeps one, its Flight
+        Recorder: `_recorder_dumps`) and wait a little for the answers."""
         request_id = f"{self.clock():.6f}"
         request_stacks(self.live_dir, request_id)
         deadline = time.monotonic() + self.config.stacks_wait_s
@@ -221,7 +225,35 @@ class HangWatch:
                     if answer is not None:
                         stacks[rank] = answer
             time.sleep(0.05)
+        # the dump is written before the stacks: whoever answered has dumped, if it can
+        dumps = {r: recorder_answer(heads[r].path, request_id) for r in stacks}
+        self._recorder_dumps = {r: p for r, p in dumps.items() if p is not None}
         return stacks
+
+
+def with_recorder(diag: Diagnosis, dumps: dict[int, Path], world: int) -> Diagnosis:
+    """Add what the backend's own Flight Recorder says (its dumps of this round). Everyone in
+    the collective is all the flight log can say; the recorder's device states can name the
+    ranks whose device never started it, and then its culprits are the verdict's."""
+    if not dumps:
+        return diag
+    recorded = recorder_verdict(dumps, world)
+    if recorded is None:
+        return diag
+    diag.evidence["flight_recorder"] = {
+        "type": recorded.kind.value,
+        "culprit_ranks": recorded.culprit_ranks,
+        "op": recorded.op,
+        "seq": recorded.seq,
+        "why": recorded.why,
+        "ranks": sorted(dumps),
+    }
+    if diag.kind == Verdict.STUCK and not diag.culprit_ranks and recorded.kind == Verdict.STUCK:
+        if recorded.culprit_ranks:
+            diag.culprit_ranks = recorded.culprit_ranks
+            diag.why = f"{diag.why}; the backend's Flight Recorder: {recorded.why}"
+            diag.evidence["source"] = f"{diag.evidence.get('source', '')}, flight recorder".lstrip(", ")
+    return diag
 
 
 def diagnose_folder(live_dir: Path) -> Diagnosis | None:

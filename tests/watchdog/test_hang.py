@@ -19,14 +19,20 @@ CULPRIT = WORLD - 1
 
 
 def watch_scenario(
-    tmp_path: Path, scenario: str, timeout_s: float = 45.0, world: int = WORLD, backend: str = "gloo"
+    tmp_path: Path,
+    scenario: str,
+    timeout_s: float = 45.0,
+    world: int = WORLD,
+    backend: str = "gloo",
+    recorder: bool = False,
 ):
     """Run the scenario on `world` ranks and return the diagnosis (None: none came)."""
     live = tmp_path / "live"
     ctx = mp.get_context("spawn")
     port = free_port_range(1)
+    kwargs = {"backend": backend, "recorder": recorder}
     procs = [
-        ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario), kwargs={"backend": backend})
+        ctx.Process(target=rank_main, args=(r, world, port, str(live), scenario), kwargs=kwargs)
         for r in range(world)
     ]
     for p in procs:
@@ -89,6 +95,16 @@ def test_a_rank_in_compute_is_located_by_its_stack(tmp_path):
     assert "hang_cases.py" in diag.why and "_compute" in diag.why, diag.why
     assert diag.waiting_ranks == [0, 1]
     assert any("_compute" in line for line in diag.stacks[CULPRIT])
+
+
+def test_the_backends_own_flight_recorder_is_dumped_on_demand_and_read_like_a_post_mortem(tmp_path):
+    # PyTorch's recorder on: the watchdog's stack request also makes every live rank dump it
+    diag = watch_scenario(tmp_path, "compute", recorder=True)
+    assert diag is not None and diag.kind == "compute" and diag.culprit_ranks == [CULPRIT], diag.why
+    recorded = diag.evidence["flight_recorder"]
+    assert recorded["ranks"] == list(range(WORLD)), recorded
+    assert recorded["culprit_ranks"] == [CULPRIT] and recorded["type"] == "missing", recorded
+    assert recorded["op"] == "all_reduce" and recorded["seq"] == FAULT_STEP + 1, recorded  # it counts from 1
 
 
 def test_a_clean_run_is_not_a_hang(tmp_path):
