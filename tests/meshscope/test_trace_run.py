@@ -10,12 +10,15 @@ from meshscope.collector.store import load_events
 
 
 @pytest.mark.parametrize("where,tensor,replays", [("forward", "parameter", 0), ("backward", "gradient", 1)])
-def test_the_tracer_names_the_poisoned_module_and_rank(tmp_path, where, tensor, replays):
+@pytest.mark.parametrize("device", ["cpu", "sim"])  # gloo, and NCCL's semantics (simnccl)
+def test_the_tracer_names_the_poisoned_module_and_rank(tmp_path, where, tensor, replays, device):
     module = "blocks.1.moe.router.gate"
     proc = start_run(
         tmp_path,
         "t",
         free_port_range(3),
+        "--device",
+        device,
         "--steps",
         "10",
         "--inject",
