@@ -20,3 +20,17 @@ def machine() -> str:
         f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}, torch {torch.__version__}"
     )
+
+
+def timed_blocks(variants, built, step, blocks: int, block_steps: int, times: dict) -> dict:
+    """Step every variant in blocks of `block_steps`, the order rotating block by block (so no
+    variant always follows the same one), and append each step's wall time to `times`."""
+    import time
+
+    for b in range(blocks):
+        for v in variants[b % len(variants) :] + variants[: b % len(variants)]:
+            for i in range(block_steps):
+                t0 = time.perf_counter()
+                step(v, *built[v], i)
+                times.setdefault(v, []).append(time.perf_counter() - t0)
+    return times

@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
-from _common import machine, run_ranks
+from _common import machine, run_ranks, timed_blocks
 
 VARIANTS = ("host", "control", "device")
 
@@ -69,13 +68,7 @@ def bench(rank: int, world_size: int, blocks: int, block_steps: int, run_dir: st
     for i in range(3):
         for v in VARIANTS:
             step(v, *built[v], i)
-    times = {v: [] for v in VARIANTS}
-    for b in range(blocks):
-        for v in VARIANTS[b % len(VARIANTS) :] + VARIANTS[: b % len(VARIANTS)]:
-            for i in range(block_steps):
-                t0 = time.perf_counter()
-                step(v, *built[v], i)
-                times[v].append(time.perf_counter() - t0)
+    times = timed_blocks(VARIANTS, built, step, blocks, block_steps, {v: [] for v in VARIANTS})
     probe_done = probe.mark()
     probe.wait(probe_done)
     for log in logs.values():

@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 
-from _common import machine, run_ranks
+from _common import machine, run_ranks, timed_blocks
 
 VARIANTS = ("plain", "control", "flight", "nonfinite", "stats", "full")
 
@@ -79,12 +79,7 @@ def bench(
         for i in range(3):
             for v in VARIANTS:
                 step(v, *built[v], i)
-        for b in range(blocks):
-            for v in VARIANTS[b % len(VARIANTS) :] + VARIANTS[: b % len(VARIANTS)]:
-                for i in range(block_steps):
-                    t0 = time.perf_counter()
-                    step(v, *built[v], i)
-                    times[v].append(time.perf_counter() - t0)
+        timed_blocks(VARIANTS, built, step, blocks, block_steps, times)
     flight.close()
     return times
 

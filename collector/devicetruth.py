@@ -88,8 +88,19 @@ class DeviceTruth:
 
 
 def _work_error(work: Any) -> BaseException | None:
-    """The error a finished Work met, where the backend says (None: success, or unknown)."""
+    """The error a finished Work met, where it says (None: success, or unknown). Its future
+    holds a host backend's error; `Work.exception()` is deprecated in c10d, so it is not
+    asked; the simulated stream keeps its own (`stream_error`)."""
+    if work is None:
+        return None
+    own = getattr(work, "stream_error", None)
+    if callable(own):
+        return own()
+    future = work.get_future() if hasattr(work, "get_future") else None
+    if future is None or not future.done():
+        return None
     try:
-        return work.exception() if work is not None and hasattr(work, "exception") else None
-    except Exception as err:  # noqa: BLE001  (some backends raise the error itself here)
+        future.value()
+    except Exception as err:  # noqa: BLE001  (the collective's own error)
         return err
+    return None

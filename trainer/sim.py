@@ -216,9 +216,12 @@ class SimWork(dist.Work):
         """Ran without error."""
         return self._done.is_set() and not self._errors
 
-    def exception(self) -> BaseException | None:
-        """The error the collective met on the stream, if any."""
+    def stream_error(self) -> BaseException | None:
+        """The error the collective met on the stream, if any (c10d's `exception()` is
+        deprecated)."""
         return self._errors[0] if self._errors else None
+
+    exception = stream_error
 
 
 class SimProcessGroup(dist.ProcessGroup):
