@@ -53,6 +53,7 @@ from meshscope.collector.devicetruth import DeviceTruth
 from meshscope.collector.flightread import (
     CLOCK_DEVICE,
     CLOCK_HOST,
+    CLOCK_OFFSET,
     CLOSED,
     DEVICE_STEP_OFFSET,
     ERROR_OFFSET,
@@ -223,7 +224,7 @@ class FlightLog:
         self._stop = threading.Event()
         self._device: DeviceTruth | None = None
         if probe is not None and getattr(probe, "asynchronous", False):
-            struct.pack_into("<i", self._map, DEVICE_STEP_OFFSET + 8, CLOCK_DEVICE)
+            struct.pack_into("<i", self._map, CLOCK_OFFSET, CLOCK_DEVICE)
             self._device = DeviceTruth(self, probe, device_poll_s).start()
 
     # --- records ------------------------------------------------------------------------

@@ -35,6 +35,7 @@ STEP_OFFSET = struct.calcsize("<8siiiiq")
 STEP_S_OFFSET = struct.calcsize("<8siiiiqqdd")
 STATE_HDR_OFFSET = struct.calcsize("<8siiiiqqddd")
 DEVICE_STEP_OFFSET = struct.calcsize("<8siiiiqqdddii")
+CLOCK_OFFSET = struct.calcsize("<8siiiiqqdddiiq")
 ERROR_OFFSET = struct.calcsize("<8siiiiqqdddiiqi")
 CLOCK_HOST, CLOCK_DEVICE = 0, 1
 CLOCK_NAMES = {CLOCK_HOST: "host", CLOCK_DEVICE: "device events"}
