@@ -342,14 +342,20 @@ def load_grad_stats(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFram
         raise
 
 
-def latest_step(run_dir: str | Path, rank: int = 0) -> int:
-    """Highest step recorded by `rank`, -1 when none (cheap enough to poll)."""
+def latest_step(run_dir: str | Path, rank: int | None = 0) -> int:
+    """Highest step recorded by `rank` (None: the lowest rank this store holds, which on a
+    node of a multi-node job need not be 0), -1 when none (cheap enough to poll)."""
     path = store_path(run_dir)
     if not path.exists():
         return -1
     conn = _connect(path, readonly=True)
     try:
-        row = conn.execute("SELECT MAX(step) FROM steps WHERE rank = ?", (rank,)).fetchone()
+        if rank is None:
+            row = conn.execute(
+                "SELECT MAX(step) FROM steps WHERE rank = (SELECT MIN(rank) FROM steps)"
+            ).fetchone()
+        else:
+            row = conn.execute("SELECT MAX(step) FROM steps WHERE rank = ?", (rank,)).fetchone()
     except sqlite3.OperationalError:  # schema not created yet
         return -1
     finally:

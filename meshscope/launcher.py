@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from meshscope.collector.exporter import ensure_ports_free
 from meshscope.collector.store import latest_step, load_steps
 from meshscope.config import RunConfig
 from meshscope.trainer.device import backend_environment, check_placement, resolve_device
+from meshscope.trainer.network import Route, network_environment, node_route, rendezvous_host
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_ENTRY = "meshscope.worker"  # the trainer with the tracer wired in
@@ -34,9 +36,16 @@ def prepare_run(cfg: RunConfig) -> RunConfig:
     check_placement(device.kind, device.backend, cfg.nproc)
     # Workers and the summary see what was chosen, not "auto".
     cfg = cfg.model_copy(update={"device": device.kind, "backend": device.backend})
-    ensure_ports_free("127.0.0.1", [cfg.metrics_port + r for r in range(cfg.nproc)])
+    if cfg.multi_node and not (cfg.run_id or cfg.elastic.rdzv_id):
+        raise ValueError(
+            "a run on several nodes needs one id shared by its agents: --run-id ID, the same on "
+            "every node (a per-agent timestamp would make each agent a job of its own)"
+        )
+    if not cfg.metrics_host:
+        cfg = cfg.model_copy(update={"metrics_host": route(cfg).address})
+    ensure_ports_free(cfg.metrics_host, [cfg.metrics_port + r for r in range(cfg.nproc)])
     if not cfg.run_id:
-        cfg = cfg.model_copy(update={"run_id": new_run_id()})
+        cfg = cfg.model_copy(update={"run_id": cfg.elastic.rdzv_id or new_run_id()})
     cfg = cfg.model_copy(update={"runs_root": cfg.runs_root.resolve()})
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "logs").mkdir(exist_ok=True)
@@ -45,6 +54,11 @@ def prepare_run(cfg: RunConfig) -> RunConfig:
     agent_config(cfg).parent.mkdir(exist_ok=True)
     agent_config(cfg).write_text(cfg.model_dump_json(indent=2))
     return cfg
+
+
+def route(cfg: RunConfig) -> Route:
+    """Loopback on one node; the route to the rendezvous host on several (`trainer.network`)."""
+    return node_route(cfg.multi_node, cfg.elastic.rdzv_endpoint)
 
 
 def agent_config(cfg: RunConfig) -> Path:
@@ -63,13 +77,23 @@ def torchrun_command(cfg: RunConfig, warm: bool) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={e.rdzv_endpoint or '127.0.0.1:29400'}",
             f"--rdzv-id={e.rdzv_id or cfg.run_id}",
+            # the address peers dial for this agent's workers: the one on the route to them
+            f"--local-addr={route(cfg).address}",
         ]
         # a dead agent is noticed after 3 missed 1 s keep-alives (torch default: 3 x 5 s)
         conf = [
             f"last_call_timeout={e.last_call_s:g}",
             "keep_alive_interval=1",
             "keep_alive_max_attempt=3",
-        ] + (["is_host=false"] if e.rdzv_external else [])
+        ]
+        if e.rdzv_external:
+            conf.append("is_host=false")
+        elif route(cfg).address == socket.gethostbyname(
+            rendezvous_host(e.rdzv_endpoint or "127.0.0.1:29400")
+        ):
+            # torchrun hosts the store only where the endpoint's name is this machine's; an
+            # address of this node's route (a second interface, a namespace) is ours too
+            conf.append("is_host=true")
         topology.append(f"--rdzv-conf={','.join(conf)}")
     return [
         sys.executable,
@@ -93,7 +117,9 @@ def worker_environment(cfg: RunConfig) -> dict[str, str]:
     """The workers' environment: the user's, plus what the device and meshscope need."""
     device = resolve_device(cfg.device, backend=cfg.backend)
     env = dict(os.environ)
-    env.update(backend_environment(device.kind, device.backend))
+    env.update(network_environment(route(cfg), os.environ))  # what the user set wins
+    for key, value in backend_environment(device.kind, device.backend).items():
+        env.setdefault(key, value)
     if cfg.elastic.nnodes != "1":
         # a fresh store per rendezvous round, so agents with different restart counts meet
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -183,14 +209,15 @@ def launch(cfg: RunConfig) -> Launch:
 def follow(
     cfg: RunConfig, proc: Launch, on_progress: Callable[[int, dict], None], poll_s: float = 0.5
 ) -> int:
-    """Poll the store until the workers exit; report (steps done, last rank-0 record)."""
+    """Poll the store until the workers exit; report (steps done, the last record of this
+    node's first rank)."""
     seen = -1
     while True:
         done = proc.poll() is not None
-        step = latest_step(cfg.run_dir, rank=0)
+        step = latest_step(cfg.run_dir, rank=None)  # this node's first rank (0 on one node)
         if step > seen:
             rows = load_steps(cfg.run_dir, since_step=step - 1)
-            last = rows[rows["rank"] == 0].iloc[-1].to_dict() if not rows.empty else {}
+            last = rows[rows["rank"] == rows["rank"].min()].iloc[-1].to_dict() if not rows.empty else {}
             on_progress(step + 1, last)
             seen = step
         if done:

@@ -20,6 +20,7 @@ from meshscope.collector.schema import Event, anomaly_link
 from meshscope.collector.store import RunStore
 from meshscope.detectors.episodes import Episode
 from meshscope.detectors.live import LiveDetection
+from meshscope.trainer.elastic import job_id
 from meshscope.watchdog.exchange import NodeExchange
 from meshscope.watchdog.verdicts import Diagnosis
 from meshscope.watchdog.watch import HangWatch, pid_alive
@@ -89,7 +90,7 @@ def hang_exchange(cfg: Any) -> NodeExchange | None:
     host, port = parse_host_port(cfg.elastic.rdzv_endpoint, "--rdzv-endpoint")
     return NodeExchange(
         lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5)),
-        prefix=f"meshscope/hang/{cfg.elastic.rdzv_id or cfg.run_id}",
+        prefix=f"job/{job_id(cfg)}/hang",  # scoped like every key of the job
     )
 
 
@@ -132,12 +133,11 @@ class Sidecar:
         """Export the detector's metrics (a busy port degrades with a reason) and start judging."""
         port = self.cfg.metrics_port + self.cfg.nproc
         try:
-            serve_metrics(self.live.registry, port, host="127.0.0.1")
+            host = self.cfg.metrics_host or "127.0.0.1"
+            serve_metrics(self.live.registry, port, host=host)
             node = socket.gethostname()
-            write_detector_target(
-                self.cfg.run_dir, run_id=self.cfg.run_id, host="127.0.0.1", port=port, node=node
-            )
-            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
+            write_detector_target(self.cfg.run_dir, run_id=self.cfg.run_id, host=host, port=port, node=node)
+            self.metrics_url = f"http://{host}:{port}/metrics"
         except PortInUseError as err:
             self.export_error = str(err)
         self.live.start()

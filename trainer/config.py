@@ -140,6 +140,11 @@ class TrainerConfig(_Strict):
     )
     nproc: int = Field(4, gt=0, description="worker processes on this node")
     metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
+    metrics_host: str = Field(
+        "",
+        description="address /metrics listens on and targets.json names: empty = 127.0.0.1 on one "
+        "node, the address on the route to the rendezvous host on several",
+    )
     expert_every: int = Field(
         MonitorConfig.expert_every,
         gt=0,
@@ -190,6 +195,11 @@ class TrainerConfig(_Strict):
                     f"(a device stream to stop), not {self.device}"
                 )
         return self
+
+    @property
+    def multi_node(self) -> bool:
+        """Agents on several machines meet through a rendezvous (not one standalone agent)."""
+        return self.elastic.nnodes != "1" or bool(self.elastic.rdzv_endpoint)
 
     @property
     def run_dir(self) -> Path:

@@ -228,11 +228,10 @@ def process_group_timeout_s(kind: str, timeout_s: int = COLLECTIVE_TIMEOUT_S) ->
 def backend_environment(
     kind: str, backend: str = "", *, timeout_s: int = COLLECTIVE_TIMEOUT_S
 ) -> dict[str, str]:
-    """Environment the launcher gives workers for this device's collective library."""
-    env = {"OMP_NUM_THREADS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    if (backend or BACKENDS[kind]) in ("gloo", *sim.SIM_BACKENDS):  # the sim runs on gloo
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    elif kind == "npu":
+    """Environment the launcher gives workers for this device's collective library (where
+    gloo talks, and OMP's threads, are the network's business: `trainer.network`)."""
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    if kind == "npu" and (backend or BACKENDS[kind]) == "hccl":
         env["HCCL_CONNECT_TIMEOUT"] = str(timeout_s)
         # a multiple of 68 s, so that every Atlas part applies the value written here
         env["HCCL_EXEC_TIMEOUT"] = str(hccl_exec_timeout_s(timeout_s))

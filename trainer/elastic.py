@@ -50,6 +50,11 @@ def heartbeat_endpoint(cfg: TrainerConfig, env: DistEnv) -> tuple[str, int]:
     return env.master_addr, env.master_port
 
 
+def job_id(cfg: TrainerConfig) -> str:
+    """The job's one id, shared by its agents: it scopes every key meshscope puts in a store."""
+    return cfg.elastic.rdzv_id or cfg.run_id
+
+
 def attempt_id(env: DistEnv) -> int:
     """torchrun's restart count: it names this attempt in the store's keys."""
     return env.restart_count
@@ -70,7 +75,7 @@ class ElasticRun:
         self.control = control
         self._stop_flag = LateFlag(control) if control is not None else None
         self.stop_requested = False
-        self.store = connect_store(*heartbeat_endpoint(cfg, env)) if env.torchrun else None
+        self.store = connect_store(*heartbeat_endpoint(cfg, env), job=job_id(cfg)) if env.torchrun else None
         every = cfg.elastic.checkpoint_every
         self.ckpt = (
             CheckpointManager(
@@ -153,7 +158,7 @@ class ElasticRun:
         if env.local_rank == 0:
             out.append(
                 NodeWatch(
-                    connect_store(*heartbeat_endpoint(self.cfg, env)),
+                    connect_store(*heartbeat_endpoint(self.cfg, env), job=job_id(self.cfg)),
                     attempt=self.round,
                     node=env.rank // per_node,
                     ranks=env.local_ranks(),
@@ -169,7 +174,7 @@ class ElasticRun:
             }
             out.append(
                 JobWatch(
-                    connect_store(*heartbeat_endpoint(self.cfg, env)),
+                    connect_store(*heartbeat_endpoint(self.cfg, env), job=job_id(self.cfg)),
                     attempt=self.round,
                     nodes=nodes,
                     interval_s=interval,

@@ -46,9 +46,12 @@ def world_key(attempt: int) -> str:
     return f"{PREFIX}/world/{attempt}"
 
 
-def connect_store(host: str, port: int) -> dist.Store:
-    """A client of the agent's store of our own: beats never queue behind the process group."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+def connect_store(host: str, port: int, job: str = "") -> dist.Store:
+    """A client of the agent's store of our own: beats never queue behind the process group.
+    With `job`, every key is under `job/<job>/`: two jobs on one long-lived store never see
+    each other's ranks."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+    return dist.PrefixStore(f"job/{job}", store) if job else store
 
 
 def _get(store: dist.Store, key: str) -> str | None:

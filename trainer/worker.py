@@ -116,6 +116,7 @@ def build_monitor(cfg: TrainerConfig, env: DistEnv, device: Any, control: Any, t
         run_dir=cfg.run_dir,
         run_id=cfg.run_id,
         metrics_port=cfg.metrics_port,
+        metrics_host=cfg.metrics_host or "127.0.0.1",
         expert_every=cfg.expert_every,
         comm_sample_every=cfg.comm_sample_every,
         nan_events=not traced,  # a tracer reports non-finite steps with their module
@@ -177,11 +178,12 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
                 looker.close()
         mon.flush()
         elastic.finish(state, reason)
+        # done, or stopped by SIGTERM: every rank agreed on the same step, so all end here
+        if control is not None:
+            control.barrier()  # a clean shutdown: no rank tears down gloo while a peer talks
+        if env.rank == 0:
+            mon.event("run_end", detail={"steps": state.step, "reason": reason})
         if reason == "done":
-            if control is not None:
-                control.barrier()  # a clean shutdown: no rank tears down gloo while a peer talks
-            if env.rank == 0:
-                mon.event("run_end", detail={"steps": state.step})
             time.sleep(cfg.linger_s)  # lets Prometheus take a last scrape of short runs
     finally:
         if audit is not None:

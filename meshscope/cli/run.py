@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 from pathlib import Path
 
 import typer
@@ -46,8 +47,14 @@ def run(
         console.print(f"  detector {sidecar.metrics_url}")
     else:
         err_console.print(f"[yellow]warning:[/] detector metrics not exported: {sidecar.export_error}")
-    code = _train_with_progress(cfg)
+    stop = StopSignal().install()
+    code = _train_with_progress(cfg, stop)
     episodes = sidecar.stop()
+    if stop.signum is not None:
+        record_stop(cfg, stop.signum)
+        name = signal.Signals(stop.signum).name
+        err_console.print(f"stopped by {name}: the workers stopped together at a step boundary")
+        raise typer.Exit(128 + stop.signum)
     if code != 0:  # a dead run stays in Prometheus' index: RankDown/RecoveryFailed fire
         err_console.print(launcher.tail_log(cfg), markup=False, highlight=False)
         fail(f"training failed (exit {code}); logs in {cfg.run_dir / 'logs'}", code=1)
@@ -68,7 +75,7 @@ def _print_header(cfg: RunConfig, alerts: AlertPath) -> None:
     )
     console.print(f"  store    {store_path(cfg.run_dir)}")
     console.print(
-        f"  metrics  http://127.0.0.1:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
+        f"  metrics  http://{cfg.metrics_host}:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
         f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})"
     )
     if alerts.alertmanager:
@@ -81,7 +88,47 @@ def _print_header(cfg: RunConfig, alerts: AlertPath) -> None:
         )
 
 
-def _train_with_progress(cfg: RunConfig) -> int:
+class StopSignal:
+    """SIGTERM or SIGINT to `meshscope run` (how Slurm and Kubernetes cancel a job): passed on
+    to torchrun, which passes it to every worker; they agree on a step, checkpoint and end
+    together. Nothing is left training unwatched."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.launch: launcher.Launch | None = None
+
+    def install(self) -> StopSignal:
+        """Handle both signals from now on."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signum = signum
+        if self.launch is not None and self.launch.torchrun.poll() is None:
+            self.launch.torchrun.send_signal(signal.SIGTERM)
+
+
+def record_stop(cfg: RunConfig, signum: int) -> None:
+    """A `run_end` for a stopped run, unless its workers wrote one (they may have been killed)."""
+    from meshscope.collector.schema import Event
+    from meshscope.collector.store import RunStore
+
+    try:
+        if not load_events(cfg.run_dir, kind="run_end").empty:
+            return
+    except FileNotFoundError:
+        pass
+    store = RunStore(cfg.run_dir)
+    try:
+        store.add_event(
+            Event(kind="run_end", run_id=cfg.run_id, detail={"reason": signal.Signals(signum).name.lower()})
+        )
+    finally:
+        store.close()
+
+
+def _train_with_progress(cfg: RunConfig, stop: StopSignal) -> int:
     """Follow torchrun with a progress bar of steps, loss, tokens/s and comm ratio."""
     columns = (
         TextColumn("[bold]train"),
@@ -105,7 +152,10 @@ def _train_with_progress(cfg: RunConfig) -> int:
             )
             progress.update(task, completed=done, stats=stats)
 
-        return launcher.follow(cfg, launcher.launch(cfg), on_progress)
+        stop.launch = launcher.launch(cfg)
+        if stop.signum is not None:  # a signal before torchrun existed
+            stop.launch.torchrun.send_signal(signal.SIGTERM)
+        return launcher.follow(cfg, stop.launch, on_progress)
 
 
 def _compression_cell(s: dict[str, float]) -> str:

@@ -247,3 +247,30 @@ def test_inputs_that_are_not_what_they_claim_exit_2(tmp_path):
     toml.write_bytes(b"# caf\xe9\n[train]\nsteps = 3\n")
     result = runner.invoke(app, ["run", "--config", str(toml), "--run-dir", str(tmp_path / "r")])
     assert result.exit_code == 2 and "not UTF-8 text" in result.output
+
+
+def test_sigterm_stops_torchrun_and_every_worker_and_records_the_end(tmp_path):
+    import os
+    import signal
+    import time
+
+    from fixtures.runs import start_run
+    from meshscope.collector.store import latest_step, load_events
+    from meshscope.watchdog.watch import pid_alive
+
+    proc = start_run(tmp_path, "s", None, "--steps", "100000")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and latest_step(tmp_path / "s", rank=0) < 3:
+        time.sleep(0.5)
+    assert latest_step(tmp_path / "s", rank=0) >= 3, "the run never got going"
+    pids = [int(p.read_text()) for p in (tmp_path / "s" / "pids").glob("rank*.pid")]
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
+    assert "stopped by SIGTERM" in out
+    time.sleep(1.0)
+    assert not any(pid_alive(p) for p in pids), "workers left training after meshscope run ended"
+    ends = load_events(tmp_path / "s", kind="run_end")
+    assert len(ends) == 1 and ends.iloc[0]["detail"]["reason"] == "sigterm", ends
+    assert os.path.exists(tmp_path / "s" / "store.sqlite")
