@@ -238,3 +238,19 @@ def test_detect_run_is_idempotent(tmp_path):
         .fetchone()[0]
     )
     assert first.exit_code == 0 and n >= 1 and again == n
+
+
+def test_several_nodes_without_one_shared_run_id_are_refused_before_anything_starts(tmp_path):
+    result = invoke(
+        "run",
+        "--run-dir",
+        str(tmp_path),
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        "127.0.0.1:29400",
+        "--steps",
+        "2",
+    )
+    assert result.exit_code == 2 and "--run-id" in result.output, result.output
+    assert not any(tmp_path.iterdir()), "nothing is written before the refusal"
