@@ -84,6 +84,20 @@ class TrainConfig(_Strict):
     overlap: bool = Field(True, description="bucketed all-reduce overlapping backward")
     bucket_cap_mb: float = Field(1.0, gt=0, description="DDP bucket size when overlapping")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
+    hierarchical: bool = Field(
+        False,
+        description="two-level all-reduce: reduce-scatter inside each node, all-reduce of each "
+        "shard across nodes, all-gather inside; compression none|fp16 then applies to the "
+        "inter-node hop only",
+    )
+
+    @model_validator(mode="after")
+    def _hierarchy(self) -> TrainConfig:
+        if self.hierarchical and self.compression not in ("none", "fp16"):
+            raise ValueError(
+                f"train.hierarchical: compresses the inter-node hop with none or fp16, not {self.compression}"
+            )
+        return self
 
 
 class ElasticConfig(_Strict):

@@ -16,12 +16,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshscope.collector import Monitor
 from meshscope.collector.flightlog import allreduce_hook as flight_allreduce_hook
-from meshscope.trainer.comm import NO_OVERLAP_BUCKET_MB, build_hook
+from meshscope.trainer.comm import NO_OVERLAP_BUCKET_MB, HookSpec, build_hook
 from meshscope.trainer.config import TrainerConfig
 from meshscope.trainer.controls import ControlApplier
 from meshscope.trainer.data import SyntheticTokens
 from meshscope.trainer.device import Device
 from meshscope.trainer.elastic import ElasticRun
+from meshscope.trainer.hierarchy import hierarchical_hook, hierarchical_wire_bytes, node_groups
 from meshscope.trainer.inject import Injector, collective_fault_hook, delayed_hook
 from meshscope.trainer.model import MoELM
 
@@ -64,12 +65,16 @@ def build(
             bucket_cap_mb=bucket_mb,
             gradient_as_bucket_view=True,
         )
-        spec = build_hook(
-            cfg.train.compression,
-            powersgd_rank=cfg.train.powersgd_rank,
-            seed=cfg.train.seed,
-            warmup_steps=cfg.train.compression_warmup,
-        )
+        if cfg.train.hierarchical:  # node groups from the topology: nproc ranks per node
+            groups = node_groups(cfg.nproc, cfg.train.compression, device.torch_device.type)
+            spec = HookSpec("hierarchical", hierarchical_hook, groups, hierarchical_wire_bytes)
+        else:
+            spec = build_hook(
+                cfg.train.compression,
+                powersgd_rank=cfg.train.powersgd_rank,
+                seed=cfg.train.seed,
+                warmup_steps=cfg.train.compression_warmup,
+            )
         hook = spec.hook
         if injector is not None and any(i.kind == "comm_delay" for i in injector.mine):
             hook = delayed_hook(hook or flight_allreduce_hook, injector)
