@@ -16,16 +16,16 @@ from meshscope.collector.schema import StepRecord
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PHASES = ("forward", "backward", "optimizer", "comm_exposed", "data")
 FAULT_KINDS = ("dead_rank", "hang", "nonfinite", "injected")
-# The series budget: what one rank exports whatever the size of the job (41 counted on a
-# 4-rank run, with headroom), and what rank 0 adds: expert tokens and load ratio per
-# (layer, expert), gradient norm and update ratio per inspected layer. A job of W ranks
-# exports about W * SERIES_PER_RANK + rank0_extra_series(...) series (README, RESULTS).
+# The series budget: what one rank exports whatever the size of the job (41 counted on 2- and
+# 4-rank runs, with headroom), and what rank 0 adds: expert tokens and load ratio per
+# (layer, expert), the imbalance per layer, gradient norm and update ratio per inspected
+# layer. A job of W ranks exports about W * SERIES_PER_RANK + rank0_extra_series(...) series.
 SERIES_PER_RANK = 45
 
 
 def rank0_extra_series(layers: int, experts: int, inspected_layers: int) -> int:
     """The series rank 0 exports beyond every rank's: expert load, and the gradient inspector."""
-    return 2 * layers * experts + 2 * inspected_layers
+    return 2 * layers * experts + layers + 2 * inspected_layers
 
 
 def faults_counter(registry: CollectorRegistry) -> Counter:
