@@ -228,7 +228,18 @@ def main() -> None:
         metavar="STEPS",
         help="also record and judge one clean run of STEPS steps (false-alarm rate)",
     )
+    ap.add_argument(
+        "--cost-only", action="store_true", help="only the judging cost, at 1,024 and 16,384 ranks"
+    )
     args = ap.parse_args()
+    if args.cost_only:
+        print(f"machine: {machine()}")
+        for ranks, target in ((1024, 5), (16384, 20)):
+            print(
+                f"cost: one step of {ranks:,} ranks judged in {cost_per_step(ranks) * 1e3:.1f} ms "
+                f"(target <= {target} ms)"
+            )
+        return
     missing = [n for n in {**RUNS, **HELD_OUT} if not (DATA / n / "store.sqlite").exists()]
     if args.record is not None or missing:
         record(only=args.record or missing)
