@@ -61,6 +61,19 @@ def route(cfg: RunConfig) -> Route:
     return node_route(cfg.multi_node, cfg.elastic.rdzv_endpoint)
 
 
+def hosts_rendezvous(cfg: RunConfig) -> bool:
+    """Whether this agent must be told to host the rendezvous store: torchrun guesses it from
+    the machine's hostname (and, guessing, falls back to a client when another agent of the
+    machine hosts it), which misses an endpoint on an address of ours the hostname does not
+    name (a second interface, a network namespace). Told, it never falls back, so only then."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    host = rendezvous_host(cfg.elastic.rdzv_endpoint or "127.0.0.1:29400")
+    if _matches_machine_hostname(host):
+        return False
+    return route(cfg).address == socket.gethostbyname(host)
+
+
 def agent_config(cfg: RunConfig) -> Path:
     """Where this agent writes the config its workers read."""
     return cfg.run_dir / "agents" / f"{os.getpid()}.json"
@@ -88,11 +101,7 @@ def torchrun_command(cfg: RunConfig, warm: bool) -> list[str]:
         ]
         if e.rdzv_external:
             conf.append("is_host=false")
-        elif route(cfg).address == socket.gethostbyname(
-            rendezvous_host(e.rdzv_endpoint or "127.0.0.1:29400")
-        ):
-            # torchrun hosts the store only where the endpoint's name is this machine's; an
-            # address of this node's route (a second interface, a namespace) is ours too
+        elif hosts_rendezvous(cfg):
             conf.append("is_host=true")
         topology.append(f"--rdzv-conf={','.join(conf)}")
     return [
