@@ -95,7 +95,7 @@ class TrainConfig(_Strict):
     def _hierarchy(self) -> TrainConfig:
         if self.hierarchical and self.compression not in ("none", "fp16"):
             raise ValueError(
-                f"train.hierarchical: compresses the inter-node hop with none or fp16, not {self.compression}"
+                f"hierarchical: compresses the inter-node hop with none or fp16, not {self.compression}"
             )
         return self
 
