@@ -35,3 +35,14 @@ def test_unreadable_and_malformed_files(tmp_path):
     bad.write_text("steps = = 3")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_hierarchical_takes_only_compressions_of_its_inter_node_hop():
+    import pytest
+    from pydantic import ValidationError
+
+    from meshscope.trainer.config import TrainerConfig
+
+    TrainerConfig(train={"hierarchical": True, "compression": "fp16"})
+    with pytest.raises(ValidationError, match="hierarchical: compresses the inter-node hop"):
+        TrainerConfig(train={"hierarchical": True, "compression": "powersgd"})
