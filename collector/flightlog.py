@@ -316,6 +316,11 @@ class FlightLog:
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
             struct.pack_into("128s", self._map, ERROR_OFFSET, fit(f"{type(error).__name__}: {text}", 127))
 
+    @property
+    def step(self) -> int:
+        """The step the Monitor said is running (-1 before the first)."""
+        return self._step
+
     def step_begin(self, step: int) -> None:
         """The Monitor says a step starts: records carry it."""
         self._step = step

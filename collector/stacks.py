@@ -80,9 +80,9 @@ def write_recorder_dump(flight: Path, request_id: str, dump: Callable[[], bytes]
     tmp = out.with_suffix(".fr.tmp")
     tmp.write_bytes(raw)
     os.replace(tmp, out)
-    tag = out.with_suffix(".fr.request")
-    tag.with_suffix(".tmp").write_text(request_id)
-    os.replace(tag.with_suffix(".tmp"), tag)
+    tag, tag_tmp = out.with_suffix(".fr.request"), out.with_suffix(".fr.request.tmp")
+    tag_tmp.write_text(request_id)  # after the dump: a tag always names a whole dump
+    os.replace(tag_tmp, tag)
     return out
 
 

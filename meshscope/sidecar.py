@@ -133,7 +133,7 @@ class Sidecar:
         """Export the detector's metrics (a busy port degrades with a reason) and start judging."""
         port = self.cfg.metrics_port + self.cfg.nproc
         try:
-            host = self.cfg.metrics_host or "127.0.0.1"
+            host = self.cfg.metrics_address
             serve_metrics(self.live.registry, port, host=host)
             node = socket.gethostname()
             write_detector_target(self.cfg.run_dir, run_id=self.cfg.run_id, host=host, port=port, node=node)

@@ -211,6 +211,11 @@ class TrainerConfig(_Strict):
         return self
 
     @property
+    def metrics_address(self) -> str:
+        """Where /metrics listens: `metrics_host`, loopback when unset (the launcher sets it)."""
+        return self.metrics_host or "127.0.0.1"
+
+    @property
     def multi_node(self) -> bool:
         """Agents on several machines meet through a rendezvous (not one standalone agent)."""
         return self.elastic.nnodes != "1" or bool(self.elastic.rdzv_endpoint)

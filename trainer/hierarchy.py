@@ -58,7 +58,8 @@ def hierarchical_allreduce(state: HierarchyState, bucket: dist.GradBucket) -> to
     world = state.local_size * state.nodes
     flat = buffer.reshape(-1)
     pad = (-flat.numel()) % state.local_size
-    padded = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.clone()
+    # the bucket itself when it splits evenly: it is read by the scatter, then overwritten
+    padded = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
     shard = padded.new_empty(padded.numel() // state.local_size)
     dist.reduce_scatter_tensor(shard, padded, group=state.local)
     wire = shard.to(torch.float16) if state.inter == "fp16" else shard
@@ -66,8 +67,9 @@ def hierarchical_allreduce(state: HierarchyState, bucket: dist.GradBucket) -> to
     if wire is not shard:
         shard.copy_(wire)
     dist.all_gather_into_tensor(padded, shard, group=state.local)
-    buffer.copy_(padded[: flat.numel()].view_as(buffer)).div_(world)
-    return buffer
+    if pad:
+        buffer.copy_(padded[: flat.numel()].view_as(buffer))
+    return buffer.div_(world)
 
 
 hierarchical_hook = serial_hook(hierarchical_allreduce, "hierarchical")

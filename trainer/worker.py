@@ -116,7 +116,7 @@ def build_monitor(cfg: TrainerConfig, env: DistEnv, device: Any, control: Any, t
         run_dir=cfg.run_dir,
         run_id=cfg.run_id,
         metrics_port=cfg.metrics_port,
-        metrics_host=cfg.metrics_host or "127.0.0.1",
+        metrics_host=cfg.metrics_address,
         expert_every=cfg.expert_every,
         comm_sample_every=cfg.comm_sample_every,
         nan_events=not traced,  # a tracer reports non-finite steps with their module
@@ -131,7 +131,7 @@ def start_audit(cfg: TrainerConfig, device: Any) -> SyncAudit | None:
 
     def step() -> int:
         log = FlightLog._active
-        return log._step if log is not None else -1
+        return log.step if log is not None else -1
 
     return SyncAudit(step).install(None if device.kind == "cpu" else accelerator_module(device.kind))
 

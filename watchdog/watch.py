@@ -103,7 +103,6 @@ class HangWatch:
         self.last: Diagnosis | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-hang", daemon=True)
-        self._recorder_dumps: dict[int, Path] = {}  # the live ranks' Flight Recorder dumps, last round
 
     def start(self) -> HangWatch:
         """Poll on a thread of its own until `stop()`."""
@@ -154,7 +153,9 @@ class HangWatch:
             return None
         # a crash is judged once per attempt; a stall again if progress resumes and stops
         self.diagnosed[attempt] = float("inf") if dead or failed else progress
-        tails, stacks = self._local_picture(heads, [r for r, h in heads.items() if alive[r] and not h.closed])
+        tails, stacks, dumps = self._local_picture(
+            heads, [r for r, h in heads.items() if alive[r] and not h.closed]
+        )
         if self.exchange is not None and len(tails) < world:
             try:
                 request_id = f"{os.getpid()}-{self.clock():.6f}"
@@ -171,7 +172,7 @@ class HangWatch:
             except Exception as err:  # no store: diagnose what this node sees
                 log.warning("hang exchange with other nodes failed: %s", err)
         diag = diagnose(tails, world, alive=alive, stacks=stacks)
-        with_recorder(diag, self._recorder_dumps, world)
+        with_recorder(diag, dumps, world)
         diag.evidence["detected_at"] = self.clock()
         diag.evidence["stalled_since"] = max((h.progress_t for h in heads.values()), default=0.0)
         diag.evidence["pids"] = {str(r): h.pid for r, h in heads.items()}
@@ -186,7 +187,7 @@ class HangWatch:
         requests = self.exchange.pending()
         if not requests:
             return
-        tails, stacks = self._local_picture(
+        tails, stacks, _ = self._local_picture(
             heads, [r for r, h in heads.items() if not h.closed and pid_alive(h.pid)]
         )
         for request_id in requests:
@@ -194,10 +195,11 @@ class HangWatch:
 
     def _local_picture(
         self, heads: dict[int, FlightTail], live: list[int]
-    ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
-        """This node's ranks: every flight-log tail, the live ranks' stacks, and the crash
-        stacks of the ranks that could not answer."""
-        stacks = self._gather_stacks(live, heads)
+    ) -> tuple[dict[int, FlightTail], dict[int, list[str]], dict[int, Path]]:
+        """This node's ranks: every flight-log tail, the live ranks' stacks (and Flight
+        Recorder dumps, where the backend keeps one), and the crash stacks of the ranks that
+        could not answer."""
+        stacks, dumps = self._gather_stacks(live, heads)
         tails = {}
         for rank, head in heads.items():
             try:
@@ -209,11 +211,13 @@ class HangWatch:
                 crash = crash_stack(head.path)
                 if crash:
                     stacks[rank] = crash
-        return tails, stacks
+        return tails, stacks, dumps
 
-    def _gather_stacks(self, ranks: list[int], heads: dict[int, FlightTail]) -> dict[int, list[str]]:
+    def _gather_stacks(
+        self, ranks: list[int], heads: dict[int, FlightTail]
+    ) -> tuple[dict[int, list[str]], dict[int, Path]]:
         """Ask the live ranks for their stacks (and, where the backend keeps one, its Flight
-        Recorder: `_recorder_dumps`) and wait a little for the answers."""
+        Recorder dump) and wait a little for the answers."""
         request_id = f"{self.clock():.6f}"
         request_stacks(self.live_dir, request_id)
         deadline = time.monotonic() + self.config.stacks_wait_s
@@ -227,8 +231,7 @@ class HangWatch:
             time.sleep(0.05)
         # the dump is written before the stacks: whoever answered has dumped, if it can
         dumps = {r: recorder_answer(heads[r].path, request_id) for r in stacks}
-        self._recorder_dumps = {r: p for r, p in dumps.items() if p is not None}
-        return stacks
+        return stacks, {r: p for r, p in dumps.items() if p is not None}
 
 
 def with_recorder(diag: Diagnosis, dumps: dict[int, Path], world: int) -> Diagnosis:
