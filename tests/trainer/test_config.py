@@ -46,3 +46,14 @@ def test_hierarchical_takes_only_compressions_of_its_inter_node_hop():
     TrainerConfig(train={"hierarchical": True, "compression": "fp16"})
     with pytest.raises(ValidationError, match="hierarchical: compresses the inter-node hop"):
         TrainerConfig(train={"hierarchical": True, "compression": "powersgd"})
+
+
+def test_a_stream_hang_needs_a_device_with_a_stream():
+    import pytest
+    from pydantic import ValidationError
+
+    from meshscope.trainer.config import TrainerConfig
+
+    TrainerConfig(device="sim", inject=["stream_hang@step=3,rank=1"])
+    with pytest.raises(ValidationError, match="needs --device sim"):
+        TrainerConfig(device="cpu", inject=["stream_hang@step=3,rank=1"])
