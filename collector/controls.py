@@ -10,14 +10,13 @@ written and again when it is applied: a value outside them never reaches the mod
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from meshscope.collector.store import _connect, open_store, store_path
+from meshscope.collector.store import execute, fetch, read_frame
 
 ControlKind = Literal["router_bias", "aux_loss_coef", "capacity_factor"]
 KIND_CODES = {"router_bias": 1, "aux_loss_coef": 2, "capacity_factor": 3}
@@ -102,33 +101,19 @@ class ControlChange(BaseModel):
 def submit(run_dir: str | Path, change: ControlChange, suggestion: int | None = None) -> int:
     """Queue an approved change for the running trainer; its id."""
     change.check(BOUNDS)
-    conn = open_store(run_dir)
-    try:
-        with conn:
-            cur = conn.execute(
-                "INSERT INTO controls (created, kind, layer, payload, suggestion, status) "
-                "VALUES (?, ?, ?, ?, ?, 'pending')",
-                (time.time(), change.kind, change.layer, json.dumps(change.values), suggestion),
-            )
-        return int(cur.lastrowid)
-    finally:
-        conn.close()
+    rows = execute(
+        run_dir,
+        "INSERT INTO controls (created, kind, layer, payload, suggestion, status) "
+        "VALUES (?, ?, ?, ?, ?, 'pending') RETURNING id",
+        (time.time(), change.kind, change.layer, json.dumps(change.values), suggestion),
+    )
+    return int(rows[0][0])
 
 
 def pending(run_dir: str | Path) -> list[tuple[int, ControlChange]]:
     """Changes not yet applied, oldest first (cheap enough to poll at step boundaries)."""
-    path = store_path(run_dir)
-    if not path.exists():
-        return []
-    conn = _connect(path, readonly=True)
-    try:
-        rows = conn.execute(
-            "SELECT id, kind, layer, payload FROM controls WHERE status = 'pending' ORDER BY id"
-        ).fetchall()
-    except sqlite3.OperationalError:  # a store from before the controls table
-        return []
-    finally:
-        conn.close()
+    sql = "SELECT id, kind, layer, payload FROM controls WHERE status = 'pending' ORDER BY id"
+    rows = fetch(run_dir, sql)
     return [
         (int(i), ControlChange.model_construct(kind=k, layer=int(layer), values=json.loads(p)))
         for i, k, layer, p in rows
@@ -146,55 +131,29 @@ def settle(
     note: str = "",
 ) -> None:
     """Record what became of a change (applied or refused)."""
-    conn = open_store(run_dir)
-    try:
-        with conn:
-            conn.execute(
-                "UPDATE controls SET status = ?, step = ?, old = ?, new = ?, note = ? WHERE id = ?",
-                (status, step, json.dumps(old), json.dumps(new), note, control_id),
-            )
-    finally:
-        conn.close()
+    execute(
+        run_dir,
+        "UPDATE controls SET status = ?, step = ?, old = ?, new = ?, note = ? WHERE id = ?",
+        (status, step, json.dumps(old), json.dumps(new), note, control_id),
+    )
 
 
 def record_outcome(run_dir: str | Path, control_id: int, outcome: dict[str, Any]) -> None:
     """Attach a measured outcome to an applied change."""
-    conn = open_store(run_dir)
-    try:
-        with conn:
-            conn.execute("UPDATE controls SET outcome = ? WHERE id = ?", (json.dumps(outcome), control_id))
-    finally:
-        conn.close()
+    execute(run_dir, "UPDATE controls SET outcome = ? WHERE id = ?", (json.dumps(outcome), control_id))
+
+
+CONTROL_COLUMNS = tuple("id created kind layer payload suggestion status step old new note outcome".split())
 
 
 def load_controls(run_dir: str | Path):
     """Every change of a run, with its fate, as a DataFrame (payload/old/new/outcome decoded)."""
     import pandas as pd
 
-    path = store_path(run_dir)
-    cols = [
-        "id",
-        "created",
-        "kind",
-        "layer",
-        "payload",
-        "suggestion",
-        "status",
-        "step",
-        "old",
-        "new",
-        "note",
-        "outcome",
-    ]
-    if not path.exists():
-        return pd.DataFrame(columns=cols)
-    conn = _connect(path, readonly=True)
     try:
-        df = pd.read_sql_query("SELECT * FROM controls ORDER BY id", conn)
-    except (sqlite3.OperationalError, pd.errors.DatabaseError):
-        return pd.DataFrame(columns=cols)
-    finally:
-        conn.close()
+        df = read_frame(run_dir, "SELECT * FROM controls ORDER BY id")
+    except (FileNotFoundError, pd.errors.DatabaseError):  # no store, or one from before the table
+        return pd.DataFrame(columns=list(CONTROL_COLUMNS))
     for c in ("payload", "old", "new", "outcome"):
         df[c] = [json.loads(x) if isinstance(x, str) else None for x in df[c]]
     return df

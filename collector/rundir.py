@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-STORE = "store.sqlite"
+STORE = "store.sqlite"  # one node's store (SQLite)
+STORE_LOCATOR = "store.json"  # names the job store of a multi-node job (PostgreSQL)
 CONFIG = "config.json"
 LIVE = "live"  # flight logs, stack requests and answers, crash stacks
 SNAPSHOTS = "snapshots"
@@ -78,15 +79,23 @@ def run_info(run_dir: str | Path) -> RunInfo:
 
 
 class LeaderLock:
-    """Agents sharing a run directory judge it once: the holder of `detect.lock` does. The
-    lock dies with its process, so a surviving agent takes over on its next `held()`."""
+    """Agents sharing a run judge it once. One node: the holder of `detect.lock` in the run
+    directory does; a job store: the holder of the job's database lock (no shared file system
+    needed). Either lock dies with its process, so a surviving agent takes over on its next
+    `held()`."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / LEADER_LOCK
         self._file: IO[str] | None = None
+        from meshscope.collector.storedb import PgLeaderLock, locate  # storedb reads this module's names
+
+        target = locate(run_dir)
+        self._job_lock = PgLeaderLock(target) if target.is_postgres else None
 
     def held(self) -> bool:
         """True when this process holds the lock (taking it if it is free)."""
+        if self._job_lock is not None:
+            return self._job_lock.held()
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             lock = open(self.path, "w")
@@ -99,7 +108,9 @@ class LeaderLock:
         return True
 
     def release(self) -> None:
-        """Give the lock up (closing the file releases it)."""
+        """Give the lock up (closing the file or the session releases it)."""
+        if self._job_lock is not None:
+            self._job_lock.release()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -13,7 +13,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from meshscope.collector.exporter import ensure_ports_free
-from meshscope.collector.store import latest_step, load_steps
+from meshscope.collector.store import StoreUnavailable, latest_step, load_steps
+from meshscope.collector.storedb import pg_connect, write_locator
 from meshscope.config import RunConfig
 from meshscope.trainer.device import backend_environment, check_placement, resolve_device
 from meshscope.trainer.network import Route, network_environment, node_route, rendezvous_host
@@ -50,10 +51,31 @@ def prepare_run(cfg: RunConfig) -> RunConfig:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "logs").mkdir(exist_ok=True)
     (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    if cfg.store:  # every reader of this run directory finds the job store through it
+        write_locator(cfg.run_dir, cfg.store_target)
     # Agents sharing a run directory (elastic membership) differ in ports: each its own copy.
     agent_config(cfg).parent.mkdir(exist_ok=True)
     agent_config(cfg).write_text(cfg.model_dump_json(indent=2))
     return cfg
+
+
+def store_warning(cfg: RunConfig) -> str | None:
+    """Why this run's store will not show the whole job, or is not there yet (None: fine).
+    The job store is created here, once, before any rank writes; a server that does not answer
+    is a warning, not an error: the ranks buffer until it does."""
+    if not cfg.store:
+        if cfg.multi_node:
+            return (
+                "a job on several nodes without --store: this node's store holds its own ranks only, "
+                "so detection, explain and the view see this node alone "
+                "(--store postgresql://... gives the job one store)"
+            )
+        return None
+    try:
+        pg_connect(cfg.store_target, create=True).close()
+    except StoreUnavailable as err:
+        return f"{err}: the ranks buffer their records until it answers"
+    return None
 
 
 def route(cfg: RunConfig) -> Route:
@@ -223,9 +245,12 @@ def follow(
     seen = -1
     while True:
         done = proc.poll() is not None
-        step = latest_step(cfg.run_dir, rank=None)  # this node's first rank (0 on one node)
-        if step > seen:
-            rows = load_steps(cfg.run_dir, since_step=step - 1)
+        try:
+            step = latest_step(cfg.run_dir, rank=None)  # the store's first rank (0 on a job store)
+            rows = load_steps(cfg.run_dir, since_step=step - 1) if step > seen else None
+        except StoreUnavailable:  # the job store is down: progress waits, training does not
+            step, rows = seen, None
+        if rows is not None:
             last = rows[rows["rank"] == rows["rank"].min()].iloc[-1].to_dict() if not rows.empty else {}
             on_progress(step + 1, last)
             seen = step

@@ -7,6 +7,9 @@ command -v promtool >/dev/null || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
 command -v amtool >/dev/null || need+=(prometheus-alertmanager)
 command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
+# the job store's server (Debian keeps initdb/pg_ctl under /usr/lib/postgresql/<v>/bin)
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null || need+=(postgresql)
+command -v victoria-metrics >/dev/null || need+=(victoria-metrics)  # remote-write, long retention
 command -v chromium >/dev/null || need+=(chromium)  # the view's browser test (playwright drives it)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -53,7 +53,9 @@ MODULES = {
         "meshscope.dashboards.boards",
         "meshscope.dashboards.publish",
         "meshscope.dashboards.compose",
+        "meshscope.dashboards.postgres",
     ],
+    "jobstore": ["meshscope.collector.storedb", "psycopg"],
 }
 
 CHECK = textwrap.dedent("""
@@ -122,7 +124,7 @@ def test_each_extra_imports_with_only_what_it_installs(extra):
 def test_all_holds_every_part_and_make_installs_it():
     extras = PROJECT["optional-dependencies"]
     assert set(extras) >= set(MODULES) - {""} | {"all"}
-    assert "meshscope[trainer,view,stack]" in extras["all"]
+    assert "meshscope[trainer,view,stack,jobstore]" in extras["all"]
     assert "'.[all,test]'" in (REPO / "Makefile").read_text()
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from meshscope.collector.monitor_config import MonitorConfig
+from meshscope.collector.storedb import StoreTarget, StoreTargetError, check_url, job_schema
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -159,6 +160,14 @@ class TrainerConfig(_Strict):
         description="address /metrics listens on and targets.json names: empty = 127.0.0.1 on one "
         "node, the address on the route to the rendezvous host on several",
     )
+    store: str = Field(
+        "",
+        description="where the ranks write: empty = SQLite in the run directory (one node); "
+        "postgresql://user@host:port/db = one job store every node writes (a schema per job)",
+    )
+    store_password_file: str = Field(
+        "", description="file holding the job store's password (never put it in the URL)"
+    )
     expert_every: int = Field(
         MonitorConfig.expert_every,
         gt=0,
@@ -209,6 +218,27 @@ class TrainerConfig(_Strict):
                     f"(a device stream to stop), not {self.device}"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _job_store(self) -> TrainerConfig:
+        if self.store:
+            try:
+                check_url(self.store)
+            except StoreTargetError as err:
+                raise ValueError(f"store: {err}") from None
+        if self.store_password_file:
+            if not self.store:
+                raise ValueError("store_password_file: names a password for no store (set store too)")
+            if not Path(self.store_password_file).is_file():
+                raise ValueError(f"store_password_file: {self.store_password_file} is not a readable file")
+        return self
+
+    @property
+    def store_target(self) -> StoreTarget:
+        """The database this run's ranks write (SQLite in the run directory, or the job store)."""
+        if not self.store:
+            return StoreTarget()
+        return StoreTarget(self.store, job_schema(self.run_id), self.store_password_file)
 
     @property
     def metrics_address(self) -> str:

@@ -19,8 +19,9 @@ import pandas as pd
 
 from meshscope.collector.figures import balancedness as balancedness_of
 from meshscope.collector.figures import tokens_per_second, with_compute
+from meshscope.collector.rundir import STORE_LOCATOR
 from meshscope.collector.schema import anomaly_link
-from meshscope.collector.store import STORE_NAME, load_events, load_steps, store_path
+from meshscope.collector.store import has_store, load_events, load_steps, store_path, store_version
 from meshscope.explain.facts import Anomaly, RunFacts
 
 LIVE_WITHIN_S = 30.0  # a run whose store changed this recently is shown as running
@@ -40,14 +41,14 @@ def run_dirs(runs_dir: Path) -> list[Path]:
     """Run directories under `runs_dir` (those with a store), newest first."""
     if not runs_dir.is_dir():
         return []
-    found = [p for p in runs_dir.iterdir() if (p / STORE_NAME).is_file()]
-    return sorted(found, key=lambda p: (p / STORE_NAME).stat().st_mtime, reverse=True)
+    found = [p for p in runs_dir.iterdir() if has_store(p)]
+    return sorted(found, key=_last_written, reverse=True)
 
 
-def store_version(run_dir: Path) -> float:
-    """Changes whenever the store does (the WAL included): the view's cache key."""
-    paths = [run_dir / STORE_NAME, run_dir / (STORE_NAME + "-wal")]
-    return max((p.stat().st_mtime for p in paths if p.exists()), default=0.0)
+def _last_written(run_dir: Path) -> float:
+    """When the run's store (or, on a job store, its locator) last changed on this disk."""
+    files = [store_path(run_dir), run_dir / STORE_LOCATOR]
+    return max((f.stat().st_mtime for f in files if f.exists()), default=0.0)
 
 
 def run_summary(run_dir: Path) -> dict[str, Any]:
@@ -294,4 +295,4 @@ def live_metrics(prometheus_url: str, run: str, timeout_s: float = 3.0) -> pd.Da
 
 def exists(run_dir: Path) -> bool:
     """A run the view can open."""
-    return store_path(run_dir).is_file()
+    return has_store(run_dir)

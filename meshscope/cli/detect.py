@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from meshscope.cli.common import _readable_store, app, console, fail
-from meshscope.collector.store import load_steps, store_path
+from meshscope.collector.store import describe_store, load_steps
 
 
 @app.command()
@@ -66,7 +66,7 @@ def _detect_run(run: Path, sensitivity: float) -> None:
         fail(str(err))
     except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
         # corrupt, truncated, or a SQLite file that is not a meshscope run store
-        fail(f"{store_path(run)}: not a readable meshscope run store ({err})")
+        fail(f"{describe_store(run)}: not a readable meshscope run store ({err})")
     run_id = str(steps["run_id"].iloc[0]) if not steps.empty else run.name
     episodes = LiveDetection(run, run_id, config).stop()  # one pass; events into the store
     table = Table(title=f"anomalies in {run}")
@@ -83,4 +83,4 @@ def _detect_run(run: Path, sensitivity: float) -> None:
             str(ep.evidence)[:60],
         )
     console.print(table)
-    console.print(f"{len(episodes)} anomaly episode(s) written to {store_path(run)}")
+    console.print(f"{len(episodes)} anomaly episode(s) written to {describe_store(run)}")

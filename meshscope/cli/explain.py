@@ -9,7 +9,7 @@ import pandas as pd
 import typer
 
 from meshscope.cli.common import _readable_store, app, console, fail
-from meshscope.collector.store import store_path
+from meshscope.collector.store import describe_store
 
 
 @app.command()
@@ -32,7 +32,7 @@ def explain(
     except KeyError as err:
         fail(str(err.args[0]))
     except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
-        fail(f"{store_path(run)}: not a readable meshscope run store ({err})")
+        fail(f"{describe_store(run)}: not a readable meshscope run store ({err})")
     if as_json:
         print(json.dumps([c.as_dict() for c in causes[:limit]], indent=1))
         return

@@ -25,6 +25,8 @@ RUN_FLAGS: dict[str, str] = {
     "run-dir": "runs_root",
     "run-id": "run_id",
     "metrics-port": "metrics_port",
+    "store": "store",
+    "store-password-file": "store_password_file",
     "linger": "linger_s",
     "inject": "inject",
     "trace": "trace",

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from meshscope.cli.common import app, console, fail
-from meshscope.collector.store import load_events, store_path
+from meshscope.collector.store import describe_store, load_events
 
 
 @app.command("hang-report")
@@ -50,9 +50,9 @@ def hang_report(
     except StoreError as err:
         fail(str(err))
     except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
-        fail(f"{store_path(run)}: not a readable meshscope run store ({err})")
+        fail(f"{describe_store(run)}: not a readable meshscope run store ({err})")
     if events is not None and not events.empty:
-        detail, source = events.iloc[-1]["detail"], f"hang event in {store_path(run)}"
+        detail, source = events.iloc[-1]["detail"], f"hang event in {describe_store(run)}"
     else:
         diag = diagnose_folder(run / "live")
         if diag is None:

@@ -16,7 +16,13 @@ from meshscope.cli.flags import RUN_FLAGS, with_config_flags
 from meshscope.cli.settings import apply_set_options
 from meshscope.collector.exporter import PortInUseError, remove_from_index
 from meshscope.collector.report import summarize
-from meshscope.collector.store import load_events, load_expert_load, load_steps, store_path
+from meshscope.collector.store import (
+    StoreUnavailable,
+    describe_store,
+    load_events,
+    load_expert_load,
+    load_steps,
+)
 from meshscope.config import ConfigError, RunConfig, load_config
 from meshscope.sidecar import AlertPath, Sidecar, alert_path
 from meshscope.trainer.device import DeviceUnavailable
@@ -59,7 +65,10 @@ def run(
         err_console.print(launcher.tail_log(cfg), markup=False, highlight=False)
         fail(f"training failed (exit {code}); logs in {cfg.run_dir / 'logs'}", code=1)
     remove_from_index(cfg.run_dir, cfg.run_id)
-    _print_summary(cfg)
+    try:
+        _print_summary(cfg)
+    except StoreUnavailable as err:
+        err_console.print(f"[yellow]warning:[/] no summary: {err}")
     if episodes:
         console.print(
             f"{len(episodes)} anomaly episode(s): "
@@ -73,7 +82,9 @@ def _print_header(cfg: RunConfig, alerts: AlertPath) -> None:
         f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device} ({cfg.backend}), "
         f"compression={cfg.train.compression}, overlap={cfg.train.overlap}"
     )
-    console.print(f"  store    {store_path(cfg.run_dir)}")
+    console.print(f"  store    {describe_store(cfg.run_dir)}")
+    if warning := launcher.store_warning(cfg):
+        err_console.print(f"[yellow]warning:[/] {warning}")
     console.print(
         f"  metrics  http://{cfg.metrics_host}:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
         f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})"
@@ -190,7 +201,7 @@ def _print_summary(cfg: RunConfig) -> None:
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
-    console.print(f"store: {store_path(cfg.run_dir)}")
+    console.print(f"store: {describe_store(cfg.run_dir)}")
 
 
 @app.command()

@@ -9,6 +9,7 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -253,4 +254,22 @@ def test_several_nodes_without_one_shared_run_id_are_refused_before_anything_sta
         "2",
     )
     assert result.exit_code == 2 and "--run-id" in result.output, result.output
+    assert not any(tmp_path.iterdir()), "nothing is written before the refusal"
+
+
+@pytest.mark.parametrize(
+    ("store", "password_file", "says"),
+    [
+        ("http://db:5432/x", "", "not a postgresql:// URL"),
+        ("postgresql://ms:hunter2@db:5432/x", "", "carries a password"),
+        ("postgresql:///x", "", "names no host"),
+        ("postgresql://ms@db/x", "/nonexistent/pw", "store_password_file"),
+        ("", "/etc/hostname", "names a password for no store"),
+    ],
+)
+def test_a_job_store_that_cannot_work_is_refused_before_anything_starts(tmp_path, store, password_file, says):
+    args = ["run", "--run-dir", str(tmp_path), "--steps", "2", "--store", store]
+    result = invoke(*args, *(["--store-password-file", password_file] if password_file else []))
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert "hunter2" not in result.output  # a password given by mistake is never echoed
     assert not any(tmp_path.iterdir()), "nothing is written before the refusal"

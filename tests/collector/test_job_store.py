@@ -1,0 +1,174 @@
+"""The job store on a real PostgreSQL server: the same store API as SQLite, many writers, a
+leader lock that a survivor takes over, and an outage that loses nothing acknowledged."""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fixtures.servers import job_store, store_target
+from meshscope.collector import controls
+from meshscope.collector.rundir import LeaderLock
+from meshscope.collector.schema import Event, StepRecord
+from meshscope.collector.store import (
+    RunStore,
+    check_store,
+    describe_store,
+    insert_events,
+    latest_step,
+    load_events,
+    load_expert_load,
+    load_steps,
+    store_version,
+)
+from meshscope.collector.storedb import pg_connect, write_locator
+from meshscope.dashboards import postgres
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with job_store(tmp_path_factory.mktemp("jobstore")) as running:
+        yield running
+
+
+def _node(tmp_path, server, name: str, job: str):
+    """One node's run directory, pointing at the job's store."""
+    run = tmp_path / name / job
+    write_locator(run, store_target(server, job))
+    return run
+
+
+def _step(rank: int, step: int, **kw) -> StepRecord:
+    return StepRecord(run_id="j", rank=rank, world_size=4, step=step, time=time.time(), step_s=0.1, **kw)
+
+
+def test_two_nodes_write_one_job_store_and_either_node_reads_every_rank(tmp_path, server):
+    a, b = _node(tmp_path, server, "node0", "job-a"), _node(tmp_path, server, "node1", "job-a")
+    writers = [RunStore(a), RunStore(a), RunStore(b), RunStore(b)]  # rank r on node r // 2
+    for step in range(6):
+        for rank, w in enumerate(writers):
+            w.add_step(_step(rank, step, loss=math.nan if step == 2 else 1.0))
+    writers[3].add_event(Event(kind="fault", run_id="j", rank=3, step=4, detail={"why": "x"}))
+    writers[0].add_expert_load(5, [[1.0, 2.0], [3.0, 4.0]])
+    assert all(w.flush(10) for w in writers)
+    for w in writers:
+        w.close()
+    for run in (a, b):
+        check_store(run)
+        steps = load_steps(run)
+        assert sorted(steps["rank"].unique()) == [0, 1, 2, 3]
+        assert len(steps) == 24 and steps["loss"].isna().sum() == 4  # NaN reads back as NaN
+        assert load_events(run, kind="fault")["detail"].iloc[0] == {"why": "x"}
+        assert load_expert_load(run)["tokens"].tolist() == [1.0, 2.0, 3.0, 4.0]
+        assert latest_step(run, rank=3) == 5
+    assert "schema ms_job_a" in describe_store(a) and "password" not in describe_store(a)
+    # a step written again (a restart) replaces its row, as on SQLite
+    again = RunStore(b)
+    again.add_step(_step(3, 5, loss=7.0))
+    again.close()
+    assert load_steps(a).query("rank == 3 and step == 5")["loss"].tolist() == [7.0]
+
+
+def test_jobs_on_one_server_do_not_see_each_other(tmp_path, server):
+    one, two = _node(tmp_path, server, "n", "job-one"), _node(tmp_path, server, "n", "job-two")
+    w = RunStore(one)
+    w.add_step(_step(0, 0))
+    w.close()
+    assert len(load_steps(one)) == 1
+    with pytest.raises(FileNotFoundError):  # job-two's schema is not there yet
+        load_steps(two)
+
+
+def test_ids_controls_and_the_version_key_work_on_the_job_store(tmp_path, server):
+    run = _node(tmp_path, server, "n", "job-ids")
+    first, second = insert_events(run, [Event(kind="info", run_id="j", detail={})] * 2)
+    assert second == first + 1
+    before = store_version(run)
+    change = controls.ControlChange(kind="aux_loss_coef", values=[0.02])
+    cid = controls.submit(run, change)
+    assert [i for i, _ in controls.pending(run)] == [cid]
+    controls.settle(run, cid, status="applied", step=3, old=0.01, new=0.02)
+    assert controls.pending(run) == []
+    assert controls.load_controls(run)["new"].tolist() == [0.02]
+    assert store_version(run) != before
+
+
+def _migrate(url: str, schema: str, password_file: str) -> None:
+    from meshscope.collector.storedb import StoreTarget
+
+    pg_connect(StoreTarget(url, schema, password_file), create=True).close()
+
+
+def test_every_rank_of_every_node_may_create_the_schema_at_once(tmp_path, server):
+    target = store_target(server, "job-race")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_migrate, args=(target.url, target.schema, target.password_file)) for _ in range(6)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 6
+    with pg_connect(target) as conn:  # one migration recorded: versioned, applied once
+        assert conn.execute("SELECT count(*) FROM schema_version").fetchone()[0] == 1
+
+
+HOLDER = """
+import sys, time
+from meshscope.collector.rundir import LeaderLock
+lock = LeaderLock(sys.argv[1])
+print("held" if lock.held() else "free", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_detection_leader_is_one_process_and_a_survivor_takes_over(tmp_path, server):
+    run_a, run_b = _node(tmp_path, server, "node0", "job-lead"), _node(tmp_path, server, "node1", "job-lead")
+    # another node (no shared file system: a run folder of its own) holds the job's lock
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_a)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        survivor = LeaderLock(run_b)
+        assert not survivor.held()
+        holder.send_signal(signal.SIGKILL)  # the leader's node dies: the server frees its lock
+        holder.wait(10)
+        deadline = time.monotonic() + 10
+        while not survivor.held():
+            assert time.monotonic() < deadline, "the lock was not freed when its holder died"
+            time.sleep(0.1)
+        assert not LeaderLock(run_a).held()  # and now only the survivor judges
+        survivor.release()
+    finally:
+        holder.kill()
+
+
+def test_a_store_that_goes_down_buffers_with_one_warning_and_loses_nothing(tmp_path, caplog):
+    with job_store(tmp_path) as down_then_up:
+        run = _node(tmp_path, down_then_up, "n", "job-outage")
+        writer = RunStore(run, flush_interval_s=0.05)
+        for step in range(5):
+            writer.add_step(_step(0, step))
+        assert writer.flush(10)
+        postgres.stop(down_then_up.home)
+        with caplog.at_level(logging.WARNING, logger="meshscope.store"):
+            for step in range(5, 40):
+                writer.add_step(_step(0, step))
+                time.sleep(0.01)
+            assert not writer.flush(1.0)  # not acknowledged while the server is down
+            postgres.start(down_then_up.home, down_then_up.port)
+            postgres.wait_ready(down_then_up)
+            assert writer.flush(30)
+            writer.close()
+        assert load_steps(run)["step"].tolist() == list(range(40))
+        outages = [r for r in caplog.records if "buffering" in r.getMessage()]
+        assert len(outages) == 1, [r.getMessage() for r in caplog.records]
