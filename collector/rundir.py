@@ -79,23 +79,15 @@ def run_info(run_dir: str | Path) -> RunInfo:
 
 
 class LeaderLock:
-    """Agents sharing a run judge it once. One node: the holder of `detect.lock` in the run
-    directory does; a job store: the holder of the job's database lock (no shared file system
-    needed). Either lock dies with its process, so a surviving agent takes over on its next
-    `held()`."""
+    """Agents sharing a run directory act on it once: the holder of `detect.lock` does. The
+    lock dies with its process, so a surviving agent takes over on its next `held()`."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / LEADER_LOCK
         self._file: IO[str] | None = None
-        from meshscope.collector.storedb import PgLeaderLock, locate  # storedb reads this module's names
-
-        target = locate(run_dir)
-        self._job_lock = PgLeaderLock(target) if target.is_postgres else None
 
     def held(self) -> bool:
         """True when this process holds the lock (taking it if it is free)."""
-        if self._job_lock is not None:
-            return self._job_lock.held()
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             lock = open(self.path, "w")
@@ -108,9 +100,17 @@ class LeaderLock:
         return True
 
     def release(self) -> None:
-        """Give the lock up (closing the file or the session releases it)."""
-        if self._job_lock is not None:
-            self._job_lock.release()
+        """Give the lock up (closing the file releases it)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def job_leader(run_dir: str | Path) -> Any:
+    """The lock whose holder judges the whole job (detection, the job's hang event and alert):
+    on a job store the job's database lock, which every node reaches without a shared file
+    system; else the run directory's own lock."""
+    from meshscope.collector.storedb import PgLeaderLock, locate  # storedb reads this module's names
+
+    target = locate(run_dir)
+    return PgLeaderLock(target) if target.is_postgres else LeaderLock(run_dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -293,30 +294,46 @@ def pg_tables(conn: Any) -> dict[str, set[str]]:
 
 
 class PgLeaderLock:
-    """One detector per job: the holder of the job's advisory lock. The lock lives in the
-    holder's session, so when its process dies the server frees it and a survivor takes over."""
+    """One judge per job: the holder of the job's advisory lock. The lock lives in the holder's
+    session, so when its process dies (or the server restarts) it is freed and a survivor takes
+    over; a holder whose session is gone stops judging at once."""
 
     def __init__(self, target: StoreTarget) -> None:
         self.target = target
         self._conn: Any = None
+        self._guard = threading.Lock()  # the detector and the watchdog ask from their own threads
 
     def held(self) -> bool:
         """True when this process holds the job's lock (taking it if it is free)."""
-        if self._conn is not None and not self._conn.closed:
-            return True
-        try:
-            conn = pg_connect(self.target)
-        except StoreUnavailable:
+        with self._guard:
+            if self._conn is not None and self._alive():
+                return True
+            try:
+                conn = pg_connect(self.target)
+            except StoreUnavailable:
+                return False
+            got = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", ("leader:" + self.target.schema,))
+            if got.fetchone()[0]:
+                self._conn = conn
+                return True
+            conn.close()
             return False
-        got = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", ("leader:" + self.target.schema,))
-        if got.fetchone()[0]:
-            self._conn = conn
+
+    def _alive(self) -> bool:
+        """The session that holds the lock still exists (one round trip)."""
+        import psycopg
+
+        try:
+            self._conn.execute("SELECT 1")
             return True
-        conn.close()
-        return False
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            self._conn.close()
+            self._conn = None
+            return False
 
     def release(self) -> None:
         """Give the lock up (closing the session releases it)."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        with self._guard:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None

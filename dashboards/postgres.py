@@ -32,11 +32,12 @@ class LocalPostgres:
 
     home: Path
     port: int
+    host: str = "127.0.0.1"  # the first address it listens on
 
     @property
     def url(self) -> str:
         """The job store URL (`--store`); the password is in `password_file`."""
-        return f"postgresql://{PG_USER}@127.0.0.1:{self.port}/{PG_DATABASE}"
+        return f"postgresql://{PG_USER}@{self.host}:{self.port}/{PG_DATABASE}"
 
     @property
     def password_file(self) -> Path:
@@ -123,7 +124,7 @@ def start(
 ) -> LocalPostgres:
     """Start (initialising on first use) a server on `listen`:port that logs in loopback and
     the `allow` networks (CIDRs: the nodes of a job); returns once it accepts."""
-    server = LocalPostgres(Path(home).resolve(), port)
+    server = LocalPostgres(Path(home).resolve(), port, listen[0])
     if not (server.data / "PG_VERSION").exists():
         _initdb(server)
     _allow(server, allow)

@@ -10,11 +10,12 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from meshscope.collector.metrics import DetectorMetrics
-from meshscope.collector.rundir import LeaderLock, run_info
+from meshscope.collector.rundir import job_leader, run_info
 from meshscope.collector.schema import Event, anomaly_key
 from meshscope.collector.store import RunStore, load_events, load_expert_load, load_grad_stats, load_steps
 from meshscope.detectors.engine import DetectionEngine, EngineConfig
@@ -36,10 +37,10 @@ class LiveDetection:
         poll_s: float = 1.0,
         on_open: Sequence[Callable[[Episode], None]] = (),
         on_round: Sequence[Callable[[], None]] = (),
-        leader: LeaderLock | None = None,
+        leader: Any = None,
     ) -> None:
         self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
-        self.leader = leader or LeaderLock(self.run_dir)
+        self.leader = leader or job_leader(self.run_dir)  # held(): this process judges the job
         self.on_open, self.on_round = list(on_open), list(on_round)
         self.store: RunStore | None = None
         self.engine = DetectionEngine(

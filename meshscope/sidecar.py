@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 
 from meshscope.alerts.notify import Alert, Email, Outbox, SlackWebhook, parse_host_port, read_secret
 from meshscope.collector.exporter import PortInUseError, serve_metrics, write_detector_target
-from meshscope.collector.rundir import OUTBOX, LeaderLock, live_dir
+from meshscope.collector.rundir import OUTBOX, LeaderLock, job_leader, live_dir
 from meshscope.collector.schema import Event, anomaly_link
 from meshscope.collector.store import RunStore
 from meshscope.detectors.episodes import Episode
@@ -110,20 +110,22 @@ class Sidecar:
     def __init__(self, cfg: Any, alerts: AlertPath) -> None:
         self.cfg = cfg
         self.outbox = Outbox(cfg.run_dir / OUTBOX, alerts.channels) if alerts.channels else None
-        leader = LeaderLock(cfg.run_dir)
+        # this node's watchdog watches its own ranks (and answers the others'); one node judges the job
+        node_lock = LeaderLock(cfg.run_dir)
+        self.job_lock = job_leader(cfg.run_dir)
         self.live = LiveDetection(
             cfg.run_dir,
             cfg.run_id,
             config=cfg.detect,
             on_open=[self._alert_anomaly] if self.outbox else [],
             on_round=[self.outbox.deliver] if self.outbox else [],
-            leader=leader,
+            leader=self.job_lock,
         )
         self.watch = HangWatch(
             live_dir(cfg.run_dir),
             cfg.hang,
             on_hang=self._hung,
-            leader=leader.held,
+            leader=node_lock.held,
             exchange=hang_exchange(cfg),
         )
         self.metrics_url: str | None = None
@@ -158,10 +160,19 @@ class Sidecar:
         self.outbox.put(Alert.from_anomaly(self.cfg.run_id, detail, self._link(**anomaly_link(detail))))
 
     def _hung(self, diag: Diagnosis) -> None:
-        """A hang or broken collective: event, metric, alert, and (abort) end the workers so
-        the elastic agent restarts them from the last checkpoint."""
+        """A hang or broken collective: metric and (abort) end this node's workers so the elastic
+        agent restarts them from the last checkpoint; the job's leader also records the event
+        and alerts (every node's watchdog sees the stall: the job hears of it once)."""
         self.live.metrics.faults.labels(kind="hang").inc()
         detail = {**diag.detail(), "action": self.cfg.hang.on_hang}
+        if self.job_lock.held():
+            self._record_hang(diag, detail)
+        if self.cfg.hang.on_hang == "abort":
+            kill_all(diag.evidence.get("pids", {}).values())
+        log.warning("hang: %s", diag.why)
+
+    def _record_hang(self, diag: Diagnosis, detail: dict[str, Any]) -> None:
+        """The hang event in the store, and its alert."""
         store = RunStore(self.cfg.run_dir)  # this thread's own connection (SQLite is per thread)
         try:
             step = diag.evidence.get("step")
@@ -177,9 +188,6 @@ class Sidecar:
                 )
             )
             self.outbox.deliver()
-        if self.cfg.hang.on_hang == "abort":
-            kill_all(diag.evidence.get("pids", {}).values())
-        log.warning("hang: %s", diag.why)
 
 
 def kill_all(pids: Any) -> None:

@@ -3,9 +3,16 @@
 Layout: `<run>/checkpoints/step_00000040/` holds DCP's files (model and optimizer, saved once
 for the replicated DDP state), `local_rank<r>.pt` per rank (RNG, compression error feedback), and
 `manifest.json` (step, world size, sha256 of every file). A checkpoint is written under
-`.step_N.partial/` and renamed by rank 0 after every rank finished and the manifest is on disk,
-so a kill at any moment leaves either the old set or the new one. Loading verifies the
+`.step_N.partial/` and renamed by its leader after every rank finished and the manifest is on
+disk, so a kill at any moment leaves either the old set or the new one. Loading verifies the
 checksums; a bad checkpoint is refused with the reason and the previous one is used.
+
+Across nodes the folder may or may not be one (a shared file system, or each node's own disk);
+the ranks find out at start (`_probe_shared`). Shared: one checkpoint for the job, as on one
+node. Not shared: each node saves the whole replicated state into its own folder (DCP over the
+node's ranks, the node's first rank renaming), and at resume every node says which checkpoints
+it holds intact: the job resumes at the newest step every node has, and nodes that share none
+refuse to train with the reason (a hang or a silent split would be worse).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import os
 import shutil
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,15 +86,55 @@ class CheckpointManager:
     """Save every N steps (asynchronously on a process group of its own), keep the last K."""
 
     def __init__(
-        self, root: Path, *, rank: int, world_size: int, keep: int = 3, async_save: bool = True
+        self,
+        root: Path,
+        *,
+        rank: int,
+        world_size: int,
+        keep: int = 3,
+        async_save: bool = True,
+        node: int = 0,
     ) -> None:
         self.root = Path(root)
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.async_save = async_save and dist.is_initialized()
+        self.root.mkdir(parents=True, exist_ok=True)
         # Checkpoint collectives run on their own group: they may overlap training's.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # who writes one copy of the state together, and who renames it (the job, or this node)
+        self.save_group, self.leader = self.group, rank == 0
+        if self.group is not None and world_size > 1:
+            self._split_by_node(node)
         self._pending: threading.Thread | None = None
-        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _split_by_node(self, node: int) -> None:
+        """On nodes that do not share the folder, each node saves and loads a copy of its own."""
+        seen = self._probe_shared()
+        where: list[Any] = [None] * self.world_size
+        dist.all_gather_object(where, (node, seen), group=self.group)
+        nodes = sorted({n for n, _ in where})
+        if len(nodes) == 1 or all(s for _, s in where):
+            return
+        for n in nodes:  # every rank creates every group, in one order
+            ranks = [r for r, (m, _) in enumerate(where) if m == n]
+            group = dist.new_group(ranks=ranks, backend="gloo")
+            if n == node:
+                self.save_group, self.leader = group, self.rank == ranks[0]
+        log.info("checkpoint folders are per node (%d nodes, no shared file system)", len(nodes))
+
+    def _probe_shared(self) -> bool:
+        """Whether this rank sees a file rank 0 just wrote into the checkpoint folder."""
+        token: list[Any] = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=0, group=self.group)
+        probe = self.root / f".probe-{token[0]}"
+        if self.rank == 0:
+            probe.touch()
+        self._barrier()
+        seen = probe.exists()
+        self._barrier()
+        if self.rank == 0:
+            probe.unlink()
+        return seen
 
     # --- saving -------------------------------------------------------------------------
     def save(
@@ -95,28 +143,28 @@ class CheckpointManager:
         """Checkpoint the state after `step` steps. Returns once the state is staged."""
         self.wait()
         partial = self.root / f".step_{step:08d}.partial"
-        if self.rank == 0 and partial.exists():
+        if self.leader and partial.exists():
             shutil.rmtree(partial)
-        self._barrier()
+        self._barrier(self.save_group)
         partial.mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         torch.save(local, partial / f"local_rank{self.rank}.pt")
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.save_group)
             self._pending = threading.Thread(
                 target=self._finish, args=(step, partial, future), name="meshscope-ckpt", daemon=True
             )
             self._pending.start()
         else:
-            dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
+            dcp.save(state, checkpoint_id=str(partial), process_group=self.save_group)
             self._finish(step, partial, None)
 
     def _finish(self, step: int, partial: Path, future: Any) -> None:
         if future is not None:
             future.result()
-        self._barrier()  # every rank's files are written
-        if self.rank == 0:
+        self._barrier(self.save_group)  # every rank's files of this copy are written
+        if self.leader:
             files = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
             manifest = {"step": step, "world_size": self.world_size, "files": files}
             (partial / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -129,7 +177,7 @@ class CheckpointManager:
             os.rename(partial, final)  # the moment the checkpoint becomes visible
             _fsync_dir(self.root)
             self._prune()
-        self._barrier()
+        self._barrier()  # every copy is visible before anyone counts on it
 
     def wait(self) -> None:
         """Block until an asynchronous save has become visible."""
@@ -141,40 +189,60 @@ class CheckpointManager:
         for old in self.checkpoints()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def _barrier(self) -> None:
+    def _barrier(self, group: Any = None) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            dist.barrier(group=group or self.group)
 
     # --- loading ------------------------------------------------------------------------
     def checkpoints(self) -> list[Path]:
         """The finished checkpoint folders, oldest first."""
         return sorted(p for p in self.root.glob("step_*") if p.is_dir())
 
-    def newest_valid(self) -> tuple[Path | None, list[str]]:
-        """The newest checkpoint that verifies, and the reasons the newer ones were refused."""
-        refused = []
+    def valid(self) -> tuple[dict[int, Path], list[str]]:
+        """This folder's intact checkpoints by step, and the reasons the others were refused."""
+        found, refused = {}, []
         for path in reversed(self.checkpoints()):
             try:
-                verify(path)
-                return path, refused
+                found[int(verify(path)["step"])] = path
             except CheckpointError as err:
                 log.warning("%s; falling back to the previous checkpoint", err)
                 refused.append(str(err))
-        return None, refused
+        return found, refused
+
+    def agreed(self) -> tuple[Path | None, list[str]]:
+        """The checkpoint to resume from: the newest step intact in every rank's folder (one
+        folder on one node or a shared file system; each node's own otherwise)."""
+        found, refused = self.valid()
+        if self.group is None or self.world_size == 1:
+            return (found[max(found)] if found else None), refused
+        held: list[Any] = [None] * self.world_size
+        dist.all_gather_object(held, sorted(found), group=self.group)
+        common = set(held[0]).intersection(*map(set, held[1:]))
+        if not common:
+            if any(held):
+                raise CheckpointError(
+                    "the nodes hold no checkpoint in common, so they cannot resume at one step "
+                    f"(steps per rank: {dict(enumerate(held))}); refusing to train. Give every node "
+                    "the same checkpoints (a shared folder) or start the run afresh"
+                )
+            return None, refused
+        step = max(common)
+        refused += [f"checkpoint step_{s:08d}: not on every node" for s in found if s > step]
+        return found[step], refused
 
     def restore(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[Restored | None, list[str]]:
-        """Load the newest valid checkpoint into model and optimizer.
+        """Load the agreed checkpoint into model and optimizer.
 
         Returns (what was restored or None, reasons newer checkpoints were refused)."""
-        path, refused = self.newest_valid()
+        path, refused = self.agreed()
         if path is None:
             return None, refused
         manifest = verify(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        dcp.load(state, checkpoint_id=str(path), process_group=self.save_group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return Restored(step=manifest["step"], path=path, world_size=manifest["world_size"]), refused
 

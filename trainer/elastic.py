@@ -84,6 +84,7 @@ class ElasticRun:
                 world_size=env.world_size,
                 keep=cfg.elastic.keep,
                 async_save=cfg.elastic.async_checkpoint,
+                node=env.group_rank,
             )
             if every
             else None

@@ -199,6 +199,21 @@ def _check_dead(s: Stall) -> Diagnosis | None:
     )
 
 
+def _check_clean_end(s: Stall) -> Diagnosis | None:
+    """Every rank of the job closed its flight log without an error: the run ended, nothing hung
+    (a post-mortem of a finished run must not invent a hang)."""
+    if not s.tails or not all(t.closed and not t.last_error for t in s.tails.values()):
+        return None
+    unseen = sorted(set(range(s.world)) - set(s.tails))
+    elsewhere = f"; {ranks_text(unseen)} not seen here (another node)" if unseen else ""
+    return Diagnosis(
+        Verdict.NONE,
+        [],
+        [],
+        f"no hang: {ranks_text(s.tails)} ended the run cleanly, flight logs closed{elsewhere}",
+    )
+
+
 def _check_all_done(s: Stall) -> Diagnosis | None:
     """A post-mortem (no stacks, no liveness) where every collective completed and matched:
     these records show no hang (the job may have stopped in compute, or been stopped)."""
@@ -309,6 +324,7 @@ def _check_stuck(s: Stall) -> Diagnosis | None:
 
 # Asked in order; the first verdict wins (the last always answers).
 CHECKS: list[Callable[[Stall], Diagnosis | None]] = [
+    _check_clean_end,
     _check_mismatch,
     _check_desync,
     _check_error,

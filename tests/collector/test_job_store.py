@@ -15,7 +15,7 @@ import pytest
 
 from fixtures.servers import job_store, store_target
 from meshscope.collector import controls
-from meshscope.collector.rundir import LeaderLock
+from meshscope.collector.rundir import job_leader
 from meshscope.collector.schema import Event, StepRecord
 from meshscope.collector.store import (
     RunStore,
@@ -125,8 +125,8 @@ def test_every_rank_of_every_node_may_create_the_schema_at_once(tmp_path, server
 
 HOLDER = """
 import sys, time
-from meshscope.collector.rundir import LeaderLock
-lock = LeaderLock(sys.argv[1])
+from meshscope.collector.rundir import job_leader
+lock = job_leader(sys.argv[1])
 print("held" if lock.held() else "free", flush=True)
 time.sleep(600)
 """
@@ -138,7 +138,7 @@ def test_the_detection_leader_is_one_process_and_a_survivor_takes_over(tmp_path,
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_a)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        survivor = LeaderLock(run_b)
+        survivor = job_leader(run_b)
         assert not survivor.held()
         holder.send_signal(signal.SIGKILL)  # the leader's node dies: the server frees its lock
         holder.wait(10)
@@ -146,7 +146,7 @@ def test_the_detection_leader_is_one_process_and_a_survivor_takes_over(tmp_path,
         while not survivor.held():
             assert time.monotonic() < deadline, "the lock was not freed when its holder died"
             time.sleep(0.1)
-        assert not LeaderLock(run_a).held()  # and now only the survivor judges
+        assert not job_leader(run_a).held()  # and now only the survivor judges
         survivor.release()
     finally:
         holder.kill()

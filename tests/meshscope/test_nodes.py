@@ -3,28 +3,37 @@ run folder (no shared file system), one `meshscope run` agent in each."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
-from fixtures.netns import nodes
+from fixtures import servers
+from fixtures.netns import network, nodes, services_address
 from fixtures.ports import free_port_range
-from fixtures.runs import REPO, TINY
+from fixtures.runs import REPO, TINY, meshscope
 from meshscope.collector.store import load_events, load_steps
+from meshscope.view.data import run_summary
 
 
-def agents(tmp_path, steps: int = 12, *extra: str):
-    """Two nodes x two ranks, node 0 hosting the rendezvous; (node, returncode, output) each."""
+def agents(tmp_path, steps: int = 12, *extra: str, job_store: bool = False, config=TINY):
+    """Two nodes x two ranks, node 0 hosting the rendezvous (and, with `job_store`, a PostgreSQL
+    job store on the bridge that both nodes write); (node, returncode, output) each."""
     port = free_port_range(1)
     # as a user would start it: no interface forced (the tests' own loopback setting removed)
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    with nodes(2) as pair:
+    with nodes(2) as pair, contextlib.ExitStack() as stack:
+        if job_store:
+            server = stack.enter_context(
+                servers.job_store(tmp_path, listen=(services_address(),), allow=(network(),))
+            )
+            extra = (*extra, "--store", server.url, "--store-password-file", str(server.password_file))
         first = pair[0]
         procs = [
             subprocess.Popen(
                 node.command(
-                    *(sys.executable, "-m", "meshscope", "run", "--config", str(TINY)),
+                    *(sys.executable, "-m", "meshscope", "run", "--config", str(config)),
                     *("--run-dir", str(tmp_path / f"node{i}"), "--run-id", "job", "--nproc", "2"),
                     *("--steps", str(steps), "--nnodes", "2", "--rdzv-endpoint", f"{first.address}:{port}"),
                     *("--metrics-port", "19400", *extra),
@@ -45,7 +54,20 @@ def agents(tmp_path, steps: int = 12, *extra: str):
                 proc.kill()
                 out, _ = proc.communicate()
             results.append((node, proc.returncode, out))
+        if job_store:  # what either node's readers see, read while the server is up
+            results = [(*r, _readers(tmp_path / f"node{i}" / "job")) for i, r in enumerate(results)]
         return results
+
+
+def _readers(run):
+    """Every reader a user meets, on one node's run folder."""
+    return {
+        "steps": load_steps(run),
+        "events": load_events(run),
+        "explain": meshscope("explain", "--run", str(run)),
+        "hang-report": meshscope("hang-report", "--run", str(run)),
+        "summary": run_summary(run),
+    }
 
 
 def test_two_nodes_of_two_ranks_train_together_and_finish(tmp_path):
@@ -65,3 +87,61 @@ def test_two_nodes_of_two_ranks_train_together_and_finish(tmp_path):
         assert "12/12" in out, out[-1500:]  # this node's progress, though its ranks are not 0
     assert ranks == {0: [0, 1], 1: [2, 3]}, ranks
     assert load_events(tmp_path / "node0" / "job", kind="run_end").shape[0] == 1
+
+
+def test_a_slow_rank_on_the_second_node_is_found_job_wide_from_either_node(tmp_path):
+    # steps of ~40 ms rather than ~10 ms: OS jitter on 2 busy cores is not a fault
+    config = tmp_path / "nodes.toml"
+    config.write_text(
+        TINY.read_text().replace("d_model = 32", "d_model = 64").replace("batch_size = 8", "batch_size = 16")
+    )
+    slow = "slow@step=40,rank=3,steps=10,factor=3"
+    results = agents(tmp_path, 60, "--inject", slow, job_store=True, config=config)
+    for node, code, out, _ in results:
+        assert code == 0, f"{node.name}: {out[-3000:]}"
+        assert "60/60" in out and "60 x 4" in out, out[-1500:]  # the job's progress and summary
+    for node, *_, seen in results:
+        steps, events = seen["steps"], seen["events"]
+        assert sorted(steps["rank"].unique()) == [0, 1, 2, 3], node.name
+        stragglers = [d for d in events[events["kind"] == "anomaly"]["detail"] if d["type"] == "straggler"]
+        assert [(d["ranks"], 40 <= d["start_step"] <= 45) for d in stragglers] == [([3], True)], stragglers
+        assert "rank 3" in seen["explain"].stdout, seen["explain"].stdout[-1500:]
+        assert seen["summary"]["status"] == "finished", seen["summary"]
+        assert seen["summary"]["ranks"] == 4, seen["summary"]
+        print(
+            seen["hang-report"].returncode,
+            seen["hang-report"].stdout[-2000:],
+            seen["hang-report"].stderr[-500:],
+        )
+    assert len([1 for *_, seen in results for k in seen["events"]["kind"] if k == "run_end"]) == 2  # one job
+
+
+def test_a_rank_on_the_second_node_that_skips_a_collective_is_named_once_and_the_job_resumes(tmp_path):
+    inject = "skip_collective@step=5,rank=3"
+    results = agents(
+        tmp_path,
+        14,
+        "--inject",
+        inject,
+        "--checkpoint-every",
+        "4",
+        "--max-restarts",
+        "1",
+        "--on-hang",
+        "abort",
+        job_store=True,
+    )
+    for node, code, out, _ in results:
+        assert code == 0, f"{node.name}: {out[-3000:]}"
+    for node, _, _, seen in results:
+        events = seen["events"]
+        hangs = events[events["kind"] == "hang"]["detail"].tolist()
+        assert [(h["culprit_ranks"], h["type"]) for h in hangs] == [([3], "desync")], (node.name, hangs)
+        resumes = events[events["kind"] == "resume"]["step"].tolist()
+        assert resumes == [4], resumes  # the job resumed once, at the checkpoint before the hang
+        # (a node resuming elsewhere would mismatch the collectives: a second hang, a failed run)
+        assert seen["steps"].groupby("rank")["step"].max().eq(13).all()
+        assert "[3]" in seen["hang-report"].stdout, seen["hang-report"].stdout[-1500:]
+    for i in (0, 1):  # no shared file system: each node keeps whole checkpoints of its own
+        folder = tmp_path / f"node{i}" / "job" / "checkpoints"
+        assert [p.name for p in folder.glob("step_*")] and not list(folder.glob(".*.partial")), i

@@ -1,12 +1,16 @@
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from fixtures.dist import run_ranks
 from meshscope.trainer.checkpoint import CheckpointError, CheckpointManager, verify
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +79,7 @@ def test_kill_during_a_write_resumes_from_the_previous_good_checkpoint(tmp_path)
         proc.wait()
     assert list(tmp_path.glob(".step_*.partial")), "the kill should land mid-write"
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=False)
-    path, refused = mgr.newest_valid()
+    path, refused = mgr.agreed()
     assert path is not None and refused == []
     step = verify(path)["step"]
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])
@@ -84,3 +88,43 @@ def test_kill_during_a_write_resumes_from_the_previous_good_checkpoint(tmp_path)
     torch.manual_seed(0)
     expected = torch.nn.Linear(1024, 1024).weight + step  # every save added 1 to every weight
     assert torch.equal(model[0].weight, expected)
+
+
+def _nodes_without_a_shared_folder(rank: int, world_size: int, root: str, drop: list[str]) -> Any:
+    """Two "nodes" of two ranks, each with its own checkpoint folder; `drop` removes some of the
+    second node's checkpoints before the resume; returns (steps held, resumed step or error)."""
+    node = rank // 2
+    folder = Path(root) / f"node{node}"
+    mgr = CheckpointManager(folder, rank=rank, world_size=world_size, async_save=False, node=node)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (4, 8):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        mgr.save(step, model, opt, {"step": step})
+    dist.barrier()
+    if rank == 2:
+        for name in drop:
+            shutil.rmtree(Path(root) / "node1" / name)
+    dist.barrier()
+    held = sorted(p.name for p in folder.glob("step_*"))
+    try:
+        restored, refused = mgr.restore(model, opt)
+    except CheckpointError as err:
+        return held, str(err)
+    return held, (restored and restored.step, float(model.weight[0, 0]), refused)
+
+
+def test_nodes_without_a_shared_folder_each_keep_a_whole_copy_and_resume_at_one_step(tmp_path):
+    both = run_ranks(_nodes_without_a_shared_folder, 4, root=str(tmp_path), drop=[])
+    assert [held for held, _ in both] == [["step_00000004", "step_00000008"]] * 4  # no .partial left
+    assert [r[:2] for _, r in both] == [(8, 8.0)] * 4
+    # the second node lost its newest: the job goes back to the newest step every node has
+    back = run_ranks(_nodes_without_a_shared_folder, 4, root=str(tmp_path / "b"), drop=["step_00000008"])
+    assert [r[:2] for _, r in back] == [(4, 4.0)] * 4
+    assert "not on every node" in back[0][1][2][0]
+    # nothing in common: every rank refuses (rather than two halves training from different steps)
+    none = run_ranks(
+        _nodes_without_a_shared_folder, 4, root=str(tmp_path / "c"), drop=["step_00000004", "step_00000008"]
+    )
+    assert all(isinstance(r, str) and "no checkpoint in common" in r for _, r in none), none
