@@ -1,21 +1,19 @@
 """The run store: what every rank writes while readers read, behind one API whatever holds it.
 
-One node: one SQLite file per run (WAL) in the run directory. Several nodes: one job store on
-PostgreSQL that the run directory's `store.json` names (collector/storedb.py). Writers queue
-records and a background thread commits them in batches, so the training loop never waits on
-the disk or the network. Each batch is one transaction: a killed process loses at most the
-batch in flight, never the store; a job store that is down is buffered for, and nothing
-acknowledged is lost.
+Every rank writes its node's SQLite file (WAL) in the run directory. Writers queue records and
+a background thread commits them in batches, so the training loop never waits on the disk; each
+batch is one transaction: a killed process loses at most the batch in flight, never the file.
+A job on several nodes also has one job store on PostgreSQL, named by the run directory's
+`store.json` (collector/storedb.py) and fed by each node's relay (collector/relay.py); readers
+of such a directory read the job store, so every node sees the whole job.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import operator
 import sqlite3
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,13 +35,10 @@ from meshscope.collector.storedb import (
 if TYPE_CHECKING:  # the loaders return DataFrames; writing a store (the Monitor) needs no pandas
     import pandas as pd
 
-log = logging.getLogger("meshscope.store")
-
 __all__ = ["STORE_NAME", "StoreUnavailable"]  # re-exported: readers name them from here
 TENSOR_STAT_COLUMNS = ("step", "rank", "module", "where", "absmax", "norm", "mean", "std", "nonfinite")
 GRAD_STAT_COLUMNS = ("step", "module", "grad_norm", "weight_norm", "update_ratio")
 EVENT_COLUMNS = ("time", "run_id", "kind", "severity", "rank", "step", "detail")
-CLOSE_RETRY_S = 30.0  # how long close() keeps trying a job store that is down before it spills
 
 
 _STEP_ROW = operator.attrgetter(*STEP_COLUMNS)  # a StepRecord as a row, in one C call
@@ -86,66 +81,19 @@ def open_store(run_dir: str | Path) -> sqlite3.Connection:
     return sqlite_open(store_path(run_dir))
 
 
-class _SqliteSink:
-    """Batches into the run directory's SQLite file."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self._conn = open_store(run_dir)
-
-    def write(self, rows: dict[str, list[tuple]]) -> None:
-        with self._conn:  # one transaction per batch
-            for kind, batch in rows.items():
-                if batch:
-                    self._conn.executemany(_INSERT["sqlite"][kind], batch)
-
-    def close(self) -> None:
-        self._conn.close()
-
-
-class _PgSink:
-    """Batches into the job store; StoreUnavailable while its server does not answer."""
-
-    def __init__(self, target: StoreTarget) -> None:
-        self.target = target
-        self._conn: Any = None
-
-    def write(self, rows: dict[str, list[tuple]]) -> None:
-        import psycopg
-
-        try:
-            if self._conn is None or self._conn.closed:
-                self._conn = pg_connect(self.target, create=True)
-            with self._conn.transaction(), self._conn.cursor() as cur:
-                for kind, batch in rows.items():
-                    if batch:  # psycopg pipelines executemany: one round trip per batch, not per row
-                        cur.executemany(_INSERT["postgresql"][kind], batch)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as err:
-            self.close()
-            first_line = str(err).strip().splitlines()[0]
-            raise StoreUnavailable(f"job store {self.target.url}: {first_line}") from None
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-
 class RunStore:
-    """Batched, thread-backed writer for one process. `close()` flushes everything queued."""
+    """Batched, thread-backed writer for one process into its node's SQLite file (a job store
+    gets the rows from the node's relay). `close()` flushes everything queued."""
 
     def __init__(self, run_dir: str | Path, *, flush_interval_s: float = 0.5) -> None:
         self.run_dir = Path(run_dir)
-        self.target = locate(self.run_dir)
-        self._sink: _SqliteSink | _PgSink = (
-            _PgSink(self.target) if self.target.is_postgres else _SqliteSink(self.run_dir)
-        )
+        self._conn = open_store(self.run_dir)
         # A plain list, swapped by the writer: adding a record never wakes a thread (a wake-up
         # per step costs a context switch and a GIL hand-off on a busy host).
         self._items: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()  # flush and close only
         self._stopping = False
-        self._down_since: float | None = None  # the job store stopped answering then
         self._flush_interval_s = flush_interval_s
         self._thread = threading.Thread(target=self._writer, name="meshscope-store", daemon=True)
         self._thread.start()
@@ -175,8 +123,7 @@ class RunStore:
         self._put(("grads", [tuple(r[c] for c in GRAD_STAT_COLUMNS) for r in rows]))
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Block until everything queued so far is committed; False when `timeout` came first
-        (the job store is down: the records stay queued)."""
+        """Block until everything queued so far is committed (False: `timeout` came first)."""
         done = threading.Event()
         self._put(("barrier", done))
         self._wake.set()
@@ -187,33 +134,23 @@ class RunStore:
         if self._thread.is_alive():
             self._stopping = True
             self._wake.set()
-            self._thread.join(timeout=CLOSE_RETRY_S + 30)
-        self._sink.close()
+            self._thread.join(timeout=60)
+        self._conn.close()
 
     def _writer(self) -> None:
-        deadline = None
         while True:
             self._wake.wait(self._flush_interval_s)
             self._wake.clear()
             stopping = self._stopping  # read before taking the batch: nothing is left behind
             with self._lock:
                 items, self._items = self._items, []
-            if items and not self._commit(items):
-                with self._lock:  # keep them, in order, ahead of what came since
-                    self._items = items + self._items
-                if stopping:
-                    deadline = deadline or time.monotonic() + CLOSE_RETRY_S
-                    if time.monotonic() < deadline:
-                        continue
-                    self._spill()
-                    return
-                continue
+            if items:
+                self._commit(items)
             if stopping:
                 return
 
-    def _commit(self, items: list[tuple[str, Any]]) -> bool:
-        """Write one batch in one transaction, then release the flushes waiting on it; False
-        when the job store is down (the batch is kept for the next round)."""
+    def _commit(self, items: list[tuple[str, Any]]) -> None:
+        """Write one batch in one transaction, then release the flushes waiting on it."""
         rows: dict[str, list[tuple]] = {kind: [] for kind in _ROWS}
         barriers = []
         for kind, payload in items:
@@ -221,41 +158,12 @@ class RunStore:
                 barriers.append(payload)
             else:
                 rows[kind].extend(_ROWS[kind](payload))
-        try:
-            self._sink.write(rows)
-        except StoreUnavailable as err:
-            if self._down_since is None:  # one warning per outage
-                self._down_since = time.monotonic()
-                log.warning("%s; buffering records until it answers", err)
-            return False
-        if self._down_since is not None:
-            log.warning(
-                "job store answers again after %.1f s; buffered records written",
-                time.monotonic() - self._down_since,
-            )
-            self._down_since = None
+        with self._conn:  # one transaction per batch
+            for kind, batch in rows.items():
+                if batch:
+                    self._conn.executemany(_INSERT[kind], batch)
         for done in barriers:
             done.set()
-        return True
-
-    def _spill(self) -> None:
-        """The job store stayed down through close(): keep the records in this node's SQLite
-        file rather than lose them, and say where they are."""
-        with self._lock:
-            items, self._items = self._items, []
-        spill = _SqliteSink(self.run_dir)
-        rows: dict[str, list[tuple]] = {kind: [] for kind in _ROWS}
-        for kind, payload in items:
-            if kind != "barrier":
-                rows[kind].extend(_ROWS[kind](payload))
-        spill.write(rows)
-        spill.close()
-        log.error(
-            "job store %s still down at close: %d record(s) kept in %s",
-            self.target.url,
-            sum(map(len, rows.values())),
-            store_path(self.run_dir),
-        )
 
 
 def _event_row(e: Event) -> list[tuple]:
@@ -269,7 +177,7 @@ def _expert_rows(payload: tuple[int, list[list[float]]]) -> list[tuple]:
     ]
 
 
-# Per queued kind: how its payload becomes rows, and (per database) the statement that writes them.
+# Per queued kind: how its payload becomes rows, and the statement that writes them.
 _ROWS: dict[str, Any] = {
     "step": lambda rec: [_STEP_ROW(rec)],
     "event": _event_row,
@@ -286,13 +194,9 @@ _TABLE_OF = {
 }
 
 
-def _statement(dialect: str, kind: str) -> str:
-    table, columns, replace = _TABLE_OF[kind]
-    sql = insert_sql(dialect, table, columns, replace=replace)
-    return sql if dialect == "sqlite" else pg_sql(sql)
-
-
-_INSERT = {d: {kind: _statement(d, kind) for kind in _TABLE_OF} for d in ("sqlite", "postgresql")}
+_INSERT = {kind: insert_sql("sqlite", t, cols, replace=keyed) for kind, (t, cols, keyed) in _TABLE_OF.items()}
+# What a node's relay ships to the job store: table -> (columns, replaced on its key).
+RELAY_TABLES = {table: (columns, keyed) for table, columns, keyed in _TABLE_OF.values()}
 
 
 class StoreError(ValueError):

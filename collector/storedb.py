@@ -66,6 +66,10 @@ CREATE TABLE IF NOT EXISTS grad_stats (
 );
 """
 SCHEMA_VERSION = 1
+# The job store only: how far each node's relay has shipped its store (collector/relay.py).
+RELAY_POSITIONS = """CREATE TABLE IF NOT EXISTS relay_positions (
+  source TEXT NOT NULL, tbl TEXT NOT NULL, position BIGINT NOT NULL, PRIMARY KEY (source, tbl)
+)"""
 # The key each table is replaced on (a step written again after a restart replaces the old row).
 TABLE_KEYS = {
     "steps": ("rank", "step"),
@@ -263,7 +267,7 @@ def _pg_migrate(conn: Any, schema: str) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
         row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
         if (row[0] or 0) < SCHEMA_VERSION:
-            for statement in ddl("postgresql"):
+            for statement in [*ddl("postgresql"), RELAY_POSITIONS]:
                 conn.execute(statement)
             _add_step_columns(conn, "postgresql")
             conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))

@@ -39,8 +39,10 @@ def prometheus_config(
     scrape_interval_s: float = 5.0,
     rule_files: list[str] | None = None,
     alertmanager: str | None = None,
+    remote_write: str | None = None,
 ) -> dict[str, Any]:
-    """Scrape every rank of every run under `runs_root`; topology comes from target labels."""
+    """Scrape every rank of every run under `runs_root`; topology comes from target labels;
+    `remote_write` ships every sample on to a long-term store (VictoriaMetrics)."""
     interval = f"{scrape_interval_s:g}s"
     config: dict[str, Any] = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
@@ -58,6 +60,8 @@ def prometheus_config(
     }
     if rule_files:
         config["rule_files"] = rule_files
+    if remote_write:
+        config["remote_write"] = [{"url": remote_write}]
     if alertmanager:
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
     return config

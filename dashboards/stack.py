@@ -1,5 +1,7 @@
 """`meshscope stack`: Prometheus and Alertmanager from the installed binaries, on 127.0.0.1,
-pointed at a runs folder, with their configs, data, logs and pid files under one folder of ours.
+pointed at a runs folder, with their configs, data, logs and pid files under one folder of ours;
+on request VictoriaMetrics (Prometheus remote-writes every sample to it: long retention and
+cluster-wide queries) and PostgreSQL (the job store of multi-node runs).
 
 The processes outlive the command that started them (their own session); `down` stops them
 through the pid files, and a pid is only trusted while its command line is still that binary.
@@ -28,8 +30,12 @@ from meshscope.dashboards.prometheus import write_prometheus_config, write_rules
 BINARIES = {
     "prometheus": ("prometheus",),
     "alertmanager": ("prometheus-alertmanager", "alertmanager"),
+    "victoria-metrics": ("victoria-metrics", "victoria-metrics-prod"),
 }  # Debian's name, upstream's
-INSTALL_HINT = "apt-get install prometheus prometheus-alertmanager (Debian), or put the binaries on PATH"
+INSTALL_HINT = (
+    "apt-get install prometheus prometheus-alertmanager victoria-metrics (Debian), or put them on PATH"
+)
+VM_RETENTION = "12"  # months of samples VictoriaMetrics keeps
 
 
 class StackError(RuntimeError):
@@ -44,7 +50,11 @@ class StackConfig:
     alertmanager_port: int = 9093
     scrape_interval_s: float = 5.0
     routing: AlertRouting = field(default_factory=AlertRouting)
-    fast: bool = False  # 1 s alert grouping waits (tests, benchmarks)
+    fast: bool = False  # 1 s alert grouping waits, fresh samples queryable at once (tests, benchmarks)
+    remote_write: bool = False  # VictoriaMetrics beside Prometheus
+    victoria_port: int = 8428
+    store: bool = False  # a PostgreSQL job store
+    store_port: int = 5433
 
     def __post_init__(self) -> None:
         checked(self.routing)  # a bad relay or a missing secret fails before anything starts
@@ -80,9 +90,10 @@ def _commands(cfg: StackConfig) -> dict[str, list[str]]:
         scrape_interval_s=cfg.scrape_interval_s,
         rule_files=[str(rules)],
         alertmanager=am,
+        remote_write=f"http://127.0.0.1:{cfg.victoria_port}/api/v1/write" if cfg.remote_write else None,
     )
     am_config = write_alertmanager_config(home / "alertmanager", cfg.routing, fast=cfg.fast)
-    return {
+    commands = {
         "prometheus": [
             find_binary("prometheus"),
             f"--config.file={prom_config}",
@@ -98,6 +109,16 @@ def _commands(cfg: StackConfig) -> dict[str, list[str]]:
             "--cluster.listen-address=",
         ],  # no gossip port on 0.0.0.0:9094
     }
+    if cfg.remote_write:
+        commands["victoria-metrics"] = [
+            find_binary("victoria-metrics"),
+            f"-httpListenAddr=127.0.0.1:{cfg.victoria_port}",
+            f"-storageDataPath={home / 'victoria-metrics-data'}",
+            f"-retentionPeriod={VM_RETENTION}",
+            # by default samples younger than 30 s are not served (they may still change)
+            *(["-search.latencyOffset=1s", "-search.disableCache"] if cfg.fast else []),
+        ]
+    return commands
 
 
 def _ensure_free(name: str, port: int) -> None:
@@ -122,6 +143,13 @@ def _http(
 
 
 def _ready(url: str) -> bool:
+    if url.startswith("postgresql://"):  # the job store: it accepts connections
+        parts = urllib.parse.urlsplit(url)
+        try:
+            socket.create_connection((parts.hostname, parts.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
     try:
         _http(f"{url}/-/ready", timeout=1)
         return True
@@ -156,6 +184,8 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
     (cfg.runs_root / TARGETS_INDEX).mkdir(parents=True, exist_ok=True)  # file_sd watches it
     before = status(cfg.home)
     ports = {"prometheus": cfg.prometheus_port, "alertmanager": cfg.alertmanager_port}
+    if cfg.remote_write:
+        ports["victoria-metrics"] = cfg.victoria_port
     todo = [name for name in ports if name not in {c.name for c in before if c.running}]
     commands = _commands(cfg)  # finds the binaries first; rewrites the configs (reloaded below)
     for name in todo:
@@ -202,11 +232,34 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
                 raise StackError(f"{name} exited at start (status {proc.returncode}); its log ends:\n{tail}")
         comps = status(cfg.home)
         if all(c.ready for c in comps):
+            if cfg.store:
+                comps.append(_start_store(cfg))
             _record_runs_root(cfg.home, cfg.runs_root)
             return comps
         time.sleep(0.1)
     down(cfg.home)
     raise StackError(f"the stack was not ready within {timeout_s:.0f} s; logs in {cfg.home / 'logs'}")
+
+
+def _start_store(cfg: StackConfig) -> Component:
+    """The job store: a local PostgreSQL (started once; `down` stops it)."""
+    from meshscope.dashboards import postgres
+
+    home = cfg.home.resolve() / "postgres"
+    running = next((c for c in status(cfg.home) if c.name == "postgres" and c.running), None)
+    if running is not None:
+        return running
+    _ensure_free("store", cfg.store_port)
+    try:
+        server = postgres.start(home, cfg.store_port)
+    except postgres.PostgresError as err:
+        raise StackError(f"job store: {err}") from None
+    pid = int((server.data / "postmaster.pid").read_text().split()[0])
+    log = str(home / "postgres.log")
+    info = {"name": "postgres", "pid": pid, "port": cfg.store_port, "binary": "postgres", "url": server.url}
+    info |= {"log": log, "password_file": str(server.password_file), "stop_signal": int(signal.SIGINT)}
+    (cfg.home / "postgres.json").write_text(json.dumps(info))  # SIGINT: PostgreSQL's fast shutdown
+    return Component("postgres", pid, cfg.store_port, server.url, log, running=True, ready=True)
 
 
 def _record_runs_root(home: Path, runs_root: Path) -> None:
@@ -238,7 +291,7 @@ def down(home: Path, timeout_s: float = 10.0) -> list[str]:
     for pid_file in sorted(Path(home).glob("*.json")):
         info = json.loads(pid_file.read_text())
         if _alive(info["pid"], info["binary"]):
-            os.kill(info["pid"], signal.SIGTERM)
+            os.kill(info["pid"], info.get("stop_signal", signal.SIGTERM))
             deadline = time.monotonic() + timeout_s
             while _alive(info["pid"], info["binary"]) and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -15,9 +15,11 @@ from urllib.parse import urlencode
 
 from meshscope.alerts.notify import Alert, Email, Outbox, SlackWebhook, parse_host_port, read_secret
 from meshscope.collector.exporter import PortInUseError, serve_metrics, write_detector_target
+from meshscope.collector.relay import StoreRelay
 from meshscope.collector.rundir import OUTBOX, LeaderLock, job_leader, live_dir
 from meshscope.collector.schema import Event, anomaly_link
-from meshscope.collector.store import RunStore
+from meshscope.collector.store import RELAY_TABLES, RunStore, store_path
+from meshscope.collector.storedb import locate
 from meshscope.detectors.episodes import Episode
 from meshscope.detectors.live import LiveDetection
 from meshscope.trainer.elastic import job_id
@@ -113,6 +115,12 @@ class Sidecar:
         # this node's watchdog watches its own ranks (and answers the others'); one node judges the job
         node_lock = LeaderLock(cfg.run_dir)
         self.job_lock = job_leader(cfg.run_dir)
+        target = locate(cfg.run_dir)
+        self.relay = (
+            StoreRelay(store_path(cfg.run_dir), target, RELAY_TABLES, active=node_lock.held)
+            if target.is_postgres
+            else None
+        )
         self.live = LiveDetection(
             cfg.run_dir,
             cfg.run_id,
@@ -142,14 +150,24 @@ class Sidecar:
             self.metrics_url = f"http://{host}:{port}/metrics"
         except PortInUseError as err:
             self.export_error = str(err)
+        if self.relay is not None:
+            self.relay.start()
         self.live.start()
         self.watch.start()
         return self
 
     def stop(self) -> list[Episode]:
         """Stop watching, judge what is left; the closed episodes of the whole run."""
+        if self.relay is not None:
+            self.relay.drain()  # this node's last steps reach the job store before the last judging
         self.watch.stop()
         return self.live.stop()
+
+    def close(self, retry_s: float = 30.0) -> None:
+        """Ship what the end of the run wrote (anomalies, run_end) to the job store and stop."""
+        if self.relay is not None:
+            self.relay.close_retry_s = retry_s
+            self.relay.stop()
 
     def _link(self, **params: Any) -> str:
         return view_link(self.cfg.alerts.view_url, self.cfg.run_id, **params)

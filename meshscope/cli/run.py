@@ -58,6 +58,8 @@ def run(
     episodes = sidecar.stop()
     if stop.signum is not None:
         record_stop(cfg, stop.signum)
+    sidecar.close()
+    if stop.signum is not None:
         name = signal.Signals(stop.signum).name
         err_console.print(f"stopped by {name}: the workers stopped together at a step boundary")
         raise typer.Exit(128 + stop.signum)

@@ -9,7 +9,10 @@ from rich.table import Table
 
 from meshscope.cli.common import app, console, err_console, fail
 
-stack_app = typer.Typer(no_args_is_help=True, help="Prometheus + Alertmanager on 127.0.0.1.")
+stack_app = typer.Typer(
+    no_args_is_help=True,
+    help="Prometheus + Alertmanager on 127.0.0.1 (VictoriaMetrics and a PostgreSQL job store on request).",
+)
 
 
 app.add_typer(stack_app, name="stack")
@@ -33,7 +36,19 @@ def stack_up(
     smtp_password_file: Path | None = typer.Option(None, help="file holding the SMTP password"),
     smtp_tls: bool = typer.Option(True, "--smtp-tls/--no-smtp-tls", help="require STARTTLS"),
     view_url: str = typer.Option("http://127.0.0.1:8501", help="drill-down view linked from alerts"),
-    fast: bool = typer.Option(False, help="1 s alert grouping waits (tests, benchmarks)"),
+    fast: bool = typer.Option(False, help="1 s alert grouping waits, fresh samples at once (tests)"),
+    remote_write: bool = typer.Option(
+        False,
+        "--remote-write/--no-remote-write",
+        help="also VictoriaMetrics, fed by remote_write",
+    ),
+    victoria_port: int = typer.Option(8428, help="VictoriaMetrics port (with --remote-write)"),
+    store: bool = typer.Option(
+        False,
+        "--store/--no-store",
+        help="also a PostgreSQL job store (meshscope run --store)",
+    ),
+    store_port: int = typer.Option(5433, help="PostgreSQL port (with --store)"),
 ) -> None:
     """Start Prometheus (rules, file_sd over the runs) and Alertmanager (Slack, email)."""
     from meshscope.alerts.config import AlertRouting
@@ -59,12 +74,19 @@ def stack_up(
                 scrape_interval_s=scrape_interval,
                 routing=routing,
                 fast=fast,
+                remote_write=remote_write,
+                victoria_port=victoria_port,
+                store=store,
+                store_port=store_port,
             )
         )
     except (ValueError, StackError) as err:
         fail(str(err))
     for c in comps:
-        console.print(f"{c.name:12} {c.url}  pid {c.pid}  log {c.log}")
+        console.print(f"{c.name:16} {c.url}  pid {c.pid}  log {c.log}")
+        if c.name == "postgres":
+            password = home / "postgres" / "password"
+            console.print(f"  runs write to it with: --store {c.url} --store-password-file {password}")
     if routing.slack_webhook_file is None and not routing.email_to:
         err_console.print(
             "[yellow]warning:[/] no --slack-webhook-file or --email-to: alerts are "

@@ -1,5 +1,6 @@
-"""The job store on a real PostgreSQL server: the same store API as SQLite, many writers, a
-leader lock that a survivor takes over, and an outage that loses nothing acknowledged."""
+"""The job store on a real PostgreSQL server: the same store API as SQLite, every node's store
+relayed into it exactly once, a leader lock that a survivor takes over, and an outage that costs
+one warning and loses nothing."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import pytest
 
 from fixtures.servers import job_store, store_target
 from meshscope.collector import controls
+from meshscope.collector.relay import StoreRelay
 from meshscope.collector.rundir import job_leader
 from meshscope.collector.schema import Event, StepRecord
 from meshscope.collector.store import (
+    RELAY_TABLES,
     RunStore,
     check_store,
     describe_store,
@@ -26,9 +29,10 @@ from meshscope.collector.store import (
     load_events,
     load_expert_load,
     load_steps,
+    store_path,
     store_version,
 )
-from meshscope.collector.storedb import pg_connect, write_locator
+from meshscope.collector.storedb import locate, pg_connect, write_locator
 from meshscope.dashboards import postgres
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +55,11 @@ def _step(rank: int, step: int, **kw) -> StepRecord:
     return StepRecord(run_id="j", rank=rank, world_size=4, step=step, time=time.time(), step_s=0.1, **kw)
 
 
-def test_two_nodes_write_one_job_store_and_either_node_reads_every_rank(tmp_path, server):
+def _relay(run, **kw) -> StoreRelay:
+    return StoreRelay(store_path(run), locate(run), RELAY_TABLES, **kw)
+
+
+def test_two_nodes_relay_into_one_job_store_and_either_node_reads_every_rank(tmp_path, server):
     a, b = _node(tmp_path, server, "node0", "job-a"), _node(tmp_path, server, "node1", "job-a")
     writers = [RunStore(a), RunStore(a), RunStore(b), RunStore(b)]  # rank r on node r // 2
     for step in range(6):
@@ -59,9 +67,9 @@ def test_two_nodes_write_one_job_store_and_either_node_reads_every_rank(tmp_path
             w.add_step(_step(rank, step, loss=math.nan if step == 2 else 1.0))
     writers[3].add_event(Event(kind="fault", run_id="j", rank=3, step=4, detail={"why": "x"}))
     writers[0].add_expert_load(5, [[1.0, 2.0], [3.0, 4.0]])
-    assert all(w.flush(10) for w in writers)
     for w in writers:
         w.close()
+    assert [_relay(a).drain(), _relay(b).drain()] == [True, True]
     for run in (a, b):
         check_store(run)
         steps = load_steps(run)
@@ -75,7 +83,9 @@ def test_two_nodes_write_one_job_store_and_either_node_reads_every_rank(tmp_path
     again = RunStore(b)
     again.add_step(_step(3, 5, loss=7.0))
     again.close()
+    assert _relay(b).drain()  # a relay started afresh goes on where the last one committed
     assert load_steps(a).query("rank == 3 and step == 5")["loss"].tolist() == [7.0]
+    assert len(load_events(a, kind="fault")) == 1  # and ships nothing twice
 
 
 def test_jobs_on_one_server_do_not_see_each_other(tmp_path, server):
@@ -83,6 +93,7 @@ def test_jobs_on_one_server_do_not_see_each_other(tmp_path, server):
     w = RunStore(one)
     w.add_step(_step(0, 0))
     w.close()
+    _relay(one).drain()
     assert len(load_steps(one)) == 1
     with pytest.raises(FileNotFoundError):  # job-two's schema is not there yet
         load_steps(two)
@@ -152,23 +163,31 @@ def test_the_detection_leader_is_one_process_and_a_survivor_takes_over(tmp_path,
         holder.kill()
 
 
-def test_a_store_that_goes_down_buffers_with_one_warning_and_loses_nothing(tmp_path, caplog):
+def test_a_job_store_that_goes_down_costs_one_warning_and_loses_nothing(tmp_path, caplog):
     with job_store(tmp_path) as down_then_up:
         run = _node(tmp_path, down_then_up, "n", "job-outage")
         writer = RunStore(run, flush_interval_s=0.05)
+        relay = _relay(run, interval_s=0.05).start()
         for step in range(5):
             writer.add_step(_step(0, step))
-        assert writer.flush(10)
+        writer.add_event(Event(kind="info", run_id="j", step=0, detail={}))
+        writer.flush()
+        wait = time.monotonic() + 10
+        while latest_step(run) < 4:
+            assert time.monotonic() < wait
+            time.sleep(0.05)
         postgres.stop(down_then_up.home)
-        with caplog.at_level(logging.WARNING, logger="meshscope.store"):
-            for step in range(5, 40):
+        with caplog.at_level(logging.WARNING, logger="meshscope.relay"):
+            for step in range(5, 40):  # training goes on: the rows wait on the node's disk
                 writer.add_step(_step(0, step))
+                writer.add_event(Event(kind="info", run_id="j", step=step, detail={}))
                 time.sleep(0.01)
-            assert not writer.flush(1.0)  # not acknowledged while the server is down
+            writer.close()
+            time.sleep(0.5)  # several relay rounds against a server that is down
             postgres.start(down_then_up.home, down_then_up.port)
             postgres.wait_ready(down_then_up)
-            assert writer.flush(30)
-            writer.close()
+            assert relay.stop()
         assert load_steps(run)["step"].tolist() == list(range(40))
-        outages = [r for r in caplog.records if "buffering" in r.getMessage()]
+        assert load_events(run, kind="info")["step"].tolist() == [0, *range(5, 40)]  # each once
+        outages = [r for r in caplog.records if "wait in" in r.getMessage()]
         assert len(outages) == 1, [r.getMessage() for r in caplog.records]
