@@ -120,6 +120,7 @@ class StoreRelay:
                     moved, positions = self._copy(conn, local)
             finally:
                 local.close()
+                self._release(conn)
         except (psycopg.OperationalError, psycopg.InterfaceError) as err:
             self._reset()
             first_line = str(err).strip().splitlines()[0]
@@ -170,6 +171,9 @@ class StoreRelay:
                 ).fetchall()
                 self._positions = {t: int(p) for t, p in rows}
         return self._conn
+
+    def _release(self, conn: Any) -> None:
+        """After a round (kept for the next one; a pooled relay hands it back here)."""
 
     def _reset(self) -> None:
         if self._conn is not None:

@@ -83,10 +83,11 @@ def stack_up(
     except (ValueError, StackError) as err:
         fail(str(err))
     for c in comps:
-        console.print(f"{c.name:16} {c.url}  pid {c.pid}  log {c.log}")
-        if c.name == "postgres":
+        console.print(f"{c.name:16} {c.url}  pid {c.pid}  log {c.log}", soft_wrap=True)
+        if c.name == "postgres":  # one line a user (or a script) copies as it is
             password = home / "postgres" / "password"
-            console.print(f"  runs write to it with: --store {c.url} --store-password-file {password}")
+            flags = f"--store {c.url} --store-password-file {password}"
+            console.print(f"  runs write to it with: {flags}", soft_wrap=True, markup=False, highlight=False)
     if routing.slack_webhook_file is None and not routing.email_to:
         err_console.print(
             "[yellow]warning:[/] no --slack-webhook-file or --email-to: alerts are "

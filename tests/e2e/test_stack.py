@@ -17,6 +17,7 @@ import yaml
 from fixtures.ports import free_port_range
 from fixtures.runs import REPO, meshscope, start_run, wait_for
 from fixtures.sinks import Mailbox, Sink
+from meshscope.collector.storedb import locate, pg_connect
 from meshscope.dashboards.boards import board_queries, build_all
 from meshscope.dashboards.prometheus import RULES
 from tests.conftest import require_binary
@@ -225,7 +226,8 @@ def test_the_stack_job_store_takes_a_run_and_every_reader_reads_it(stack, tmp_pa
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "schema ms_pg" in run.stdout and "6 x 2" in run.stdout, run.stdout[-1500:]
-    assert not (tmp_path / "pg" / "store.sqlite").exists()  # nothing went to a local file
+    with pg_connect(locate(tmp_path / "pg")) as conn:  # the node's relay shipped every row
+        assert conn.execute("SELECT count(*) FROM steps").fetchone()[0] == 12
     explain = meshscope("explain", "--run", str(tmp_path / "pg"))
     assert explain.returncode == 0, explain.stdout + explain.stderr
 
