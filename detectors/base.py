@@ -21,6 +21,48 @@ def as_matrix(X: pd.DataFrame | np.ndarray) -> np.ndarray:
     return arr.reshape(-1, 1) if arr.ndim == 1 else arr
 
 
+def percentile_by_column(XT: np.ndarray, q: float) -> np.ndarray:
+    """np.percentile(XT, q, axis=1) (linear interpolation) for short rows, as a window of thousands
+    of ranks has each step: sorting each contiguous row is ~10x faster than np.percentile's
+    selection along the strided axis at 16,384 ranks (and than a two-point np.partition)."""
+    n = XT.shape[1]
+    pos = (n - 1) * q / 100.0
+    lo = int(np.floor(pos))
+    hi = min(lo + 1, n - 1)
+    ordered = np.sort(XT, axis=1)
+    return ordered[:, lo] + (ordered[:, hi] - ordered[:, lo]) * (pos - lo)
+
+
+class RingRows:
+    """The last `size` rows of a stream, kept column-major (each column's window contiguous),
+    appended in place: per-column order statistics over the window without a copy or transpose."""
+
+    def __init__(self, size: int, cols: int) -> None:
+        self.size, self.cols = size, cols
+        self.t = np.empty((cols, size))
+        self.n = self.pos = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def extend(self, X: np.ndarray) -> RingRows:
+        """Append rows (rows x cols); the oldest fall out."""
+        for row in X[-self.size :]:
+            self.t[:, self.pos] = row
+            self.pos = (self.pos + 1) % self.size
+            self.n = min(self.n + 1, self.size)
+        return self
+
+    def by_column(self) -> np.ndarray:
+        """cols x n, in no particular order (for order-free statistics)."""
+        return self.t if self.n == self.size else self.t[:, : self.n]
+
+    def last(self, k: int) -> np.ndarray:
+        """cols x k: the last k rows, oldest first."""
+        k = min(k, self.n)
+        return self.t[:, (self.pos - k + np.arange(k)) % self.size]
+
+
 class Detector(OutlierMixin, BaseEstimator):
     """Base: subclasses implement `fit` and `score_samples`; the rest follows.
 

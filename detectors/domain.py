@@ -12,7 +12,7 @@ from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import check_is_fitted
 
 from meshscope.collector.figures import balancedness
-from meshscope.detectors.base import Detector, WindowedDetector, as_matrix
+from meshscope.detectors.base import Detector, RingRows, WindowedDetector, as_matrix, percentile_by_column
 
 
 def _median_of_others(X: np.ndarray) -> np.ndarray:
@@ -45,8 +45,26 @@ class Straggler(WindowedDetector):
     def _offset(self) -> float:
         return float(self.ratio)
 
+    def fit(self, X, y=None):
+        """Start the window from `X`; returns self."""
+        self._check()
+        X = as_matrix(X)
+        self.window_ = RingRows(self.window, X.shape[1]).extend(X)
+        self._learn()
+        return self
+
+    def partial_fit(self, X, y=None):
+        """Slide the window over `X` (in place); returns self."""
+        check_is_fitted(self)
+        X = as_matrix(X)
+        if X.shape[1] != self.window_.cols:  # another world: start again
+            return self.fit(X)
+        self.window_.extend(X)
+        self._learn()
+        return self
+
     def _learn(self) -> None:
-        self.best_ = np.percentile(self.history_, 10, axis=0)  # each rank's own best recent time
+        self.best_ = percentile_by_column(self.window_.by_column(), 10)  # each rank's own best recent time
 
     def ratios(self, X) -> np.ndarray:
         """Each rank's compute over its peers' (and over its own best)."""
@@ -106,20 +124,33 @@ class PersistentStraggler(WindowedDetector):
     def _offset(self) -> float:
         return 1.0
 
+    def fit(self, X, y=None):
+        """Learn from the normal rows `X` (the last `window` of them); returns self."""
+        self._check()
+        X = as_matrix(X)[-self.window :]
+        rel = self.relative(X)
+        self.rel_ = RingRows(self.window, X.shape[1]).extend(rel)
+        # Horizon medians of the relative pace, row by row (a median commutes with dividing
+        # by a rank's pace, so they stay valid when the pace is relearnt).
+        self.span_rel_ = RingRows(self.window, X.shape[1]).extend(self._span_medians(rel))
+        self._learn_pace()
+        return self
+
     def partial_fit(self, X, y=None):
         """Slide the window. Each new row's horizon median is kept (one median, cheap) and can
         only raise `worst_` at once; pace and noise move slowly and are relearnt every
         `relearn_every` rows (at 1,024 ranks a full relearn costs more than judging)."""
         check_is_fitted(self)
         X = as_matrix(X)
-        self.history_ = np.vstack([self.history_, X])[-self.window :]
+        if X.shape[1] != self.rel_.cols:  # another world: start again
+            return self.fit(X)
         for rel in self.relative(X):
-            self.rel_ = np.vstack([self.rel_, rel])[-self.window :]
-            span_rel = np.median(self.rel_[-self.span :], axis=0)
-            self.span_rel_ = np.vstack([self.span_rel_, span_rel])[-self.window :]
+            self.rel_.extend(rel[None])
+            span_rel = percentile_by_column(self.rel_.last(self.span), 50)
+            self.span_rel_.extend(span_rel[None])
             self.worst_ = np.maximum(self.worst_, span_rel / np.maximum(self.pace_, 1e-12) - 1)
             self.unlearnt_ += 1
-        if self.unlearnt_ >= self.relearn_every or len(self.history_) == self.min_history:
+        if self.unlearnt_ >= self.relearn_every or len(self.rel_) == self.min_history:
             self._learn_pace()
         return self
 
@@ -129,24 +160,20 @@ class PersistentStraggler(WindowedDetector):
         X = as_matrix(X)
         return X / np.maximum(_median_of_others(X), 1e-12)
 
-    def _learn(self) -> None:
-        self.rel_ = rel = self.relative(self.history_)
-        # Horizon medians of the relative pace, row by row (a median commutes with dividing
-        # by a rank's pace, so they stay valid when the pace is relearnt).
-        self.span_rel_ = self._span_medians(rel)
-        self._learn_pace()
-
     def _learn_pace(self) -> None:
-        self.pace_ = np.median(self.rel_, axis=0)  # each rank's usual pace against its peers
-        spans = self.span_rel_ / np.maximum(self.pace_, 1e-12) - 1
-        self.noise_ = np.maximum(1.4826 * np.median(np.abs(spans - np.median(spans, axis=0)), axis=0), 1e-3)
-        self.worst_ = spans.max(axis=0)  # the largest horizon median the normal past showed
+        self.pace_ = percentile_by_column(
+            self.rel_.by_column(), 50
+        )  # each rank's usual pace against its peers
+        spans = self.span_rel_.by_column() / np.maximum(self.pace_, 1e-12)[:, None] - 1
+        spread = np.abs(spans - percentile_by_column(spans, 50)[:, None])
+        self.noise_ = np.maximum(1.4826 * percentile_by_column(spread, 50), 1e-3)
+        self.worst_ = spans.max(axis=1)  # the largest horizon median the normal past showed
         self.unlearnt_ = 0
 
     def thresholds(self) -> np.ndarray:
         """Per rank: the excess over its usual pace that counts."""
         check_is_fitted(self)
-        if len(self.history_) < self.min_history:  # too little normal past to tell its noise
+        if len(self.rel_) < self.min_history:  # too little normal past to tell its noise
             return np.full_like(self.noise_, np.inf)
         return np.maximum.reduce(
             [np.full_like(self.noise_, self.min_excess), self.z * self.noise_, self.margin * self.worst_]
