@@ -173,8 +173,8 @@ def main() -> None:
             print(
                 f"{r['ranks']:>6} ranks ({r['nodes']} nodes): offered {r['offered_rows_s']:,.0f} rows/s, "
                 f"stored {r['stored_rows_s']:,.0f} rows/s ({r['arrived_fraction']:.1%} arrived); "
-                f"relay round commit p50 {r['commit_p50_ms']:.1f} ms, p99 {r['commit_p99_ms']:.1f} ms; engine lag median "
-                f"{r['engine_lag_s']:.2f} s, p99 {r['engine_lag_p99_s']:.2f} s, at most "
+                f"relay round commit p50 {r['commit_p50_ms']:.1f} ms, p99 {r['commit_p99_ms']:.1f} ms; "
+                f"engine lag median {r['engine_lag_s']:.2f} s, p99 {r['engine_lag_p99_s']:.2f} s, at most "
                 f"{r['engine_behind_steps_max']} step(s) behind",
                 flush=True,
             )
