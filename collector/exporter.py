@@ -7,9 +7,12 @@ import fcntl
 import json
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 
 class PortInUseError(RuntimeError):
@@ -34,9 +37,32 @@ def ensure_ports_free(host: str, ports: list[int]) -> None:
                 ) from None
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1"):
-    """Start the HTTP exporter; returns (server, thread). A busy port is a clear error."""
+class Stamped(Collector):
+    """A registry's series with the target's topology labels on every sample: for scrapers
+    that find pods rather than read targets.json (a Kubernetes PodMonitor with honorLabels),
+    so the rules and boards see the same `job`, `run`, `rank` and `node` either way."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry, self.labels = registry, labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            stamped = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                stamped.add_sample(s.name, {**s.labels, **self.labels}, s.value, s.timestamp, s.exemplar)
+            yield stamped
+
+
+def serve_metrics(
+    registry: CollectorRegistry, port: int, host: str = "127.0.0.1", labels: dict[str, str] | None = None
+):
+    """Start the HTTP exporter; returns (server, thread). A busy port is a clear error.
+    `labels`: topology stamped on every series (see `Stamped`)."""
     disable_created_metrics()  # *_created series double the series count and nothing reads them
+    if labels:
+        served = CollectorRegistry(auto_describe=False)
+        served.register(Stamped(registry, labels))
+        registry = served
     try:
         return start_http_server(port, addr=host, registry=registry)
     except OSError as err:

@@ -34,7 +34,7 @@ from meshscope.collector.comm import (
 )
 from meshscope.collector.control import ControlPlane
 from meshscope.collector.env import DistEnv
-from meshscope.collector.exporter import port_for, serve_metrics, write_targets
+from meshscope.collector.exporter import RANK_JOB, port_for, serve_metrics, write_targets
 from meshscope.collector.flightlog import FlightLog
 from meshscope.collector.flightlog import allreduce_hook as flight_allreduce_hook
 from meshscope.collector.metrics import MeshscopeMetrics
@@ -124,7 +124,12 @@ class Monitor:
     # --- set-up -------------------------------------------------------------------------
     def _start_exporter(self) -> None:
         port = port_for(self.config.metrics_port, self.env.local_rank)
-        self._server = serve_metrics(self.registry, port, self.config.metrics_host)
+        labels = (
+            {"job": RANK_JOB, "run": self.config.run_id, "rank": str(self.env.rank), "node": self.env.node}
+            if self.config.topology_labels
+            else None
+        )
+        self._server = serve_metrics(self.registry, port, self.config.metrics_host, labels)
         if self.env.local_rank == 0:
             ports = {r: port_for(self.config.metrics_port, i) for i, r in enumerate(self.env.local_ranks())}
             write_targets(

@@ -18,6 +18,9 @@ class MonitorConfig:
     """Base port of the per-rank /metrics exporter (port = base + local rank); None = no exporter."""
     metrics_host: str = "127.0.0.1"
     """Address the exporter binds to and the one written into targets.json."""
+    topology_labels: bool = False
+    """Stamp job, run, rank and node on every series /metrics serves, for scrapers that find
+    pods rather than read targets.json (a Kubernetes PodMonitor with honorLabels: true)."""
     expert_every: int = 5
     """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
     sync_every: int = 10

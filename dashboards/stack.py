@@ -199,30 +199,7 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
                     f"{comp.name} at {comp.url} did not reload its rewritten "
                     f"configuration ({err}); see {cfg.home / 'logs'}"
                 ) from None
-    started: dict[str, subprocess.Popen] = {}
-    for name in todo:
-        log = cfg.home / "logs" / f"{name}.log"
-        with open(log, "ab") as out:  # the child keeps its own descriptor
-            started[name] = subprocess.Popen(
-                commands[name],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        (cfg.home / f"{name}.json").write_text(
-            json.dumps(
-                {
-                    "name": name,
-                    "pid": started[name].pid,
-                    "port": ports[name],
-                    "binary": commands[name][0],
-                    "url": f"http://127.0.0.1:{ports[name]}",
-                    "log": str(log),
-                    "cmd": commands[name],
-                }
-            )
-        )
+    started = {name: _launch(cfg, name, commands[name], ports[name]) for name in todo}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for name, proc in started.items():
@@ -239,6 +216,19 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
         time.sleep(0.1)
     down(cfg.home)
     raise StackError(f"the stack was not ready within {timeout_s:.0f} s; logs in {cfg.home / 'logs'}")
+
+
+def _launch(cfg: StackConfig, name: str, command: list[str], port: int) -> subprocess.Popen:
+    """Start one component in a session of its own (it outlives us) and write its pid file."""
+    log = cfg.home / "logs" / f"{name}.log"
+    with open(log, "ab") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    info = {"name": name, "pid": proc.pid, "port": port, "binary": command[0]}
+    info |= {"url": f"http://127.0.0.1:{port}", "log": str(log), "cmd": command}
+    (cfg.home / f"{name}.json").write_text(json.dumps(info))
+    return proc
 
 
 def _start_store(cfg: StackConfig) -> Component:

@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from meshscope.alerts.notify import Alert, Email, Outbox, SlackWebhook, parse_host_port, read_secret
-from meshscope.collector.exporter import PortInUseError, serve_metrics, write_detector_target
+from meshscope.collector.exporter import DETECTOR_JOB, PortInUseError, serve_metrics, write_detector_target
 from meshscope.collector.relay import StoreRelay
 from meshscope.collector.rundir import OUTBOX, LeaderLock, job_leader, live_dir
 from meshscope.collector.schema import Event, anomaly_link
@@ -144,8 +144,13 @@ class Sidecar:
         port = self.cfg.metrics_port + self.cfg.nproc
         try:
             host = self.cfg.metrics_address
-            serve_metrics(self.live.registry, port, host=host)
             node = socket.gethostname()
+            labels = (
+                {"job": DETECTOR_JOB, "run": self.cfg.run_id, "node": node}
+                if self.cfg.metrics_labels
+                else None
+            )
+            serve_metrics(self.live.registry, port, host=host, labels=labels)
             write_detector_target(self.cfg.run_dir, run_id=self.cfg.run_id, host=host, port=port, node=node)
             self.metrics_url = f"http://{host}:{port}/metrics"
         except PortInUseError as err:

@@ -160,6 +160,11 @@ class TrainerConfig(_Strict):
         description="address /metrics listens on and targets.json names: empty = 127.0.0.1 on one "
         "node, the address on the route to the rendezvous host on several",
     )
+    metrics_labels: bool = Field(
+        False,
+        description="stamp job, run, rank and node on every series (for a Kubernetes PodMonitor "
+        "with honorLabels: true, which finds pods rather than reading targets.json)",
+    )
     store: str = Field(
         "",
         description="where the ranks write: empty = SQLite in the run directory (one node); "

@@ -117,6 +117,7 @@ def build_monitor(cfg: TrainerConfig, env: DistEnv, device: Any, control: Any, t
         run_id=cfg.run_id,
         metrics_port=cfg.metrics_port,
         metrics_host=cfg.metrics_address,
+        topology_labels=cfg.metrics_labels,
         expert_every=cfg.expert_every,
         comm_sample_every=cfg.comm_sample_every,
         nan_events=not traced,  # a tracer reports non-finite steps with their module

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.table import Table
 
+from meshscope.alerts.config import AlertRouting
 from meshscope.cli.common import app, console, err_console, fail
 
 stack_app = typer.Typer(
@@ -51,7 +53,6 @@ def stack_up(
     store_port: int = typer.Option(5433, help="PostgreSQL port (with --store)"),
 ) -> None:
     """Start Prometheus (rules, file_sd over the runs) and Alertmanager (Slack, email)."""
-    from meshscope.alerts.config import AlertRouting
     from meshscope.dashboards.stack import StackConfig, StackError, up
 
     try:
@@ -82,6 +83,11 @@ def stack_up(
         )
     except (ValueError, StackError) as err:
         fail(str(err))
+    _print_components(comps, home, routing)
+
+
+def _print_components(comps: list, home: Path, routing: Any) -> None:
+    """What runs where, the flags a run needs to write to the job store, where alerts go."""
     for c in comps:
         console.print(f"{c.name:16} {c.url}  pid {c.pid}  log {c.log}", soft_wrap=True)
         if c.name == "postgres":  # one line a user (or a script) copies as it is
