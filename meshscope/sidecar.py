@@ -135,6 +135,7 @@ class Sidecar:
             on_hang=self._hung,
             leader=node_lock.held,
             exchange=hang_exchange(cfg),
+            judge=self.job_lock.held,
         )
         self.metrics_url: str | None = None
         self.export_error: str | None = None

@@ -44,6 +44,7 @@ class NodeExchange:
         self._store, self.prefix = store, prefix
         self._answered_ids: set[str] = set()
         self._seen = 0
+        self._verdicts_seen = 0
 
     @property
     def store(self) -> Any:
@@ -70,6 +71,24 @@ class NodeExchange:
             self._seen += 1
             if request_id not in self._answered_ids:
                 out.append(request_id)
+        return out
+
+    def post_verdict(self, detail: dict[str, Any]) -> None:
+        """The job's judge posts its diagnosis once; every node's watchdog acts on it (one key
+        per stall: O(nodes) reads, never a request per node)."""
+        index = self.store.add(f"{self.prefix}/verdicts", 1) - 1
+        self.store.set(f"{self.prefix}/verdict/{index}", json.dumps(detail, default=str))
+
+    def new_verdicts(self) -> list[dict[str, Any]]:
+        """Verdicts posted since this node last looked (one store operation when there are none)."""
+        count = self.store.add(f"{self.prefix}/verdicts", 0)
+        out = []
+        while self._verdicts_seen < count:
+            key = f"{self.prefix}/verdict/{self._verdicts_seen}"
+            if not self.store.check([key]):
+                break  # counted, not yet written
+            out.append(json.loads(self.store.get(key)))
+            self._verdicts_seen += 1
         return out
 
     def publish(self, request_id: str, tails: dict[int, FlightTail], stacks: dict[int, list[str]]) -> None:

@@ -40,6 +40,22 @@ class Diagnosis:
     def __post_init__(self) -> None:
         self.kind = Verdict(self.kind)
 
+    @classmethod
+    def from_detail(cls, detail: dict[str, Any]) -> Diagnosis:
+        """A diagnosis as another node's watchdog posted it (`detail()` read back)."""
+        named = ("type", "culprit_ranks", "waiting_ranks", "op", "seq", "group", "why", "stacks")
+        return cls(
+            Verdict(detail["type"]),
+            list(detail["culprit_ranks"]),
+            list(detail["waiting_ranks"]),
+            detail["why"],
+            detail.get("op"),
+            detail.get("seq"),
+            detail.get("group"),
+            {int(r): s for r, s in (detail.get("stacks") or {}).items()},
+            {k: v for k, v in detail.items() if k not in named},
+        )
+
     def detail(self) -> HangDetail:
         """The `hang` event's detail (JSON-ready)."""
         return {

@@ -82,6 +82,9 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+CLOCK_SKEW_S = 1.0  # how far nodes' clocks may disagree when a verdict is matched to a stall
+
+
 class HangWatch:
     """Watches one node's ranks through their flight logs; see the module doc."""
 
@@ -93,10 +96,14 @@ class HangWatch:
         clock: Callable[[], float] = time.time,
         leader: Callable[[], bool] = lambda: True,
         exchange: NodeExchange | None = None,
+        judge: Callable[[], bool] = lambda: True,
     ) -> None:
         self.live_dir = Path(live_dir)
         self.exchange = exchange  # several nodes: tails and stacks through the store
         self.leader = leader  # agents sharing a run directory: one watches
+        # several nodes: the job's judge gathers every node's picture and posts the verdict;
+        # the others answer and act on it (one request per stall, not one per node)
+        self.judge = judge
         self.config = config or HangConfig()
         self.on_hang, self.clock = on_hang, clock
         self.diagnosed: dict[frozenset, float] = {}  # attempt -> its progress when diagnosed
@@ -151,6 +158,8 @@ class HangWatch:
                 return None
         elif not dead and not failed:
             return None
+        if self.exchange is not None and not self.judge():
+            return self._follow(heads, attempt, alive)
         # a crash is judged once per attempt; a stall again if progress resumes and stops
         self.diagnosed[attempt] = float("inf") if dead or failed else progress
         tails, stacks, dumps = self._local_picture(
@@ -178,6 +187,32 @@ class HangWatch:
         diag.evidence["pids"] = {str(r): h.pid for r, h in heads.items()}
         diag.evidence["step"] = max((t.current_step for t in tails.values()), default=-1)
         diag.evidence["host_step"] = max((t.step for t in tails.values()), default=-1)
+        if self.exchange is not None and len(tails) > len(heads):
+            try:
+                self.exchange.post_verdict(diag.detail())
+            except Exception as err:  # the others then judge their own stall after their wait
+                log.warning("hang verdict not posted to the other nodes: %s", err)
+        self.last = diag
+        self.on_hang(diag)
+        return diag
+
+    def _follow(
+        self, heads: dict[int, FlightTail], attempt: frozenset, alive: dict[int, bool]
+    ) -> Diagnosis | None:
+        """Not the job's judge: act (abort this node's ranks) on the judge's verdict about
+        this stall (one detected after this node's ranks last progressed, not an older one)."""
+        stalled_since = max(h.progress_t for h in heads.values())
+        try:
+            verdicts = self.exchange.new_verdicts()
+        except Exception as err:  # the store is not up (yet)
+            log.debug("hang exchange: %s", err)
+            return None
+        verdicts = [v for v in verdicts if v.get("detected_at", 0.0) >= stalled_since - CLOCK_SKEW_S]
+        if not verdicts:
+            return None
+        diag = Diagnosis.from_detail(verdicts[-1])
+        diag.evidence["pids"] = {str(r): h.pid for r, h in heads.items() if alive.get(r)}
+        self.diagnosed[attempt] = stalled_since
         self.last = diag
         self.on_hang(diag)
         return diag

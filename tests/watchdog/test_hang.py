@@ -214,7 +214,8 @@ def test_the_threshold_follows_the_step_time_and_a_new_stall_is_judged_anew(tmp_
 
 def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_path):
     """Ranks 0-1 on node A, rank 2 on node B (two run directories, as two machines have): A's
-    watchdog sees its ranks stall, asks B through the store, and names rank 2."""
+    watchdog (the job's judge) sees its ranks stall, asks B through the store and names rank 2;
+    B's watchdog does not ask anyone: it acts on A's verdict, for its own ranks only."""
     import torch.distributed as dist
 
     from meshscope.watchdog.exchange import NodeExchange
@@ -231,13 +232,19 @@ def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_
     for p in procs:
         p.start()
     config = HangConfig(min_stall_s=1.5, poll_s=0.1, stacks_wait_s=1.0)
-    node_b = HangWatch(tmp_path / "b", config, exchange=NodeExchange(client)).start()
+    followed: list = []
+    node_b = HangWatch(
+        tmp_path / "b", config, exchange=NodeExchange(client), judge=lambda: False, on_hang=followed.append
+    ).start()
     node_a = HangWatch(tmp_path / "a", config, exchange=NodeExchange(client))
     diag, deadline = None, time.monotonic() + 45
     try:
         while diag is None and time.monotonic() < deadline:
             diag = node_a.poll()
             time.sleep(0.1)
+        while not followed and time.monotonic() < deadline:
+            time.sleep(0.1)
+        requests = master.add("meshscope/hang/requests", 0)
     finally:
         node_b.stop()
         for p in procs:
@@ -247,6 +254,9 @@ def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_
     assert diag is not None and diag.culprit_ranks == [CULPRIT] and diag.kind == "compute", diag
     assert diag.seq == FAULT_STEP and "_compute" in diag.why  # B's stack, through the store
     assert diag.waiting_ranks == [0, 1]
+    assert [(d.culprit_ranks, d.kind) for d in followed] == [([CULPRIT], "compute")]  # once, A's verdict
+    assert set(followed[0].evidence["pids"]) == {"2"}  # B aborts its own rank, never A's pids
+    assert requests == 1  # one request for the stall, not one per node
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
