@@ -133,7 +133,7 @@ class HangWatch:
         """One look; a diagnosis (also handed to `on_hang`) when this attempt is stuck."""
         if not self.live_dir.is_dir() or not self.leader():
             return None
-        heads = latest_logs(self.live_dir)
+        heads = self._heads()
         if not heads:
             return None
         if self.exchange is not None:
@@ -155,6 +155,10 @@ class HangWatch:
         if not dead and not failed and running:
             idle = self.clock() - max(h.progress_t for h in running)
             if idle < self.config.threshold_s(max(h.step_s for h in running)):
+                return None
+            # a watchdog delayed between reading the headers and now (a busy host) must not
+            # mistake its own delay for the ranks': read them again
+            if max(h.progress_t for h in self._heads().values()) > progress:
                 return None
         elif not dead and not failed:
             return None
@@ -227,6 +231,10 @@ class HangWatch:
         )
         for request_id in requests:
             self.exchange.publish(request_id, tails, stacks)
+
+    def _heads(self) -> dict[int, FlightTail]:
+        """The newest attempt's flight-log header of each rank of this node."""
+        return latest_logs(self.live_dir)
 
     def _local_picture(
         self, heads: dict[int, FlightTail], live: list[int]
