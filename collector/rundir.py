@@ -106,11 +106,14 @@ class LeaderLock:
             self._file = None
 
 
-def job_leader(run_dir: str | Path) -> Any:
+def job_leader(run_dir: str | Path, directory_lock: LeaderLock | None = None) -> Any:
     """The lock whose holder judges the whole job (detection, the job's hang event and alert):
     on a job store the job's database lock, which every node reaches without a shared file
-    system; else the run directory's own lock."""
+    system; else the run directory's own lock — `directory_lock` when this process has one
+    already (a second flock of the same file by the same process would refuse it)."""
     from meshscope.collector.storedb import PgLeaderLock, locate  # storedb reads this module's names
 
     target = locate(run_dir)
-    return PgLeaderLock(target) if target.is_postgres else LeaderLock(run_dir)
+    if target.is_postgres:
+        return PgLeaderLock(target)
+    return directory_lock or LeaderLock(run_dir)

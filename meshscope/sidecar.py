@@ -114,7 +114,7 @@ class Sidecar:
         self.outbox = Outbox(cfg.run_dir / OUTBOX, alerts.channels) if alerts.channels else None
         # this node's watchdog watches its own ranks (and answers the others'); one node judges the job
         node_lock = LeaderLock(cfg.run_dir)
-        self.job_lock = job_leader(cfg.run_dir)
+        self.job_lock = job_leader(cfg.run_dir, node_lock)
         target = locate(cfg.run_dir)
         self.relay = (
             StoreRelay(store_path(cfg.run_dir), target, RELAY_TABLES, active=node_lock.held)

@@ -191,3 +191,12 @@ def test_a_job_store_that_goes_down_costs_one_warning_and_loses_nothing(tmp_path
         assert load_events(run, kind="info")["step"].tolist() == [0, *range(5, 40)]  # each once
         outages = [r for r in caplog.records if "wait in" in r.getMessage()]
         assert len(outages) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_on_one_node_the_job_is_judged_by_the_directory_lock_this_process_holds(tmp_path):
+    from meshscope.collector.rundir import LeaderLock
+
+    directory = LeaderLock(tmp_path)
+    assert directory.held()
+    assert job_leader(tmp_path, directory).held()  # the same lock: not refused by our own flock
+    assert not job_leader(tmp_path).held()  # a second flock of the file is (another agent)

@@ -8,18 +8,20 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from fixtures import servers
 from fixtures.netns import network, nodes, services_address
 from fixtures.ports import free_port_range
 from fixtures.runs import REPO, TINY, meshscope
-from meshscope.collector.store import load_events, load_steps
+from meshscope.collector.store import latest_step, load_events, load_steps
 from meshscope.view.data import run_summary
 
 
-def agents(tmp_path, steps: int = 12, *extra: str, job_store: bool = False, config=TINY):
+def agents(tmp_path, steps: int = 12, *extra: str, job_store: bool = False, config=TINY, kill_at: int = -1):
     """Two nodes x two ranks, node 0 hosting the rendezvous (and, with `job_store`, a PostgreSQL
-    job store on the bridge that both nodes write); (node, returncode, output) each."""
+    job store on the bridge that both nodes write); `kill_at`: the second node loses power
+    (every process in it SIGKILLed) once the job passed that step. (node, returncode, output) each."""
     port = free_port_range(1)
     # as a user would start it: no interface forced (the tests' own loopback setting removed)
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
@@ -46,6 +48,8 @@ def agents(tmp_path, steps: int = 12, *extra: str, job_store: bool = False, conf
             )
             for i, node in enumerate(pair)
         ]
+        if kill_at >= 0:
+            _power_off(pair[1], tmp_path / "node0" / "job", kill_at, procs[0])
         results = []
         for node, proc in zip(pair, procs):
             try:
@@ -57,6 +61,16 @@ def agents(tmp_path, steps: int = 12, *extra: str, job_store: bool = False, conf
         if job_store:  # what either node's readers see, read while the server is up
             results = [(*r, _readers(tmp_path / f"node{i}" / "job")) for i, r in enumerate(results)]
         return results
+
+
+def _power_off(node, run, step: int, survivor) -> None:
+    """Every process of `node` killed at once, once the job is past `step`."""
+    deadline = time.monotonic() + 180
+    while latest_step(run) < step and survivor.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = subprocess.run(["ip", "netns", "pids", node.name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        subprocess.run(["kill", "-9", pid], capture_output=True)
 
 
 def _readers(run):
@@ -145,3 +159,32 @@ def test_a_rank_on_the_second_node_that_skips_a_collective_is_named_once_and_the
     for i in (0, 1):  # no shared file system: each node keeps whole checkpoints of its own
         folder = tmp_path / f"node{i}" / "job" / "checkpoints"
         assert [p.name for p in folder.glob("step_*")] and not list(folder.glob(".*.partial")), i
+
+
+def test_a_node_that_loses_power_is_named_job_wide_and_the_survivor_trains_on(tmp_path):
+    results = agents(
+        tmp_path,
+        40,
+        "--nnodes",
+        "1:2",
+        "--checkpoint-every",
+        "4",
+        "--max-restarts",
+        "3",
+        "--set",
+        "elastic.last_call_s=2",
+        job_store=True,
+        kill_at=10,
+    )
+    (first, code, out, seen), (_, _, _, seen_dead) = results
+    assert code == 0, out[-3000:]
+    for view in (seen, seen_dead):  # the dead node's folder still reads the job's store
+        events = view["events"]
+        dead = {
+            d["rank"] for d in events[events["kind"] == "fault"]["detail"] if d.get("type") == "dead_rank"
+        }
+        assert dead >= {2, 3}, events[["kind", "rank", "step"]].to_string()
+        resumed = [d for d in events[events["kind"] == "resume"]["detail"] if d["world_size_now"] == 2]
+        assert resumed and resumed[-1]["from_step"] >= 8, resumed  # from the survivor's own copy
+        assert view["steps"].query("rank == 0")["step"].max() == 39
+    print(seen["explain"].stdout[-3000:])
