@@ -170,20 +170,7 @@ class HangWatch:
             heads, [r for r, h in heads.items() if alive[r] and not h.closed]
         )
         if self.exchange is not None and len(tails) < world:
-            try:
-                request_id = f"{os.getpid()}-{self.clock():.6f}"
-                self.exchange.request(request_id)
-                self.exchange.publish(request_id, tails, stacks)
-                remote_tails, remote_stacks = self.exchange.gather(
-                    request_id,
-                    world,
-                    self.config.stacks_wait_s + 4 * self.config.poll_s,
-                    mine=(tails, stacks),
-                )
-                tails = {**remote_tails, **tails}
-                stacks = {**remote_stacks, **stacks}
-            except Exception as err:  # no store: diagnose what this node sees
-                log.warning("hang exchange with other nodes failed: %s", err)
+            tails, stacks = self._gather_job(tails, stacks, world)
         diag = diagnose(tails, world, alive=alive, stacks=stacks)
         with_recorder(diag, dumps, world)
         diag.evidence["detected_at"] = self.clock()
@@ -199,6 +186,22 @@ class HangWatch:
         self.last = diag
         self.on_hang(diag)
         return diag
+
+    def _gather_job(
+        self, tails: dict[int, FlightTail], stacks: dict[int, list[str]], world: int
+    ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
+        """The judge asks every node for its picture once, and merges what arrives in time."""
+        try:
+            request_id = f"{os.getpid()}-{self.clock():.6f}"
+            self.exchange.request(request_id)
+            self.exchange.publish(request_id, tails, stacks)
+            remote_tails, remote_stacks = self.exchange.gather(
+                request_id, world, self.config.stacks_wait_s + 4 * self.config.poll_s, mine=(tails, stacks)
+            )
+            return {**remote_tails, **tails}, {**remote_stacks, **stacks}
+        except Exception as err:  # no store: diagnose what this node sees
+            log.warning("hang exchange with other nodes failed: %s", err)
+            return tails, stacks
 
     def _follow(
         self, heads: dict[int, FlightTail], attempt: frozenset, alive: dict[int, bool]

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from meshscope.collector.store import store_path
+from meshscope.collector.store import describe_store
 
 app = typer.Typer(
     add_completion=False,
@@ -40,7 +40,7 @@ def _readable_store(run: Path) -> None:
     try:
         check_store(run)
     except FileNotFoundError:
-        fail(f"{run}: no run store ({store_path(run).name}) there")
+        fail(f"{run}: no run store there ({describe_store(run)})")
     except StoreError as err:
         fail(str(err))
 

@@ -54,6 +54,17 @@ def _detect_csv(
     )
 
 
+def _ship_to_job_store(run: Path) -> None:
+    """A run on a job store: the anomalies just written to this folder's file go there too."""
+    from meshscope.collector.relay import StoreRelay
+    from meshscope.collector.store import RELAY_TABLES, store_path
+    from meshscope.collector.storedb import locate
+
+    target = locate(run)
+    if target.is_postgres and not StoreRelay(store_path(run), target, RELAY_TABLES).drain(retry_s=10):
+        fail(f"{describe_store(run)} does not answer: the anomalies wait in {store_path(run)}", code=1)
+
+
 def _detect_run(run: Path, sensitivity: float) -> None:
     from meshscope.detectors.engine import EngineConfig
     from meshscope.detectors.live import LiveDetection
@@ -69,6 +80,7 @@ def _detect_run(run: Path, sensitivity: float) -> None:
         fail(f"{describe_store(run)}: not a readable meshscope run store ({err})")
     run_id = str(steps["run_id"].iloc[0]) if not steps.empty else run.name
     episodes = LiveDetection(run, run_id, config).stop()  # one pass; events into the store
+    _ship_to_job_store(run)
     table = Table(title=f"anomalies in {run}")
     for col in ("type", "ranks", "layer/expert", "steps", "score", "evidence"):
         table.add_column(col)

@@ -187,4 +187,4 @@ def test_a_node_that_loses_power_is_named_job_wide_and_the_survivor_trains_on(tm
         resumed = [d for d in events[events["kind"] == "resume"]["detail"] if d["world_size_now"] == 2]
         assert resumed and resumed[-1]["from_step"] >= 8, resumed  # from the survivor's own copy
         assert view["steps"].query("rank == 0")["step"].max() == 39
-    print(seen["explain"].stdout[-3000:])
+    assert seen["explain"].returncode == 0, seen["explain"].stdout[-2000:]
