@@ -54,7 +54,7 @@ class StoreRelay:
         self.active = active  # agents sharing one store file: one of them ships it
         # (columns, keyed): keyed tables are replaced on their key, the others appended
         self.tables = tables
-        self.source = f"{socket.gethostname()}:{self.store_file.resolve()}"
+        self.source = ""  # which store file this is (set once it exists; see `ship_once`)
         self.shipped = 0  # rows, since start
         self._positions: dict[str, int] | None = None
         self._conn: Any = None
@@ -112,6 +112,9 @@ class StoreRelay:
 
         if not self.store_file.exists():
             return 0
+        if not self.source:  # the inode too: a folder deleted and made again is another source
+            inode = self.store_file.stat().st_ino
+            self.source = f"{socket.gethostname()}:{self.store_file.resolve()}:{inode}"
         try:
             conn = self._connect()
             local = sqlite_connect(self.store_file, readonly=True)
