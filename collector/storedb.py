@@ -247,7 +247,10 @@ def pg_connect(target: StoreTarget, *, create: bool = False, timeout_s: float = 
 
     kwargs: dict[str, Any] = {"connect_timeout": max(1, int(timeout_s)), "autocommit": True}
     if target.password_file:
-        kwargs["password"] = Path(target.password_file).read_text().strip()
+        try:
+            kwargs["password"] = Path(target.password_file).read_text().strip()
+        except OSError as err:
+            raise StoreUnavailable(f"job store {target.url}: password file {err}") from None
     try:
         conn = psycopg.connect(target.url, options=f"-c search_path={target.schema}", **kwargs)
     except psycopg.OperationalError as err:

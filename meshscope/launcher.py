@@ -62,7 +62,7 @@ def prepare_run(cfg: RunConfig) -> RunConfig:
 def store_warning(cfg: RunConfig) -> str | None:
     """Why this run's store will not show the whole job, or is not there yet (None: fine).
     The job store is created here, once, before any rank writes; a server that does not answer
-    is a warning, not an error: the ranks buffer until it does."""
+    is a warning, not an error: the node's rows wait on its disk until it does."""
     if not cfg.store:
         if cfg.multi_node:
             return (
@@ -74,7 +74,7 @@ def store_warning(cfg: RunConfig) -> str | None:
     try:
         pg_connect(cfg.store_target, create=True).close()
     except StoreUnavailable as err:
-        return f"{err}: the ranks buffer their records until it answers"
+        return f"{err}: this node's rows wait in its run folder until it answers"
     return None
 
 
