@@ -188,20 +188,27 @@ def _query_range(url: str, promql: str, start: float, end: float) -> dict:
 
 def test_every_alert_rule_answers_alike_on_prometheus_and_victoria_metrics(faulty_run, stack):
     """Long retention must not change a verdict: each rule's expression, over the run, finds the
-    same series on both engines (the straggler's among them; the NaN is one scrape wide, which a
-    2 s query grid may step over on either engine alike)."""
-    end = time.time()
+    same series on both engines (the detector's anomalies among them; the NaN is one scrape
+    wide, which a 2 s query grid may step over on either engine alike)."""
+    end = time.time() - 5  # remote_write ships in batches: the last seconds may not be there yet
     rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
     found = {}
     for rule in rules:
-        series = []
-        for engine in ("prom", "vm"):
-            body = _query_range(stack[engine], rule["expr"], faulty_run["started"], end)
-            assert body.get("status") == "success", (engine, rule["alert"], body)
-            series.append({json.dumps(s["metric"], sort_keys=True) for s in body["data"]["result"]})
+        deadline = time.monotonic() + 20  # and what was shipped lands within a few seconds
+        while True:
+            series = []
+            for engine in ("prom", "vm"):
+                body = _query_range(stack[engine], rule["expr"], faulty_run["started"], end)
+                assert body.get("status") == "success", (engine, rule["alert"], body)
+                series.append({json.dumps(s["metric"], sort_keys=True) for s in body["data"]["result"]})
+            if series[0] == series[1] or time.monotonic() > deadline:
+                break
+            time.sleep(1)
         assert series[0] == series[1], (rule["alert"], series)
         found[rule["alert"]] = bool(series[0])
-    assert found["StragglerRank"], found
+    # not vacuous: rules that found the run's faults on both (which ones depends on where the
+    # 2 s query grid falls against a run whose steps are tens of milliseconds)
+    assert found["AnomalyDetected"] and sum(found.values()) >= 1, found
 
 
 def test_the_stack_job_store_takes_a_run_and_every_reader_reads_it(stack, tmp_path):
