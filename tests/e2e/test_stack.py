@@ -90,18 +90,18 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def faulty_run(stack):
-    """A 2-rank run: rank 1 computes 4x slower for 150 steps, then a NaN loss on rank 1."""
+    """A 2-rank run: rank 1 computes 4x slower for 250 steps, then a NaN loss on rank 1."""
     port = free_port_range(3)
     proc = start_run(
         stack["runs"],
         RUN,
         port,
         "--steps",
-        "320",
+        "420",
         "--inject",
-        "slow@step=40,rank=1,steps=150,factor=4",
+        "slow@step=40,rank=1,steps=250,factor=4",
         "--inject",
-        "nan@step=260,rank=1",
+        "nan@step=360,rank=1",
         "--linger",
         "15",
     )
