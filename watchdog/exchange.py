@@ -43,8 +43,7 @@ class NodeExchange:
         the rendezvous store may come up after the watchdog)."""
         self._store, self.prefix = store, prefix
         self._answered_ids: set[str] = set()
-        self._seen = 0
-        self._verdicts_seen = 0
+        self._read = {"request": 0, "verdict": 0}  # how far this node read each numbered log
 
     @property
     def store(self) -> Any:
@@ -53,43 +52,41 @@ class NodeExchange:
             self._store = self._store()
         return self._store
 
+    def _append(self, log: str, value: str) -> None:
+        """Add to a numbered log in the store (numbered: no writer overwrites another)."""
+        index = self.store.add(f"{self.prefix}/{log}s", 1) - 1
+        self.store.set(f"{self.prefix}/{log}/{index}", value)
+
+    def _new(self, log: str) -> list[bytes]:
+        """What a numbered log gained since this node last read it (one store operation when
+        nothing did)."""
+        count = self.store.add(f"{self.prefix}/{log}s", 0)
+        out = []
+        while self._read[log] < count:
+            key = f"{self.prefix}/{log}/{self._read[log]}"
+            if not self.store.check([key]):
+                break  # counted, not yet written
+            out.append(self.store.get(key))
+            self._read[log] += 1
+        return out
+
     def request(self, request_id: str) -> None:
-        """Ask every node for its tails (requests are numbered: none overwrites another)."""
-        index = self.store.add(f"{self.prefix}/requests", 1) - 1
-        self.store.set(f"{self.prefix}/request/{index}", request_id)
+        """Ask every node for its tails."""
+        self._append("request", request_id)
         self._answered_ids.add(request_id)  # our own answer goes in with the request
 
     def pending(self) -> list[str]:
         """Requests from other nodes not yet answered."""
-        count = self.store.add(f"{self.prefix}/requests", 0)
-        out = []
-        while self._seen < count:
-            key = f"{self.prefix}/request/{self._seen}"
-            if not self.store.check([key]):
-                break  # counted, not yet written
-            request_id = self.store.get(key).decode()
-            self._seen += 1
-            if request_id not in self._answered_ids:
-                out.append(request_id)
-        return out
+        return [r for r in (b.decode() for b in self._new("request")) if r not in self._answered_ids]
 
     def post_verdict(self, detail: dict[str, Any]) -> None:
         """The job's judge posts its diagnosis once; every node's watchdog acts on it (one key
         per stall: O(nodes) reads, never a request per node)."""
-        index = self.store.add(f"{self.prefix}/verdicts", 1) - 1
-        self.store.set(f"{self.prefix}/verdict/{index}", json.dumps(detail, default=str))
+        self._append("verdict", json.dumps(detail, default=str))
 
     def new_verdicts(self) -> list[dict[str, Any]]:
-        """Verdicts posted since this node last looked (one store operation when there are none)."""
-        count = self.store.add(f"{self.prefix}/verdicts", 0)
-        out = []
-        while self._verdicts_seen < count:
-            key = f"{self.prefix}/verdict/{self._verdicts_seen}"
-            if not self.store.check([key]):
-                break  # counted, not yet written
-            out.append(json.loads(self.store.get(key)))
-            self._verdicts_seen += 1
-        return out
+        """Verdicts posted since this node last looked."""
+        return [json.loads(b) for b in self._new("verdict")]
 
     def publish(self, request_id: str, tails: dict[int, FlightTail], stacks: dict[int, list[str]]) -> None:
         """Answer `request_id` with this node's tails and stacks."""
