@@ -423,6 +423,12 @@ class Monitor:
         self._drain(block=True)
         self.store.flush()
 
+    def training_over(self) -> None:
+        """No more steps or collectives will come (the process may still linger for a last
+        scrape): the hang watchdog must not take the quiet for a stall."""
+        if self.flight is not None:
+            self.flight.close()
+
     def close(self) -> None:
         """Materialise what is pending, commit the store and stop the exporter."""
         if self._closed:

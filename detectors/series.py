@@ -10,7 +10,9 @@ Online: each row is judged from the rows before it only. Per value column:
 2. **Scale** the residual by the past residuals: the largest normal-equivalent scale read off
    their 50th, 90th, 99th and 99.5th percentiles, so mostly-zero residuals (a square wave, a
    quantised counter) and heavy tails are both covered, with a floor relative to the series'
-   own range and level, so a series that sits still does not divide by zero.
+   own range and level, so a series that sits still does not divide by zero. A row judged
+   anomalous adds its residual clipped to the size that flags: the scale learns the noise, not
+   the anomalies (a larger anomaly after a smaller one is still news).
 3. **Score** with a tail probability, `anomaly_score` = 1 - P(|residual| this large), in [0, 1];
    with several columns the row takes the most surprising one, Bonferroni-corrected.
 4. **Flag onsets**: `is_anomaly` marks the first row of an anomalous episode; `in_episode`
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import deque
 
 import numpy as np
@@ -78,7 +81,7 @@ def read_series(path: str, time_column: str | None, value_columns: list[str] | N
         df[c] = values
     if not columns:
         raise SeriesError(f"{path}: no value columns besides {time_column!r}")
-    return df.sort_values(time_column, kind="stable").reset_index(drop=True)[[time_column, *columns]]
+    return df[[time_column, *columns]]
 
 
 class SeriesConfig(BaseModel):
@@ -176,8 +179,10 @@ class _SortedWindow:
 class _Residuals:
     """One predictor's recent absolute residuals, and the tail probability they imply."""
 
-    def __init__(self, rows: int) -> None:
-        self.window = _SortedWindow(rows)
+    def __init__(self, rows: int, flag_z: float) -> None:
+        self.window = _SortedWindow(rows)  # clipped where anomalous: the scale and its tails
+        self.seen = _SortedWindow(rows)  # as they were: what the recent past has shown
+        self.flag_z = flag_z
 
     def ready(self) -> bool:
         return len(self.window) >= _MIN_RESIDUALS
@@ -188,15 +193,24 @@ class _Residuals:
             return math.inf
         return max(self.window.quantile(q) / z for q, z in _SCALE_QUANTILES)
 
+    def learn(self, residual: float, anomalous: bool) -> None:
+        """Remember a residual for the scale. One the row was judged anomalous for enters only
+        up to the size that would flag it: an episode must not teach the scale that episodes
+        are normal (the next, larger anomaly would pass), yet a lasting rise in the noise
+        still widens the scale through the rows below that size."""
+        r = abs(residual)
+        self.seen.add(r)
+        self.window.add(min(r, self.scale() * self.flag_z) if anomalous and self.ready() else r)
+
     def tail(self, residual: float, floor: float) -> float:
         """P(|residual| at least this large): a normal tail, or an exponential one fitted to
         the 90th..99th percentiles where the past has heavier tails than a normal's."""
         r = abs(residual)
         if math.isnan(r):
             return 1.0
-        seen = len(self.window) - bisect.bisect_left(self.window.sorted, r)
-        if seen >= 2:  # the recent past already showed this twice: not news
-            return seen / (len(self.window) + 1)
+        seen = len(self.seen) - bisect.bisect_left(self.seen.sorted, r)
+        if seen >= 2:  # the recent past already showed this twice: not news (a square wave)
+            return seen / (len(self.seen) + 1)
         scale = max(self.scale(), floor)
         normal = math.erfc(r / scale / math.sqrt(2))
         # Exponential tails through the 90th..99th and the 99th..99.5th percentiles: the
@@ -221,9 +235,11 @@ class ColumnDetector:
         self.history: list[float] = []
         self.values = _SortedWindow(config.scale_rows)
         self.period: int | None = None
-        self.level = _Residuals(config.scale_rows)
-        self.seasonal = _Residuals(config.scale_rows)
-        self.shift = _Residuals(config.scale_rows)
+        # the residual that flags a row on its own: each of the three tests gets alpha / 3
+        flag_z = statistics.NormalDist().inv_cdf(1 - config.alpha / 6)
+        self.level = _Residuals(config.scale_rows, flag_z)
+        self.seasonal = _Residuals(config.scale_rows, flag_z)
+        self.shift = _Residuals(config.scale_rows, flag_z)
         self._next_period_check = config.min_rows
         self._repeats = 0  # past rows equal to the row before them
         self._run = 0  # rows in a row equal to the one before, up to now
@@ -250,11 +266,12 @@ class ColumnDetector:
             if r_shift is not None and self.shift.ready():
                 tails.append(self.shift.tail(r_shift, floor / math.sqrt(c.shift_rows)))
             tail = min(1.0, 3 * min(tails))  # three tests: Bonferroni
-            self.level.window.add(abs(r_level))
+            anomalous = tail < c.alpha
+            self.level.learn(r_level, anomalous)
             if r_shift is not None:
-                self.shift.window.add(abs(r_shift))
+                self.shift.learn(r_shift, anomalous)
             if r_season is not None:
-                self.seasonal.window.add(abs(r_season))
+                self.seasonal.learn(r_season, anomalous)
         self._count_repeat(x)
         past.append(x)
         self.values.add(x)
@@ -331,20 +348,23 @@ def score_frame(
     df: pd.DataFrame, time_column: str, *, sensitivity: float = 1.0, config: SeriesConfig | None = None
 ) -> pd.DataFrame:
     """Return `df` with `anomaly_score` (1 - tail probability, in [0, 1]), `is_anomaly` (the
-    onset of an anomalous episode) and `in_episode` per row. Online: row t reads rows < t only."""
+    onset of an anomalous episode) and `in_episode` per row. Online: rows are judged in time
+    order, each from the rows before it only; the result keeps `df`'s own row order."""
     config = config or SeriesConfig.with_sensitivity(sensitivity)
     columns = [c for c in df.columns if c != time_column]
     detectors = [ColumnDetector(config) for _ in columns]
-    values = df[columns].to_numpy(float)
+    order = np.argsort(df[time_column].to_numpy(), kind="stable")
+    values = df[columns].to_numpy(float)[order]
     tails = np.ones(len(df))
     for i, row in enumerate(values):
         worst = min(d.update(float(v)) for d, v in zip(detectors, row, strict=True))
         tails[i] = min(1.0, worst * len(columns))
     onset, episode = flag_episodes(tails, config)
     out = df.copy()
-    out["anomaly_score"] = 1.0 - tails
-    out["is_anomaly"] = onset
-    out["in_episode"] = episode
+    for name, by_time in (("anomaly_score", 1.0 - tails), ("is_anomaly", onset), ("in_episode", episode)):
+        column = np.empty_like(by_time)
+        column[order] = by_time  # back to the input's rows
+        out[name] = column
     return out
 
 

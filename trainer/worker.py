@@ -185,6 +185,7 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
         if env.rank == 0:
             mon.event("run_end", detail={"steps": state.step, "reason": reason})
         if reason == "done":
+            mon.training_over()
             time.sleep(cfg.linger_s)  # lets Prometheus take a last scrape of short runs
     finally:
         if audit is not None:

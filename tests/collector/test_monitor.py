@@ -119,6 +119,7 @@ def test_bad_monitor_config_names_the_field(tmp_path):
 def test_a_loss_never_logged_is_absent_not_nan(tmp_path, log_loss, expect_nan):
     """A Monitor user who never calls s.log(loss=...) gets no `nan` anomaly; a logged NaN or
     Inf does (the store keeps NaN as NULL either way: the `nonfinite` column tells them apart)."""
+    from meshscope.collector.schema import nonfinite_mask
     from meshscope.collector.store import load_steps
     from meshscope.detectors.engine import DetectionEngine
 
@@ -129,7 +130,10 @@ def test_a_loss_never_logged_is_absent_not_nan(tmp_path, log_loss, expect_nan):
                 s.log(loss=log_loss if step >= 30 else 1.0)
     mon.close()
     steps = load_steps(tmp_path / "run")
-    assert steps["loss"].isna().all() if log_loss is None else True
+    late = steps["step"] >= 30
+    assert steps.loc[~late, "loss"].isna().all() == (log_loss is None)
+    flagged = nonfinite_mask(steps)
+    assert list(flagged) == list(late & expect_nan)  # the flags fall where the bad losses were
     found = []
     engine = DetectionEngine(on_close=found.append)
     engine.process(steps, None)

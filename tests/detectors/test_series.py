@@ -27,11 +27,14 @@ def test_spike_and_level_shift_found_and_slow_wave_ignored(tmp_path):
 
 def test_value_columns_and_sensitivity(tmp_path):
     out = tmp_path / "scored.csv"
-    runner.invoke(app, ["detect", str(DATA), "--value-columns", "comm_ratio", "-o", str(out)])
+    result = runner.invoke(app, ["detect", str(DATA), "--value-columns", "comm_ratio", "-o", str(out)])
+    assert result.exit_code == 0, result.output
     assert 250 not in set(pd.read_csv(out).query("is_anomaly").index)  # spike is in the other column
     counts = []
     for sensitivity in ("0.001", "1", "1000"):
-        runner.invoke(app, ["detect", str(DATA), "--sensitivity", sensitivity, "-o", str(out)])
+        out.unlink(missing_ok=True)  # a failed run must not count the previous run's file
+        result = runner.invoke(app, ["detect", str(DATA), "--sensitivity", sensitivity, "-o", str(out)])
+        assert result.exit_code == 0, (sensitivity, result.output)
         counts.append(int(pd.read_csv(out)["is_anomaly"].sum()))
     assert counts[0] <= counts[1] < counts[2]
 
@@ -144,3 +147,32 @@ def test_bad_config_names_the_field():
         SeriesConfig.with_sensitivity(1.0, alpha=2)
     with pytest.raises(SeriesError, match="sensitivity"):
         SeriesConfig.with_sensitivity(0)
+
+
+@pytest.mark.parametrize("amplitude, period", [(0.05, 200), (0.05, 500), (0.2, 500), (1.0, 200)])
+def test_a_larger_anomaly_after_a_smaller_episode_is_still_found(amplitude, period):
+    """The scale learns the noise, not what it flagged: a 30-row +0.08 episode (20 sd) must not
+    make the later +0.3 spike look normal (the tails once fitted the episode's edges)."""
+    rng = np.random.default_rng(0)
+    n = 3000
+    values = 1 + amplitude * np.sin(np.arange(n) * 2 * np.pi / period) + rng.normal(0, 0.004, n)
+    values[1500:1530] += 0.08
+    values[2400] += 0.3
+    scored = score_frame(pd.DataFrame({"time": np.arange(n), "v": values}), "time")
+    onsets = list(scored.index[scored["is_anomaly"]])
+    assert onsets and 1500 <= onsets[0] <= 1502, onsets
+    assert 2400 in onsets, (onsets, scored["anomaly_score"][2400])
+
+
+def test_rows_out_of_time_order_come_back_in_the_input_order(tmp_path):
+    frame = pd.read_csv(DATA)
+    shuffled = frame.sample(frac=1.0, random_state=7)
+    path = tmp_path / "shuffled.csv"
+    shuffled.to_csv(path, index=False)
+    out = tmp_path / "scored.csv"
+    assert runner.invoke(app, ["detect", str(path), "-o", str(out)]).exit_code == 0
+    scored = pd.read_csv(out)
+    # row for row, the input's rows, with the scores the time-ordered series gives them
+    assert scored["time"].tolist() == shuffled["time"].tolist()
+    in_order = score_frame(frame, "time").set_index("time")["anomaly_score"]
+    assert np.allclose(scored["anomaly_score"].to_numpy(), in_order.loc[shuffled["time"]].to_numpy())

@@ -63,6 +63,16 @@ def _descendants(pid):
     return [int(k) for k in kids] + [d for k in kids for d in _descendants(int(k))]
 
 
+def _both_nodes_trained(run_dir, steps_together):
+    """Whether ranks 0 and 1 of a 2-agent world have each taken `steps_together` steps (past a
+    checkpoint or two, so the shrink resumes from one the two-agent world wrote)."""
+    if latest_step(run_dir, rank=None) < steps_together:  # tolerates a store not there yet
+        return False
+    steps = load_steps(run_dir)
+    together = steps[steps["world_size"] == 2].groupby("rank")["step"].nunique()
+    return set(together.index) == {0, 1} and together.min() >= steps_together
+
+
 def test_shrink_when_an_agent_dies_for_good(tmp_path):
     rdzv = free_port_range(1)
     store = subprocess.Popen(
@@ -87,13 +97,20 @@ def test_shrink_when_an_agent_dies_for_good(tmp_path):
             "3",
             "--checkpoint-every",
             "5",
+            # the second agent's start may take seconds here: the first waits for it (a full
+            # world completes the rendezvous at once, so this costs nothing when it is on time)
+            "--set",
+            "elastic.last_call_s=10",
         )
         survivor = meshscope_run(tmp_path, "elastic", *flags)
         time.sleep(0.5)
         doomed = meshscope_run(tmp_path, "elastic", *flags)
-        deadline = time.monotonic() + 120
-        while latest_step(tmp_path / "elastic") < 20 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # a busy machine may start the second agent after the first's last call: it then joins
+        # by a re-rendezvous, so wait for steps that both nodes took before killing one
+        deadline = time.monotonic() + 150
+        while not _both_nodes_trained(tmp_path / "elastic", 15) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _both_nodes_trained(tmp_path / "elastic", 15), "the two agents never trained together"
         for pid in [doomed.pid] + _descendants(doomed.pid):  # the whole node goes, workers too
             os.kill(pid, signal.SIGKILL)
         out, _ = survivor.communicate(timeout=240)

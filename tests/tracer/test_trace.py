@@ -14,6 +14,7 @@ from meshscope.tracer.snapshot import SnapshotError, load_snapshot
 from meshscope.tracer.trace import TensorTracer, TracerConfig
 from meshscope.trainer.config import ModelConfig
 from meshscope.trainer.inject import InjectionError, Injector, parse_injection
+from meshscope.trainer.loop import step_if_finite
 from meshscope.trainer.model import MoELM
 
 CFG = ModelConfig(vocab_size=32, seq_len=8, layers=2, d_model=16, heads=2, experts=4, top_k=2)
@@ -45,6 +46,7 @@ def traced_steps(tmp_path, spec: str, steps: int = 4, mode: str = "nonfinite"):
         loss = rerun()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        step_if_finite(opt, norm)  # as the trainer does: the weights move, a NaN step is skipped
         opt.zero_grad()
         tracer.step_end(loss=loss, grad_norm=norm, rerun=rerun)
     tracer.close()
@@ -248,6 +250,7 @@ def test_a_lagging_device_never_costs_a_flag_and_the_late_rerun_meets_the_steps_
         loss = rerun()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        step_if_finite(opt, norm)  # as the trainer does: the weights move, a NaN step is skipped
         opt.zero_grad()
         tracer.step_end(loss=loss, grad_norm=norm, rerun=rerun)
         if step < 2 + 5:

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -39,43 +40,48 @@ def zygote(tmp_path_factory):
     deadline = time.monotonic() + 60
     while not sock.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield sock
+    yield types.SimpleNamespace(sock=sock, pid=proc.pid)
     proc.terminate()
     proc.wait(timeout=10)
 
 
 def spawn(config, sock):
+    """The client torchrun would exec, run to its end; its pid rides along on the result."""
     env = dict(os.environ, MESHSCOPE_ZYGOTE=str(sock), PYTHONPATH=str(REPO))
-    return subprocess.run(
+    client = subprocess.Popen(
         [sys.executable, "-m", "meshscope.trainer.spawn", "--config", str(config)],
         env=env,
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120,
     )
+    stdout, stderr = client.communicate(timeout=120)
+    return subprocess.CompletedProcess(client.args, client.returncode, stdout, stderr), client.pid
 
 
 def test_forked_worker_trains_and_exits_zero(tmp_path, zygote):
     config = write_config(tmp_path)
-    done = spawn(config, zygote)
+    done, client = spawn(config, zygote.sock)
     assert done.returncode == 0, done.stderr
     assert load_steps(config.parent)["step"].tolist() == [0, 1, 2, 3, 4]
-    pid = int((config.parent / "pids" / "rank0.pid").read_text())
-    assert pid != done.returncode  # the worker was the zygote's child, not the client
+    worker = int((config.parent / "pids" / "rank0.pid").read_text())
+    # the rank ran in a process forked by the zygote: neither the client nor the zygote itself
+    assert worker not in (client, zygote.pid), (worker, client, zygote.pid)
 
 
 def test_a_killed_worker_kills_its_client_with_the_same_signal(tmp_path, zygote):
-    done = spawn(write_config(tmp_path, "kill@step=2,rank=0"), zygote)
+    done, _ = spawn(write_config(tmp_path, "kill@step=2,rank=0"), zygote.sock)
     assert done.returncode == -9
 
 
 def test_without_a_zygote_the_client_becomes_a_plain_worker(tmp_path):
     config = write_config(tmp_path)
-    done = spawn(config, tmp_path / "missing.sock")
+    done, client = spawn(config, tmp_path / "missing.sock")
     assert done.returncode == 0, done.stderr
     assert "warm standby unavailable" in done.stderr
     assert len(load_steps(config.parent)) == 5
+    assert int((config.parent / "pids" / "rank0.pid").read_text()) == client  # it trained itself
 
 
 # --- fork safety: the zygote never initialises an accelerator --------------------------------

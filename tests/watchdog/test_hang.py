@@ -268,3 +268,16 @@ def test_everyone_in_the_collective_but_the_transport_stuck(tmp_path, backend):
     assert diag.kind == "stuck", diag.why
     assert diag.culprit_ranks == [] and diag.waiting_ranks == list(range(WORLD)), diag.why
     assert (diag.op, diag.seq) == ("all_reduce", FAULT_STEP), diag.why
+
+
+def test_a_run_lingering_for_its_last_scrape_is_not_a_hang(tmp_path):
+    """After the last step the workers keep /metrics up (`--linger`) and do nothing: the
+    watchdog beside the run must not take that quiet for a stall."""
+    from fixtures.runs import start_run
+    from meshscope.collector.store import load_events
+
+    proc = start_run(tmp_path, "linger", None, "--steps", "5", "--linger", "6", "--hang-after", "1")
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-2000:]
+    kinds = list(load_events(tmp_path / "linger")["kind"])
+    assert "run_end" in kinds and "hang" not in kinds, kinds
