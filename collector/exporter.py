@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import ipaddress
 import json
 import os
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,20 @@ def port_for(base_port: int, local_rank: int) -> int:
     return base_port + local_rank
 
 
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
+
+
+def valid_host(host: str) -> bool:
+    """Whether `host` is an IP address or a DNS name a socket can take (ASCII labels): checked
+    where the user gives one, so a typo is a message, not an encoding error at bind time."""
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(host))
+
+
 def ensure_ports_free(host: str, ports: list[int]) -> None:
     """Raise PortInUseError naming the first busy port (checked before launching workers)."""
     for port in ports:
@@ -31,6 +47,11 @@ def ensure_ports_free(host: str, ports: list[int]) -> None:
             try:
                 s.bind((host, port))
             except OSError as err:
+                if isinstance(err, socket.gaierror) or err.errno == errno.EADDRNOTAVAIL:
+                    raise PortInUseError(
+                        f"metrics_host {host!r}: not an address of this machine ({err.strerror}); "
+                        "set metrics_host (--set metrics_host=ADDR) to one, or leave it empty"
+                    ) from None
                 raise PortInUseError(
                     f"metrics port {port} on {host} is already in use ({err.strerror}); "
                     f"choose another base with --metrics-port"

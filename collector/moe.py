@@ -4,6 +4,9 @@ A module is an MoE layer for meshscope if it has an attribute `expert_token_coun
 tensor, one entry per expert, holding the tokens routed to each expert in its last forward
 (before capacity dropping, so the entries sum to tokens x top_k). The tensor may live on the
 device; the Monitor reads it without a sync and sums it over ranks every few steps.
+
+Experts held as one stacked tensor per weight (index 0 is the expert) have no submodule each:
+`stacked_experts` says how many a module holds, so an expert is named as `PATH.INDEX`.
 """
 
 from __future__ import annotations
@@ -21,3 +24,16 @@ def is_moe_layer(module: torch.nn.Module) -> bool:
 def find_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """MoE layers in definition order; their index is the `layer` label."""
     return [m for m in model.modules() if is_moe_layer(m)]
+
+
+def stacked_experts(module: torch.nn.Module) -> int | None:
+    """How many experts a module holds as one stacked tensor per weight (index 0 of every own
+    parameter is the expert), or None: such experts have no submodule of their own to name."""
+    try:
+        count = len(module)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    params = list(module.parameters(recurse=False))
+    if count < 2 or not params or any(p.dim() == 0 or p.shape[0] != count for p in params):
+        return None
+    return count

@@ -304,9 +304,11 @@ def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
     ranks = sorted({int(r) for r in at_first["rank"].dropna()})
     snaps = facts.events[(facts.events["kind"] == "snapshot") & (facts.events["step"] == step)]
     if d.get("module"):
-        title = f"first non-finite value: {d['module']} ({d.get('where', '?')}) at step {step}"
+        experts = d.get("experts") or []
+        where = d["module"] + (f" (expert {', '.join(map(str, experts))})" if experts else "")
+        title = f"first non-finite value: {where} ({d.get('where', '?')}) at step {step}"
         evidence = [
-            f"{d.get('tensor', 'output')} of {d['module']} ({d.get('class', '')}) on "
+            f"{d.get('tensor', 'output')} of {where} ({d.get('class', '')}) on "
             f"{_who(ranks)}, the first module in execution order"
         ]
     else:

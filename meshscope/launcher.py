@@ -33,6 +33,21 @@ def prepare_run(cfg: RunConfig) -> RunConfig:
 
     Raises DeviceUnavailable or PortInUseError with a message for the user.
     """
+    cfg = resolve_run(cfg)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "logs").mkdir(exist_ok=True)
+    (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    if cfg.store:  # every reader of this run directory finds the job store through it
+        write_locator(cfg.run_dir, cfg.store_target)
+    # Agents sharing a run directory (elastic membership) differ in ports: each its own copy.
+    agent_config(cfg).parent.mkdir(exist_ok=True)
+    agent_config(cfg).write_text(cfg.model_dump_json(indent=2))
+    return cfg
+
+
+def resolve_run(cfg: RunConfig) -> RunConfig:
+    """The config as the run will use it (device, address, id chosen), every check that needs
+    the machine done (device, placement, ports), and nothing written: `run --check` stops here."""
     device = resolve_device(cfg.device, backend=cfg.backend)
     check_placement(device.kind, device.backend, cfg.nproc)
     # Workers and the summary see what was chosen, not "auto".
@@ -47,16 +62,7 @@ def prepare_run(cfg: RunConfig) -> RunConfig:
     ensure_ports_free(cfg.metrics_host, [cfg.metrics_port + r for r in range(cfg.nproc)])
     if not cfg.run_id:
         cfg = cfg.model_copy(update={"run_id": cfg.elastic.rdzv_id or new_run_id()})
-    cfg = cfg.model_copy(update={"runs_root": cfg.runs_root.resolve()})
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "logs").mkdir(exist_ok=True)
-    (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-    if cfg.store:  # every reader of this run directory finds the job store through it
-        write_locator(cfg.run_dir, cfg.store_target)
-    # Agents sharing a run directory (elastic membership) differ in ports: each its own copy.
-    agent_config(cfg).parent.mkdir(exist_ok=True)
-    agent_config(cfg).write_text(cfg.model_dump_json(indent=2))
-    return cfg
+    return cfg.model_copy(update={"runs_root": cfg.runs_root.resolve()})
 
 
 def store_warning(cfg: RunConfig) -> str | None:

@@ -4,11 +4,12 @@ module of a step), and the small pieces it reads tensors and RNG state with."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from meshscope.collector.moe import stacked_experts
 from meshscope.collector.readback import Readback
 
 MODES = ("off", "nonfinite", "stats", "full")
@@ -28,6 +29,20 @@ def _floats(values: Any) -> list[torch.Tensor]:
 def _finite(values: Any) -> bool:
     # sync point: host reads, only after a finding (to tell input, parameter, output apart)
     return all(bool(torch.isfinite(t).all()) for t in _floats(values))
+
+
+def nonfinite_experts(module: torch.nn.Module, tensors: Any) -> list[int]:
+    """Which experts of a stacked-experts module hold the non-finite values among `tensors`
+    (each indexed by expert first, as its weights and its slot table are); [] for others."""
+    count = stacked_experts(module)
+    if count is None:
+        return []
+    bad = torch.zeros(count, dtype=torch.bool)
+    for t in _floats(tensors):
+        if t.dim() and t.shape[0] == count:
+            # sync point: host reads, only after a finding
+            bad |= ~torch.isfinite(t.reshape(count, -1)).all(dim=1).cpu()
+    return [int(i) for i in torch.nonzero(bad).flatten()]
 
 
 class _Ready:
@@ -92,11 +107,14 @@ class Finding:
     module_class: str
     note: str = ""
     snapshot: str | None = None
+    experts: list[int] = field(default_factory=list)
+    """Inside stacked experts (one module, E slices): the experts whose slice went bad."""
 
     def detail(self) -> dict[str, Any]:
         """The `nan` event's detail."""
         return {
             "module": self.module,
+            "experts": self.experts,
             "where": self.where,
             "tensor": self.tensor,
             "class": self.module_class,

@@ -21,7 +21,8 @@ Modes (`--trace`):
 A finding is the first module in execution order whose inputs are finite and whose output is
 not (forward; its own parameters are checked too), else the first module in backward order
 whose output gradient is finite and whose input gradient is not. It becomes a `nan` event
-(detail: `module`, `where`, `tensor`, `class`, `note`, `snapshot`) and, for the first
+(detail: `module`, `experts` (inside stacked experts: which slices), `where`, `tensor`, `class`,
+`note`, `snapshot`) and, for the first
 `max_snapshots`, a snapshot (`tracer.snapshot`) that `meshscope replay` re-runs on the CPU."""
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from meshscope.tracer.findings import (
     _set_rng,
     _Span,
     _Step,
+    nonfinite_experts,
 )
 from meshscope.tracer.snapshot import write_snapshot
 
@@ -379,6 +381,8 @@ class TensorTracer:
             f"{type(module).__module__}.{type(module).__qualname__}",
             note,
         )
+        bad = {"parameter": list(module.parameters(recurse=False)), "input": args, "output": output}
+        finding.experts = nonfinite_experts(module, grad_input if where == "backward" else bad[tensor])
         key = (finding.module, where, tensor)
         last = self._reported.get(key)
         if last is not None and step - last < self.config.repeat_after:

@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from meshscope.collector.exporter import valid_host
 from meshscope.collector.monitor_config import MonitorConfig
 from meshscope.collector.storedb import StoreTarget, StoreTargetError, check_url, job_schema
 
@@ -124,6 +125,14 @@ class ElasticConfig(_Strict):
         "so the job outlives any one agent",
     )
 
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if value and (not sep or not valid_host(host) or not port.isdigit() or not 0 < int(port) < 65536):
+            raise ValueError(f"{value!r}: expected HOST:PORT with a port 1-65535")
+        return value
+
     @field_validator("nnodes")
     @classmethod
     def _node_range(cls, value: str) -> str:
@@ -208,10 +217,27 @@ class TrainerConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 
+    @field_validator("metrics_host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if value and not valid_host(value):
+            raise ValueError(f"{value!r} is not an IP address or host name")
+        return value
+
+    @model_validator(mode="after")
+    def _ports(self) -> TrainerConfig:
+        if self.metrics_port + self.nproc - 1 > 65535:  # rank r serves on base + r
+            raise ValueError(
+                f"metrics_port: {self.metrics_port} + {self.nproc} ranks runs past port 65535 "
+                "(fewer nproc, or a lower --metrics-port)"
+            )
+        return self
+
     @model_validator(mode="after")
     def _injections(self) -> TrainerConfig:
-        from meshscope.trainer.inject import InjectionError, parse_injection
+        from meshscope.trainer.inject import InjectionError, check_against_model, parse_injection
 
+        injections = []
         for spec in self.inject:
             try:
                 injection = parse_injection(spec)
@@ -222,6 +248,19 @@ class TrainerConfig(_Strict):
                     f"inject: {spec!r} needs --device {' or '.join(DEVICE_ONLY_FAULTS[injection.kind])} "
                     f"(a device stream to stop), not {self.device}"
                 )
+            injections.append(injection)
+        if injections:  # against the model itself: a wrong path fails here, not in the workers
+            import torch
+
+            from meshscope.trainer.model import MoELM
+
+            with torch.device("meta"):  # the shapes alone: no memory, no initialisation cost
+                model = MoELM(self.model)
+            world = self.nproc * int(self.elastic.nnodes.rpartition(":")[2])
+            try:
+                check_against_model(injections, model, world)
+            except InjectionError as err:
+                raise ValueError(f"inject: {err}") from None
         return self
 
     @model_validator(mode="after")

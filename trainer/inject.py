@@ -2,7 +2,8 @@
 
 Kinds: kill, hang (seconds=), slow (factor=), comm_delay (ms=), nan (module=PATH,
 where=forward|backward: one module's parameter turns Inf in forward, or its input gradient
-NaN in backward; without module= the loss turns NaN), expert_collapse (layer=, expert=,
+NaN in backward; PATH.INDEX names one expert inside stacked experts, its slice alone; without
+module= the loss turns NaN), expert_collapse (layer=, expert=,
 logit=: 20 collapses routing onto the expert, a few units make it hog, negative starves it),
 memory_leak (mb_per_step=), skip_collective (the rank skips its gradient all-reduces of that
 step, as a rank taking a wrong branch would), collective_mismatch (what=shape|op|dtype|split:
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshscope.collector.moe import stacked_experts
 from meshscope.trainer import sim
 
 KINDS = {
@@ -117,6 +119,52 @@ def parse_injection(spec: str) -> Injection:
         raise InjectionError(f"--inject {spec!r}: step, rank must be >= 0 and steps >= 1")
     step, rank = int(fields.pop("step")), int(fields.pop("rank"))
     return Injection(kind, step, rank, steps, fields)
+
+
+def resolve_target(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, int | None]:
+    """The module `path` names, and the expert index when it ends in one inside stacked experts
+    (`blocks.1.moe.experts.2`); InjectionError naming what exists when it names nothing."""
+    try:
+        return model.get_submodule(path), None
+    except AttributeError:
+        pass
+    parent, _, last = path.rpartition(".")
+    if parent and last.isdigit():
+        try:
+            module = model.get_submodule(parent)
+        except AttributeError:
+            module = None
+        count = stacked_experts(module) if module is not None else None
+        if count is not None:
+            if int(last) < count:
+                return module, int(last)
+            raise InjectionError(f"--inject nan: {parent!r} holds experts 0..{count - 1}, not {last}")
+    names = [n for n, _ in model.named_modules() if n]
+    near = [n for n in names if n.startswith(parent)] if parent else []
+    raise InjectionError(
+        f"--inject nan: no module {path!r} in the model (e.g. {', '.join((near or names)[:8])}; "
+        "an expert inside stacked experts: PATH.INDEX)"
+    )
+
+
+def check_against_model(injections: Iterable[Injection], model: torch.nn.Module, world: int) -> None:
+    """Refuse, before anything starts, an injection this model or job cannot have: a module
+    or expert it lacks, a layer or expert out of range, a rank the job will never have."""
+    layers = list(getattr(model, "moe_layers", lambda: [])())
+    for inj in injections:
+        if inj.rank >= world:
+            raise InjectionError(
+                f"--inject {inj.kind}: rank={inj.rank}, but the job has at most {world} ranks"
+            )
+        if inj.kind == "nan" and inj.param("module"):
+            resolve_target(model, inj.param("module"))
+        if inj.kind == "expert_collapse":
+            layer, expert = int(inj.param("layer")), int(inj.param("expert"))
+            if not 0 <= layer < len(layers):
+                raise InjectionError(f"--inject expert_collapse: layer={layer}, the model has {len(layers)}")
+            if not 0 <= expert < len(layers[layer].experts):
+                count = len(layers[layer].experts)
+                raise InjectionError(f"--inject expert_collapse: expert={expert}, layer {layer} has {count}")
 
 
 class Injector:
@@ -224,23 +272,26 @@ class Injector:
             path = inj.param("module") if inj.kind == "nan" else ""
             if not path:
                 continue
-            try:
-                module = model.get_submodule(path)
-            except AttributeError:
-                names = [n for n, _ in model.named_modules() if n][:12]
-                raise InjectionError(
-                    f"--inject nan: no module {path!r} in the model (some: {', '.join(names)})"
-                ) from None
+            module, expert = resolve_target(model, path)
             if inj.param("where") == "backward":
-                module.register_full_backward_hook(self._poison_gradient(inj), prepend=True)
+                module.register_full_backward_hook(self._poison_gradient(inj, expert), prepend=True)
             elif not any(True for _ in module.parameters()):
                 module.register_forward_hook(self._poison_output(inj))
 
-    def _poison_gradient(self, inj: Injection) -> Callable[..., Any]:
+    def _poison_gradient(self, inj: Injection, expert: int | None) -> Callable[..., Any]:
+        def poisoned(g: Any) -> Any:
+            if not isinstance(g, torch.Tensor):
+                return g
+            if expert is None:
+                return g * float("nan")
+            g = g.clone()  # only the rows of one expert's slots: what flows out of that expert
+            g[expert] = float("nan")
+            return g
+
         def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> Any:
             if self._active("nan", self._step) is not inj:
                 return None
-            return tuple(g * float("nan") if isinstance(g, torch.Tensor) else g for g in grad_input)
+            return tuple(poisoned(g) for g in grad_input)
 
         return hook
 
@@ -261,11 +312,14 @@ class Injector:
             inj = self._active("nan", step)
             if inj is None or not inj.param("module") or inj.param("where") != "forward":
                 return
-            params = list(model.get_submodule(inj.param("module")).parameters())
+            module, expert = resolve_target(model, inj.param("module"))
+            params = list(module.parameters())
             if params:
+                # one expert's first weight inside stacked experts, else the module's first
+                index = 0 if expert is None else expert * params[0][0].numel()
                 flat = params[0].view(-1)
-                self._poisoned.append((params[0], 0, float(flat[0])))  # sync point: injection only
-                flat[0] = float("inf")
+                self._poisoned.append((params[0], index, float(flat[index])))  # sync point: injection only
+                flat[index] = float("inf")
 
     def slow_down(self, step: int) -> None:
         """A slow rank: its compute takes `factor` times as long as its normal step (the median

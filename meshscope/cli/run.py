@@ -38,15 +38,27 @@ def run(
         help="any config field, repeatable: PATH=VALUE, e.g. train.powersgd_rank=8 "
         "or elastic.keep=5 (every field: `meshscope config`)",
     ),
+    check: bool = typer.Option(
+        False,
+        "--check",
+        help="check everything (config, inject specs against the model, secrets, the alert "
+        "route, device, ports) and start nothing",
+    ),
     overrides: dict | None = None,
 ) -> None:
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
         cfg = load_config(config, apply_set_options(set_ or [], overrides or {}))
         alerts = alert_path(cfg)  # secrets and the alert route checked before any write
-        cfg = launcher.prepare_run(cfg)
+        cfg = launcher.resolve_run(cfg) if check else launcher.prepare_run(cfg)
     except (ConfigError, DeviceUnavailable, PortInUseError, ValueError) as err:
         fail(str(err))
+    if check:
+        console.print(
+            f"ok: {cfg.nproc} ranks on {cfg.device} ({cfg.backend}), {cfg.train.steps} steps, "
+            f"{len(cfg.inject)} injection(s); nothing started"
+        )
+        return
     _print_header(cfg, alerts)
     sidecar = Sidecar(cfg, alerts).start()
     if sidecar.metrics_url:

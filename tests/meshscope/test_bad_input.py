@@ -103,48 +103,105 @@ def test_csv_series(tmp_path, content, columns):
     invoke(*args)
 
 
-@FUZZ
-@given(
-    content=st.one_of(
-        st.binary(max_size=600),
-        st.text(max_size=400).map(lambda t: t.encode()),
-        st.dictionaries(
-            st.sampled_from(
-                [
-                    "nproc",
-                    "device",
-                    "backend",
-                    "metrics_port",
-                    "trace",
-                    "expert_every",
-                    "run_id",
-                    "inject",
-                    "view_url",
-                ]
-            ),
-            st.one_of(
-                st.integers(-5, 70000),
-                st.text(max_size=12),
-                st.booleans(),
-                st.lists(st.text(max_size=10), max_size=2),
-            ),
-            max_size=4,
-        ).map(lambda d: "\n".join(f"{k} = {_toml(v)}" for k, v in d.items()).encode()),
-    )
+CONFIG_KEYS = [
+    "nproc",
+    "device",
+    "backend",
+    "metrics_port",
+    "trace",
+    "expert_every",
+    "run_id",
+    "inject",
+    "view_url",
+]
+CONFIG_TABLES = st.dictionaries(
+    st.sampled_from(CONFIG_KEYS),
+    st.one_of(
+        st.integers(-5, 70000),
+        st.text(max_size=12),
+        st.booleans(),
+        st.lists(st.text(max_size=10), max_size=2),
+    ),
+    min_size=1,
+    max_size=4,
 )
-def test_config_files(tmp_path, content):
+
+
+def _message(result) -> str:
+    return result.output.replace("\n", " ")
+
+
+@FUZZ
+@given(content=st.one_of(st.binary(max_size=600), st.text(max_size=400).map(lambda t: t.encode())))
+def test_config_files_that_are_not_toml(tmp_path, content):
     path = tmp_path / "c.toml"
     path.write_bytes(content)
-    # --steps 0 keeps a config that happens to be valid from starting a run
-    result = invoke("run", "--config", str(path), "--steps", "0", "--run-dir", str(tmp_path))
-    assert result.exit_code == 2
-    assert not any(p.is_dir() for p in tmp_path.iterdir())  # no run directory made
+    # --check: everything a run checks, nothing started, so a valid file is exit 0
+    result = invoke("run", "--config", str(path), "--check", "--run-dir", str(tmp_path / "runs"))
+    assert not (tmp_path / "runs").exists()  # no run directory made
+    if result.exit_code == 2:
+        assert str(path) in _message(result), result.output
+
+
+@FUZZ
+@given(table=CONFIG_TABLES)
+def test_config_files_with_wrong_values_name_the_field(tmp_path, table):
+    path = tmp_path / "c.toml"
+    path.write_text("\n".join(f"{k} = {_toml(v)}" for k, v in table.items()))
+    result = invoke("run", "--config", str(path), "--check", "--run-dir", str(tmp_path / "runs"))
+    assert not (tmp_path / "runs").exists()
+    if result.exit_code == 2:  # the message names a field it was given (or the value's field)
+        assert any(key in _message(result) for key in table), (table, result.output)
+
+
+def _set_paths() -> list[str]:
+    from meshscope.cli.settings import config_fields
+
+    return [path for path, *_ in config_fields()]
+
+
+@FUZZ
+@given(
+    settings=st.lists(
+        st.tuples(
+            st.sampled_from(_set_paths()),
+            st.one_of(
+                st.integers(-(2**40), 2**40).map(str),
+                st.floats(allow_nan=True, allow_infinity=True).map(repr),
+                st.sampled_from(["true", "false", '""', "[]", "{}", "[1, 2]", '"x"', "-0"]),
+                st.text(max_size=12),
+            ),
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_any_setting_with_any_value_names_the_field(tmp_path, settings):
+    """Every field `meshscope config` lists, given anything on `--set`: a run or exit 2 naming a
+    field it was given (the family mix that found tracebacks past the first field checked)."""
+    args = [a for path, value in settings for a in ("--set", f"{path}={value}")]
+    result = invoke("run", "--check", "--run-dir", str(tmp_path / "runs"), *args)
+    if result.exit_code == 2:
+        message = _message(result)
+        named = [p.rpartition(".")[2] for p, _ in settings]
+        named += [n.replace("_", "-") for n in named]  # as its flag, --slack-webhook-file
+        assert any(n in message for n in named) or "--set" in message, (settings, result.output)
 
 
 def _toml(v) -> str:
     import json
 
-    return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):  # TOML's escapes: \\uXXXX / \\UXXXXXXXX, never a surrogate pair
+        return '"' + "".join(c if c.isprintable() and c not in '"\\' else _escape(c) for c in v) + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(map(_toml, v)) + "]"
+    return json.dumps(v)
+
+
+def _escape(c: str) -> str:
+    return f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
 
 
 @FUZZ
@@ -170,8 +227,10 @@ def _toml(v) -> str:
     )
 )
 def test_inject_specs(tmp_path, spec):
-    result = invoke("run", "--inject", spec, "--steps", "0", "--run-dir", str(tmp_path))
-    assert result.exit_code == 2
+    result = invoke("run", "--inject", spec, "--check", "--run-dir", str(tmp_path / "runs"))
+    assert not (tmp_path / "runs").exists()
+    if result.exit_code == 2:  # the spec reached the inject parser and the model check
+        assert "inject" in _message(result), result.output
 
 
 @FUZZ
@@ -181,10 +240,9 @@ def test_inject_specs(tmp_path, spec):
 def test_alert_and_elastic_flags(tmp_path, smtp, nnodes, secret):
     args = [
         "run",
-        "--steps",
-        "0",
+        "--check",
         "--run-dir",
-        str(tmp_path),
+        str(tmp_path / "runs"),
         "--smtp",
         smtp,
         "--email-to",
@@ -197,7 +255,10 @@ def test_alert_and_elastic_flags(tmp_path, smtp, nnodes, secret):
         args += ["--slack-webhook-file", str(tmp_path / "hook")]
     else:
         args += ["--slack-webhook-file", str(tmp_path / "missing")]
-    assert invoke(*args).exit_code == 2
+    result = invoke(*args)
+    assert not (tmp_path / "runs").exists()
+    if result.exit_code == 2:  # the flag at fault is named
+        assert any(w in _message(result) for w in ("smtp", "nnodes", "slack", "webhook")), result.output
 
 
 @FUZZ

@@ -261,3 +261,23 @@ def test_a_lagging_device_never_costs_a_flag_and_the_late_rerun_meets_the_steps_
     assert step == 2 and (detail["module"], detail["tensor"]) == (module, "parameter"), detail
     assert "judged 5 steps late" in detail["note"], detail
     tracer.close()
+
+
+@pytest.mark.parametrize("where, tensor", [("forward", "parameter"), ("backward", "gradient")])
+def test_one_expert_inside_stacked_experts_is_poisoned_and_named(tmp_path, where, tensor):
+    """Experts are one stacked module: the injector poisons expert 2's slice alone, and the
+    tracer names the module and the expert index."""
+    reports = traced_steps(tmp_path, f"nan@step=2,rank=0,module=blocks.1.moe.experts.2,where={where}")
+    found = [d for kind, _step, d in reports if kind == "nan"]
+    assert found, reports
+    assert found[0]["module"] == "blocks.1.moe.experts" and found[0]["tensor"] == tensor, found[0]
+    assert found[0]["experts"] == [2], found[0]
+
+
+def test_an_expert_index_past_the_last_is_refused_before_launch():
+    from meshscope.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="holds experts 0..3, not 9"):
+        load_config(
+            None, {"model": {"experts": 4}, "inject": ["nan@step=1,rank=0,module=blocks.0.moe.experts.9"]}
+        )
