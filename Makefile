@@ -24,7 +24,8 @@ system-deps:
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+	# every server, the browser too, is installed above: missing one fails, never skips
+	MESHSCOPE_E2E=required OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP) system-deps
 	$(PY) benchmarks/overhead.py

@@ -63,3 +63,64 @@ class DistEnv:
         """Global ranks of this node's workers (torchrun assigns them contiguously per node)."""
         first = self.rank - self.local_rank
         return list(range(first, first + self.local_world_size))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostShare:
+    """How many busy threads this node's ranks bring to how many cores. Ranks that outnumber
+    the cores take turns on them: their step times differ for that reason alone, which is
+    the host's doing, not a slow rank's (said once, and stragglers are judged against it)."""
+
+    cores: int
+    ranks: int
+    threads: int
+    """intra-op threads per rank (torch's), each a core's worth of work while computing"""
+
+    @classmethod
+    def measure(cls, ranks: int, threads: int | None = None) -> HostShare:
+        """This process's view: the cores it may run on (its affinity) and torch's threads."""
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return cls(cores=cores, ranks=ranks, threads=threads or torch.get_num_threads())
+
+    @classmethod
+    def from_detail(cls, detail: Mapping[str, object]) -> HostShare | None:
+        """Back from a `host` event's detail (None when it is not one)."""
+        try:
+            return cls(cores=int(detail["cores"]), ranks=int(detail["ranks"]), threads=int(detail["threads"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    @property
+    def factor(self) -> float:
+        """Busy threads per core: above 1 the host is oversubscribed."""
+        return self.ranks * self.threads / max(self.cores, 1)
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More busy threads than cores."""
+        return self.factor > 1.0
+
+    def detail(self) -> dict[str, object]:
+        """The `host` event's detail."""
+        return {
+            "cores": self.cores,
+            "ranks": self.ranks,
+            "threads": self.threads,
+            "factor": round(self.factor, 3),
+        }
+
+    def describe(self) -> str:
+        """One sentence for people."""
+        text = (
+            f"{self.ranks} rank(s) x {self.threads} thread(s) on {self.cores} core(s)"
+            f" ({self.factor:.1f} busy threads per core)"
+        )
+        if self.oversubscribed:
+            text += (
+                ": the host is oversubscribed, so ranks take turns on its cores and their step "
+                "times differ for that alone; no rank is blamed for it (fewer ranks per node, "
+                "fewer threads, or more cores removes it)"
+            )
+        return text

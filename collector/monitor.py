@@ -33,7 +33,7 @@ from meshscope.collector.comm import (
     instrument_hook,
 )
 from meshscope.collector.control import ControlPlane
-from meshscope.collector.env import DistEnv
+from meshscope.collector.env import DistEnv, HostShare
 from meshscope.collector.exporter import RANK_JOB, port_for, serve_metrics, write_targets
 from meshscope.collector.flightlog import FlightLog
 from meshscope.collector.flightlog import allreduce_hook as flight_allreduce_hook
@@ -113,6 +113,11 @@ class Monitor:
             )
         if config.metrics_port is not None:
             self._start_exporter()
+        if self.env.local_rank == 0:  # one per node: what its ranks share (collector.env.HostShare)
+            self.event(
+                "host",
+                detail={"node": self.env.node, **HostShare.measure(self.env.local_world_size).detail()},
+            )
 
     @classmethod
     def from_env(cls, run_dir: str | Path, **kwargs: Any) -> Monitor:

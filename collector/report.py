@@ -6,6 +6,7 @@ import math
 
 import pandas as pd
 
+from meshscope.collector.env import HostShare
 from meshscope.collector.figures import tokens_per_second
 
 
@@ -38,3 +39,13 @@ def summarize(steps: pd.DataFrame, expert_load: pd.DataFrame | None = None) -> d
     out["expert_imbalance_max"] = float(imb["imbalance"].max()) if not imb.empty else math.nan
     out["expert_imbalance_mean"] = float(imb["imbalance"].mean()) if not imb.empty else math.nan
     return out
+
+
+def busiest_host(events: pd.DataFrame) -> HostShare | None:
+    """The most shared node, from the `host` events each node writes as it starts (None: no
+    such event, a store from before them)."""
+    if events.empty:
+        return None
+    details = events.loc[events["kind"] == "host", "detail"]
+    shares = [s for s in map(HostShare.from_detail, details) if s is not None]
+    return max(shares, key=lambda s: s.factor, default=None)

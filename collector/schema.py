@@ -23,6 +23,7 @@ EVENT_KINDS = frozenset(
         "injected",
         "run_start",
         "run_end",
+        "host",
         "checkpoint",
         "info",
     }

@@ -30,17 +30,25 @@ class Straggler(WindowedDetector):
 
     A rank straggles when its compute time exceeds `ratio` times both the median of the other
     ranks and its own best recent time: the first separates it from its peers, the second from a
-    step that is slow for everyone.
+    step that is slow for everyone. On a noisy host the line is raised to `noise_margin` times
+    the largest such ratio the rank's recent normal steps showed (their `noise_quantile`th
+    percentile): a burst of the host's own noise is not a fault, a step well above it is.
     """
 
     _parameter_constraints = {
         "ratio": [Interval(Real, 1, None, closed="neither")],
         "window": [Interval(Integral, 1, None, closed="left")],
+        "noise_margin": [Interval(Real, 1, None, closed="left")],
+        "noise_quantile": [Interval(Real, 0, 100, closed="both")],
     }
 
-    def __init__(self, ratio: float = 1.5, window: int = 50) -> None:
+    def __init__(
+        self, ratio: float = 1.5, window: int = 50, noise_margin: float = 1.15, noise_quantile: float = 98
+    ) -> None:
         self.ratio = ratio
         self.window = window
+        self.noise_margin = noise_margin
+        self.noise_quantile = noise_quantile
 
     def _offset(self) -> float:
         return float(self.ratio)
@@ -51,6 +59,8 @@ class Straggler(WindowedDetector):
         X = as_matrix(X)
         self.window_ = RingRows(self.window, X.shape[1]).extend(X)
         self._learn()
+        self.noise_ = RingRows(self.window, X.shape[1]).extend(self.ratios(X))
+        self._learn_noise()
         return self
 
     def partial_fit(self, X, y=None):
@@ -59,12 +69,18 @@ class Straggler(WindowedDetector):
         X = as_matrix(X)
         if X.shape[1] != self.window_.cols:  # another world: start again
             return self.fit(X)
+        self.noise_.extend(self.ratios(X))  # against the baseline it was judged on
         self.window_.extend(X)
         self._learn()
+        self._learn_noise()
         return self
 
     def _learn(self) -> None:
         self.best_ = percentile_by_column(self.window_.by_column(), 10)  # each rank's own best recent time
+
+    def _learn_noise(self) -> None:
+        ceiling = percentile_by_column(self.noise_.by_column(), self.noise_quantile)
+        self.lines_ = np.maximum(self.ratio, self.noise_margin * ceiling)  # per rank
 
     def ratios(self, X) -> np.ndarray:
         """Each rank's compute over its peers' (and over its own best)."""
@@ -77,7 +93,8 @@ class Straggler(WindowedDetector):
         return -self.ratios(X).max(axis=1)
 
     def culprits(self, X) -> list[list[int]]:
-        return [list(np.flatnonzero(row > self.ratio)) for row in self.ratios(X)]
+        lines = np.maximum(self.ratio, self.lines_)  # `ratio` may have been raised since (set_params)
+        return [list(np.flatnonzero(row > lines)) for row in self.ratios(X)]
 
 
 class PersistentStraggler(WindowedDetector):

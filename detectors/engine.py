@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
+from meshscope.collector.env import HostShare
 from meshscope.collector.figures import SLOW_STEP_FACTOR
 from meshscope.detectors.domain import PersistentStraggler
 from meshscope.detectors.episodes import Episode, EpisodeTracker
@@ -118,6 +119,13 @@ class DetectionEngine:
 
     def _score(self, name: str, score: float) -> None:
         self.on_score(name, score)
+
+    def judge_against(self, host: HostShare) -> None:
+        """The host the ranks share: on an oversubscribed one, stragglers are judged against it."""
+        self._straggler().judge_against(host)
+
+    def _straggler(self) -> StragglerRule:
+        return next(r for r in self.rules if isinstance(r, StragglerRule))
 
     @property
     def anomaly_types(self) -> tuple[str, ...]:

@@ -14,7 +14,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from meshscope.collector.env import HostShare
 from meshscope.collector.metrics import DetectorMetrics
+from meshscope.collector.report import busiest_host
 from meshscope.collector.rundir import job_leader, run_info
 from meshscope.collector.schema import Event, anomaly_key
 from meshscope.collector.store import RunStore, load_events, load_expert_load, load_grad_stats, load_steps
@@ -53,6 +55,8 @@ class LiveDetection:
         self.registry = registry or CollectorRegistry()
         self.metrics = DetectorMetrics(self.registry, anomaly_types=self.engine.anomaly_types)
         self.closed: list[Episode] = []
+        self.host: HostShare | None = None
+        self._host_known = False
         self._written: set[tuple] | None = None  # anomaly events already in the store
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshscope-detect", daemon=True)
@@ -71,6 +75,7 @@ class LiveDetection:
         if not self.leader.held():
             return
         try:
+            self._learn_host()
             steps = load_steps(self.run_dir, since_step=self.engine.last_step)
             experts = load_expert_load(self.run_dir, since_step=self.engine.last_expert_step)
             grads = load_grad_stats(self.run_dir, since_step=self.engine.last_grad_step)
@@ -81,6 +86,16 @@ class LiveDetection:
             return
         except Exception:
             log.exception("detection round failed; training goes on")
+
+    def _learn_host(self) -> None:
+        """The most shared node's `host` event, until one is read (each node writes one when it
+        starts); the engine then judges stragglers against it."""
+        if self._host_known:
+            return
+        self.host = busiest_host(load_events(self.run_dir, kind="host"))
+        if self.host is not None:
+            self.engine.judge_against(self.host)
+            self._host_known = True
 
     def stop(self) -> list[Episode]:
         """Judge what is left, close every episode, and return all closed episodes."""

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from meshscope.collector.env import HostShare
 from meshscope.detectors.domain import MemoryGrowth, NonFinite, PersistentStraggler, Straggler
 from meshscope.detectors.isolation import OnlineIsolationForest
 from meshscope.detectors.moving import RobustZ
@@ -181,10 +182,19 @@ class StragglerRule(StepRule):
         """`persistent`: one detector per horizon (a few steps on a quiet cluster; longer
         ones see through the bursts of a shared host)."""
         self.detector = Straggler(ratio=ratio)
+        self.base_ratio = ratio
         self.persistent = persistent
+        self.subtle = True  # the persistent detectors judge (not on an oversubscribed host)
         self.on_score = on_score
         # the recent steps' compute relative to the other ranks, one row per step
         self.recent: collections.deque[np.ndarray] = collections.deque(maxlen=max(p.span for p in persistent))
+
+    def judge_against(self, host: HostShare) -> None:
+        """Ranks taking turns on too few cores differ in pace by up to the oversubscription:
+        a straggler must stand out by that much more, and a subtle, persistent one cannot be
+        told from the host's sharing at all."""
+        self.detector.set_params(ratio=self.base_ratio * max(1.0, host.factor))
+        self.subtle = not host.oversubscribed
 
     def learn(self, warm: Any) -> None:
         self.detector.fit(warm.compute)
@@ -212,7 +222,7 @@ class StragglerRule(StepRule):
     def _persistent(self, row: Any) -> list[Flag]:
         # With two ranks "one is slow" and "the other is fast" look the same: a subtle
         # straggler needs a majority of peers to be measured against.
-        if len(row.ranks) < 3:
+        if len(row.ranks) < 3 or not self.subtle:
             return []
         recent = np.vstack(self.recent)
         shortest = min(self.persistent, key=lambda p: p.span)

@@ -9,6 +9,8 @@ from typing import Any
 
 import pandas as pd
 
+from meshscope.collector.env import HostShare
+from meshscope.collector.report import busiest_host
 from meshscope.collector.rundir import run_info
 from meshscope.collector.store import load_events, load_expert_load, load_steps
 from meshscope.detectors.engine import DetectionEngine
@@ -113,7 +115,7 @@ class RunFacts:
         if len(stored):
             anomalies = [Anomaly.from_event(row) for _, row in stored.iterrows()]
         else:
-            anomalies = replay_anomalies(run_dir, steps, experts)
+            anomalies = replay_anomalies(run_dir, steps, experts, busiest_host(events))
         return cls(run_dir, steps, events, experts, anomalies)
 
     def anomaly(self, anomaly_id: int) -> Anomaly:
@@ -126,8 +128,11 @@ class RunFacts:
         raise KeyError(f"no anomaly {anomaly_id} in {self.run_dir} (anomaly ids: {ids or 'none'}{hint})")
 
 
-def replay_anomalies(run_dir: Path, steps: pd.DataFrame, experts: pd.DataFrame) -> list[Anomaly]:
-    """The detectors' episodes over a recorded run (ids are None: they are not in the store)."""
+def replay_anomalies(
+    run_dir: Path, steps: pd.DataFrame, experts: pd.DataFrame, host: HostShare | None = None
+) -> list[Anomaly]:
+    """The detectors' episodes over a recorded run (ids are None: they are not in the store),
+    judged against the host its ranks shared, as live."""
     if steps.empty:
         return []
     found: list[Anomaly] = []
@@ -148,6 +153,8 @@ def replay_anomalies(run_dir: Path, steps: pd.DataFrame, experts: pd.DataFrame) 
             )
         ),
     )
+    if host is not None:
+        engine.judge_against(host)
     engine.process(steps, experts)
     engine.finish()
     return found

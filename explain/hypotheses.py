@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from meshscope.collector.env import HostShare
 from meshscope.collector.figures import STALL_FLOOR_S, balancedness, stall_threshold_s, with_compute
+from meshscope.collector.report import busiest_host
 from meshscope.collector.schema import nonfinite_mask
 from meshscope.explain.facts import (
     BASELINE_STEPS,
@@ -118,6 +120,9 @@ def _slow_host(facts: RunFacts, w: Window) -> list[Cause]:
     ratio = float(med[best] / max(float(others.median()), 1e-9))
     if ratio < SLOW_RATIO:
         return []
+    host = busiest_host(facts.events)
+    if host is not None and host.oversubscribed and ratio < SLOW_RATIO * host.factor:
+        return [_oversubscribed(host, ratio, w)]
     rank = int(best)
     phases = {
         p: steps[steps["rank"] == rank][p].median() / max(steps[steps["rank"] != rank][p].median(), 1e-9)
@@ -142,6 +147,23 @@ def _slow_host(facts: RunFacts, w: Window) -> list[Cause]:
             "slow, cordon the node and let the job shrink around it",
         )
     ]
+
+
+def _oversubscribed(host: HostShare, ratio: float, w: Window) -> Cause:
+    """Ranks unequal only as far as sharing too few cores makes them: the host, not a rank."""
+    return Cause(
+        "host_oversubscribed",
+        f"the host is oversubscribed ({host.factor:.1f} busy threads per core): no rank is slow",
+        0.7,
+        [],
+        w.lo,
+        [
+            f"{host.ranks} rank(s) x {host.threads} thread(s) share {host.cores} core(s)",
+            f"the slowest rank computes {ratio:.1f}x its peers over {_span(w.lo, w.hi)}, within what "
+            f"taking turns on the cores explains (up to {SLOW_RATIO * host.factor:.1f}x)",
+        ],
+        "run fewer ranks per node (--nproc), fewer threads per rank (OMP_NUM_THREADS), or on more cores",
+    )
 
 
 def _slow_link(facts: RunFacts, w: Window) -> list[Cause]:

@@ -15,7 +15,7 @@ from meshscope.cli.common import app, console, err_console, fail
 from meshscope.cli.flags import RUN_FLAGS, with_config_flags
 from meshscope.cli.settings import apply_set_options
 from meshscope.collector.exporter import PortInUseError, remove_from_index
-from meshscope.collector.report import summarize
+from meshscope.collector.report import busiest_host, summarize
 from meshscope.collector.store import (
     StoreUnavailable,
     describe_store,
@@ -194,7 +194,8 @@ def _compression_cell(s: dict[str, float]) -> str:
 def _print_summary(cfg: RunConfig) -> None:
     """The finished run in one table."""
     s = summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
-    kinds = load_events(cfg.run_dir)["kind"].value_counts()
+    events = load_events(cfg.run_dir)
+    kinds = events["kind"].value_counts()
     table = Table(title=f"run {cfg.run_id}", show_header=False)
     rows = [
         ("steps x ranks", f"{s['steps']:.0f} x {s['ranks']:.0f}"),
@@ -216,6 +217,9 @@ def _print_summary(cfg: RunConfig) -> None:
         table.add_row(k, v)
     console.print(table)
     console.print(f"store: {describe_store(cfg.run_dir)}")
+    host = busiest_host(events)
+    if host is not None and host.oversubscribed:
+        console.print(f"[yellow]host:[/] {host.describe()}")
 
 
 @app.command()

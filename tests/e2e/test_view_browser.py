@@ -15,6 +15,7 @@ import requests
 
 from fixtures.ports import free_port_range
 from fixtures.runs import REPO
+from fixtures.servers import missing
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e
@@ -72,11 +73,10 @@ def view(tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     chromium = require_binary("chromium")
-    sync_api = (
-        pytest.importorskip("playwright.sync_api")
-        if os.environ.get("CI") != "true"
-        else __import__("playwright.sync_api", fromlist=["sync_playwright"])
-    )
+    try:
+        from playwright import sync_api
+    except ImportError:
+        missing("playwright is not installed")
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         yield b
