@@ -112,6 +112,7 @@ class AnomalyDetail(TypedDict, total=False):
     ranks: list[int]
     start_step: int
     end_step: int
+    announced_step: int
     score: float
     layer: int | None
     expert: int | None

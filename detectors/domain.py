@@ -72,7 +72,9 @@ class Straggler(WindowedDetector):
         self.noise_.extend(self.ratios(X))  # against the baseline it was judged on
         self.window_.extend(X)
         self._learn()
-        self._learn_noise()
+        self.unlearnt_ += len(X)
+        if self.unlearnt_ >= 10:  # the noise moves slowly: a percentile every 10 steps, not each
+            self._learn_noise()
         return self
 
     def _learn(self) -> None:
@@ -81,6 +83,7 @@ class Straggler(WindowedDetector):
     def _learn_noise(self) -> None:
         ceiling = percentile_by_column(self.noise_.by_column(), self.noise_quantile)
         self.lines_ = np.maximum(self.ratio, self.noise_margin * ceiling)  # per rank
+        self.unlearnt_ = 0
 
     def ratios(self, X) -> np.ndarray:
         """Each rank's compute over its peers' (and over its own best)."""

@@ -22,6 +22,9 @@ class Episode:
     confirm: int = 1
     count: int = 1
     module: str | None = None
+    announced_step: int | None = None
+    """The step that confirmed it: when it opened (alerts go out then), `confirm - 1` flagged
+    steps after `start_step` or later."""
 
     @property
     def confirmed(self) -> bool:
@@ -38,6 +41,8 @@ class Episode:
             "end_step": self.end_step,
             "evidence": self.evidence,
         }
+        if self.announced_step is not None:
+            d["announced_step"] = self.announced_step
         if self.layer is not None:
             d["layer"] = self.layer
         if self.expert is not None:
@@ -87,9 +92,14 @@ class EpisodeTracker:
                 confirm,
                 module=module,
             )
-            return ep if ep.confirmed else None
+            return self._announce(ep, step) if ep.confirmed else None
         ep.end_step, ep.score, ep.count = step, max(ep.score, score), ep.count + 1
-        return ep if ep.count == ep.confirm else None
+        return self._announce(ep, step) if ep.count == ep.confirm else None
+
+    @staticmethod
+    def _announce(ep: Episode, step: int) -> Episode:
+        ep.announced_step = step
+        return ep
 
     def close_quiet(self, step: int) -> list[Episode]:
         """Episodes with no flag for their `gap` steps, removed and returned."""

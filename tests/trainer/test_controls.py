@@ -15,7 +15,8 @@ import pytest
 from fixtures.runs import TINY, meshscope, start_run
 from meshscope.collector.controls import load_controls
 from meshscope.collector.figures import balancedness
-from meshscope.collector.store import latest_step, load_events, load_expert_load, store_path
+from meshscope.collector.store import latest_step, load_events, load_expert_load, load_steps, store_path
+from meshscope.feedback.knowledge import measure_outcome
 from meshscope.feedback.loop import approve, ingest
 
 SKEWED = (
@@ -46,6 +47,10 @@ def controlled(tmp_path_factory):
     config = root / "skewed.toml"
     config.write_text(SKEWED)
     run = root / "c"
+    # the untreated twin: the same config and seed, no change approved (the drift to beat)
+    twin = start_run(root, "twin", None, "--steps", "150", config=config)
+    twin_out, _ = twin.communicate(timeout=240)
+    assert twin.returncode == 0, twin_out[-3000:]
     proc = start_run(root, "c", None, "--steps", "150", config=config)
     deadline = time.monotonic() + 120
     while latest_step(run) < 12 and time.monotonic() < deadline and proc.poll() is None:
@@ -66,6 +71,7 @@ def controlled(tmp_path_factory):
     assert proc.returncode == 0, out[-3000:]
     return {
         "run": run,
+        "twin": root / "twin",
         "bias": bias,
         "placement": placement,
         "root": root,
@@ -131,7 +137,18 @@ def test_outcomes_are_measured_and_remembered(controlled):
     assert out.returncode == 0 and "balancedness" in out.stdout, out.stdout + out.stderr
     rows = load_controls(controlled["run"])
     measured = rows.dropna(subset=["outcome"])
-    assert len(measured) >= 1 and measured.iloc[0]["outcome"]["balancedness_gain"] > 0
+    assert len(measured) >= 1
+    first = measured.iloc[0]
+    # against the untreated twin over the same steps, not before/after within one run
+    twin = measure_outcome(
+        load_steps(controlled["twin"]),
+        load_expert_load(controlled["twin"]),
+        int(first["step"]),
+        int(first["layer"]),
+        20,
+    )
+    assert twin is not None
+    assert first["outcome"]["balancedness_gain"] > twin["balancedness_gain"], (first["outcome"], twin)
     assert (controlled["root"] / "knowledge.sqlite").exists()
     assert not load_events(controlled["run"], kind="outcome").empty
 
