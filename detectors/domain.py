@@ -148,12 +148,14 @@ class PersistentStraggler(WindowedDetector):
         """Learn from the normal rows `X` (the last `window` of them); returns self."""
         self._check()
         X = as_matrix(X)[-self.window :]
-        rel = self.relative(X)
-        self.rel_ = RingRows(self.window, X.shape[1]).extend(rel)
-        # Horizon medians of the relative pace, row by row (a median commutes with dividing
-        # by a rank's pace, so they stay valid when the pace is relearnt).
-        self.span_rel_ = RingRows(self.window, X.shape[1]).extend(self._span_medians(rel))
-        self._learn_pace()
+        self.__dict__.pop("pace_", None)  # a new world: paces from the plain median first
+        for _ in range(2):  # then once more against the pace-normalised level they give
+            rel = self.relative(X)
+            self.rel_ = RingRows(self.window, X.shape[1]).extend(rel)
+            # Horizon medians of the relative pace, row by row (a median commutes with dividing
+            # by a rank's pace, so they stay valid when the pace is relearnt).
+            self.span_rel_ = RingRows(self.window, X.shape[1]).extend(self._span_medians(rel))
+            self._learn_pace()
         return self
 
     def partial_fit(self, X, y=None):
@@ -174,11 +176,16 @@ class PersistentStraggler(WindowedDetector):
             self._learn_pace()
         return self
 
-    @staticmethod
-    def relative(X) -> np.ndarray:
-        """Each rank's compute over the median of the other ranks', row by row."""
+    def relative(self, X) -> np.ndarray:
+        """Each rank's compute over the job's level, row by row: the median of the other ranks'
+        compute, each divided by its usual pace first. A job that always ran at two paces then
+        has one level, and the median does not jump between the groups when one rank changes
+        (before paces are learnt: the plain median of the others)."""
         X = as_matrix(X)
-        return X / np.maximum(_median_of_others(X), 1e-12)
+        pace = getattr(self, "pace_", None)
+        if pace is None or len(pace) != X.shape[1]:
+            return X / np.maximum(_median_of_others(X), 1e-12)
+        return X / np.maximum(_median_of_others(X / np.maximum(pace, 1e-12)), 1e-12)
 
     def _learn_pace(self) -> None:
         self.pace_ = percentile_by_column(

@@ -205,7 +205,7 @@ class StragglerRule(StepRule):
     def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
         ratio = -float(self.detector.score_samples(row.compute)[0])
         self.on_score("straggler", ratio)
-        self.recent.append(PersistentStraggler.relative(row.compute)[0])
+        self.recent.append(self.persistent[0].relative(row.compute)[0])  # paces alike: one data
         slow = self.detector.culprits(row.compute)[0]
         if slow:
             return [

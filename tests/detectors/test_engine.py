@@ -143,3 +143,19 @@ def test_subtle_and_several_persistent_stragglers_are_named_within_a_few_steps(s
     assert stragglers and all(e.start_step <= 106 for e in stragglers)
     assert sorted(r for e in stragglers for r in e.ranks) == sorted(slow)  # one episode per rank
     assert all(e.start_step >= 100 for e in closed)  # nothing before the fault
+
+
+TWO_PACED = (0.45,) * 6 + (1.5, 1.6, 1.7, 2.0)  # a job that always ran at two paces
+
+
+@pytest.mark.parametrize("seed, noise", [(0, 0.02), (1, 0.05), (2, 0.05)])
+def test_a_job_that_always_ran_at_two_paces_is_its_own_baseline(seed, noise):
+    opened, _ = run(heterogeneous_run(seed=seed, paces=TWO_PACED, noise=noise, steps=300))
+    assert [(e.type, e.ranks) for e in opened if e.type == "straggler"] == [], opened
+
+
+def test_a_worker_leaving_the_fast_group_is_named_and_the_shift_flags_no_one_else():
+    """One fast worker drops to the slow group's pace: the median of the others moves for
+    everyone, yet only the worker that changed is a straggler."""
+    _, closed = run(heterogeneous_run(paces=TWO_PACED, slow=(5,), factor=3.5, steps=300, start=150))
+    assert [(e.type, e.ranks) for e in closed] == [("straggler", [5])], closed
