@@ -113,11 +113,6 @@ class Monitor:
             )
         if config.metrics_port is not None:
             self._start_exporter()
-        if self.env.local_rank == 0:  # one per node: what its ranks share (collector.env.HostShare)
-            self.event(
-                "host",
-                detail={"node": self.env.node, **HostShare.measure(self.env.local_world_size).detail()},
-            )
 
     @classmethod
     def from_env(cls, run_dir: str | Path, **kwargs: Any) -> Monitor:
@@ -200,7 +195,19 @@ class Monitor:
         self._expert_acc = [None] * len(self._moe_layers)
         for module in self._moe_layers:
             module.register_forward_hook(self._count_experts)
+        self._describe_host(model)
         return model
+
+    def _describe_host(self, model: torch.nn.Module) -> None:
+        """One `host` event per node (collector.env.HostShare): what its ranks share. A model on
+        an accelerator computes there: each rank then keeps one host thread busy, not torch's
+        intra-op pool, so a GPU node is not called oversubscribed for its CPU threads."""
+        if self.env.local_rank != 0:
+            return
+        param = next(model.parameters(), None)
+        on_host = param is None or param.device.type == "cpu"
+        share = HostShare.measure(self.env.local_world_size, threads=None if on_host else 1)
+        self.event("host", detail={"node": self.env.node, **share.detail()})
 
     def _count_experts(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         # Added on the device now (a layer may update its counts in place): no sync. Token

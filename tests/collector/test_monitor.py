@@ -139,3 +139,18 @@ def test_a_loss_never_logged_is_absent_not_nan(tmp_path, log_loss, expect_nan):
     engine.process(steps, None)
     engine.finish()
     assert any(e.type == "nan" for e in found) == expect_nan, [e.type for e in found]
+
+
+@pytest.mark.parametrize("device, threads", [("cpu", torch.get_num_threads()), ("meta", 1)])
+def test_the_node_says_what_its_ranks_share_counting_host_threads_only_for_host_compute(
+    tmp_path, device, threads
+):
+    """A model on the host keeps torch's intra-op threads busy; one on an accelerator (meta
+    stands in) keeps one host thread per rank busy."""
+    from meshscope.collector.store import load_events
+
+    mon = make_monitor(tmp_path)
+    mon.watch(torch.nn.Linear(4, 4, device=device))
+    mon.close()
+    (host,) = load_events(tmp_path / "run", kind="host")["detail"]
+    assert host["ranks"] == 1 and host["threads"] == threads and host["cores"] >= 1, host
