@@ -23,7 +23,7 @@ from email.message import EmailMessage
 from pathlib import Path
 from typing import Any, Protocol
 
-from meshscope.collector.exporter import valid_host
+from meshscope.collector.exporter import split_host_port
 
 log = logging.getLogger("meshscope.notify")
 
@@ -34,10 +34,10 @@ class AlertSettingError(ValueError):
 
 def parse_host_port(value: str, flag: str = "--smtp") -> tuple[str, int]:
     """`host:port` -> (host, port); AlertSettingError naming the flag otherwise."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not valid_host(host) or not port.isdigit() or not 0 < int(port) < 65536:
+    parsed = split_host_port(value)
+    if parsed is None:
         raise AlertSettingError(f"{flag} {value!r}: expected HOST:PORT with a port 1-65535")
-    return host, int(port)
+    return parsed
 
 
 def read_secret(

@@ -40,6 +40,15 @@ def valid_host(host: str) -> bool:
         return bool(_HOSTNAME.match(host))
 
 
+def split_host_port(value: str) -> tuple[str, int] | None:
+    """`host:port` -> (host, port) with a host `valid_host` takes and a port 1-65535; None
+    otherwise (each caller names its own flag or field in the error)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not valid_host(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
 def ensure_ports_free(host: str, ports: list[int]) -> None:
     """Raise PortInUseError naming the first busy port (checked before launching workers)."""
     for port in ports:

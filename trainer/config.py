@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from meshscope.collector.exporter import valid_host
+from meshscope.collector.exporter import split_host_port, valid_host
 from meshscope.collector.monitor_config import MonitorConfig
 from meshscope.collector.storedb import StoreTarget, StoreTargetError, check_url, job_schema
 
@@ -128,8 +128,7 @@ class ElasticConfig(_Strict):
     @field_validator("rdzv_endpoint")
     @classmethod
     def _endpoint(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if value and (not sep or not valid_host(host) or not port.isdigit() or not 0 < int(port) < 65536):
+        if value and split_host_port(value) is None:
             raise ValueError(f"{value!r}: expected HOST:PORT with a port 1-65535")
         return value
 
