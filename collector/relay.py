@@ -60,6 +60,8 @@ class StoreRelay:
         self._conn: Any = None
         self._down_since: float | None = None
         self._stop = threading.Event()
+        # one round at a time: a caller's drain() may run while the thread ships on the same session
+        self._round = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="meshscope-relay", daemon=True)
 
     def start(self) -> StoreRelay:
@@ -90,7 +92,8 @@ class StoreRelay:
         if self._thread.is_alive():
             self._thread.join(timeout=60)
         shipped = self.drain(self.close_retry_s)
-        self._reset()
+        with self._round:
+            self._reset()
         return shipped
 
     def _loop(self) -> None:
@@ -108,6 +111,10 @@ class StoreRelay:
 
     def ship_once(self) -> int:
         """One round: every table's new rows and the new positions, in one transaction."""
+        with self._round:
+            return self._ship_round()
+
+    def _ship_round(self) -> int:
         import psycopg
 
         if not self.store_file.exists():

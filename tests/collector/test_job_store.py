@@ -88,6 +88,22 @@ def test_two_nodes_relay_into_one_job_store_and_either_node_reads_every_rank(tmp
     assert len(load_events(a, kind="fault")) == 1  # and ships nothing twice
 
 
+def test_a_drain_while_the_relay_ships_in_its_thread_ships_every_row_once(tmp_path, server):
+    # the sidecar drains from the main thread at the end of a run while the relay thread ships
+    run = _node(tmp_path, server, "node0", "job-race")
+    writer = RunStore(run)
+    relay = _relay(run, interval_s=0.001).start()
+    for step in range(300):
+        writer.add_step(_step(0, step))
+        if step % 10 == 0:
+            writer.flush()
+            assert relay.drain()
+    writer.close()
+    assert relay.stop()
+    steps = load_steps(run)
+    assert len(steps) == 300 and steps["step"].is_unique
+
+
 def test_jobs_on_one_server_do_not_see_each_other(tmp_path, server):
     one, two = _node(tmp_path, server, "n", "job-one"), _node(tmp_path, server, "n", "job-two")
     w = RunStore(one)
