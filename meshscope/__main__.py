@@ -1,5 +1,5 @@
 """`python -m meshscope ...`, the same as the `meshscope` command."""
 
-from meshscope.cli import app
+from meshscope.cli import main
 
-app()
+main()

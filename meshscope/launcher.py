@@ -18,6 +18,7 @@ from meshscope.collector.storedb import pg_connect, write_locator
 from meshscope.config import RunConfig
 from meshscope.trainer.device import backend_environment, check_placement, resolve_device
 from meshscope.trainer.network import Route, network_environment, node_route, rendezvous_host
+from meshscope.trainer.spawn import ZYGOTE_ENV, ZYGOTE_PID_ENV
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_ENTRY = "meshscope.worker"  # the trainer with the tracer wired in
@@ -170,48 +171,42 @@ def zygote_socket() -> Path:
     return Path(tempfile.gettempdir()) / f"meshscope-zygote-{os.getpid()}.sock"
 
 
-def start_zygote(cfg: RunConfig, env: dict[str, str], timeout_s: float = 60) -> subprocess.Popen | None:
-    """The warm standby (trainer.zygote): ready once its socket exists.
-
-    None, after one warning, when it exits without serving (forking would be unsafe on this
-    device, see trainer.forksafe): the workers then start plainly."""
-    sock = zygote_socket()
-    sock.unlink(missing_ok=True)
-    log = open(cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshscope.trainer.zygote", "--socket", str(sock)],
+def start_zygote(cfg: RunConfig, env: dict[str, str]) -> subprocess.Popen:
+    """The warm standby (trainer.zygote), started and not waited for: it warms up while
+    torchrun starts, and its clients (trainer.spawn) wait for its socket."""
+    zygote_socket().unlink(missing_ok=True)
+    log = open(zygote_log(cfg), "wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshscope.trainer.zygote", "--socket", str(zygote_socket())],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=REPO_ROOT,
     )
-    deadline = time.monotonic() + timeout_s
-    while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if proc.poll() is not None:
-        log.close()
-        text = (cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log").read_text(errors="replace")
-        lines = text.strip().splitlines()
-        why = next(
-            (line for line in lines if "meshscope zygote:" in line),
-            lines[-1] if lines else f"exit {proc.returncode}",
-        )
-        print(
-            f"meshscope: warning: warm standby off for this run ({why}); workers start plainly",
-            file=sys.stderr,
-        )
-        return None
-    return proc
+
+
+def zygote_log(cfg: RunConfig) -> Path:
+    """The warm standby's output for this agent."""
+    return cfg.run_dir / "logs" / f"zygote-{os.getpid()}.log"
+
+
+def zygote_refusal(cfg: RunConfig, code: int) -> str:
+    """Why a warm standby ended without serving (its own words where it gave them): the
+    workers then started plainly (trainer.spawn falls back), which the user hears once."""
+    lines = zygote_log(cfg).read_text(errors="replace").strip().splitlines()
+    why = next((line for line in lines if "meshscope zygote:" in line), lines[-1] if lines else f"exit {code}")
+    return f"warm standby off for this run ({why}); workers start plainly"
 
 
 class Launch:
     """torchrun (and the warm standby it forks workers from) for one agent."""
 
     def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
         env = worker_environment(cfg)
         self.zygote = start_zygote(cfg, env) if cfg.elastic.warm_standby else None
         if self.zygote is not None:
-            env["MESHSCOPE_ZYGOTE"] = str(zygote_socket())
+            env[ZYGOTE_ENV], env[ZYGOTE_PID_ENV] = str(zygote_socket()), str(self.zygote.pid)
         log = open(cfg.run_dir / "logs" / f"launcher-{os.getpid()}.log", "wb")
         command = torchrun_command(cfg, warm=self.zygote is not None)
         self.torchrun = subprocess.Popen(
@@ -220,10 +215,17 @@ class Launch:
 
     def poll(self) -> int | None:
         """torchrun's exit code once it ended (then the zygote goes too), else None."""
+        self._heed_zygote()
         code = self.torchrun.poll()
         if code is not None:
             self.close()
         return code
+
+    def _heed_zygote(self) -> None:
+        """One warning when the warm standby ended on its own (it refused to fork)."""
+        if self.zygote is not None and (code := self.zygote.poll()) is not None:
+            print(f"meshscope: warning: {zygote_refusal(self.cfg, code)}", file=sys.stderr)
+            self.zygote = None
 
     @property
     def returncode(self) -> int | None:
@@ -232,9 +234,11 @@ class Launch:
 
     def close(self) -> None:
         """Stop the zygote (torchrun stops itself)."""
-        if self.zygote is not None and self.zygote.poll() is None:
+        self._heed_zygote()
+        if self.zygote is not None:
             self.zygote.terminate()
             self.zygote.wait(timeout=10)
+        self.zygote = None
         zygote_socket().unlink(missing_ok=True)
 
 

@@ -13,10 +13,13 @@ import os
 import signal
 import socket
 import sys
+import time
 
 from meshscope.trainer.zygote import HEADER, REFUSED  # light: the zygote imports torch only to warm up
 
-SOCKET_ENV = "MESHSCOPE_ZYGOTE"
+ZYGOTE_ENV = "MESHSCOPE_ZYGOTE"  # the warm standby's socket
+ZYGOTE_PID_ENV = "MESHSCOPE_ZYGOTE_PID"  # and its process: while it lives and warms up, we wait
+WARM_UP_WAIT_S = 300.0  # a zygote that never serves (hung importing torch) is given up on
 
 
 def _recv_int(conn: socket.socket) -> int | None:
@@ -35,10 +38,28 @@ def _fallback(argv: list[str], why: str) -> None:
     os.execv(sys.executable, [sys.executable, "-m", entry, *argv])
 
 
+def _await_zygote(path: str) -> str | None:
+    """Wait while the zygote warms up (it starts with torchrun, not before it); why not, when
+    it ended or never served."""
+    pid = int(os.environ.get(ZYGOTE_PID_ENV) or 0)
+    deadline = time.monotonic() + WARM_UP_WAIT_S
+    while pid and path and not os.path.exists(path):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "it ended without serving; see its log"
+        if time.monotonic() > deadline:
+            return f"not serving after {WARM_UP_WAIT_S:g} s"
+        time.sleep(0.02)
+    return None
+
+
 def main() -> None:
     """Ask the warm standby for a worker, or start a plain one."""
     argv = sys.argv[1:]
-    path = os.environ.get(SOCKET_ENV, "")
+    path = os.environ.get(ZYGOTE_ENV, "")
+    if why := _await_zygote(path):
+        _fallback(argv, why)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)

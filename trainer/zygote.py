@@ -85,13 +85,14 @@ def serve(path: Path, tripwire: AcceleratorTripwire) -> int:
         print(f"meshscope zygote: not serving, forking is unsafe: {hazard}", file=sys.stderr)
         return UNSAFE_EXIT
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if path.exists():
-        path.unlink()
-    server.bind(str(path))
+    staging = path.with_name(path.name + ".tmp")  # clients wait for `path`: it appears listening
+    staging.unlink(missing_ok=True)
+    server.bind(str(staging))
     server.listen(64)
+    os.replace(staging, path)
     clients: dict[int, socket.socket] = {}  # child pid -> client connection
     by_conn: dict[socket.socket, int] = {}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _leave)
     while True:
         readable, _, _ = select.select([server, *by_conn], [], [], 0.05)
         for sock in readable:
@@ -121,6 +122,14 @@ def serve(path: Path, tripwire: AcceleratorTripwire) -> int:
                 _kill(pid)
                 sock.close()
         _reap(clients, by_conn)
+
+
+def _leave(*_: object) -> None:
+    """Go at once: the zygote holds nothing to save, and unwinding torch at exit costs seconds
+    on every run's way out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _kill(pid: int) -> None:

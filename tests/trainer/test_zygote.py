@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 import types
 
 import pytest
@@ -37,17 +36,17 @@ def zygote(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshscope.trainer.zygote", "--socket", str(sock)], cwd=REPO
     )
-    deadline = time.monotonic() + 60
-    while not sock.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # not waited for, as the launcher does not: the first client waits while it warms up
     yield types.SimpleNamespace(sock=sock, pid=proc.pid)
     proc.terminate()
     proc.wait(timeout=10)
 
 
-def spawn(config, sock):
+def spawn(config, sock, zygote_pid: int | None = None):
     """The client torchrun would exec, run to its end; its pid rides along on the result."""
     env = dict(os.environ, MESHSCOPE_ZYGOTE=str(sock), PYTHONPATH=str(REPO))
+    if zygote_pid is not None:
+        env["MESHSCOPE_ZYGOTE_PID"] = str(zygote_pid)
     client = subprocess.Popen(
         [sys.executable, "-m", "meshscope.trainer.spawn", "--config", str(config)],
         env=env,
@@ -62,8 +61,9 @@ def spawn(config, sock):
 
 def test_forked_worker_trains_and_exits_zero(tmp_path, zygote):
     config = write_config(tmp_path)
-    done, client = spawn(config, zygote.sock)
+    done, client = spawn(config, zygote.sock, zygote.pid)  # sent while the zygote warms up
     assert done.returncode == 0, done.stderr
+    assert "unavailable" not in done.stderr, done.stderr
     assert load_steps(config.parent)["step"].tolist() == [0, 1, 2, 3, 4]
     worker = int((config.parent / "pids" / "rank0.pid").read_text())
     # the rank ran in a process forked by the zygote: neither the client nor the zygote itself
@@ -71,7 +71,7 @@ def test_forked_worker_trains_and_exits_zero(tmp_path, zygote):
 
 
 def test_a_killed_worker_kills_its_client_with_the_same_signal(tmp_path, zygote):
-    done, _ = spawn(write_config(tmp_path, "kill@step=2,rank=0"), zygote.sock)
+    done, _ = spawn(write_config(tmp_path, "kill@step=2,rank=0"), zygote.sock, zygote.pid)
     assert done.returncode == -9
 
 
@@ -82,6 +82,16 @@ def test_without_a_zygote_the_client_becomes_a_plain_worker(tmp_path):
     assert "warm standby unavailable" in done.stderr
     assert len(load_steps(config.parent)) == 5
     assert int((config.parent / "pids" / "rank0.pid").read_text()) == client  # it trained itself
+
+
+def test_a_client_of_a_zygote_that_ended_without_serving_becomes_a_plain_worker(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    config = write_config(tmp_path)
+    done, client = spawn(config, tmp_path / "never.sock", gone.pid)
+    assert done.returncode == 0, done.stderr
+    assert "ended without serving" in done.stderr
+    assert int((config.parent / "pids" / "rank0.pid").read_text()) == client
 
 
 # --- fork safety: the zygote never initialises an accelerator --------------------------------
