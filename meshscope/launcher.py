@@ -194,7 +194,8 @@ def zygote_refusal(cfg: RunConfig, code: int) -> str:
     """Why a warm standby ended without serving (its own words where it gave them): the
     workers then started plainly (trainer.spawn falls back), which the user hears once."""
     lines = zygote_log(cfg).read_text(errors="replace").strip().splitlines()
-    why = next((line for line in lines if "meshscope zygote:" in line), lines[-1] if lines else f"exit {code}")
+    last = lines[-1] if lines else f"exit {code}"
+    why = next((line for line in lines if "meshscope zygote:" in line), last)
     return f"warm standby off for this run ({why}); workers start plainly"
 
 

@@ -197,7 +197,8 @@ def test_a_zygote_that_will_not_serve_means_one_warning(tmp_path, monkeypatch, c
     cfg = load_config(None, {"runs_root": str(tmp_path), "run_id": "z"})
     (cfg.run_dir / "logs").mkdir(parents=True)
     monkeypatch.setattr(launcher.sys, "executable", str(fake))
-    monkeypatch.setattr(launcher, "torchrun_command", lambda *_a, **_k: [sys.executable, "-c", "import time; time.sleep(1)"])
+    sleeper = [sys.executable, "-c", "import time; time.sleep(1)"]  # stands in for torchrun
+    monkeypatch.setattr(launcher, "torchrun_command", lambda *_a, **_k: sleeper)
     run = launcher.launch(cfg)
     assert run.zygote is not None
     while run.poll() is None:
