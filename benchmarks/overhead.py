@@ -20,6 +20,7 @@ Printed per configuration:
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import tempfile
@@ -35,6 +36,7 @@ class CostMeter:
         self.seconds = 0.0
 
     def wrap(self, fn):
+        @functools.wraps(fn)  # annotations too: DDP checks a comm hook's
         def timed(*args, **kwargs):
             start = time.thread_time()
             try:
@@ -72,7 +74,7 @@ class CostMeter:
 
 def instrument_costs(mon, cost: CostMeter) -> None:
     """Route the Monitor's entry points through the cost meter (this process only)."""
-    from meshscope.collector import comm, monitor
+    from meshscope.collector import comm, flightlog, monitor
 
     mon.step = cost.wrap_context(mon.step)
     monitor.StepScope.phase = cost.wrap_context(monitor.StepScope.phase)
@@ -81,6 +83,11 @@ def instrument_costs(mon, cost: CostMeter) -> None:
     for name in ("_on_forward", "_on_backward_start", "_on_graph_done"):
         setattr(comm.BackwardWatch, name, cost.wrap(getattr(comm.BackwardWatch, name)))
     comm.CommMeter.reduced = cost.wrap(comm.CommMeter.reduced)
+    # the per-bucket path: DDP's all-reduce issued from Python for the flight log, and its
+    # completion callbacks on gloo's threads
+    flightlog._bucket_done = cost.wrap(flightlog._bucket_done)
+    real_instrument = comm.instrument_hook
+    monitor.instrument_hook = lambda *a, **k: cost.wrap(real_instrument(*a, **k))
 
 
 def thread_cpu(thread) -> float:
@@ -96,6 +103,7 @@ def bench(
     run_dir: str,
     d_model: int,
     bucket_mb: float,
+    flight_log: bool = True,
 ) -> dict:
     import torch
     from prometheus_client import CollectorRegistry
@@ -109,7 +117,7 @@ def bench(
     cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8, top_k=2)
     env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
     mon = Monitor(
-        MonitorConfig(run_dir=run_dir, metrics_port=None, expert_every=5),
+        MonitorConfig(run_dir=run_dir, metrics_port=None, expert_every=5, flight_log=flight_log),
         env=env,
         registry=CollectorRegistry(),
     )
@@ -163,6 +171,8 @@ def bench(
                     (step_watched if m == "on" else step_plain)(*models[m], i)
                     times[m].append(time.perf_counter() - t0)
     writer = thread_cpu(mon.store._thread) - writer_before
+    responder = mon.flight._responder if mon.flight is not None else None
+    writer += thread_cpu(responder) if responder is not None else 0.0  # its whole life: an upper bound
     steps_on = len(times["on"]) + 3 * pairs
     mon.close()
     return {**times, "cost_per_step": (cost.seconds + writer) / steps_on}
@@ -188,6 +198,9 @@ def main() -> None:
         default=[25.0, 0.25],
         help="DDP bucket caps: 25 = torch's default; 0.25 = many buckets, worst case",
     )
+    ap.add_argument(
+        "--no-flight-log", action="store_true", help="the Monitor without its flight log (a diagnosis)"
+    )
     args = ap.parse_args()
     print(f"machine: {machine()}")
     print(
@@ -205,6 +218,7 @@ def main() -> None:
                 run_dir=d,
                 d_model=width,
                 bucket_mb=bucket_mb,
+                flight_log=not args.no_flight_log,
             )
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
         cost = results[0]["cost_per_step"]

@@ -120,7 +120,9 @@ def instrument_hook(hook: Hook, meter: CommMeter, wire_bytes: WireBytes, world_s
     """Wrap a DDP comm hook: bytes counted every step, each bucket timed on sampled steps."""
 
     def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
-        raw, wire = bucket_bytes(bucket), wire_bytes(state, bucket, world_size)
+        # one count: bytes this rank sends, as a plain all-reduce would (raw) and as sent (wire)
+        raw = allreduce_sent_bytes(bucket_bytes(bucket), world_size)
+        wire = wire_bytes(state, bucket, world_size)
         if not meter.sampling:
             meter.count(raw, wire)
             return hook(state, bucket)

@@ -42,7 +42,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from meshscope.collector.devicetruth import DeviceTruth
+from meshscope.collector.flightops import OPS, Op, arg_of, call_site, split_sizes, tensors_of
 from meshscope.collector.flightread import (
     CLOCK_DEVICE,
     CLOCK_HOST,
@@ -84,80 +84,6 @@ from meshscope.collector.stacks import (
     write_recorder_dump,
     write_stacks,
 )
-
-# --- describing a call ------------------------------------------------------------------
-
-
-def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    return args[index] if len(args) > index else None
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for t in value if isinstance(t, torch.Tensor)]
-    return []
-
-
-@dataclass(frozen=True)
-class _Op:
-    """Where a torch.distributed function keeps its tensors, group and peer."""
-
-    tensors: tuple[tuple[int, str], ...]
-    group: tuple[int, str]
-    peer: tuple[int, str] | None = None
-    p2p: bool = False
-    splits: bool = False
-
-
-OPS: dict[str, _Op] = {
-    "all_reduce": _Op(((0, "tensor"),), (2, "group")),
-    "broadcast": _Op(((0, "tensor"),), (2, "group"), peer=(1, "src")),
-    "reduce": _Op(((0, "tensor"),), (3, "group"), peer=(1, "dst")),
-    "all_gather": _Op(((1, "tensor"),), (2, "group")),
-    "all_gather_into_tensor": _Op(((1, "input_tensor"),), (2, "group")),
-    "reduce_scatter": _Op(((1, "input_list"),), (3, "group")),
-    "reduce_scatter_tensor": _Op(((1, "input"),), (3, "group")),
-    "all_to_all": _Op(((1, "input_tensor_list"),), (2, "group")),
-    "all_to_all_single": _Op(((1, "input"),), (4, "group"), splits=True),
-    "gather": _Op(((0, "tensor"),), (3, "group"), peer=(2, "dst")),
-    "scatter": _Op(((0, "tensor"),), (3, "group"), peer=(2, "src")),
-    "barrier": _Op((), (0, "group")),
-    "send": _Op(((0, "tensor"),), (2, "group"), peer=(1, "dst"), p2p=True),
-    "recv": _Op(((0, "tensor"),), (2, "group"), peer=(1, "src"), p2p=True),
-    "isend": _Op(((0, "tensor"),), (2, "group"), peer=(1, "dst"), p2p=True),
-    "irecv": _Op(((0, "tensor"),), (2, "group"), peer=(1, "src"), p2p=True),
-}
-
-
-def _splits(args: tuple, kwargs: dict) -> str:
-    out_sizes = _arg(args, kwargs, 2, "output_split_sizes")
-    in_sizes = _arg(args, kwargs, 3, "input_split_sizes")
-    if out_sizes is None and in_sizes is None:
-        return ""
-    fmt = lambda s: "even" if s is None else ",".join(str(int(x)) for x in s)  # noqa: E731
-    return f"in={fmt(in_sizes)} out={fmt(out_sizes)}"
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_THIS_FILE = __file__
-
-
-def call_site(frame: Any) -> str:
-    """The first frame outside torch and this module: the line that asked for the collective."""
-    while frame is not None and (
-        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == _THIS_FILE
-    ):
-        frame = frame.f_back
-    if frame is None:
-        return "?"
-    path = frame.f_code.co_filename
-    short = "/".join(path.rsplit("/", 2)[-2:])
-    return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
-
 
 # --- the log ----------------------------------------------------------------------------
 
@@ -214,6 +140,7 @@ class FlightLog:
         self._host_groups: set[str] = set()
         self._host_slots: set[int] = set()  # records of host groups awaiting `enqueued`
         self._group_ranks: dict[str, list[int]] = {}
+        self._buckets: dict[tuple[int, int], tuple] = {}  # (group, bucket index) -> packed fields
         self._lock = threading.Lock()
         self._step = -1
         self._step_started = 0.0
@@ -247,14 +174,14 @@ class FlightLog:
         tmp.write_text(json.dumps(self._group_ranks))
         os.replace(tmp, groups_path(self.path))
 
-    def issue(self, op: str, spec: _Op, args: tuple, kwargs: dict, frame: Any) -> int:
+    def issue(self, op: str, spec: Op, args: tuple, kwargs: dict, frame: Any) -> int:
         """Record a collective as issued; returns its slot for `finish`."""
-        group, size = self._group(_arg(args, kwargs, *spec.group))
-        tensors = [t for i, name in spec.tensors for t in _tensors(_arg(args, kwargs, i, name))]
+        group, size = self._group(arg_of(args, kwargs, *spec.group))
+        tensors = [t for i, name in spec.tensors for t in tensors_of(arg_of(args, kwargs, i, name))]
         shapes = ";".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
-        peer = _arg(args, kwargs, *spec.peer) if spec.peer else None
-        splits = _splits(args, kwargs) if spec.splits else ""
+        peer = arg_of(args, kwargs, *spec.peer) if spec.peer else None
+        splits = split_sizes(args, kwargs) if spec.splits else ""
         counter = f"{group}/p2p" if spec.p2p else group
         with self._lock:
             seq = self._seq.get(counter, 0)
@@ -285,6 +212,45 @@ class FlightLog:
             if group in self._host_groups:
                 self._host_slots.add(slot)
         return slot
+
+    def issue_bucket(self, group: Any, bucket: Any) -> int:
+        """Record a DDP bucket's all-reduce as issued: the fast path of `issue`, one per bucket
+        per step, with the bucket's fields packed once (its shape and dtype never change)."""
+        key = (id(group), bucket.index())
+        fields = self._buckets.get(key)
+        if fields is None:
+            name, size = self._group(group)
+            buffer = bucket.buffer()
+            dtype = str(buffer.dtype).removeprefix("torch.")
+            site = f"DDP bucket {bucket.index()} ({len(bucket.gradients())} grads)"
+            packed = (fit("all_reduce", 24), fit(dtype, 15), fit(str(buffer.numel()), 56), fit(site, 96))
+            fields = self._buckets[key] = (name, fit(name, 16), size, packed)
+        name, group_bytes, size, (op, dtype, shape, site) = fields
+        with self._lock:
+            seq = self._seq.get(name, 0)
+            self._seq[name] = seq + 1
+            slot = self._written % self.capacity
+            RECORD.pack_into(
+                self._map,
+                HEADER_SIZE + slot * RECORD.size,
+                *(seq, self._step, time.time(), 0.0, group_bytes, op, STATE_ISSUED, dtype, shape, b""),
+                *(site, -1, size),
+            )
+            self._written += 1
+            struct.pack_into("<q", self._map, WRITTEN_OFFSET, self._written)
+            if name in self._host_groups:
+                self._host_slots.add(slot)
+        return slot
+
+    def bucket_enqueued(self, slot: int, work: Any) -> torch.futures.Future:
+        """The future DDP waits on for a bucket: the reduced buffer, and the record completed
+        when the data arrived (on a device: when the device says so, see the module doc)."""
+        host = slot in self._host_slots
+        self._host_slots.discard(slot)
+        if self._device is not None and not host:
+            self._device.watch(slot, work)
+            return work.get_future().then(_first_value)
+        return work.get_future().then(functools.partial(_bucket_done, self, slot))
 
     def finish(self, slot: int, error: BaseException | None = None) -> None:
         """Mark a record completed (or failed), and the rank as making progress."""
@@ -406,7 +372,7 @@ class FlightLog:
         self._map.flush()
 
 
-def _logged(name: str, spec: _Op, original: Callable[..., Any]) -> Callable[..., Any]:
+def _logged(name: str, spec: Op, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def logged(*args: Any, **kwargs: Any) -> Any:
         log = FlightLog._active
@@ -433,13 +399,34 @@ def _done(log: FlightLog, slot: int, fut: Any) -> None:
     log.finish(slot)
 
 
+def _first_value(fut: Any) -> torch.Tensor:
+    return fut.value()[0]
+
+
+def _bucket_done(log: FlightLog, slot: int, fut: Any) -> torch.Tensor:
+    try:
+        value = fut.value()[0]
+    except Exception as err:  # the collective failed; the failure is the record
+        log.finish(slot, err)
+        raise
+    log.finish(slot)
+    return value
+
+
 def allreduce_hook(process_group, bucket):  # noqa: ANN001,ANN201  (DDP checks annotations)
-    """DDP's plain all-reduce, issued from Python so the flight log sees every bucket."""
+    """DDP's plain all-reduce, issued from Python so the flight log sees every bucket: straight
+    to the process group (not through `dist.all_reduce`) and recorded on `issue_bucket`'s fast
+    path, so a bucket costs a few Python calls."""
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
-    buffer.div_(dist.get_world_size(group))
-    return (
-        dist.all_reduce(buffer, group=process_group, async_op=True)
-        .get_future()
-        .then(lambda fut: fut.value()[0])
-    )
+    buffer.div_(group.size())
+    log = FlightLog._active
+    if log is None:
+        return group.allreduce([buffer]).get_future().then(_first_value)
+    slot = log.issue_bucket(group, bucket)
+    try:
+        work = group.allreduce([buffer])
+    except BaseException as err:
+        log.finish(slot, err)
+        raise
+    return log.bucket_enqueued(slot, work)

@@ -7,7 +7,7 @@ labels here are intrinsic and bounded (phase, kind, layer, expert, detector, typ
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -37,6 +37,7 @@ class MeshscopeMetrics:
     """The metric families of one process, registered on `registry`."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self._registry = registry
         self._step_families(registry)
         self._layer_families(registry)
         self._fault_families(registry)
@@ -67,12 +68,13 @@ class MeshscopeMetrics:
         )
         self.comm_bytes = Counter(
             "meshscope_comm_bytes",
-            "Gradient bytes: raw before compression, wire as sent by this rank.",
+            "Gradient bytes this rank sends: raw as a plain all-reduce would send them, wire as "
+            "sent (raw / wire = the compression ratio).",
             ["kind"],
             registry=r,
         )
-        self.loss = Gauge("meshscope_loss", "Last step's training loss.", registry=r)
-        self.grad_norm = Gauge("meshscope_grad_norm", "Last step's global gradient norm.", registry=r)
+        # loss and grad norm exist once a step logged them: absent, not NaN, when a loop never does
+        self._scalars: dict[str, Gauge] = {}
         self.memory = Gauge(
             "meshscope_memory_bytes",
             "Memory; kind=allocated|reserved (device), rss (host).",
@@ -156,21 +158,36 @@ class MeshscopeMetrics:
         """Export one step (see `observe_steps`)."""
         self.observe_steps([rec], comm_sample_every)
 
-    def observe_steps(self, recs: Sequence[StepRecord], comm_sample_every: int = 1) -> None:
+    def _scalar(self, key: str) -> Gauge:
+        """The gauge of a logged scalar (`loss`, `grad_norm`), registered on first use."""
+        if key not in self._scalars:
+            what = {"loss": "training loss", "grad_norm": "global gradient norm"}[key]
+            self._scalars[key] = Gauge(f"meshscope_{key}", f"Last step's {what}.", registry=self._registry)
+        return self._scalars[key]
+
+    def observe_steps(
+        self,
+        recs: Sequence[StepRecord],
+        comm_sample_every: int = 1,
+        logged: Collection[str] = ("loss", "grad_norm"),
+    ) -> None:
         """Export finished steps at once: every step into the histogram and the counters, the
         last one into the gauges (a scrape sees the latest either way). Time in flight is
         measured on one step in `comm_sample_every`: each measurement counts for the steps it
-        stands for (an estimate; NaN = not measured)."""
+        stands for (an estimate; NaN = not measured); an estimate below the wait measured after
+        backward is raised to it, since that wait is communication too (total >= exposed).
+        `logged`: the scalars the loop logs (the others' gauges stay absent)."""
         if not recs:
             return
         c = self._children  # labelled children resolved once: this runs every window
         for rec in recs:
             self.step_duration.observe(rec.step_s)
         in_flight = sum(r.comm_total_s for r in recs if math.isfinite(r.comm_total_s))
+        exposed = sum(r.comm_exposed_s for r in recs)
         self.steps.inc(len(recs))
         self.tokens.inc(sum(r.tokens for r in recs))
-        c["comm_total"].inc(in_flight * comm_sample_every)
-        c["comm_exposed_total"].inc(sum(r.comm_exposed_s for r in recs))
+        c["comm_total"].inc(max(in_flight * comm_sample_every, exposed))  # window by window
+        c["comm_exposed_total"].inc(exposed)
         c["bytes_raw"].inc(sum(r.bytes_raw for r in recs))
         c["bytes_wire"].inc(sum(r.bytes_wire for r in recs))
         last = recs[-1]
@@ -180,8 +197,9 @@ class MeshscopeMetrics:
         c["comm_exposed"].set(last.comm_exposed_s)
         c["data"].set(last.data_s)
         self.comm_ratio.set(last.comm_ratio)
-        self.loss.set(last.loss)
-        self.grad_norm.set(last.grad_norm)
+        for key in ("loss", "grad_norm"):
+            if key in logged:
+                self._scalar(key).set(getattr(last, key))
         c["allocated"].set(last.mem_allocated)
         c["reserved"].set(last.mem_reserved)
         c["rss"].set(last.mem_rss)

@@ -41,7 +41,7 @@ from meshscope.collector.metrics import MeshscopeMetrics
 from meshscope.collector.moe import find_moe_layers
 from meshscope.collector.monitor_config import MonitorConfig
 from meshscope.collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
-from meshscope.collector.readback import Readback, ScalarWindow
+from meshscope.collector.readback import Readback, ScalarWindow, is_nonfinite
 from meshscope.collector.schema import Event, StepRecord
 from meshscope.collector.scope import PendingStep, StepContext, StepScope
 from meshscope.collector.store import RunStore
@@ -96,6 +96,9 @@ class Monitor:
         self._server = None
         self._closed = False
         self._logged_keys: set[str] = set()
+        self._described = False  # run_start written (by describe_run, or at the first step)
+        self._ended = False  # run_end written (by the caller, or at close)
+        self._compression = "none"  # what watch() was given, for an SDK run's run_start
         self._loss_was_finite = True
         self.flight: FlightLog | None = None
         if config.flight_log:
@@ -142,6 +145,7 @@ class Monitor:
 
     def describe_run(self, *, device: str, backend: str, compression: str) -> None:
         """Fill `meshscope_run_info` and write a run_start event."""
+        self._described = True
         self.metrics.describe_run(
             device=device,
             backend=backend,
@@ -175,6 +179,9 @@ class Monitor:
         its own sampled timing is read. Either way the wait for communication after backward
         is measured every step. Register compression through here, not on the model.
         """
+        self._attach_control_plane()
+        if comm_hook is not None:
+            self._compression = getattr(comm_hook, "__name__", "custom").removesuffix("_hook")
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             world = self.env.world_size
             if comm_hook is None and self.flight is not None:
@@ -184,8 +191,8 @@ class Monitor:
                 # (rare) sampling instead of adding waits; on the host sampling is free.
                 every = None if self.probe.asynchronous else self.config.comm_sample_every
                 self._ddp_stats = DDPRuntimeStats(model, every)
-                raw = ddp_gradient_bytes(model.module)
-                self._ddp_bytes = (raw, allreduce_sent_bytes(raw, world))
+                sent = allreduce_sent_bytes(ddp_gradient_bytes(model.module), world)
+                self._ddp_bytes = (sent, sent)  # no compression: raw and wire are one count
             else:
                 wire = wire_bytes or allreduce_wire_bytes
                 model.register_comm_hook(hook_state, instrument_hook(comm_hook, self.meter, wire, world))
@@ -197,6 +204,28 @@ class Monitor:
             module.register_forward_hook(self._count_experts)
         self._describe_host(model)
         return model
+
+    def _attach_control_plane(self) -> None:
+        """A Monitor built before `init_process_group` gets its control plane now (watch() runs
+        at the same point on every rank, as building it needs); one warning when there is still
+        no process group in a job of several ranks."""
+        if self.control is not None or self.env.world_size <= 1:
+            return
+        self.control = ControlPlane.maybe()
+        if self.control is None:
+            why = "call init_process_group before Monitor.watch(), or expert load and controls stay off"
+            log.warning(
+                "meshscope: torch.distributed is not initialised in a job of %d ranks: %s",
+                self.env.world_size,
+                why,
+            )
+
+    def _describe_sdk_run(self) -> None:
+        """run_start for a loop that is not meshscope's trainer (which describes its run)."""
+        up = torch.distributed.is_available() and torch.distributed.is_initialized()
+        device = getattr(self.probe, "kind", "accelerator" if self.probe.asynchronous else "cpu")
+        backend = str(torch.distributed.get_backend()) if up else "none"
+        self.describe_run(device=str(device), backend=backend, compression=self._compression)
 
     def _describe_host(self, model: torch.nn.Module) -> None:
         """One `host` event per node (collector.env.HostShare): what its ranks share. A model on
@@ -228,6 +257,8 @@ class Monitor:
         return StepContext(self, tokens, step)
 
     def _begin(self, tokens: int, step: int | None) -> tuple[StepScope, float, Any]:
+        if not self._described:
+            self._describe_sdk_run()
         self._step = self._step + 1 if step is None else step
         if self.flight is not None:
             self.flight.step_begin(self._step)
@@ -310,7 +341,7 @@ class Monitor:
             done += 1
         finished, self._pending = self._pending[:done], self._pending[done:]
         records = [self._record(p) for p in finished]
-        self.metrics.observe_steps(records, self.config.comm_sample_every)
+        self.metrics.observe_steps(records, self.config.comm_sample_every, self._logged_keys)
         for rec in records:
             self._emit(rec)
         while self._expert_reads and (block or self._expert_reads[0][1].ready()):
@@ -347,7 +378,7 @@ class Monitor:
         if p.window is not None:
             scalars.update(zip(p.device_keys, p.window.values(p.offset, len(p.device_keys))))
         self._logged_keys = set(scalars)
-        nonfinite = ",".join(sorted(k for k, v in scalars.items() if _is_nonfinite(v)))
+        nonfinite = ",".join(sorted(k for k, v in scalars.items() if is_nonfinite(v)))
         mem = p.memory
         return StepRecord(
             run_id=self.config.run_id,
@@ -421,6 +452,7 @@ class Monitor:
             detail=detail or {},
         )
         self.store.add_event(ev)
+        self._ended = self._ended or kind == "run_end"
         return ev
 
     def fail(self, error: BaseException) -> None:
@@ -448,6 +480,8 @@ class Monitor:
         self._closed = True
         self._close_window()
         self._drain(block=True)
+        if self._described and not self._ended and self.env.rank == 0:  # an SDK run ends here
+            self.event("run_end", detail={"steps": self._step + 1, "reason": "closed"})
         self.store.close()
         if self.flight is not None:
             self.flight.close()
@@ -461,11 +495,3 @@ class Monitor:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _is_nonfinite(value: Any) -> bool:
-    """A logged scalar (already on the host) that is NaN or Inf."""
-    try:
-        return not math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False

@@ -73,6 +73,7 @@ class HostProbe:
     """perf_counter timing and RSS: exact and free on the CPU."""
 
     asynchronous = False
+    kind = "cpu"
 
     def mark(self) -> float:
         """Now, on the host clock."""

@@ -260,8 +260,10 @@ def _routing(facts: RunFacts, w: Window) -> list[Cause]:
             [],
             int(worst_step),
             evidence,
-            f"apply the auxiliary-loss-free bias update to layer {layer} (`meshscope feedback "
-            f"suggest --run {facts.run_dir}`), or raise the aux-loss coefficient",
+            f"correct layer {layer}'s router bias: `meshscope feedback ingest LOAD --run "
+            f"{facts.run_dir}` ranks corrections and `meshscope feedback apply --run {facts.run_dir} "
+            "--suggestion ID` applies one while it trains; or raise the aux-loss coefficient "
+            "(`meshscope run --set model.aux_loss_coef=0.05`)",
         )
         if best is None or cause.confidence > best.confidence:
             best = cause

@@ -116,6 +116,7 @@ class AcceleratorProbe:
     def __init__(self, device: Device) -> None:
         self._module = accelerator_module(device.kind)
         self._index = device.index
+        self.kind = device.kind  # what an SDK run's run_start names
 
     def mark(self) -> Any:
         """Record an event on the current stream."""

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from meshscope.alerts.config import AlertRouting
 from meshscope.collector.metrics import DetectorMetrics, MeshscopeMetrics
+from meshscope.collector.schema import StepRecord
 from meshscope.dashboards.alertmanager import alertmanager_config, checked, write_alertmanager_config
 from meshscope.dashboards.boards import OUT, board_queries, build_all, render
 from meshscope.dashboards.prometheus import RULES, write_prometheus_config
@@ -147,7 +148,11 @@ def test_boards_have_the_panels_and_variables_people_need():
 def test_boards_query_only_series_that_exist():
     """Every metric a panel names is exported by a rank or the detector, or recorded by a rule."""
     ranks, detector = CollectorRegistry(), CollectorRegistry()  # two endpoints, as deployed
-    MeshscopeMetrics(ranks), DetectorMetrics(detector)
+    DetectorMetrics(detector)
+    # a rank's families once a step that logged its loss and grad norm is out
+    MeshscopeMetrics(ranks).observe_step(
+        StepRecord(run_id="r", rank=0, world_size=1, step=0, time=0.0, step_s=0.1, loss=1.0, grad_norm=1.0)
+    )
     exported = set()
     for fam in [*ranks.collect(), *detector.collect()]:
         exported |= {s.name for s in fam.samples} | {fam.name, f"{fam.name}_total", f"{fam.name}_bucket"}
