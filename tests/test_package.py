@@ -72,7 +72,7 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
         "meshscope/cli/__main__.py",
         "meshscope/collector/monitor.py",
         "meshscope/watchdog/__init__.py",
-        "meshscope/view/pages/run.py",
+        "meshscope/view/screens/run.py",
         "meshscope/dashboards/rules/rules.yml",
         "meshscope/dashboards/grafana/dashboards/training.json",
     ):

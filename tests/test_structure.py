@@ -36,7 +36,7 @@ def missing_docstrings(path: Path) -> list[str]:
     entry point are scripts and need only their module docstring."""
     tree = ast.parse(path.read_text())
     out = [] if ast.get_docstring(tree) else ["<module>"]
-    if "pages" in path.parts or path.name in ("__main__.py", "app.py"):
+    if "screens" in path.parts or path.name in ("__main__.py", "app.py"):
         return out
     module = importlib.import_module(_module_name(path))
     for name, obj in vars(module).items():

@@ -21,12 +21,12 @@ from meshscope.view import data
 from meshscope.view.settings import ViewSettings
 
 PAGES = {
-    "runs": "pages/runs.py",
-    "run": "pages/run.py",
-    "anomalies": "pages/anomalies.py",
-    "experts": "pages/experts.py",
-    "debug": "pages/debug.py",
-    "feedback": "pages/feedback.py",
+    "runs": "screens/runs.py",
+    "run": "screens/run.py",
+    "anomalies": "screens/anomalies.py",
+    "experts": "screens/experts.py",
+    "debug": "screens/debug.py",
+    "feedback": "screens/feedback.py",
 }
 
 

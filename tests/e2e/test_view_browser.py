@@ -4,6 +4,7 @@ kept in test-artifacts/ (CI keeps that folder)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -33,8 +34,8 @@ CHROMIUM_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def view(tmp_path_factory):
-    """`meshscope view` over two recorded runs, as a person starts it."""
+def recorded(tmp_path_factory):
+    """Two recorded runs (a hang, a straggler with its anomalies detected)."""
     runs = tmp_path_factory.mktemp("runs")
     for name in ("skip_collective", "slow"):
         shutil.copytree(REPO / "fixtures" / "stores" / name, runs / name)
@@ -45,6 +46,12 @@ def view(tmp_path_factory):
         capture_output=True,
         timeout=120,
     )
+    return runs
+
+
+@contextlib.contextmanager
+def serving(runs):
+    """`meshscope view` over `runs`, as a person starts it; its URL."""
     port = free_port_range(1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshscope", "view", "--runs", str(runs), "--port", str(port)],
@@ -65,9 +72,17 @@ def view(tmp_path_factory):
     else:
         proc.kill()
         pytest.fail(f"meshscope view did not come up: {proc.stdout.read()[-2000:]}")
-    yield url, runs
-    os.killpg(proc.pid, 15)
-    proc.wait(timeout=20)
+    try:
+        yield url
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def view(recorded):
+    with serving(recorded) as url:
+        yield url, recorded
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +126,25 @@ def test_a_straggler_deep_link_shows_the_slow_host(view, browser):
     aid = int(ev.iloc[0]["id"])
     body = _open(browser, f"{url}/anomalies?run=slow&anomaly={aid}", "slow_host", "view-straggler.png")
     assert "rank 1 computes" in body and "Next:" in body
+
+
+@pytest.mark.parametrize(
+    "link,title",
+    [("run?run=slow", "Run"), ("anomalies?run=slow", "Anomalies")],  # what alerts link to
+)
+def test_a_deep_link_on_a_fresh_server_shows_the_page_in_its_layout(recorded, browser, link, title):
+    # an alert's link is often the first request a server gets: no one opened `/` before it
+    with serving(recorded) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{url}/{link}", timeout=60_000)
+        nav = page.locator('[data-testid="stSidebarNav"]')
+        nav.wait_for(timeout=60_000)
+        page.get_by_role("heading").first.wait_for(timeout=60_000)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"view-fresh-{link.split('?')[0]}.png"), full_page=True)
+        entries = [e.strip() for e in nav.inner_text().splitlines() if e.strip()]
+        wide = page.locator('[data-testid="stMainBlockContainer"]').bounding_box()["width"]
+        page.close()
+    # the pages by their titles, never the files they live in ("app", "anomalies", ...)
+    assert entries == ["Runs", "Run", "Anomalies", "Experts", "Debug", "Feedback"], entries
+    assert wide > 900, wide  # the wide layout, not Streamlit's narrow default

@@ -39,7 +39,7 @@ def app(runs: Path, monkeypatch, page: str | None = None, **params: str) -> AppT
         at.query_params[k] = v
     at.run()
     if page is not None:
-        at.switch_page(f"pages/{page}.py").run()
+        at.switch_page(f"screens/{page}.py").run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 
