@@ -8,6 +8,7 @@ through a `wire_bytes(bucket, state, world_size)` function.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -210,3 +211,20 @@ class DDPRuntimeStats:
 def ddp_gradient_bytes(model: torch.nn.Module) -> int:
     """Bytes of gradient one DDP reduction carries: every parameter that takes a gradient."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def step_comm_seconds(probe: Any, comm: CommWindow, step_start: Any) -> tuple[float, float]:
+    """A finished step's (communication in flight, communication it waited for after compute).
+
+    The wait is measured every step (`BackwardWatch`). The time in flight, from the first
+    bucket's launch to the last one's completion, only on sampled steps: NaN elsewhere."""
+    sec = probe.seconds
+    exposed = sec(*comm.wait) if None not in comm.wait else 0.0
+    spans = [(a, b) for a, b in comm.spans if b is not None]
+    if spans:
+        first = min((a for a, _ in spans), key=lambda a: sec(step_start, a))
+        last = max((b for _, b in spans), key=lambda b: sec(step_start, b))
+        return sec(first, last), exposed
+    if comm.measured_s is not None:
+        return comm.measured_s, exposed
+    return (math.nan if comm.bytes_raw else 0.0), exposed

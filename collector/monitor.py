@@ -31,10 +31,11 @@ from meshscope.collector.comm import (
     allreduce_wire_bytes,
     ddp_gradient_bytes,
     instrument_hook,
+    step_comm_seconds,
 )
 from meshscope.collector.control import ControlPlane
 from meshscope.collector.env import DistEnv, HostShare
-from meshscope.collector.exporter import RANK_JOB, port_for, serve_metrics, write_targets
+from meshscope.collector.exporter import RANK_JOB, PortInUseError, port_for, serve_metrics, write_targets
 from meshscope.collector.flightlog import FlightLog
 from meshscope.collector.flightlog import allreduce_hook as flight_allreduce_hook
 from meshscope.collector.metrics import MeshscopeMetrics
@@ -96,8 +97,8 @@ class Monitor:
         self._server = None
         self._closed = False
         self._logged_keys: set[str] = set()
-        self._described = False  # run_start written (by describe_run, or at the first step)
-        self._ended = False  # run_end written (by the caller, or at close)
+        # run_start and run_end written (by the trainer, else at the first step and at close)
+        self._described = self._ended = False
         self._compression = "none"  # what watch() was given, for an SDK run's run_start
         self._loss_was_finite = True
         self.flight: FlightLog | None = None
@@ -132,7 +133,12 @@ class Monitor:
             if self.config.topology_labels
             else None
         )
-        self._server = serve_metrics(self.registry, port, self.config.metrics_host, labels)
+        try:
+            self._server = serve_metrics(self.registry, port, self.config.metrics_host, labels)
+        except PortInUseError as err:  # taken since the launcher checked: a named failure, no death
+            self.fail(err)
+            self.training_over()
+            raise
         if self.env.local_rank == 0:
             ports = {r: port_for(self.config.metrics_port, i) for i, r in enumerate(self.env.local_ranks())}
             write_targets(
@@ -373,7 +379,7 @@ class Monitor:
         sec = self.probe.seconds  # the marks are finished: reading them does not wait
         step_s = sec(*p.bounds)
         phases = {name: sec(*span) for name, span in p.phases.items()}
-        comm_total, comm_exposed = self._comm_seconds(p)
+        comm_total, comm_exposed = step_comm_seconds(self.probe, p.comm, p.bounds[0])
         scalars = dict(p.scalars)
         if p.window is not None:
             scalars.update(zip(p.device_keys, p.window.values(p.offset, len(p.device_keys))))
@@ -405,22 +411,6 @@ class Monitor:
             mem_rss=mem.get("rss", 0),
             nonfinite=nonfinite,
         )
-
-    def _comm_seconds(self, p: PendingStep) -> tuple[float, float]:
-        """(communication in flight, communication the step waited for after compute).
-
-        The wait is measured every step (`BackwardWatch`). The time in flight, from the first
-        bucket's launch to the last one's completion, only on sampled steps: NaN elsewhere."""
-        sec = self.probe.seconds
-        exposed = sec(*p.comm.wait) if None not in p.comm.wait else 0.0
-        spans = [(a, b) for a, b in p.comm.spans if b is not None]
-        if spans:
-            first = min((a for a, _ in spans), key=lambda a: sec(p.bounds[0], a))
-            last = max((b for _, b in spans), key=lambda b: sec(p.bounds[0], b))
-            return sec(first, last), exposed
-        if p.comm.measured_s is not None:
-            return p.comm.measured_s, exposed
-        return (math.nan if p.comm.bytes_raw else 0.0), exposed
 
     def _emit(self, rec: StepRecord) -> None:
         self.store.add_step(rec)

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from meshscope.collector.exporter import ensure_ports_free
+from meshscope.collector.flightread import latest_logs
 from meshscope.collector.store import StoreUnavailable, latest_step, load_steps
 from meshscope.collector.storedb import pg_connect, write_locator
 from meshscope.config import RunConfig
@@ -268,6 +269,13 @@ def follow(
         if done:
             return proc.returncode
         time.sleep(poll_s)
+
+
+def worker_errors(cfg: RunConfig) -> list[str]:
+    """What the workers of the newest attempt said they died of (their flight logs' errors),
+    by rank: the line a failed run leads with, before any log dump."""
+    heads = latest_logs(cfg.run_dir / "live") if (cfg.run_dir / "live").is_dir() else {}
+    return [f"rank {rank}: {head.last_error}" for rank, head in sorted(heads.items()) if head.last_error]
 
 
 def tail_log(cfg: RunConfig, lines: int = 30) -> str:

@@ -77,7 +77,9 @@ def run(
         raise typer.Exit(128 + stop.signum)
     if code != 0:  # a dead run stays in Prometheus' index: RankDown/RecoveryFailed fire
         err_console.print(launcher.tail_log(cfg), markup=False, highlight=False)
-        fail(f"training failed (exit {code}); logs in {cfg.run_dir / 'logs'}", code=1)
+        said = launcher.worker_errors(cfg)
+        why = ("; ".join(said[:3]) + "; ") if said else ""
+        fail(f"training failed (exit {code}): {why}logs in {cfg.run_dir / 'logs'}", code=1)
     remove_from_index(cfg.run_dir, cfg.run_id)
     try:
         _print_summary(cfg)
