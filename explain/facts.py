@@ -25,6 +25,8 @@ CAUSE_KINDS = {
     "leak": "one rank's memory grows step after step",
     "crash": "a rank's process died",
     "recovery_failing": "restarts keep failing at the same place",
+    "checkpoint": "meshscope saved a checkpoint: every rank waited for it (expected, not a fault)",
+    "host_oversubscribed": "more busy threads than cores: ranks take turns, none is slow",
 }
 
 

@@ -369,6 +369,30 @@ def _nonfinite_from_steps(facts: RunFacts, w: Window) -> list[Cause]:
     ]
 
 
+def _checkpoint(facts: RunFacts, w: Window) -> list[Cause]:
+    """A checkpoint saved in (or just before) the window: meshscope's own pause, a known cause."""
+    ev = facts.events
+    saves = ev[(ev["kind"] == "checkpoint") & ev["step"].between(w.lo - 1, w.hi)] if not ev.empty else ev
+    saves = saves[["held_s" in d for d in saves["detail"]]] if not saves.empty else saves
+    if saves.empty:
+        return []
+    row = max(saves.itertuples(), key=lambda r: r.detail["held_s"])
+    held, step = float(row.detail["held_s"]), int(row.step)
+    mode = "in the background (staging only)" if row.detail.get("async") else "in the foreground"
+    return [
+        Cause(
+            "checkpoint",
+            f"the checkpoint of step {step} held the job {held:.2f} s",
+            0.9,
+            [],
+            step,
+            [f"meshscope saved a checkpoint at step {step} {mode}; every rank waits at its barrier"],
+            "expected, not a fault; if it is too long: --set elastic.async_checkpoint=true, or a "
+            "larger elastic.checkpoint_every",
+        )
+    ]
+
+
 def _events_where(ev: pd.DataFrame, kind: str, key: str, value: Any) -> pd.DataFrame:
     """Events of `kind` whose detail has `key` == `value`."""
     rows = ev[ev["kind"] == kind]
@@ -446,4 +470,5 @@ HYPOTHESES: list[Callable[[RunFacts, Window], list[Cause]]] = [
     _leak,
     _nonfinite,
     _crash,
+    _checkpoint,
 ]

@@ -21,6 +21,11 @@ def _rank_causes(causes: list[Cause]) -> list[Cause]:
             if c.kind == "slow_link":
                 c.confidence = round(c.confidence * 0.6, 3)
                 c.evidence.append("the routing changed at the same time (see routing)")
+    if any(c.kind == "checkpoint" for c in causes):  # meshscope's own pause explains the stall
+        for c in causes:
+            if c.kind in ("slow_host", "slow_link", "stall", "host_oversubscribed"):
+                c.confidence = round(c.confidence * 0.5, 3)
+                c.evidence.append("a checkpoint was saved in the same steps (see checkpoint)")
     merged: dict[tuple, Cause] = {}
     for c in causes:
         key = (c.kind, tuple(c.ranks))

@@ -271,7 +271,12 @@ class ElasticRun:
         """Save model, optimizer, hook state and RNG (DCP, in the background when asked)."""
         hook = state.hook_state.state_dict() if hasattr(state.hook_state, "state_dict") else None
         local = {"rng": torch.get_rng_state(), "hook": hook, "step": state.step}
+        started = time.perf_counter()
         self.ckpt.save(state.step, state.model, state.optimizer, local)
+        if self.env.rank == 0:  # on the timeline: a step it holds up is meshscope's, not a fault
+            held = round(time.perf_counter() - started, 4)
+            detail = {"saved_step": state.step, "held_s": held, "async": self.cfg.elastic.async_checkpoint}
+            self.mon.event("checkpoint", step=state.step, detail=detail)
 
     def after_step(self, state: Any) -> None:
         """Beat, and checkpoint when due."""

@@ -19,7 +19,6 @@ def view(
 ) -> None:
     """The root-cause view (Streamlit) over the runs folder; alerts link into it."""
     import os
-    import subprocess
     import sys
 
     import meshscope.view
@@ -56,4 +55,6 @@ def view(
         "viewer",
     ]
     console.print(f"meshscope view on http://{host}:{port} (runs in {runs.resolve()})")
-    raise typer.Exit(subprocess.call(cmd, env={**os.environ, **settings.env()}))
+    sys.stdout.flush()
+    # become Streamlit: a SIGTERM to `meshscope view` reaches the server, which frees its port
+    os.execve(sys.executable, cmd, {**os.environ, **settings.env()})

@@ -75,3 +75,37 @@ def test_the_cli_prints_the_ranked_causes_and_refuses_what_is_not_a_run(tmp_path
         out = runner.invoke(app, ["explain", *args])
         assert out.exit_code == 2 and "error:" in out.output, out.output
     assert sqlite3.connect(run / "store.sqlite").execute("select count(*) from steps").fetchone()
+
+
+def test_a_checkpoint_that_stalls_the_job_is_the_known_cause(tmp_path):
+    from meshscope.collector.schema import Event
+    from meshscope.collector.store import RunStore
+
+    run = tmp_path / "ckpt"
+    shutil.copytree(DATA / "clean-a", run)
+    with sqlite3.connect(run / "store.sqlite") as db:  # every rank waits 0.6 s at step 50
+        db.execute(
+            "UPDATE steps SET step_s = step_s + 0.6, comm_exposed_s = comm_exposed_s + 0.6 WHERE step = 50"
+        )
+        ranks = [r for (r,) in db.execute("SELECT DISTINCT rank FROM steps ORDER BY rank")]
+    store = RunStore(run)
+    store.add_event(
+        Event(kind="checkpoint", run_id="r", rank=0, step=50, detail={"saved_step": 50, "held_s": 0.6})
+    )
+    store.add_event(
+        Event(
+            kind="anomaly",
+            run_id="r",
+            rank=0,
+            step=50,
+            severity="warning",
+            detail={"type": "comm", "ranks": ranks, "start_step": 50, "end_step": 50, "score": 1.0},
+        )
+    )
+    store.close()
+    causes = explain(run)
+    assert causes[0].kind == "checkpoint" and "step 50" in causes[0].title, [
+        (c.kind, c.title) for c in causes
+    ]
+    assert "not a fault" in causes[0].action
+    assert all(c.confidence < causes[0].confidence for c in causes[1:])

@@ -42,6 +42,8 @@ def test_kill9_of_a_worker_resumes_and_ends_bit_identical(tmp_path):
     kinds = list(events["kind"])
     for kind in ("injected", "fault", "restart", "resume"):
         assert kind in kinds, kinds
+    saves = events[(events["kind"] == "checkpoint") & (events["rank"] == 0)]  # on the timeline
+    assert len(saves) >= 2 and all(d["held_s"] >= 0 for d in saves["detail"]), saves
     fault = events[events["kind"] == "fault"].iloc[0]["detail"]
     assert fault["rank"] == 1 and fault["type"] == "dead_rank"
     resume = events[events["kind"] == "resume"].iloc[0]["detail"]
