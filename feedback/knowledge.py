@@ -100,6 +100,12 @@ class KnowledgeBase:
             ).fetchone()
         return (ok + 1) / (n + 2) * 2  # 1.0 with no history
 
+    def outcomes(self, cause: str, action: str) -> int:
+        """How many measured outcomes of this action for this cause there are."""
+        with self._conn() as conn:
+            query = "SELECT count(*) FROM outcomes WHERE cause = ? AND action = ?"
+            return int(conn.execute(query, (cause, action)).fetchone()[0])
+
     def realised(self, cause: str, action: str) -> float:
         """The share of the predicted balancedness gain earlier outcomes actually delivered
         (1.0 with no history): what the next prediction is scaled by."""

@@ -242,7 +242,7 @@ def suggest(
         if (s := remedy(d, serving.tokens[d.layer], model, devices)) is not None
     ]
     for s in out:
-        if kb is not None and "balancedness_after" in s.expected:
+        if kb is not None and "balancedness_after" in s.expected and kb.outcomes(s.cause, s.action):
             # what such changes delivered before calibrates what this one promises
             b0, b1 = s.expected["balancedness_before"], s.expected["balancedness_after"]
             s.expected["balancedness_after"] = round(b0 + (b1 - b0) * kb.realised(s.cause, s.action), 3)

@@ -85,6 +85,11 @@ def test_a_deep_link_opens_the_anomaly_with_its_evidence_and_causes(runs, monkey
     assert at.query_params["anomaly"] == [str(aid)] or at.query_params["anomaly"] == str(aid)
 
 
+def test_a_link_to_an_anomaly_the_run_does_not_have_says_so(runs, monkeypatch):
+    at = app(runs, monkeypatch, run="slow", anomaly="999999")
+    assert any("#999999 is not in this run" in w.value for w in at.warning), [w.value for w in at.warning]
+
+
 def test_an_alert_link_lands_on_the_hang_and_names_the_culprit(runs, monkeypatch):
     at = app(runs, monkeypatch, run="skip_collective", alert="HangDetected")
     body = text(at)
@@ -186,3 +191,26 @@ def test_debug_page_shows_the_tracers_tensor_statistics(runs, monkeypatch, tmp_p
     assert "Tensor statistics per module" in text(at)
     flagged = at.dataframe[-1].value
     assert list(zip(flagged["step"], flagged["rank"])) == [(20, 1)]
+
+
+def test_the_run_page_shows_whose_compute_is_slow(runs, monkeypatch):
+    import json
+
+    at = app(runs, monkeypatch, "run", run="slow")
+    charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    compute = next(c for c in charts if "compute per rank" in c["layout"]["title"]["text"])
+
+    def values(y):  # plotly writes arrays as base64 ("bdata") or as lists
+        if isinstance(y, dict):
+            import base64
+
+            import numpy as np
+
+            return np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"]).tolist()
+        return y
+
+    by_rank = {t["name"]: dict(zip(values(t["x"]), values(t["y"]))) for t in compute["data"]}
+    one, zero = by_rank["1"], by_rank["0"]
+    slower = lambda a, b: sum(a[s] > 1.5 * b[s] for s in a if s in b)  # noqa: E731
+    assert slower(one, zero) >= 8 and slower(zero, one) <= 2, (slower(one, zero), slower(zero, one))
+    assert any("exposed communication per rank" in c["layout"]["title"]["text"] for c in charts)

@@ -23,6 +23,8 @@ params = {
 linked = data.resolve_link(params, found)
 if params["alert"] and linked is None:
     st.warning(f"Alert {params['alert']}: no matching anomaly stored yet (it may still be open).")
+elif params["anomaly"] and linked is None:  # a link to an id this run does not have: say so
+    st.warning(f"Anomaly #{params['anomaly']} is not in this run; showing the latest one instead.")
 labels = [
     f"#{a.id if a.id is not None else '-'} {a.type} ranks={a.ranks or '-'} "
     f"steps {a.start_step}–{a.end_step}" + (f" layer {a.layer}" if a.layer is not None else "")

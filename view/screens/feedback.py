@@ -75,7 +75,8 @@ changes = load_controls(run_dir)
 by_suggestion = {int(r["suggestion"]): r for _, r in changes.iterrows() if pd.notna(r["suggestion"])}
 if events.empty:
     st.caption("None yet: upload a serving load above, or `meshscope feedback ingest`.")
-for _, row in events.iloc[::-1].head(12).iterrows():
+# the CLI's ranking: the latest ingest's suggestions, best first (ids ascend in rank order)
+for _, row in events.sort_values("id").tail(12).iterrows():
     d, sid = row["detail"], int(row["id"])
     with st.container(border=True):
         st.markdown(

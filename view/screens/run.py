@@ -1,8 +1,10 @@
-"""Run: step time per rank, communication ratio, loss, and one timeline of events."""
+"""Run: compute, exposed communication and step time per rank, the communication ratio, loss,
+and one timeline of events."""
 
 import plotly.express as px
 import streamlit as st
 
+from meshscope.collector.figures import with_compute
 from meshscope.view import data, ui
 
 run_dir, facts = ui.open_run("Run")
@@ -27,8 +29,19 @@ steps = facts.steps
 if steps.empty:
     st.info("No step recorded yet.")
     st.stop()
-per_rank = steps.assign(rank=steps["rank"].astype(str))
+per_rank = with_compute(steps).assign(rank=steps["rank"].astype(str))
+# under synchronous DDP every rank's step lasts as long as the slowest's: the straggler is the one
+# whose own compute is long, while its peers' exposed communication (the wait for it) is
 st.plotly_chart(
+    px.line(per_rank, x="step", y="compute_s", color="rank", title="compute per rank (s): who is slow"),
+    key="compute",
+)
+top_left, top_right = st.columns(2)
+top_left.plotly_chart(
+    px.line(per_rank, x="step", y="comm_exposed_s", color="rank", title="exposed communication per rank (s)"),
+    key="comm_exposed",
+)
+top_right.plotly_chart(
     px.line(per_rank, x="step", y="step_s", color="rank", title="step time per rank (s)"), key="step_time"
 )
 left, right = st.columns(2)
