@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import sysconfig
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REQUEST_FILE = "request"
 STACKS_SUFFIX = ".stacks.json"
@@ -29,8 +31,52 @@ CRASH_SUFFIX = ".crash"
 RESPONDER_THREAD = "meshscope-flight"  # its own stack is never part of an answer
 
 
+LIBRARY = "[lib] "  # marks a frame of an installed library or the standard library
+_LIBRARY_ROOTS = sorted(
+    {os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "platlib", "stdlib", "platstdlib")},
+    key=len,
+    reverse=True,
+)
+_MESHSCOPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")  # rooms' home
+_ROOTS = sorted([*_LIBRARY_ROOTS, _MESHSCOPE], key=len, reverse=True)
+# frames of stores written before the marker: torch's folders as two-part paths show them
+_TORCH_PARTS = {
+    "torch",
+    "autograd",
+    "distributed",
+    "nn",
+    "modules",
+    "optim",
+    "parallel",
+    "futures",
+    "_tensor.py",
+}
+
+
+def frame_text(filename: str, line: Any, name: str = "") -> str:
+    """One frame as stacks show it: a library's as `[lib] package/path.py:N name`, the user's and
+    meshscope's own as the last two parts of its path."""
+    # the longest root that holds it: meshscope's own folder (in site-packages or a checkout
+    # whose venv sits inside it) wins over a library root that merely contains it
+    root = next((r for r in _ROOTS if filename.startswith(r)), None)
+    if root == _MESHSCOPE:
+        root = None
+    if root is not None:
+        return f"{LIBRARY}{filename[len(root) :]}:{line} {name}".rstrip()
+    return f"{'/'.join(filename.rsplit('/', 2)[-2:])}:{line} {name}".rstrip()
+
+
+def own_frame(stack: list[str]) -> str:
+    """The innermost frame of the user's or meshscope's code: where a rank was, in the code it
+    runs (the library frames under it say only how the call went down)."""
+    for line in reversed(stack):
+        if not line.startswith(LIBRARY) and line.split("/", 1)[0] not in _TORCH_PARTS:
+            return line
+    return stack[-1] if stack else ""
+
+
 def _frame_text(frame: traceback.FrameSummary) -> str:
-    return f"{'/'.join(frame.filename.rsplit('/', 2)[-2:])}:{frame.lineno} {frame.name}"
+    return frame_text(frame.filename, frame.lineno, frame.name)
 
 
 def write_stacks(flight: Path, request_id: str = "", step: int = -1) -> Path:
@@ -148,6 +194,5 @@ def crash_stack(flight: Path) -> list[str]:
     for line in current.splitlines():
         line = line.strip()
         if line.startswith('File "') and "line " in line:
-            where = "/".join(line.split('"')[1].rsplit("/", 2)[-2:])
-            frames.append(f"{where}:{line.split('line ', 1)[1]}")
+            frames.append(frame_text(line.split('"')[1], line.split("line ", 1)[1]))
     return frames[::-1]

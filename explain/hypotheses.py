@@ -15,6 +15,7 @@ from meshscope.collector.env import HostShare
 from meshscope.collector.figures import STALL_FLOOR_S, balancedness, stall_threshold_s, with_compute
 from meshscope.collector.report import busiest_host
 from meshscope.collector.schema import nonfinite_mask
+from meshscope.collector.stacks import own_frame
 from meshscope.explain.facts import (
     BASELINE_STEPS,
     LEAK_MIN_BYTES,
@@ -47,7 +48,7 @@ def _hang_events(facts: RunFacts, w: Window) -> list[Cause]:
         if d.get("op"):
             evidence.append(f"collective: {d['op']} #{d.get('seq')} on group {d.get('group')}")
         if stack:
-            evidence.append(f"rank {culprits[0]} was at {stack[-1]}")
+            evidence.append(f"rank {culprits[0]} was at {own_frame(stack)}")
         if d.get("waiting_ranks"):
             evidence.append(f"{_who(d['waiting_ranks'])} waited in the collective")
         out.append(
