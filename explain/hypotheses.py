@@ -51,6 +51,8 @@ def _hang_events(facts: RunFacts, w: Window) -> list[Cause]:
             evidence.append(f"rank {culprits[0]} was at {own_frame(stack)}")
         if d.get("waiting_ranks"):
             evidence.append(f"{_who(d['waiting_ranks'])} waited in the collective")
+        if d.get("action") == "abort":
+            evidence.append("the watchdog aborted the job's workers on purpose so it could resume")
         out.append(
             Cause(
                 "hang",
@@ -428,19 +430,7 @@ def _crash(facts: RunFacts, w: Window) -> list[Cause]:
         f"{restarts} restart(s); the run {'finished' if finished else 'did not finish'}",
     ]
     if len(_events_where(ev, "hang", "action", "abort")):
-        # The watchdog killed them on purpose: the hang is the cause, the deaths its cure.
-        evidence.append("the hang watchdog aborted these processes (see the hang)")
-        return [
-            Cause(
-                "crash",
-                f"{_who(dead)} stopped by the hang watchdog",
-                0.4,
-                dead,
-                first,
-                evidence,
-                "see the hang cause",
-            )
-        ]
+        return []  # the watchdog killed them on purpose: the hang is the cause (it says so)
     if (restarts >= 1 and not finished) or deaths >= 3:
         return [
             Cause(

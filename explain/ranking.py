@@ -12,6 +12,8 @@ from pathlib import Path
 from meshscope.explain.facts import Anomaly, Cause, RunFacts, Window
 from meshscope.explain.hypotheses import HYPOTHESES, _crash, _hang_events, _nonfinite
 
+MIN_CONFIDENCE = 0.5  # below it a reading is a guess: shown nowhere, not as a trailing cause
+
 
 def _rank_causes(causes: list[Cause]) -> list[Cause]:
     """One cause per (kind, ranks), most confident first; a routing collapse in the same
@@ -37,7 +39,8 @@ def _rank_causes(causes: list[Cause]) -> list[Cause]:
                 merged[key] = c
         else:
             merged[key] = c
-    return sorted(merged.values(), key=lambda c: (-c.confidence, c.step if c.step is not None else 1 << 62))
+    kept = [c for c in merged.values() if c.confidence >= MIN_CONFIDENCE]
+    return sorted(kept, key=lambda c: (-c.confidence, c.step if c.step is not None else 1 << 62))
 
 
 def causes_for(facts: RunFacts, anomaly: Anomaly) -> list[Cause]:

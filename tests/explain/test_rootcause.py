@@ -109,3 +109,17 @@ def test_a_checkpoint_that_stalls_the_job_is_the_known_cause(tmp_path):
     ]
     assert "not a fault" in causes[0].action
     assert all(c.confidence < causes[0].confidence for c in causes[1:])
+
+
+@pytest.mark.parametrize("name", ["skip_collective", "collective_mismatch"])
+def test_ranks_the_watchdog_aborted_are_no_second_cause(name):
+    causes = explain(DATA / name)
+    assert [c.kind for c in causes] == ["hang"], [(c.kind, c.confidence) for c in causes]
+    assert any("on purpose" in e for e in causes[0].evidence), causes[0].evidence
+
+
+def test_no_cause_below_the_confidence_floor_is_shown():
+    from meshscope.explain.ranking import MIN_CONFIDENCE
+
+    for run in injected_runs():
+        assert all(c.confidence >= MIN_CONFIDENCE for c in explain(run)), run.name
