@@ -90,10 +90,36 @@ def timeline(events: pd.DataFrame) -> pd.DataFrame:
     """Events as one timeline: step, kind, severity, rank and a one-line summary."""
     if events.empty:
         return pd.DataFrame(columns=["id", "step", "kind", "severity", "rank", "summary"])
-    out = events[events["kind"] != "checkpoint"].copy()
+    out = events.copy()
     out["summary"] = [summarize_detail(k, d) for k, d in zip(out["kind"], out["detail"])]
     out["step"] = out["step"].fillna(-1).astype(int)
+    # a fault is about the rank it names, not the rank that noticed it
+    about = [d.get("rank") if k == "fault" else None for k, d in zip(out["kind"], out["detail"])]
+    out["rank"] = [r if a is None else a for r, a in zip(out["rank"], about)]
+    aborted = _watchdog_aborts(events)
+    for i, (kind, d) in enumerate(zip(out["kind"], out["detail"])):
+        if kind == "fault" and d.get("type") == "dead_rank" and _after_abort(d, aborted):
+            out.iloc[i, out.columns.get_loc("severity")] = "info"  # meshscope's own doing
+            out.iloc[i, out.columns.get_loc("summary")] = (
+                "stopped by the hang watchdog on purpose (see the hang)"
+            )
     return out[["id", "step", "kind", "severity", "rank", "summary"]]
+
+
+def _watchdog_aborts(events: pd.DataFrame) -> list[float]:
+    """When the hang watchdog aborted the workers (its hang events that say so)."""
+    hangs = events[events["kind"] == "hang"]
+    return [float(t) for t, d in zip(hangs["time"], hangs["detail"]) if d.get("action") == "abort"]
+
+
+def _after_abort(fault: dict[str, Any], aborts: list[float], within_s: float = 60.0) -> bool:
+    seen = fault.get("last_seen") or fault.get("detected_at")
+    return seen is not None and any(t - 1.0 <= float(seen) <= t + within_s for t in aborts)
+
+
+def _when(value: Any) -> str:
+    """An epoch time as a UTC clock time."""
+    return time.strftime("%H:%M:%S", time.gmtime(float(value))) + f".{int(float(value) % 1 * 10)}Z"
 
 
 def summarize_detail(kind: str, d: dict[str, Any]) -> str:
@@ -109,7 +135,18 @@ def summarize_detail(kind: str, d: dict[str, Any]) -> str:
         return f"{d.get('module') or d.get('what')} {d.get('where', '')} {d.get('value', '')}"
     if kind in ("suggestion", "suggestion_applied"):
         return f"{d.get('action')} {d.get('target', '')} {d.get('status', '')}"
-    return ", ".join(f"{k}={v}" for k, v in list(d.items())[:4])
+    if kind == "checkpoint" and "held_s" in d:
+        return f"saved step {d.get('saved_step')}, held the step {d['held_s']:.2f} s"
+    if kind == "fault":
+        return f"{d.get('type')} rank {d.get('rank')}: {d.get('how') or d.get('why') or ''}".rstrip(": ")
+    shown = [
+        (k, _when(v) if k.endswith(("_at", "_seen", "time")) and _is_epoch(v) else v) for k, v in d.items()
+    ]
+    return ", ".join(f"{k}={v}" for k, v in shown[:4])
+
+
+def _is_epoch(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value > 1e9
 
 
 def anomalies_with_hangs(facts: RunFacts) -> list[Anomaly]:

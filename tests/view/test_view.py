@@ -214,3 +214,17 @@ def test_the_run_page_shows_whose_compute_is_slow(runs, monkeypatch):
     slower = lambda a, b: sum(a[s] > 1.5 * b[s] for s in a if s in b)  # noqa: E731
     assert slower(one, zero) >= 8 and slower(zero, one) <= 2, (slower(one, zero), slower(zero, one))
     assert any("exposed communication per rank" in c["layout"]["title"]["text"] for c in charts)
+
+
+def test_the_timeline_reads_faults_as_people_do():
+    from meshscope.view.data import timeline
+
+    killed = timeline(load_events(STORES / "kill"))
+    fault = killed[killed["kind"] == "fault"].iloc[0]
+    assert fault["rank"] == 1 and "rank 1" in fault["summary"]  # the rank that died, not its reporter
+    import re
+
+    assert not re.search(r"\b1\d{9}(\.\d+)?\b", " ".join(killed["summary"])), killed["summary"]  # no epochs
+    aborted = timeline(load_events(STORES / "skip_collective"))
+    stopped = aborted[aborted["kind"] == "fault"]
+    assert (stopped["severity"] == "info").all() and stopped["summary"].str.contains("on purpose").all()
