@@ -77,3 +77,56 @@ def _print_hang(detail: dict, source: str, as_json: bool = False) -> None:
         console.print(f"[bold]rank {rank}[/] (innermost last)")
         for line in stack[-8:]:
             console.print(f"    {line}", markup=False, highlight=False)
+
+
+@app.command("hang-watch")
+def hang_watch(
+    run: Path = typer.Option(..., "--run", help="the run directory your Monitor writes (its run_dir)"),
+    abort: bool = typer.Option(False, "--abort", help="also kill the stuck workers (torchrun restarts them)"),
+    hang_after: float | None = typer.Option(None, "--hang-after", min=0.1, help="seconds of stall to count"),
+) -> None:
+    """Watch a job you launched yourself (the Monitor SDK) for hangs, beside torchrun on each
+    node: a hang is printed, stored as an event, and with --abort its workers are killed. Ends
+    when every rank's flight log is closed (the run ended)."""
+    import time
+
+    from meshscope.collector.flightread import latest_logs
+    from meshscope.collector.rundir import live_dir
+    from meshscope.watchdog.watch import HangConfig, HangWatch, pid_alive
+
+    settings: dict = {"on_hang": "abort" if abort else "report"}
+    if hang_after is not None:
+        settings["min_stall_s"] = hang_after
+    config = HangConfig(**settings)
+    console.print(f"watching {live_dir(run)} for hangs (Ctrl-C to stop)")
+    watch = HangWatch(live_dir(run), config, on_hang=lambda diag: _on_hang(run, diag, config.on_hang)).start()
+    try:
+        while True:
+            time.sleep(1.0)
+            heads = latest_logs(live_dir(run)) if live_dir(run).is_dir() else {}
+            if heads and all(h.closed or not pid_alive(h.pid) for h in heads.values()):
+                console.print("every rank closed its flight log or is gone: the run ended")
+                return
+    except KeyboardInterrupt:
+        return
+    finally:
+        watch.stop()
+
+
+def _on_hang(run: Path, diag, action: str) -> None:  # noqa: ANN001
+    """A hang seen by `hang-watch`: stored as the run's event, printed, and (abort) ended."""
+    from meshscope.collector.rundir import live_dir
+    from meshscope.collector.schema import Event
+    from meshscope.collector.store import RunStore
+    from meshscope.sidecar import kill_all
+
+    detail = {**diag.detail(), "action": action}
+    store = RunStore(run)
+    try:
+        step = diag.evidence.get("step")
+        store.add_event(Event(kind="hang", run_id=run.name, severity="critical", step=step, detail=detail))
+    finally:
+        store.close()
+    if action == "abort":
+        kill_all(diag.evidence.get("pids", {}).values())
+    _print_hang(detail, f"live flight logs in {live_dir(run)}")

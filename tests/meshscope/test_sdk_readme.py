@@ -117,3 +117,31 @@ def test_a_job_without_a_process_group_gets_one_warning_per_rank(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     said = done.stdout + done.stderr
     assert said.count("torch.distributed is not initialised in a job of 2 ranks") == 2, said[-2000:]
+
+
+def test_hang_watch_beside_a_users_job_names_the_stuck_rank(tmp_path):
+    # the README loop, with rank 1 stuck in its own code at step 30 while rank 0 waits in DDP
+    stuck = '        with s.phase("forward"):\n'
+    script = readme_script().replace(
+        stuck,
+        "        if step == 30 and dist.get_rank() == 1:\n            import time; time.sleep(120)\n" + stuck,
+    )
+    (tmp_path / "stuck.py").write_text(script)
+    run = tmp_path / "stuck"
+    env = dict(os.environ, RUN_DIR=str(run), METRICS_PORT=str(free_port_range(2)), STEPS="60")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "stuck.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        watched = meshscope("hang-watch", "--run", str(run), "--hang-after", "2", "--abort", timeout=150)
+    finally:
+        job.kill()
+        job.wait()
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    assert "culprit_ranks" in watched.stdout and "[1]" in watched.stdout, watched.stdout
+    hangs = load_events(run, kind="hang")
+    assert len(hangs) >= 1 and hangs.iloc[0]["detail"]["culprit_ranks"] == [1], hangs
