@@ -333,3 +333,26 @@ def live_metrics(prometheus_url: str, run: str, timeout_s: float = 3.0) -> pd.Da
 def exists(run_dir: Path) -> bool:
     """A run the view can open."""
     return has_store(run_dir)
+
+
+def evidence_rows(evidence: dict[str, Any]) -> pd.DataFrame:
+    """An anomaly's evidence as rows people read: a per-rank figure is one row per rank, a
+    number is rounded, a list is joined (instead of raw JSON)."""
+    rows = []
+    for key, value in (evidence or {}).items():
+        what = key.replace("_", " ")
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                label = f"rank {sub}" if str(sub).isdigit() else str(sub).replace("_", " ")
+                rows.append({"what": f"{what}, {label}", "value": _readable(v)})
+        else:
+            rows.append({"what": what, "value": _readable(value)})
+    return pd.DataFrame(rows, columns=["what", "value"])
+
+
+def _readable(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_readable(v) for v in value)
+    return str(value)

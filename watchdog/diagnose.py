@@ -31,6 +31,7 @@ from meshscope.collector.flightread import (
     ASYNC_P2P_OPS,
     FlightTail,
 )
+from meshscope.collector.stacks import own_frame
 from meshscope.watchdog.signatures import desync, group_members, mismatch, ranks_text
 from meshscope.watchdog.verdicts import Diagnosis, Verdict
 
@@ -51,8 +52,10 @@ def _where(tail: FlightTail | None, stack: list[str] | None) -> str:
     flight (an async one in flight is not necessarily where it blocks)."""
     opened = tail.open_records() if tail is not None else []
     flying = ", ".join(f"{r.op} #{r.seq} on group {r.group} from {r.site}" for r in opened[-2:])
-    if stack:
-        return f"at {stack[-1]}" + (f" with {flying} in flight" if flying else " (no collective in flight)")
+    if stack:  # the innermost frame of its own code: the library frames under it say only how
+        return f"at {own_frame(stack)}" + (
+            f" with {flying} in flight" if flying else " (no collective in flight)"
+        )
     if flying:
         return f"with {flying} in flight"
     return "somewhere unknown (no stack, no collective in flight)"

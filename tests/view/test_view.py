@@ -228,3 +228,20 @@ def test_the_timeline_reads_faults_as_people_do():
     aborted = timeline(load_events(STORES / "skip_collective"))
     stopped = aborted[aborted["kind"] == "fault"]
     assert (stopped["severity"] == "info").all() and stopped["summary"].str.contains("on purpose").all()
+
+
+def test_evidence_reads_as_rows_not_json(runs, monkeypatch):
+    from meshscope.view.data import evidence_rows
+
+    rows = evidence_rows({"compute_s": {"0": 0.0163, "1": 0.0527}, "ratio": 3.2345, "ranks": [1, 2]})
+    assert rows.values.tolist() == [
+        ["compute s, rank 0", "0.0163"],
+        ["compute s, rank 1", "0.0527"],
+        ["ratio", "3.235"],
+        ["ranks", "1, 2"],
+    ]
+    aid = anomaly_id(runs / "slow", "straggler")
+    at = app(runs, monkeypatch, run="slow", anomaly=str(aid))
+    assert not at.json, "evidence is a table now"
+    shown = next(d.value for d in at.dataframe if "what" in d.value.columns)
+    assert "compute s, rank 1" in shown["what"].tolist()

@@ -77,7 +77,11 @@ if not win.empty:
     st.subheader("Ranks compared (median inside vs the 30 steps before)")
     st.dataframe(data.ranks_compared(facts.steps, a), hide_index=True, key="ranks_compared")
 st.subheader("Evidence")
-st.json(a.evidence or {}, expanded=True)
+evidence = data.evidence_rows(a.evidence)
+if evidence.empty:
+    st.caption("No evidence recorded with it.")
+else:
+    st.dataframe(evidence, hide_index=True, key="evidence")
 related = data.related_events(facts.events, a)
 st.subheader("Related faults, hangs and tracer findings")
 if related.empty:
