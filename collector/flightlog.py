@@ -140,7 +140,7 @@ class FlightLog:
         self._host_groups: set[str] = set()
         self._host_slots: set[int] = set()  # records of host groups awaiting `enqueued`
         self._group_ranks: dict[str, list[int]] = {}
-        self._buckets: dict[tuple[int, int], tuple] = {}  # (group, bucket index) -> packed fields
+        self._buckets: dict[tuple[int, int, int], tuple] = {}  # (group, index, numel) -> packed
         self._lock = threading.Lock()
         self._step = -1
         self._step_started = 0.0
@@ -216,11 +216,11 @@ class FlightLog:
     def issue_bucket(self, group: Any, bucket: Any) -> int:
         """Record a DDP bucket's all-reduce as issued: the fast path of `issue`, one per bucket
         per step, with the bucket's fields packed once (its shape and dtype never change)."""
-        key = (id(group), bucket.index())
+        buffer = bucket.buffer()
+        key = (id(group), bucket.index(), buffer.numel())  # DDP rebuilds its buckets once: new fields
         fields = self._buckets.get(key)
         if fields is None:
             name, size = self._group(group)
-            buffer = bucket.buffer()
             dtype = str(buffer.dtype).removeprefix("torch.")
             site = f"DDP bucket {bucket.index()} ({len(bucket.gradients())} grads)"
             packed = (fit("all_reduce", 24), fit(dtype, 15), fit(str(buffer.numel()), 56), fit(site, 96))
