@@ -98,7 +98,7 @@ class Monitor:
         self._closed = False
         self._logged_keys: set[str] = set()
         # run_start and run_end written (by the trainer, else at the first step and at close)
-        self._described = self._ended = False
+        self._described = self._ended = self._sdk_run = False
         self._compression = "none"  # what watch() was given, for an SDK run's run_start
         self._loss_was_finite = True
         self.flight: FlightLog | None = None
@@ -232,6 +232,7 @@ class Monitor:
         device = getattr(self.probe, "kind", "accelerator" if self.probe.asynchronous else "cpu")
         backend = str(torch.distributed.get_backend()) if up else "none"
         self.describe_run(device=str(device), backend=backend, compression=self._compression)
+        self._sdk_run = True  # its end is close(): nothing else will say the run ended
 
     def _describe_host(self, model: torch.nn.Module) -> None:
         """One `host` event per node (collector.env.HostShare): what its ranks share. A model on
@@ -470,7 +471,7 @@ class Monitor:
         self._closed = True
         self._close_window()
         self._drain(block=True)
-        if self._described and not self._ended and self.env.rank == 0:  # an SDK run ends here
+        if self._sdk_run and not self._ended and self.env.rank == 0:  # an SDK run ends here
             self.event("run_end", detail={"steps": self._step + 1, "reason": "closed"})
         self.store.close()
         if self.flight is not None:
@@ -484,4 +485,5 @@ class Monitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._ended = self._ended or exc[0] is not None  # a loop that raised did not finish
         self.close()
