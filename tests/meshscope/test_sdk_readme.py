@@ -100,10 +100,13 @@ def _torchrun(tmp_path, script: str, name: str) -> subprocess.CompletedProcess:
 def test_a_monitor_built_before_the_process_group_attaches_at_watch(tmp_path):
     script = readme_script().replace('dist.init_process_group("gloo")  #', "#")
     script = script.replace("model = mon.watch(", 'dist.init_process_group("gloo")\nmodel = mon.watch(')
-    script = script.replace("mon.close()", 'print("control plane:", mon.control is not None)\nmon.close()')
+    # each rank says whether it has a control plane in a file of its own (stdout interleaves)
+    said = 'open(os.environ["RUN_DIR"] + f".plane{dist.get_rank()}", "w").write(str(mon.control is not None))'
+    script = script.replace("mon.close()", f"{said}\nmon.close()")
     done = _torchrun(tmp_path, script, "late")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert done.stdout.count("control plane: True") == 2, done.stdout[-2000:]
+    planes = [(tmp_path / f"late.plane{r}").read_text() for r in (0, 1)]
+    assert planes == ["True", "True"], planes
     assert "not initialised" not in done.stdout + done.stderr
     assert load_steps(tmp_path / "late")["step"].max() == 19
 
