@@ -9,13 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
-import requests
 
-from fixtures.ports import free_port_range
-from fixtures.runs import REPO
+from fixtures.runs import REPO, start_view
 from fixtures.servers import missing
 from tests.conftest import require_binary
 
@@ -52,26 +49,7 @@ def recorded(tmp_path_factory):
 @contextlib.contextmanager
 def serving(runs):
     """`meshscope view` over `runs`, as a person starts it; its URL."""
-    port = free_port_range(1)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshscope", "view", "--runs", str(runs), "--port", str(port)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/_stcore/health", timeout=2).ok:
-                break
-        except requests.RequestException:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail(f"meshscope view did not come up: {proc.stdout.read()[-2000:]}")
+    proc, url = start_view(runs)
     try:
         yield url
     finally:

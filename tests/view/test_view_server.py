@@ -4,36 +4,15 @@ from __future__ import annotations
 
 import signal
 import socket
-import subprocess
-import sys
-import time
+from urllib.parse import urlparse
 
-import requests
-
-from fixtures.ports import free_port_range
-from fixtures.runs import REPO
+from fixtures.runs import start_view
 
 
 def test_sigterm_to_meshscope_view_stops_streamlit_and_frees_the_port(tmp_path):
-    port = free_port_range(1)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshscope", "view", "--runs", str(tmp_path), "--port", str(port)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).ok:
-                break
-        except requests.RequestException:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise AssertionError("meshscope view did not come up")
+    proc, url = start_view(tmp_path)
     proc.send_signal(signal.SIGTERM)  # to that process only, not its group
     proc.wait(timeout=30)
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port))  # free: nothing is left serving it
+        s.bind(("127.0.0.1", urlparse(url).port))  # free: nothing is left serving it
