@@ -4,6 +4,12 @@ Bytes on the wire are counted the same way for every hook: what this rank sends 
 collective it issues, by the standard algorithm costs (ring all-reduce 2(W-1)/W of the payload,
 all-to-all (W-1)/W, all-gather (W-1) times the own chunk). Hooks describe their collectives
 through a `wire_bytes(bucket, state, world_size)` function.
+
+Across nodes, what crosses the node boundary is counted apart (`bytes_inter`): a flat ring
+over ranks laid out node by node crosses it on one link per node, so each rank's share is
+1/L of what it sends (L ranks per node); a hook that knows better (the hierarchical
+all-reduce) says so with its own `inter_bytes`. Hooks that run their hops one by one time them
+through `CommMeter.hop` ("intra_node", "inter_node"), measured every step.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshscope.collector.probe import DeviceProbe
+from meshscope.collector.schema import HOP_KINDS
 
 Hook = Callable[[Any, "dist.GradBucket"], torch.futures.Future]
 WireBytes = Callable[[Any, "dist.GradBucket", int], int]
@@ -49,6 +56,13 @@ def allreduce_wire_bytes(state: Any, bucket: dist.GradBucket, world_size: int) -
     return allreduce_sent_bytes(bucket_bytes(bucket), world_size)
 
 
+def flat_inter_bytes(wire: int, world_size: int, local_size: int) -> int:
+    """This rank's share of what a flat ring sends across nodes: the ring crosses the node
+    boundary on one link per node, so a node sends one rank's `wire` across, 1/L per rank."""
+    local = max(1, local_size)
+    return 0 if world_size <= local else wire // local
+
+
 @dataclass(slots=True)
 class CommWindow:
     """Communication seen during one step.
@@ -64,6 +78,33 @@ class CommWindow:
     sampled: bool = False
     bytes_raw: int = 0
     bytes_wire: int = 0
+    bytes_inter: int = 0
+    hops: list[tuple[str, Any, Any]] = field(default_factory=list)
+    """(kind, start, end) of each hop a hook timed: intra- or inter-node (`HOP_KINDS`)."""
+
+    def hop_seconds(self, probe: Any) -> dict[str, float]:
+        """Seconds per hop kind over the step; NaN for both when no hook timed its hops."""
+        if not self.hops:
+            return dict.fromkeys(HOP_KINDS, math.nan)
+        out = dict.fromkeys(HOP_KINDS, 0.0)
+        for kind, a, b in self.hops:
+            out[kind] += probe.seconds(a, b)
+        return out
+
+
+class HopTimer:
+    """`with meter.hop("inter_node"):` marks one hop of a bucket's reduction (a plain class)."""
+
+    __slots__ = ("meter", "kind", "start")
+
+    def __init__(self, meter: CommMeter, kind: str) -> None:
+        self.meter, self.kind = meter, kind
+
+    def __enter__(self) -> None:
+        self.start = self.meter.probe.mark()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.meter.add_hop(self.kind, self.start, self.meter.probe.mark())
 
 
 class CommMeter:
@@ -82,21 +123,34 @@ class CommMeter:
         """Whether the step in progress times its buckets."""
         return self._window.sampled
 
-    def count(self, raw: int, wire: int) -> None:
-        """Add a bucket's raw and on-the-wire bytes to this window."""
+    def count(self, raw: int, wire: int, inter: int = 0) -> None:
+        """Add a bucket's raw, on-the-wire and across-nodes bytes to this window."""
         with self._lock:
             self._window.bytes_raw += raw
             self._window.bytes_wire += wire
+            self._window.bytes_inter += inter
 
-    def launched(self, raw: int, wire: int) -> list[Any]:
+    def launched(self, raw: int, wire: int, inter: int = 0) -> list[Any]:
         """A bucket's collective was issued: returns its timing span."""
         mark = self.probe.mark()
         span = [mark, None]
         with self._lock:
             self._window.bytes_raw += raw
             self._window.bytes_wire += wire
+            self._window.bytes_inter += inter
             self._window.spans.append(span)  # type: ignore[arg-type]
         return span
+
+    def hop(self, kind: str) -> HopTimer:
+        """Time one hop of a bucket's reduction (`HOP_KINDS`), on any thread."""
+        if kind not in HOP_KINDS:
+            raise ValueError(f"hop kind {kind!r}: one of {HOP_KINDS}")
+        return HopTimer(self, kind)
+
+    def add_hop(self, kind: str, start: Any, end: Any) -> None:
+        """A timed hop's marks, into the step in progress."""
+        with self._lock:
+            self._window.hops.append((kind, start, end))
 
     def completed(self, span: list[Any]) -> None:
         """The collective of `span` finished."""
@@ -117,17 +171,31 @@ class CommMeter:
         return window
 
 
-def instrument_hook(hook: Hook, meter: CommMeter, wire_bytes: WireBytes, world_size: int) -> Hook:
-    """Wrap a DDP comm hook: bytes counted every step, each bucket timed on sampled steps."""
+def instrument_hook(
+    hook: Hook,
+    meter: CommMeter,
+    wire_bytes: WireBytes,
+    world_size: int,
+    local_size: int | None = None,
+    inter_bytes: WireBytes | None = None,
+) -> Hook:
+    """Wrap a DDP comm hook: bytes counted every step, each bucket timed on sampled steps.
+    `local_size`: ranks per node (the flat ring's share crosses nodes when the world is
+    bigger); `inter_bytes`: a hook's own count of what it sends across nodes."""
+    local = world_size if local_size is None else local_size
 
     def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
         # one count: bytes this rank sends, as a plain all-reduce would (raw) and as sent (wire)
         raw = allreduce_sent_bytes(bucket_bytes(bucket), world_size)
         wire = wire_bytes(state, bucket, world_size)
+        if inter_bytes is not None:
+            inter = inter_bytes(state, bucket, world_size)
+        else:
+            inter = flat_inter_bytes(wire, world_size, local)
         if not meter.sampling:
-            meter.count(raw, wire)
+            meter.count(raw, wire, inter)
             return hook(state, bucket)
-        span = meter.launched(raw, wire)
+        span = meter.launched(raw, wire, inter)
         fut = hook(state, bucket)
 
         def done(f: torch.futures.Future) -> Any:

@@ -55,6 +55,14 @@ class DistEnv:
         )
 
     @property
+    def ranks_per_node(self) -> int:
+        """Ranks on this node: torchrun's LOCAL_WORLD_SIZE; without torchrun and without it
+        set (a job started by mp.spawn), the whole world on one node."""
+        if self.torchrun or self.local_world_size > 1:
+            return self.local_world_size
+        return self.world_size
+
+    @property
     def is_distributed(self) -> bool:
         """More than one rank."""
         return self.world_size > 1

@@ -21,6 +21,21 @@ def with_compute(steps: Any) -> Any:
     return steps.assign(compute_s=compute_seconds(steps["step_s"], steps["comm_exposed_s"], data))
 
 
+def node_hops(steps: Any) -> Any:
+    """Communication inside and across nodes, per (step, rank, hop), in seconds: only the rows
+    whose reduction timed its hops apart (empty for a flat all-reduce or one node)."""
+    import pandas as pd
+
+    columns = {"comm_intra_s": "intra_node", "comm_inter_s": "inter_node"}
+    if not set(columns).issubset(steps.columns):  # a store from before the hops were kept
+        return pd.DataFrame(columns=["step", "rank", "hop", "seconds"])
+    timed = steps.dropna(subset=list(columns))
+    long = timed.melt(
+        id_vars=["step", "rank"], value_vars=list(columns), var_name="hop", value_name="seconds"
+    )
+    return long.assign(hop=long["hop"].map(columns))
+
+
 def tokens_per_second(steps: Any) -> float:
     """The job's training throughput: tokens of all ranks over the time the steps took, where a
     step lasts as long as its slowest rank (restarts and idle gaps between steps do not count)."""

@@ -70,6 +70,7 @@ from meshscope.collector.flightread import (
     STATE_OFFSET,
     STEP_OFFSET,
     STEP_S_OFFSET,
+    STOPPING,
     T_DONE_OFFSET,
     WRITTEN_OFFSET,
     fit,
@@ -354,6 +355,11 @@ class FlightLog:
         if self._recorder is not None:
             write_recorder_dump(self.path, request_id, self._recorder)
         return write_stacks(self.path, request_id, self._step)
+
+    def stopping(self) -> None:
+        """Told to stop (SIGTERM from its agent or the user): a stall on the way out, or an
+        end before `close`, is a departure, not a hang or a crash (safe in a signal handler)."""
+        struct.pack_into("<i", self._map, STATE_HDR_OFFSET, STOPPING)
 
     def close(self) -> None:
         """A clean exit: the watchdog must not take this rank for dead."""

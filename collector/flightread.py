@@ -26,7 +26,7 @@ STATE_NAMES = {STATE_ISSUED: "issued", STATE_DONE: "completed", STATE_FAILED: "f
 # Not finished: issued (a Flight Recorder's "scheduled": enqueued, not yet begun on the device)
 # or started (a Flight Recorder's "started": the device began it).
 OPEN_STATES = ("issued", "started")
-RUNNING, CLOSED = 1, 2
+RUNNING, CLOSED, STOPPING = 1, 2, 3  # STOPPING: told to leave (SIGTERM), on its way out
 T_DONE_OFFSET = struct.calcsize("<qqd")
 STATE_OFFSET = struct.calcsize("<qqdd16s24s")
 WRITTEN_OFFSET = struct.calcsize("<8siiii")
@@ -106,6 +106,7 @@ class FlightTail:
     attempt: int
     device_step: int = -1  # the last step the device finished (the host's step on the CPU)
     clock: str = "host"  # what said "completed": the host, or device events
+    stopping: bool = False  # told to stop (its agent or the user): leaving on purpose, not hung
     records: list[FlightRecord] = field(default_factory=list)
     groups: dict[str, list[int]] = field(default_factory=dict)
 
@@ -187,6 +188,7 @@ def read_flight(path: Path, last: int | None = None) -> FlightTail:
         attempt,
         device_step,
         CLOCK_NAMES.get(clock, "host"),
+        state == STOPPING,
     )
     if last == 0:
         return tail

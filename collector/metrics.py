@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from meshscope.collector.schema import StepRecord
+from meshscope.collector.schema import HOP_KINDS, StepRecord
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PHASES = ("forward", "backward", "optimizer", "comm_exposed", "data")
@@ -62,14 +62,16 @@ class MeshscopeMetrics:
         self.comm_seconds = Counter(
             "meshscope_comm_seconds",
             "Gradient communication time; kind=total (in flight, sampled and scaled)|exposed "
-            "(waited for after backward).",
+            "(waited for after backward)|intra_node|inter_node (hops a hierarchical reduction "
+            "times apart, every step; 0 where the reduction is one flat collective).",
             ["kind"],
             registry=r,
         )
         self.comm_bytes = Counter(
             "meshscope_comm_bytes",
             "Gradient bytes this rank sends: raw as a plain all-reduce would send them, wire as "
-            "sent (raw / wire = the compression ratio).",
+            "sent (raw / wire = the compression ratio), inter_node its share of what crossed "
+            "the node boundary.",
             ["kind"],
             registry=r,
         )
@@ -133,7 +135,9 @@ class MeshscopeMetrics:
         self._children = {phase: self.step_phase.labels(phase=phase) for phase in PHASES}
         self._children["comm_total"] = self.comm_seconds.labels(kind="total")
         self._children["comm_exposed_total"] = self.comm_seconds.labels(kind="exposed")
-        for kind in ("raw", "wire"):
+        for kind in HOP_KINDS:
+            self._children[f"comm_{kind}"] = self.comm_seconds.labels(kind=kind)
+        for kind in ("raw", "wire", "inter_node"):
             self._children[f"bytes_{kind}"] = self.comm_bytes.labels(kind=kind)
         for kind in ("allocated", "reserved", "rss"):
             self._children[kind] = self.memory.labels(kind=kind)
@@ -190,6 +194,9 @@ class MeshscopeMetrics:
         c["comm_exposed_total"].inc(exposed)
         c["bytes_raw"].inc(sum(r.bytes_raw for r in recs))
         c["bytes_wire"].inc(sum(r.bytes_wire for r in recs))
+        c["bytes_inter_node"].inc(sum(r.bytes_inter for r in recs))
+        c["comm_intra_node"].inc(sum(r.comm_intra_s for r in recs if math.isfinite(r.comm_intra_s)))
+        c["comm_inter_node"].inc(sum(r.comm_inter_s for r in recs if math.isfinite(r.comm_inter_s)))
         last = recs[-1]
         c["forward"].set(last.forward_s)
         c["backward"].set(last.backward_s)

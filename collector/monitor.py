@@ -30,6 +30,7 @@ from meshscope.collector.comm import (
     allreduce_sent_bytes,
     allreduce_wire_bytes,
     ddp_gradient_bytes,
+    flat_inter_bytes,
     instrument_hook,
     step_comm_seconds,
 )
@@ -78,7 +79,7 @@ class Monitor:
         self.store = store or RunStore(config.run_dir)
         self.meter = CommMeter(self.probe)
         self._ddp_stats: DDPRuntimeStats | None = None
-        self._ddp_bytes = (0, 0)  # (raw, wire) per step when DDP reduces in C++ (no hook)
+        self._ddp_bytes = (0, 0, 0)  # (raw, wire, across nodes) a step when DDP reduces in C++
         # Built here on every rank (a side group is collective) unless the caller shares one.
         self.control = control if control is not None else ControlPlane.maybe()
         self._pending: list[PendingStep] = []
@@ -177,6 +178,7 @@ class Monitor:
         comm_hook: Hook | None = None,
         hook_state: Any = None,
         wire_bytes: WireBytes | None = None,
+        inter_bytes: WireBytes | None = None,
     ) -> torch.nn.Module:
         """Instrument a (DDP) model: time its gradient communication and read its MoE layers.
 
@@ -184,6 +186,7 @@ class Monitor:
         per-bucket timing. Without one, DDP keeps its C++ all-reduce (no Python per bucket) and
         its own sampled timing is read. Either way the wait for communication after backward
         is measured every step. Register compression through here, not on the model.
+        `inter_bytes`: what the hook sends across nodes per bucket (default: a flat ring's share).
         """
         self._attach_control_plane()
         if comm_hook is not None:
@@ -198,10 +201,14 @@ class Monitor:
                 every = None if self.probe.asynchronous else self.config.comm_sample_every
                 self._ddp_stats = DDPRuntimeStats(model, every)
                 sent = allreduce_sent_bytes(ddp_gradient_bytes(model.module), world)
-                self._ddp_bytes = (sent, sent)  # no compression: raw and wire are one count
+                inter = flat_inter_bytes(sent, world, self.env.ranks_per_node)
+                self._ddp_bytes = (sent, sent, inter)  # no compression: raw and wire are one count
             else:
                 wire = wire_bytes or allreduce_wire_bytes
-                model.register_comm_hook(hook_state, instrument_hook(comm_hook, self.meter, wire, world))
+                timed = instrument_hook(
+                    comm_hook, self.meter, wire, world, self.env.ranks_per_node, inter_bytes
+                )
+                model.register_comm_hook(hook_state, timed)
             BackwardWatch(self.meter).attach(model)
         self._moe_layers = find_moe_layers(model)
         self._layer_index = {id(m): i for i, m in enumerate(self._moe_layers)}
@@ -300,7 +307,7 @@ class Monitor:
         comm = self.meter.take()
         if self._ddp_stats is not None:
             if comm.wait[0] is not None:  # a backward ran: DDP reduced every gradient once
-                comm.bytes_raw, comm.bytes_wire = self._ddp_bytes
+                comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = self._ddp_bytes
             if comm.sampled or self._step % self.config.comm_sample_every == 1:
                 # DDP's figure of a sampled step shows up at its next forward: look on the
                 # sampled step and the one after (its dict costs tens of us)
@@ -381,6 +388,7 @@ class Monitor:
         step_s = sec(*p.bounds)
         phases = {name: sec(*span) for name, span in p.phases.items()}
         comm_total, comm_exposed = step_comm_seconds(self.probe, p.comm, p.bounds[0])
+        hops = p.comm.hop_seconds(self.probe)
         scalars = dict(p.scalars)
         if p.window is not None:
             scalars.update(zip(p.device_keys, p.window.values(p.offset, len(p.device_keys))))
@@ -403,6 +411,9 @@ class Monitor:
             comm_ratio=min(1.0, comm_exposed / step_s) if step_s > 0 else 0.0,
             bytes_raw=p.comm.bytes_raw,
             bytes_wire=p.comm.bytes_wire,
+            comm_intra_s=hops["intra_node"],
+            comm_inter_s=hops["inter_node"],
+            bytes_inter=p.comm.bytes_inter,
             loss=scalars.get("loss", math.nan),
             grad_norm=scalars.get("grad_norm", math.nan),
             tokens=p.tokens,

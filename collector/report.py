@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from meshscope.collector.env import HostShare
-from meshscope.collector.figures import tokens_per_second
+from meshscope.collector.figures import node_hops, tokens_per_second
 
 
 def expert_imbalance(expert_load: pd.DataFrame) -> pd.DataFrame:
@@ -35,10 +35,24 @@ def summarize(steps: pd.DataFrame, expert_load: pd.DataFrame | None = None) -> d
         "loss_first": float(steps.sort_values("step")["loss"].iloc[0]),
         "loss_last": float(steps.sort_values("step")["loss"].iloc[-1]),
     }
+    out.update(across_nodes(steps))
     imb = expert_imbalance(expert_load if expert_load is not None else pd.DataFrame())
     out["expert_imbalance_max"] = float(imb["imbalance"].max()) if not imb.empty else math.nan
     out["expert_imbalance_mean"] = float(imb["imbalance"].mean()) if not imb.empty else math.nan
     return out
+
+
+def across_nodes(steps: pd.DataFrame) -> dict[str, float]:
+    """Gradient bytes a rank sent across nodes per step, and the share of the timed
+    communication spent on the inter-node hop (NaN: not timed apart); empty on one node."""
+    if "bytes_inter" not in steps or not steps["bytes_inter"].fillna(0).gt(0).any():
+        return {}
+    hops = node_hops(steps).groupby("hop")["seconds"].sum()
+    timed = hops.sum()
+    return {
+        "inter_node_bytes_per_step": float(steps["bytes_inter"].mean()),
+        "inter_node_time_share": float(hops.get("inter_node", 0.0) / timed) if timed > 0 else math.nan,
+    }
 
 
 def busiest_host(events: pd.DataFrame) -> HostShare | None:

@@ -29,6 +29,7 @@ EVENT_KINDS = frozenset(
     }
 )
 SEVERITIES = ("info", "warning", "critical")
+HOP_KINDS = ("intra_node", "inter_node")  # the hops a reduction across nodes is timed in
 
 
 @dataclass(slots=True, kw_only=True)
@@ -50,6 +51,12 @@ class StepRecord:
     comm_ratio: float = 0.0
     bytes_raw: int = 0
     bytes_wire: int = 0
+    comm_intra_s: float = math.nan
+    """Communication inside the node, where a hook times its hops apart (NaN: not apart)."""
+    comm_inter_s: float = math.nan
+    """Communication across nodes, likewise (the hierarchical all-reduce's middle hop)."""
+    bytes_inter: int = 0
+    """This rank's share of the gradient bytes that crossed the node boundary."""
     loss: float = math.nan
     grad_norm: float = math.nan
     tokens: int = 0

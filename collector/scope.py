@@ -32,7 +32,8 @@ class PendingStep:
 
     def marks(self) -> list[Any]:
         """Every device mark this step's record reads."""
-        spans = [self.bounds, *self.phases.values(), *self.comm.spans, self.comm.wait]
+        hops = [(a, b) for _, a, b in self.comm.hops]
+        spans = [self.bounds, *self.phases.values(), *self.comm.spans, self.comm.wait, *hops]
         return [m for span in spans for m in span if m is not None]
 
 

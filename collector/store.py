@@ -41,6 +41,7 @@ GRAD_STAT_COLUMNS = ("step", "module", "grad_norm", "weight_norm", "update_ratio
 EVENT_COLUMNS = ("time", "run_id", "kind", "severity", "rank", "step", "detail")
 
 
+NUMERIC_STEP_COLUMNS = frozenset(STEP_COLUMNS) - {"run_id", "nonfinite"}
 _STEP_ROW = operator.attrgetter(*STEP_COLUMNS)  # a StepRecord as a row, in one C call
 
 
@@ -315,8 +316,13 @@ def read_frame(run_dir: str | Path, sql: str, params: tuple = ()) -> pd.DataFram
 
 
 def load_steps(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
-    """All StepRecords of a run, ordered by step then rank."""
-    return read_frame(run_dir, "SELECT * FROM steps WHERE step > ? ORDER BY step, rank", (since_step,))
+    """All StepRecords of a run, ordered by step then rank; a number never measured (NULL in
+    every row, e.g. an unlogged loss) reads as NaN, not as None."""
+    df = read_frame(run_dir, "SELECT * FROM steps WHERE step > ? ORDER BY step, rank", (since_step,))
+    for column in NUMERIC_STEP_COLUMNS.intersection(df.columns):
+        if df[column].dtype == object:
+            df[column] = df[column].astype(float)
+    return df
 
 
 def load_expert_load(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:

@@ -65,7 +65,8 @@ CREATE TABLE IF NOT EXISTS grad_stats (
   update_ratio {real}, PRIMARY KEY (step, module)
 );
 """
-SCHEMA_VERSION = 1
+# 2: steps gained comm_intra_s, comm_inter_s and bytes_inter (added by `_add_step_columns`)
+SCHEMA_VERSION = 2
 # The job store only: how far each node's relay has shipped its store (collector/relay.py).
 RELAY_POSITIONS = """CREATE TABLE IF NOT EXISTS relay_positions (
   source TEXT NOT NULL, tbl TEXT NOT NULL, position BIGINT NOT NULL, PRIMARY KEY (source, tbl)

@@ -25,10 +25,13 @@ NO_OVERLAP_BUCKET_MB = 1 << 16
 
 @dataclass
 class HookSpec:
+    """A gradient hook as the Monitor registers it: how it reduces and what it sends."""
+
     name: str
     hook: Callable[..., Any] | None
     state: Any
     wire_bytes: Callable[[Any, Any, int], int]
+    inter_bytes: Callable[[Any, Any, int], int] | None = None  # None: a flat ring's share
 
 
 def fp16_wire_bytes(state: Any, bucket: dist.GradBucket, world_size: int) -> int:

@@ -213,6 +213,8 @@ class ElasticRun:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self.heartbeat is not None:
             self.heartbeat.mark_exit("sigterm")
+        if self.mon.flight is not None:  # the hang watchdog: leaving on purpose, not stuck
+            self.mon.flight.stopping()
         self.stop_requested = True
 
     # --- resume -------------------------------------------------------------------------

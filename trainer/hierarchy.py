@@ -11,17 +11,21 @@ Node groups come from the topology through PyTorch's `DeviceMesh` (`("node", "lo
 laid out node by node as torchrun numbers them). The hook's collectives are blocking and run
 one bucket at a time on a thread of their own (`trainer.serial`), so buckets keep overlapping
 backward and issue in the same order on every rank.
+
+With a Monitor's meter in the state, each hop is timed (`CommMeter.hop`): the Monitor then
+shows intra- and inter-node communication apart, with the bytes that crossed nodes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshscope.collector.comm import allgather_sent_bytes, allreduce_sent_bytes, bucket_bytes
+from meshscope.collector.comm import CommMeter, allgather_sent_bytes, allreduce_sent_bytes, bucket_bytes
 from meshscope.trainer.serial import serial_hook
 
 INTER_COMPRESSION = ("none", "fp16")  # what the inter-node hop may carry
@@ -36,6 +40,11 @@ class HierarchyState:
     local_size: int
     nodes: int
     inter: str = "none"
+    meter: CommMeter | None = None  # times each hop when a Monitor watches
+
+    def hop(self, kind: str) -> Any:
+        """A hop's timer, or nothing to time without a meter."""
+        return self.meter.hop(kind) if self.meter is not None else contextlib.nullcontext()
 
 
 def node_groups(local_size: int, inter: str = "none", device_type: str = "cpu") -> HierarchyState:
@@ -61,12 +70,15 @@ def hierarchical_allreduce(state: HierarchyState, bucket: dist.GradBucket) -> to
     # the bucket itself when it splits evenly: it is read by the scatter, then overwritten
     padded = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
     shard = padded.new_empty(padded.numel() // state.local_size)
-    dist.reduce_scatter_tensor(shard, padded, group=state.local)
-    wire = shard.to(torch.float16) if state.inter == "fp16" else shard
-    dist.all_reduce(wire, group=state.across)
-    if wire is not shard:
-        shard.copy_(wire)
-    dist.all_gather_into_tensor(padded, shard, group=state.local)
+    with state.hop("intra_node"):
+        dist.reduce_scatter_tensor(shard, padded, group=state.local)
+    with state.hop("inter_node"):
+        wire = shard.to(torch.float16) if state.inter == "fp16" else shard
+        dist.all_reduce(wire, group=state.across)
+        if wire is not shard:
+            shard.copy_(wire)
+    with state.hop("intra_node"):
+        dist.all_gather_into_tensor(padded, shard, group=state.local)
     if pad:
         buffer.copy_(padded[: flat.numel()].view_as(buffer))
     return buffer.div_(world)
@@ -86,8 +98,9 @@ def hierarchical_wire_bytes(state: HierarchyState, bucket: dist.GradBucket, worl
     )
 
 
-def inter_node_bytes(state: HierarchyState, bucket: dist.GradBucket) -> int:
-    """Bytes one rank sends across nodes for a bucket (its shard, ring all-reduced)."""
+def inter_node_bytes(state: HierarchyState, bucket: dist.GradBucket, world_size: int = 0) -> int:
+    """Bytes one rank sends across nodes for a bucket (its shard, ring all-reduced); the
+    Monitor's `inter_bytes` signature (`world_size` is the state's)."""
     shard = -(-bucket_bytes(bucket) // state.local_size)
     if state.inter == "fp16":
         shard //= 2

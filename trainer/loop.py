@@ -22,7 +22,12 @@ from meshscope.trainer.controls import ControlApplier
 from meshscope.trainer.data import SyntheticTokens
 from meshscope.trainer.device import Device
 from meshscope.trainer.elastic import ElasticRun
-from meshscope.trainer.hierarchy import hierarchical_hook, hierarchical_wire_bytes, node_groups
+from meshscope.trainer.hierarchy import (
+    hierarchical_hook,
+    hierarchical_wire_bytes,
+    inter_node_bytes,
+    node_groups,
+)
 from meshscope.trainer.inject import Injector, collective_fault_hook, delayed_hook
 from meshscope.trainer.model import MoELM
 
@@ -41,6 +46,21 @@ class TrainState:
     step: int = 0
     tracer: Any = None  # tracer.TensorTracer when tracing is on
     inspector: Any = None  # tracer.GradientInspector, on rank 0
+
+
+def gradient_hook(cfg: TrainerConfig, device: Device, mon: Monitor) -> HookSpec:
+    """How DDP reduces gradients: a compression hook, or the hierarchical all-reduce with node
+    groups from the topology (nproc ranks per node), its hops timed by the Monitor."""
+    if cfg.train.hierarchical:
+        groups = node_groups(cfg.nproc, cfg.train.compression, device.torch_device.type)
+        groups.meter = mon.meter  # each hop timed: intra- and inter-node apart
+        return HookSpec("hierarchical", hierarchical_hook, groups, hierarchical_wire_bytes, inter_node_bytes)
+    return build_hook(
+        cfg.train.compression,
+        powersgd_rank=cfg.train.powersgd_rank,
+        seed=cfg.train.seed,
+        warmup_steps=cfg.train.compression_warmup,
+    )
 
 
 def build(
@@ -65,22 +85,19 @@ def build(
             bucket_cap_mb=bucket_mb,
             gradient_as_bucket_view=True,
         )
-        if cfg.train.hierarchical:  # node groups from the topology: nproc ranks per node
-            groups = node_groups(cfg.nproc, cfg.train.compression, device.torch_device.type)
-            spec = HookSpec("hierarchical", hierarchical_hook, groups, hierarchical_wire_bytes)
-        else:
-            spec = build_hook(
-                cfg.train.compression,
-                powersgd_rank=cfg.train.powersgd_rank,
-                seed=cfg.train.seed,
-                warmup_steps=cfg.train.compression_warmup,
-            )
+        spec = gradient_hook(cfg, device, mon)
         hook = spec.hook
         if injector is not None and any(i.kind == "comm_delay" for i in injector.mine):
             hook = delayed_hook(hook or flight_allreduce_hook, injector)
         if injector is not None and injector.touches_collectives:
             hook = collective_fault_hook(hook or flight_allreduce_hook, injector)
-        mon.watch(ddp, comm_hook=hook, hook_state=spec.state, wire_bytes=spec.wire_bytes)
+        mon.watch(
+            ddp,
+            comm_hook=hook,
+            hook_state=spec.state,
+            wire_bytes=spec.wire_bytes,
+            inter_bytes=spec.inter_bytes,
+        )
         hook_state = spec.state
     else:
         ddp, hook_state = model, None

@@ -6,7 +6,8 @@ stacks. `CHECKS` are asked in order; the first that recognises the picture gives
    up (rank i sends rank j what j does not expect);
 2. **desync**: the same sequence number issued at different training steps: a rank skipped a
    collective earlier and has been pairing with the wrong partner since;
-3. **error** / **dead**: a rank that raised or vanished (no clean exit) while peers wait;
+3. **error** / **dead**: a rank that raised or vanished (no clean exit) while peers wait, or
+   ranks whose peers lost the connection to them and who left nothing to read (a node gone);
 4. **none** (a post-mortem without stacks): every collective completed and matched;
 5. **compute** (everywhere): no rank is in a collective and none progresses;
 6. **remote**: every rank seen here entered it; the ones behind are another node's (or left
@@ -22,6 +23,7 @@ every process group that is stuck on its own."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -202,6 +204,33 @@ def _check_dead(s: Stall) -> Diagnosis | None:
     )
 
 
+def _peer_address(error: str) -> str:
+    """The peer a lost connection names ("... by peer [10.0.0.2]:1234"), or ''."""
+    match = re.search(r"peer \[?([0-9A-Fa-f.:]+?)\]?:\d+", error)
+    return match.group(1) if match else ""
+
+
+def _check_peer_lost(s: Stall) -> Diagnosis | None:
+    """Ranks seen here lost their connection to a peer, and the ranks they lost left nothing
+    to read: another node that went away (power, network, its agent killed). The victims
+    are not the culprits; the ranks that cannot be seen are."""
+    victims = sorted(r for r, t in s.tails.items() if any(p in t.last_error for p in PEER_LOST))
+    gone = sorted(set(range(s.world)) - set(s.tails))
+    if not victims or not gone:
+        return None
+    addresses = sorted({a for r in victims if (a := _peer_address(s.tails[r].last_error))})
+    at = f" at {', '.join(addresses)}" if addresses else ""
+    step = max(s.tails[r].step for r in victims)
+    return Diagnosis(
+        Verdict.DEAD,
+        gone,
+        victims,
+        f"{ranks_text(victims)} lost the connection to a peer{at} at step {step}; {ranks_text(gone)} "
+        "left nothing to read and did not answer (their node is gone: power, network or its agent)",
+        evidence={"unseen_ranks": gone, "peer_addresses": addresses},
+    )
+
+
 def _check_clean_end(s: Stall) -> Diagnosis | None:
     """Every rank of the job closed its flight log without an error: the run ended, nothing hung
     (a post-mortem of a finished run must not invent a hang)."""
@@ -332,6 +361,7 @@ CHECKS: list[Callable[[Stall], Diagnosis | None]] = [
     _check_desync,
     _check_error,
     _check_dead,
+    _check_peer_lost,
     _check_all_done,
     _check_no_collective,
     _check_remote,

@@ -193,6 +193,13 @@ def _compression_cell(s: dict[str, float]) -> str:
     return f"{ratio:.1f}x" if math.isfinite(ratio) else "n/a (no gradient bytes recorded)"
 
 
+def _across_nodes_cell(s: dict[str, float]) -> str:
+    """Bytes sent across nodes, and the inter-node hop's share of the time where it was timed."""
+    cell = f"{s['inter_node_bytes_per_step'] / 1e6:.2f} MB"
+    share = s["inter_node_time_share"]
+    return cell + (f", {share:.0%} of communication time" if math.isfinite(share) else "")
+
+
 def _print_summary(cfg: RunConfig) -> None:
     """The finished run in one table."""
     s = summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
@@ -215,6 +222,8 @@ def _print_summary(cfg: RunConfig) -> None:
             " / ".join(str(int(kinds.get(k, 0))) for k in ("injected", "fault", "restart", "resume")),
         ),
     ]
+    if "inter_node_bytes_per_step" in s:
+        rows.insert(5, ("across nodes (per rank and step)", _across_nodes_cell(s)))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)

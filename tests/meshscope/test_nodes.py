@@ -84,10 +84,29 @@ def _readers(run):
     }
 
 
+def _run_page(run):
+    """The view's Run page of one node's run folder: its subheaders and chart titles."""
+    from streamlit.testing.v1 import AppTest
+
+    os.environ["MESHSCOPE_VIEW_RUNS_DIR"] = str(run.parent)
+    try:
+        at = AppTest.from_file(str(REPO / "view" / "app.py"), default_timeout=60)
+        at.query_params["run"] = run.name
+        at.run()
+        at.switch_page("screens/run.py").run()
+    finally:
+        del os.environ["MESHSCOPE_VIEW_RUNS_DIR"]
+    assert not at.exception, [e.value for e in at.exception]
+    charts = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    return [h.value for h in at.subheader], charts
+
+
 def test_two_nodes_of_two_ranks_train_together_and_finish(tmp_path):
-    results = agents(tmp_path)
+    # the hierarchical all-reduce: every hop crosses or stays in a node, each timed apart
+    results = agents(tmp_path, 12, "--set", "train.hierarchical=true")
     for node, code, out in results:
         assert code == 0, f"{node.name}: {out[-3000:]}"
+        assert "across nodes (per rank and step)" in out and "of communication time" in out, out[-1500:]
     ranks = {}
     for i, (node, _, out) in enumerate(results):
         run = tmp_path / f"node{i}" / "job"
@@ -95,6 +114,11 @@ def test_two_nodes_of_two_ranks_train_together_and_finish(tmp_path):
         ranks[i] = sorted(steps["rank"].unique().tolist())
         assert steps.groupby("rank")["step"].max().eq(11).all(), steps
         assert (steps["world_size"] == 4).all()
+        # the Monitor shows inside- and across-node communication apart, and so does the view
+        assert (steps["bytes_inter"] > 0).all() and (steps["comm_inter_s"] > 0).all(), steps
+        assert (steps["comm_intra_s"] > 0).all() and (steps["bytes_inter"] < steps["bytes_wire"]).all()
+        headers, charts = _run_page(run)
+        assert "Across nodes" in headers and "communication inside / across nodes (s)" in charts, charts
         # the node's metrics are announced on the address the cluster reaches, not loopback
         targets = json.loads((run / "targets.json").read_text())
         assert all(t.startswith(node.address + ":") for group in targets for t in group["targets"]), targets
@@ -124,11 +148,9 @@ def test_a_slow_rank_on_the_second_node_is_found_job_wide_from_either_node(tmp_p
         assert "rank 3" in seen["explain"].stdout, seen["explain"].stdout[-1500:]
         assert seen["summary"]["status"] == "finished", seen["summary"]
         assert seen["summary"]["ranks"] == 4, seen["summary"]
-        print(
-            seen["hang-report"].returncode,
-            seen["hang-report"].stdout[-2000:],
-            seen["hang-report"].stderr[-500:],
-        )
+        assert seen["summary"]["anomalies"] >= 1, seen["summary"]  # the view lists it
+        report = seen["hang-report"]  # a straggler is no hang, from either node
+        assert report.returncode == 0 and "│ none" in report.stdout, report.stdout[-2000:]
     assert len([1 for *_, seen in results for k in seen["events"]["kind"] if k == "run_end"]) == 2  # one job
 
 
@@ -189,4 +211,14 @@ def test_a_node_that_loses_power_is_named_job_wide_and_the_survivor_trains_on(tm
         resumed = [d for d in events[events["kind"] == "resume"]["detail"] if d["world_size_now"] == 2]
         assert resumed and resumed[-1]["from_step"] >= 8, resumed  # from the survivor's own copy
         assert view["steps"].query("rank == 0")["step"].max() == 39
-    assert seen["explain"].returncode == 0, seen["explain"].stdout[-2000:]
+    for view in (seen, seen_dead):  # every reader names the lost node's ranks, never the survivors
+        events = view["events"]
+        hangs = events[events["kind"] == "hang"]["detail"].tolist()
+        assert all(h["culprit_ranks"] == [2, 3] for h in hangs), hangs
+        explained = view["explain"].stdout
+        assert view["explain"].returncode == 0, explained[-2000:]
+        first = explained.split("\n2. ")[0]
+        assert "ranks 2, 3" in first and "ranks 0, 1:" not in first, explained[-2000:]
+        if hangs:
+            assert "[2, 3]" in view["hang-report"].stdout, view["hang-report"].stdout[-2000:]
+        assert view["summary"]["ranks"] == 4 and view["summary"]["status"] == "finished", view["summary"]

@@ -281,3 +281,53 @@ def test_a_run_lingering_for_its_last_scrape_is_not_a_hang(tmp_path):
     assert proc.returncode == 0, out[-2000:]
     kinds = list(load_events(tmp_path / "linger")["kind"])
     assert "run_end" in kinds and "hang" not in kinds, kinds
+
+
+def test_ranks_that_lost_a_node_name_the_node_not_themselves(tmp_path):
+    """Ranks 0-1 closed with "connection closed by peer" (their peers' node went away); ranks
+    2-3 left nothing here and their node answers nobody: they are the culprits, 0-1 victims."""
+    from meshscope.collector.flightlog import FlightLog
+    from meshscope.collector.flightread import read_flight
+    from meshscope.watchdog.diagnose import diagnose
+
+    tails = {}
+    for rank in range(2):
+        log = FlightLog(tmp_path, rank=rank, world_size=4)
+        log.step_begin(21)
+        log.note_error(RuntimeError("Connection closed by peer [10.77.0.2]:15249. This is typically"))
+        log.close()
+        tails[rank] = read_flight(log.path)
+    diag = diagnose(tails, 4, alive={0: False, 1: False})
+    assert (diag.kind, diag.culprit_ranks, diag.waiting_ranks) == ("dead", [2, 3], [0, 1]), diag.why
+    assert "10.77.0.2" in diag.why and "step 21" in diag.why, diag.why
+    # with every rank in sight, a lost connection alone names nobody it cannot see
+    assert diagnose(tails, 2, alive={0: False, 1: False}).kind != "dead"
+
+
+def test_ranks_told_to_stop_are_not_hung_on_their_way_out(tmp_path):
+    """SIGTERM (the agent restarting the job, the user cancelling): a rank that stalls while
+    it stops is leaving on purpose; the same stall without the stop is a hang."""
+    from meshscope.collector.flightlog import FlightLog
+
+    logs = [FlightLog(tmp_path, rank=r, world_size=2) for r in range(2)]
+    now = [time.time()]
+    watch = HangWatch(
+        tmp_path, HangConfig(min_stall_s=1.0, step_factor=2.0, stacks_wait_s=0.05), clock=lambda: now[0]
+    )
+    for log in logs:
+        log.step_begin(0)
+        log.step_end()
+    for log in logs:
+        log.stopping()
+    now[0] += 30
+    assert watch.poll() is None
+    import struct
+
+    from meshscope.collector.flightread import RUNNING, STATE_HDR_OFFSET
+
+    for log in logs:  # the same stall, nobody told to stop
+        struct.pack_into("<i", log._map, STATE_HDR_OFFSET, RUNNING)
+    diag = watch.poll()
+    assert diag is not None and diag.kind == "compute", diag
+    for log in logs:
+        log.close()

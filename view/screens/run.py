@@ -4,7 +4,7 @@ and one timeline of events."""
 import plotly.express as px
 import streamlit as st
 
-from meshscope.collector.figures import with_compute
+from meshscope.collector.figures import node_hops, with_compute
 from meshscope.view import data, ui
 
 run_dir, facts = ui.open_run("Run")
@@ -50,6 +50,20 @@ left.plotly_chart(
     key="comm_ratio",
 )
 right.plotly_chart(px.line(per_rank, x="step", y="loss", color="rank", title="loss"), key="loss")
+if "bytes_inter" in steps and steps["bytes_inter"].fillna(0).gt(0).any():
+    st.subheader("Across nodes")
+    inter = steps.assign(inter_mb=steps["bytes_inter"] / 1e6, rank=steps["rank"].astype(str))
+    st.plotly_chart(
+        px.line(inter, x="step", y="inter_mb", color="rank", title="gradient MB each rank sent across nodes"),
+        key="bytes_inter",
+    )
+    hops = node_hops(steps)
+    if hops.empty:
+        st.caption("One flat all-reduce: communication inside and across nodes is not timed apart.")
+    else:
+        per_hop = hops.groupby(["step", "hop"], as_index=False)["seconds"].mean()
+        title = "communication inside / across nodes (s)"
+        st.plotly_chart(px.line(per_hop, x="step", y="seconds", color="hop", title=title), key="hops")
 events = data.timeline(facts.events)
 st.subheader("Events")
 if events.empty:
