@@ -79,12 +79,11 @@ def instrument_costs(mon, cost: CostMeter) -> None:
     mon.step = cost.wrap_context(mon.step)
     monitor.StepScope.phase = cost.wrap_context(monitor.StepScope.phase)
     monitor.StepScope.log = cost.wrap(monitor.StepScope.log)
-    mon._count_experts = cost.wrap(mon._count_experts)
-    for name in ("_on_forward", "_on_backward_start", "_on_graph_done"):
+    mon.experts._count = cost.wrap(mon.experts._count)
+    # the backward watch, with the flight log's one record of DDP's reduction a step
+    for name in ("_on_forward", "_on_backward_start", "_on_local_backward", "_on_graph_done", "_on_reduced"):
         setattr(comm.BackwardWatch, name, cost.wrap(getattr(comm.BackwardWatch, name)))
-    comm.CommMeter.reduced = cost.wrap(comm.CommMeter.reduced)
-    # the per-bucket path: DDP's all-reduce issued from Python for the flight log, and its
-    # completion callbacks on gloo's threads
+    # the per-bucket path, where a Python comm hook runs: its record and completion callbacks
     flightlog._bucket_done = cost.wrap(flightlog._bucket_done)
     real_instrument = comm.instrument_hook
     monitor.instrument_hook = lambda *a, **k: cost.wrap(real_instrument(*a, **k))
@@ -171,11 +170,16 @@ def bench(
                     (step_watched if m == "on" else step_plain)(*models[m], i)
                     times[m].append(time.perf_counter() - t0)
     writer = thread_cpu(mon.store._thread) - writer_before
-    responder = mon.flight._responder if mon.flight is not None else None
-    writer += thread_cpu(responder) if responder is not None else 0.0  # its whole life: an upper bound
+    responder_thread = mon.flight._responder if mon.flight is not None else None
+    responder = thread_cpu(responder_thread) if responder_thread is not None else 0.0  # whole life
     steps_on = len(times["on"]) + 3 * pairs
     mon.close()
-    return {**times, "cost_per_step": (cost.seconds + writer) / steps_on}
+    parts = {"in_step": cost.seconds, "store_writer": writer, "responder": responder}
+    return {
+        **times,
+        "cost_per_step": sum(parts.values()) / steps_on,
+        "parts": {k: v / steps_on for k, v in parts.items()},
+    }
 
 
 def main() -> None:
@@ -222,11 +226,12 @@ def main() -> None:
             )
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
         cost = results[0]["cost_per_step"]
+        parts = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in results[0]["parts"].items())
         print(
             f"d_model={width:4d} bucket={bucket_mb:5.2f} MB  step on {med['on'] * 1e3:7.2f} ms  "
             f"off {med['off'] * 1e3:7.2f} ms  on/off {med['on'] / med['off']:.4f}  "
             f"control {med['control'] / med['off']:.4f}  cost {cost * 1e6:6.0f} us/step = "
-            f"{cost / med['off']:.2%}  (target <= 1.01)"
+            f"{cost / med['off']:.2%}  (target <= 1.01)\n    cost account, us/step: {parts}"
         )
 
 

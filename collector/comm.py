@@ -223,10 +223,13 @@ class BackwardWatch:
     an autograd-engine callback; the engine runs it once the graph is done (compute over),
     before DDP's own finalizer, which waits for every bucket; that callback queues one more,
     which runs after the finalizer (all reduced). A few Python calls a step, whatever the
-    number of buckets."""
+    number of buckets. `record` (begin() -> token, end(token)) is told both moments too: the
+    flight log's one record of the step's reduction while DDP reduces in C++."""
 
-    def __init__(self, meter: CommMeter) -> None:
+    def __init__(self, meter: CommMeter, record: Any = None) -> None:
         self.meter = meter
+        self.record = record
+        self._token: Any = None
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook `model` so the end of its backward is seen."""
@@ -240,14 +243,27 @@ class BackwardWatch:
             (t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None), None
         )
         if node is not None:  # a pre-hook on the output's node: C++, cheaper than a tensor hook
-            node.register_prehook(self._on_backward_start)
+            # under no_sync() DDP reduces nothing this backward: nothing to record
+            syncs = getattr(module, "require_backward_grad_sync", True)
+            node.register_prehook(self._on_backward_start if syncs else self._on_local_backward)
 
     def _on_backward_start(self, grad_outputs: Any) -> None:
+        if self.record is not None:
+            self._token = self.record.begin()
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_graph_done)
+
+    def _on_local_backward(self, grad_outputs: Any) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self._on_graph_done)
 
     def _on_graph_done(self) -> None:
         self.meter.compute_done()
-        torch.autograd.Variable._execution_engine.queue_callback(self.meter.reduced)
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_reduced)
+
+    def _on_reduced(self) -> None:
+        self.meter.reduced()
+        token, self._token = self._token, None
+        if token is not None:
+            self.record.end(token)
 
 
 class DDPRuntimeStats:

@@ -25,8 +25,10 @@ says where its device is. Nothing here synchronises the device.
 
 Collectives are seen by wrapping the `torch.distributed` functions once per process
 (`FlightLog.install`). Code that imported a function by name before that (`from
-torch.distributed import all_reduce`) and DDP's C++ all-reduce are not seen: the Monitor gives
-DDP a Python all-reduce hook while a flight log is on.
+torch.distributed import all_reduce`) is not seen. DDP's C++ all-reduce is seen as one record
+per step (`ReductionRecord`: issued as backward starts, completed once every bucket is
+reduced), so DDP keeps its C++ path; a Python comm hook (compression, injected faults) records
+each bucket (`allreduce_hook`, `issue_bucket`).
 """
 
 from __future__ import annotations
@@ -243,6 +245,32 @@ class FlightLog:
                 self._host_slots.add(slot)
         return slot
 
+    def issue_reduction(self, group: Any, fields: tuple) -> int:
+        """Record a step's whole DDP gradient reduction as one collective (`ReductionRecord`)."""
+        name, size = self._group(group)
+        op, dtype, shape, site = fields
+        with self._lock:
+            seq = self._seq.get(name, 0)
+            self._seq[name] = seq + 1
+            slot = self._written % self.capacity
+            RECORD.pack_into(
+                self._map,
+                HEADER_SIZE + slot * RECORD.size,
+                *(seq, self._step, time.time(), 0.0, fit(name, 16), op, STATE_ISSUED, dtype, shape, b""),
+                *(site, -1, size),
+            )
+            self._written += 1
+            struct.pack_into("<q", self._map, WRITTEN_OFFSET, self._written)
+        return slot
+
+    def reduction_done(self, slot: int, group_name: str) -> None:
+        """DDP reduced every bucket of the step: done now on the host; on a device, when an
+        event recorded after DDP's wait passes (DDP made the stream wait for its buckets)."""
+        if self._device is not None and group_name not in self._host_groups:
+            self._device.watch(slot, None)
+        else:
+            self.finish(slot)
+
     def bucket_enqueued(self, slot: int, work: Any) -> torch.futures.Future:
         """The future DDP waits on for a bucket: the reduced buffer, and the record completed
         when the data arrived (on a device: when the device says so, see the module doc)."""
@@ -376,6 +404,36 @@ class FlightLog:
             self._crash_file.close()
             self._crash_file = None
         self._map.flush()
+
+
+class ReductionRecord:
+    """DDP's gradient all-reduce of one step as one flight-log record, while DDP keeps its C++
+    all-reduce: issued when this rank's backward starts, completed when DDP has reduced every
+    bucket. Two Python calls a step instead of a hook, a callback and a record per bucket (the
+    per-bucket path was most of what the Monitor cost); a rank that never reached backward
+    while its peers wait in it is named all the same. Buckets one by one are the backend's
+    Flight Recorder's to show, where it keeps one (`watchdog.flight_recorder`)."""
+
+    def __init__(self, log: FlightLog, ddp: torch.nn.Module) -> None:
+        self.log = log
+        self.group = getattr(ddp, "process_group", None)
+        grads = [p for p in ddp.module.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in grads)
+        dtype = str(grads[0].dtype).removeprefix("torch.") if grads else ""
+        site = f"DDP gradients ({len(grads)} tensors, C++ buckets)"
+        self.fields = (fit("all_reduce", 24), fit(dtype, 15), fit(str(numel), 56), fit(site, 96))
+        self.group_name = ""
+
+    def begin(self) -> int:
+        """Backward started: the reduction is issued (returns its slot)."""
+        slot = self.log.issue_reduction(self.group, self.fields)
+        if not self.group_name:
+            self.group_name = self.log._group(self.group)[0]
+        return slot
+
+    def end(self, slot: int) -> None:
+        """Every bucket reduced."""
+        self.log.reduction_done(slot, self.group_name)
 
 
 def _logged(name: str, spec: Op, original: Callable[..., Any]) -> Callable[..., Any]:

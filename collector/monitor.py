@@ -36,23 +36,19 @@ from meshscope.collector.comm import (
 )
 from meshscope.collector.control import ControlPlane
 from meshscope.collector.env import DistEnv, HostShare
+from meshscope.collector.expert_counts import ExpertCounts
 from meshscope.collector.exporter import RANK_JOB, PortInUseError, port_for, serve_metrics, write_targets
-from meshscope.collector.flightlog import FlightLog
-from meshscope.collector.flightlog import allreduce_hook as flight_allreduce_hook
+from meshscope.collector.flightlog import FlightLog, ReductionRecord
 from meshscope.collector.metrics import MeshscopeMetrics
-from meshscope.collector.moe import find_moe_layers
 from meshscope.collector.monitor_config import MonitorConfig
 from meshscope.collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
-from meshscope.collector.readback import Readback, ScalarWindow, is_nonfinite
+from meshscope.collector.readback import ScalarWindow, is_nonfinite
 from meshscope.collector.schema import Event, StepRecord
 from meshscope.collector.scope import PendingStep, StepContext, StepScope
 from meshscope.collector.store import RunStore
 from meshscope.collector.version import VERSION
 
 log = logging.getLogger("meshscope.monitor")
-
-
-EXPERT_COUNT_DTYPE = torch.int64  # what expert counts travel in (see _count_experts)
 
 
 class Monitor:
@@ -85,15 +81,12 @@ class Monitor:
         self._pending: list[PendingStep] = []
         self._window = ScalarWindow()
         self._window_steps = 0
-        self._expert_reads: list[tuple[int, Readback]] = []
-        self._moe_layers: list[torch.nn.Module] = []
-        self._layer_index: dict[int, int] = {}
-        self._expert_acc: list[torch.Tensor | None] = []  # per layer: this window's tokens
-        self._expert_like: torch.Tensor | None = None
+        self.experts = ExpertCounts(config.expert_every)
+        self.experts.control = self.control
         # Called with (step, [layers, experts] tokens summed over ranks) on every rank, on the
-        # device, right after the all-reduce: what a trainer needs to act on the global load
-        # (the aux-loss-free bias update) without reading it back.
-        self.expert_load_listeners: list[Any] = []
+        # device, one step after the window closed: what a trainer needs to act on the global
+        # load (the aux-loss-free bias update) without reading it back.
+        self.expert_load_listeners = self.experts.listeners
         self._step = -1
         self._server = None
         self._closed = False
@@ -193,8 +186,7 @@ class Monitor:
             self._compression = getattr(comm_hook, "__name__", "custom").removesuffix("_hook")
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             world = self.env.world_size
-            if comm_hook is None and self.flight is not None:
-                comm_hook = flight_allreduce_hook  # every bucket in the flight log
+            record = None
             if comm_hook is None:
                 # DDP reads its timers by waiting on the device: on accelerators keep its own
                 # (rare) sampling instead of adding waits; on the host sampling is free.
@@ -203,18 +195,16 @@ class Monitor:
                 sent = allreduce_sent_bytes(ddp_gradient_bytes(model.module), world)
                 inter = flat_inter_bytes(sent, world, self.env.ranks_per_node)
                 self._ddp_bytes = (sent, sent, inter)  # no compression: raw and wire are one count
+                if self.flight is not None:  # the step's reduction as one record, DDP in C++
+                    record = ReductionRecord(self.flight, model)
             else:
                 wire = wire_bytes or allreduce_wire_bytes
                 timed = instrument_hook(
                     comm_hook, self.meter, wire, world, self.env.ranks_per_node, inter_bytes
                 )
                 model.register_comm_hook(hook_state, timed)
-            BackwardWatch(self.meter).attach(model)
-        self._moe_layers = find_moe_layers(model)
-        self._layer_index = {id(m): i for i, m in enumerate(self._moe_layers)}
-        self._expert_acc = [None] * len(self._moe_layers)
-        for module in self._moe_layers:
-            module.register_forward_hook(self._count_experts)
+            BackwardWatch(self.meter, record).attach(model)
+        self.experts.attach(model)
         self._describe_host(model)
         return model
 
@@ -224,7 +214,7 @@ class Monitor:
         no process group in a job of several ranks."""
         if self.control is not None or self.env.world_size <= 1:
             return
-        self.control = ControlPlane.maybe()
+        self.control = self.experts.control = ControlPlane.maybe()
         if self.control is None:
             why = "call init_process_group before Monitor.watch(), or expert load and controls stay off"
             log.warning(
@@ -251,18 +241,6 @@ class Monitor:
         on_host = param is None or param.device.type == "cpu"
         share = HostShare.measure(self.env.local_world_size, threads=None if on_host else 1)
         self.event("host", detail={"node": self.env.node, **share.detail()})
-
-    def _count_experts(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        # Added on the device now (a layer may update its counts in place): no sync. Token
-        # counts are whole numbers: int64 keeps them exact over any window and every backend
-        # reduces it (HCCL has no float64 all-reduce).
-        layer = self._layer_index[id(module)]
-        counts = module.expert_token_counts.detach().round().to(EXPERT_COUNT_DTYPE)
-        acc = self._expert_acc[layer]
-        if acc is None:
-            self._expert_acc[layer] = counts
-        else:
-            acc.add_(counts)
 
     # --- the step -------------------------------------------------------------------------
     def step(self, tokens: int = 0, step: int | None = None) -> StepContext:
@@ -294,8 +272,7 @@ class Monitor:
         self._pending.append(pending)
         if self.flight is not None:
             self.flight.step_end(pending.bounds[1])
-        if self.should_sync_experts(self._step):
-            self._sync_experts(self._step)
+        self.experts.step_ended(self._step)
         self._window_steps += 1
         if self._window_steps >= self.config.sync_every:
             self._close_window()
@@ -327,23 +304,6 @@ class Monitor:
         self._window.close()
         self._window, self._window_steps = ScalarWindow(), 0
 
-    def should_sync_experts(self, step: int) -> bool:
-        """Whether this step closes an expert-load window."""
-        return bool(self._moe_layers) and (step + 1) % self.config.expert_every == 0
-
-    def _sync_experts(self, step: int) -> None:
-        layers, self._expert_acc = self._expert_acc, [None] * len(self._expert_acc)
-        like = next((a for a in layers if a is not None), self._expert_like)
-        if like is None:  # no MoE forward yet (on every rank: they step together)
-            return
-        self._expert_like = like  # from now on this rank always joins the all-reduce
-        acc = torch.stack([torch.zeros_like(like) if a is None else a for a in layers])
-        if self.control is not None:
-            self.control.all_reduce(acc)  # the one collective the Monitor adds
-        for listener in self.expert_load_listeners:
-            listener(step, acc)
-        self._expert_reads.append((step, Readback(acc)))
-
     def _drain(self, block: bool) -> None:
         """Emit finished steps in order; without `block`, stop at the first unfinished one."""
         done = 0
@@ -358,11 +318,8 @@ class Monitor:
         self.metrics.observe_steps(records, self.config.comm_sample_every, self._logged_keys)
         for rec in records:
             self._emit(rec)
-        while self._expert_reads and (block or self._expert_reads[0][1].ready()):
-            step, read = self._expert_reads.pop(0)
-            if block:
-                read.wait()
-            self._emit_experts(step, read.value().tolist())  # host tensor: the landed copy
+        for step, table in self.experts.landed(block):
+            self._emit_experts(step, table)
 
     def _finished(self, p: PendingStep) -> bool:
         if p.window is not None and not p.window.ready():
