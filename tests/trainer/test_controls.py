@@ -133,7 +133,10 @@ def test_out_of_bounds_and_impossible_changes_are_refused_by_the_trainer(control
 
 
 def test_outcomes_are_measured_and_remembered(controlled):
-    out = _feedback("outcomes", "--run", str(controlled["run"]), "--after", "20")
+    # judged where the product judges (`feedback outcomes`' default horizon, 50 steps: its last
+    # 25 hold 5 expert-load windows); over 20 (2 windows) a treated layer and its twin swap
+    # places with the step the change happened to land at
+    out = _feedback("outcomes", "--run", str(controlled["run"]))
     assert out.returncode == 0 and "balancedness" in out.stdout, out.stdout + out.stderr
     rows = load_controls(controlled["run"])
     measured = rows.dropna(subset=["outcome"])
@@ -145,7 +148,7 @@ def test_outcomes_are_measured_and_remembered(controlled):
         load_expert_load(controlled["twin"]),
         int(first["step"]),
         int(first["layer"]),
-        20,
+        int(first["outcome"]["steps"]),
     )
     assert twin is not None
     assert first["outcome"]["balancedness_gain"] > twin["balancedness_gain"], (first["outcome"], twin)
