@@ -229,6 +229,18 @@ class FlightLog:
             packed = (fit("all_reduce", 24), fit(dtype, 15), fit(str(buffer.numel()), 56), fit(site, 96))
             fields = self._buckets[key] = (name, fit(name, 16), size, packed)
         name, group_bytes, size, (op, dtype, shape, site) = fields
+        return self._append(name, group_bytes, size, op, dtype, shape, site)
+
+    def issue_reduction(self, group: Any, fields: tuple) -> int:
+        """Record a step's whole DDP gradient reduction as one collective (`ReductionRecord`)."""
+        name, size = self._group(group)
+        op, dtype, shape, site = fields
+        return self._append(name, fit(name, 16), size, op, dtype, shape, site)
+
+    def _append(
+        self, name: str, group: bytes, size: int, op: bytes, dtype: bytes, shape: bytes, site: bytes
+    ) -> int:
+        """A record of packed fields, issued now, numbered in `name`'s sequence: its slot."""
         with self._lock:
             seq = self._seq.get(name, 0)
             self._seq[name] = seq + 1
@@ -236,7 +248,7 @@ class FlightLog:
             RECORD.pack_into(
                 self._map,
                 HEADER_SIZE + slot * RECORD.size,
-                *(seq, self._step, time.time(), 0.0, group_bytes, op, STATE_ISSUED, dtype, shape, b""),
+                *(seq, self._step, time.time(), 0.0, group, op, STATE_ISSUED, dtype, shape, b""),
                 *(site, -1, size),
             )
             self._written += 1
@@ -245,28 +257,12 @@ class FlightLog:
                 self._host_slots.add(slot)
         return slot
 
-    def issue_reduction(self, group: Any, fields: tuple) -> int:
-        """Record a step's whole DDP gradient reduction as one collective (`ReductionRecord`)."""
-        name, size = self._group(group)
-        op, dtype, shape, site = fields
-        with self._lock:
-            seq = self._seq.get(name, 0)
-            self._seq[name] = seq + 1
-            slot = self._written % self.capacity
-            RECORD.pack_into(
-                self._map,
-                HEADER_SIZE + slot * RECORD.size,
-                *(seq, self._step, time.time(), 0.0, fit(name, 16), op, STATE_ISSUED, dtype, shape, b""),
-                *(site, -1, size),
-            )
-            self._written += 1
-            struct.pack_into("<q", self._map, WRITTEN_OFFSET, self._written)
-        return slot
-
-    def reduction_done(self, slot: int, group_name: str) -> None:
+    def reduction_done(self, slot: int) -> None:
         """DDP reduced every bucket of the step: done now on the host; on a device, when an
         event recorded after DDP's wait passes (DDP made the stream wait for its buckets)."""
-        if self._device is not None and group_name not in self._host_groups:
+        host = slot in self._host_slots
+        self._host_slots.discard(slot)
+        if self._device is not None and not host:
             self._device.watch(slot, None)
         else:
             self.finish(slot)
@@ -422,18 +418,14 @@ class ReductionRecord:
         dtype = str(grads[0].dtype).removeprefix("torch.") if grads else ""
         site = f"DDP gradients ({len(grads)} tensors, C++ buckets)"
         self.fields = (fit("all_reduce", 24), fit(dtype, 15), fit(str(numel), 56), fit(site, 96))
-        self.group_name = ""
 
     def begin(self) -> int:
         """Backward started: the reduction is issued (returns its slot)."""
-        slot = self.log.issue_reduction(self.group, self.fields)
-        if not self.group_name:
-            self.group_name = self.log._group(self.group)[0]
-        return slot
+        return self.log.issue_reduction(self.group, self.fields)
 
     def end(self, slot: int) -> None:
         """Every bucket reduced."""
-        self.log.reduction_done(slot, self.group_name)
+        self.log.reduction_done(slot)
 
 
 def _logged(name: str, spec: Op, original: Callable[..., Any]) -> Callable[..., Any]:
