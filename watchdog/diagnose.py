@@ -179,8 +179,11 @@ def _check_error(s: Stall) -> Diagnosis | None:
 def _check_dead(s: Stall) -> Diagnosis | None:
     """A rank that vanished without a clean exit (its victims, who lost the peer, are not it)."""
     tails = s.tails
+    # a rank told to stop (SIGTERM) and then gone left on purpose, even if it never closed
     dead = sorted(
-        r for r in range(s.world) if (r not in tails or not tails[r].closed) and s.alive.get(r) is False
+        r
+        for r in range(s.world)
+        if (r not in tails or not (tails[r].closed or tails[r].stopping)) and s.alive.get(r) is False
     )
     victims = [r for r, t in tails.items() if any(p in t.last_error for p in PEER_LOST)]
     dead = [r for r in dead if r not in victims] or dead

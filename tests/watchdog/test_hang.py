@@ -321,6 +321,12 @@ def test_ranks_told_to_stop_are_not_hung_on_their_way_out(tmp_path):
         log.stopping()
     now[0] += 30
     assert watch.poll() is None
+    # ...and gone before closing its log (its agent's grace ran out): a departure, not a death
+    from meshscope.collector.flightread import read_flight
+    from meshscope.watchdog.diagnose import diagnose
+
+    gone = diagnose({r: read_flight(log.path) for r, log in enumerate(logs)}, 2, alive={0: False, 1: False})
+    assert gone.kind != "dead", gone.why
     import struct
 
     from meshscope.collector.flightread import RUNNING, STATE_HDR_OFFSET
