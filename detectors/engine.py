@@ -167,6 +167,13 @@ class DetectionEngine:
             if frame is not None and not frame.empty:
                 for step, flag in rule.judge(frame):
                     self._flag(step, flag)
+        self._close_quiet(self.last_step)
+
+    def _close_quiet(self, step: int) -> None:
+        """Close the episodes gone quiet, each by its own clock (the steps', or its table's)."""
+        clocks = {"steps": step, **{r.table: r.last_step for r in self.window_rules}}
+        for ep in self.tracker.close_quiet(clocks):
+            self.on_close(ep)
 
     def finish(self) -> list[Episode]:
         """Close every open episode (end of the run)."""
@@ -197,8 +204,7 @@ class DetectionEngine:
         normal = self._judge(view.step, row, self.rules)
         for rule in self.rules:
             rule.update(row, normal)
-        for ep in self.tracker.close_quiet(view.step):
-            self.on_close(ep)
+        self._close_quiet(view.step)
 
     def _fit(self) -> None:
         warm = _Row(
@@ -237,6 +243,7 @@ class DetectionEngine:
             evidence=flag.evidence,
             gap=flag.gap,
             confirm=flag.confirm,
+            clock=flag.clock,
         )
         if opened is not None:
             self.on_open(opened)

@@ -1,5 +1,7 @@
 """One ongoing anomaly is one episode: opened at its first flagged step, extended while flagged,
-closed after `gap` quiet steps. Pure bookkeeping, no I/O."""
+closed after `gap` quiet steps of its own clock (the steps, or the window table its rule reads:
+expert load lands a window or more after the steps it sums, so the steps' clock would close an
+ongoing collapse between two of its windows). Pure bookkeeping, no I/O."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class Episode:
     confirm: int = 1
     count: int = 1
     module: str | None = None
+    clock: str = "steps"
     announced_step: int | None = None
     """The step that confirmed it: when it opened (alerts go out then), `confirm - 1` flagged
     steps after `start_step` or later."""
@@ -72,6 +75,7 @@ class EpisodeTracker:
         evidence: dict[str, Any] | None = None,
         gap: int | None = None,
         confirm: int = 1,
+        clock: str = "steps",
     ) -> Episode | None:
         """Record a flagged step; returns the episode when this step confirms it (after
         `confirm` flagged steps: one noisy step is not an anomaly)."""
@@ -91,6 +95,7 @@ class EpisodeTracker:
                 gap or self.gap,
                 confirm,
                 module=module,
+                clock=clock,
             )
             return self._announce(ep, step) if ep.confirmed else None
         ep.end_step, ep.score, ep.count = step, max(ep.score, score), ep.count + 1
@@ -101,9 +106,14 @@ class EpisodeTracker:
         ep.announced_step = step
         return ep
 
-    def close_quiet(self, step: int) -> list[Episode]:
-        """Episodes with no flag for their `gap` steps, removed and returned."""
-        done = [ep for ep in self.open.values() if step - ep.end_step >= ep.gap]
+    def close_quiet(self, clocks: dict[str, int] | int) -> list[Episode]:
+        """Episodes with no flag for their `gap` steps of their clock (`clocks`: the latest
+        step each clock has reached; an int is the steps' clock), removed and returned."""
+        if isinstance(clocks, int):
+            clocks = {"steps": clocks}
+        done = [
+            ep for ep in self.open.values() if ep.clock in clocks and clocks[ep.clock] - ep.end_step >= ep.gap
+        ]
         for ep in done:
             del self.open[ep.key]
         return [ep for ep in done if ep.confirmed]

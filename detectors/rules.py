@@ -55,6 +55,9 @@ class Flag:
     gap: int | None = None
     final: bool = False
     """The step is explained: later rules do not judge it (a stall)."""
+    clock: str = "steps"
+    """The table whose progress closes its episode: a window rule's own (its flags arrive as
+    its table does, a window or more behind the steps when tailing a live run)."""
 
 
 @dataclass

@@ -77,6 +77,7 @@ class ExpertRule(WindowRule):
                     layer=layer,
                     expert=e,
                     gap=2 * self.spacing,
+                    clock=self.table,
                     evidence={
                         "kind": "hog" if hog[0][e] > 0 else "starve",
                         "share": round(float(share[0][e]), 4),
@@ -128,6 +129,7 @@ class GradientRule(WindowRule):
                                 g / usual,
                                 module=row.module,
                                 gap=1,
+                                clock=self.table,
                                 evidence={"module": row.module, "grad_norm": g, "usual": usual},
                             ),
                         )

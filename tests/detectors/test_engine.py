@@ -159,3 +159,22 @@ def test_a_worker_leaving_the_fast_group_is_named_and_the_shift_flags_no_one_els
     everyone, yet only the worker that changed is a straggler."""
     _, closed = run(heterogeneous_run(paces=TWO_PACED, slow=(5,), factor=3.5, steps=300, start=150))
     assert [(e.type, e.ranks) for e in closed] == [("straggler", [5])], closed
+
+
+def test_a_collapse_whose_windows_land_behind_the_steps_is_one_episode():
+    """Tailing a live run, expert load lands a window or more behind the steps it sums: the
+    steps' clock must not close an ongoing collapse between two of its windows."""
+    df = synthetic_run(steps=120, ranks=2)
+    windows = []
+    for end in range(4, 120, 5):  # expert load every 5 steps, 4 experts, a collapse on 1 from 40 to 99
+        collapsed = 40 <= end < 100
+        tokens = [1200.0, 40.0, 40.0, 40.0] if collapsed else [330.0, 310.0, 320.0, 320.0]
+        windows += [dict(step=end, layer=0, expert=e, tokens=t) for e, t in enumerate(tokens)]
+    experts = pd.DataFrame(windows)
+    closed = []
+    engine = DetectionEngine(EngineConfig(), on_close=closed.append)
+    for end in range(10, 131, 10):  # steps up to `end`, expert windows up to 20 steps behind
+        engine.process(df[df["step"] < end], experts[experts["step"] < end - 20])
+    engine.finish()
+    collapses = [(e.start_step, e.end_step) for e in closed if e.type == "expert_imbalance" and e.expert == 0]
+    assert len(collapses) == 1 and collapses[0][0] <= 44 and collapses[0][1] >= 94, collapses
