@@ -6,8 +6,8 @@ stacks. `CHECKS` are asked in order; the first that recognises the picture gives
    up (rank i sends rank j what j does not expect);
 2. **desync**: the same sequence number issued at different training steps: a rank skipped a
    collective earlier and has been pairing with the wrong partner since;
-3. **error** / **dead**: a rank that raised or vanished (no clean exit) while peers wait, or
-   ranks whose peers lost the connection to them and who left nothing to read (a node gone);
+3. **error** / **dead**: a rank that raised while peers wait; ranks whose peers lost the
+   connection to them and who left nothing to read (a node gone); a rank that vanished;
 4. **none** (a post-mortem without stacks): every collective completed and matched;
 5. **compute** (everywhere): no rank is in a collective and none progresses;
 6. **remote**: every rank seen here entered it; the ones behind are another node's (or left
@@ -215,8 +215,10 @@ def _peer_address(error: str) -> str:
 
 def _check_peer_lost(s: Stall) -> Diagnosis | None:
     """Ranks seen here lost their connection to a peer, and the ranks they lost left nothing
-    to read: another node that went away (power, network, its agent killed). The victims
-    are not the culprits; the ranks that cannot be seen are."""
+    to read: another node that went away (power, network, its agent killed). The victims are
+    not the culprits, nor is a rank of theirs that vanished meanwhile without a word (its agent
+    tearing the attempt down kills what does not stop in time); the ranks no node answered
+    for are. Asked before `dead`: with every rank in sight it says nothing."""
     victims = sorted(r for r, t in s.tails.items() if any(p in t.last_error for p in PEER_LOST))
     gone = sorted(set(range(s.world)) - set(s.tails))
     if not victims or not gone:
@@ -224,13 +226,19 @@ def _check_peer_lost(s: Stall) -> Diagnosis | None:
     addresses = sorted({a for r in victims if (a := _peer_address(s.tails[r].last_error))})
     at = f" at {', '.join(addresses)}" if addresses else ""
     step = max(s.tails[r].step for r in victims)
+    silent = sorted(
+        r
+        for r, t in s.tails.items()
+        if r not in victims and not (t.closed or t.stopping) and s.alive.get(r) is False
+    )
+    also = f"; {ranks_text(silent)} here vanished meanwhile (torn down with the attempt)" if silent else ""
     return Diagnosis(
         Verdict.DEAD,
         gone,
         victims,
         f"{ranks_text(victims)} lost the connection to a peer{at} at step {step}; {ranks_text(gone)} "
-        "left nothing to read and did not answer (their node is gone: power, network or its agent)",
-        evidence={"unseen_ranks": gone, "peer_addresses": addresses},
+        f"left nothing to read and did not answer (their node is gone: power, network or its agent){also}",
+        evidence={"unseen_ranks": gone, "peer_addresses": addresses, "vanished_here": silent},
     )
 
 
@@ -363,8 +371,8 @@ CHECKS: list[Callable[[Stall], Diagnosis | None]] = [
     _check_mismatch,
     _check_desync,
     _check_error,
-    _check_dead,
     _check_peer_lost,
+    _check_dead,
     _check_all_done,
     _check_no_collective,
     _check_remote,

@@ -300,6 +300,14 @@ def test_ranks_that_lost_a_node_name_the_node_not_themselves(tmp_path):
     diag = diagnose(tails, 4, alive={0: False, 1: False})
     assert (diag.kind, diag.culprit_ranks, diag.waiting_ranks) == ("dead", [2, 3], [0, 1]), diag.why
     assert "10.77.0.2" in diag.why and "step 21" in diag.why, diag.why
+    # a rank of this node killed without a word while its agent tore the attempt down (it did
+    # not stop in time on a busy host) is collateral, not the culprit
+    torn = FlightLog(tmp_path / "torn", rank=1, world_size=4)
+    torn.step_begin(21)
+    mixed = {0: tails[0], 1: read_flight(torn.path)}
+    diag = diagnose(mixed, 4, alive={0: False, 1: False})
+    assert (diag.kind, diag.culprit_ranks, diag.waiting_ranks) == ("dead", [2, 3], [0]), diag.why
+    assert "rank 1 here vanished" in diag.why, diag.why
     # with every rank in sight, a lost connection alone names nobody it cannot see
     assert diagnose(tails, 2, alive={0: False, 1: False}).kind != "dead"
 
