@@ -5,6 +5,7 @@ import plotly.express as px
 import streamlit as st
 
 from meshscope.collector.figures import node_hops, with_compute
+from meshscope.collector.report import across_nodes
 from meshscope.view import data, ui
 
 run_dir, facts = ui.open_run("Run")
@@ -50,7 +51,7 @@ left.plotly_chart(
     key="comm_ratio",
 )
 right.plotly_chart(px.line(per_rank, x="step", y="loss", color="rank", title="loss"), key="loss")
-if "bytes_inter" in steps and steps["bytes_inter"].fillna(0).gt(0).any():
+if across_nodes(steps):  # gradients crossed nodes
     st.subheader("Across nodes")
     inter = steps.assign(inter_mb=steps["bytes_inter"] / 1e6, rank=steps["rank"].astype(str))
     st.plotly_chart(
