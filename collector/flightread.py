@@ -111,6 +111,12 @@ class FlightTail:
     groups: dict[str, list[int]] = field(default_factory=dict)
 
     @property
+    def left(self) -> bool:
+        """Ended cleanly (closed) or on its way out on purpose (stopping): never a hang or a
+        death when it goes quiet or goes away."""
+        return self.closed or self.stopping
+
+    @property
     def current_step(self) -> int:
         """The step this rank is in as the clock that completes its work sees it: on a device,
         the one after the last step the device finished (the host may be far ahead)."""

@@ -49,6 +49,11 @@ PEER_LOST = (
 )
 
 
+def _lost_a_peer(tail: FlightTail) -> bool:
+    """Its error says a peer went away: a victim of that peer, not a culprit."""
+    return any(p in tail.last_error for p in PEER_LOST)
+
+
 def _where(tail: FlightTail | None, stack: list[str] | None) -> str:
     """Where a rank is: the innermost frame of its main thread, and the collectives it has in
     flight (an async one in flight is not necessarily where it blocks)."""
@@ -158,11 +163,7 @@ def _check_desync(s: Stall) -> Diagnosis | None:
 
 def _check_error(s: Stall) -> Diagnosis | None:
     """A rank that raised (not because a peer went away) while the others waited."""
-    raised = sorted(
-        r
-        for r, t in s.tails.items()
-        if t.last_error and t.closed and not any(p in t.last_error for p in PEER_LOST)
-    )
+    raised = sorted(r for r, t in s.tails.items() if t.last_error and t.closed and not _lost_a_peer(t))
     if not raised:
         return None
     t = s.tails[raised[0]]
@@ -180,12 +181,9 @@ def _check_dead(s: Stall) -> Diagnosis | None:
     """A rank that vanished without a clean exit (its victims, who lost the peer, are not it)."""
     tails = s.tails
     # a rank told to stop (SIGTERM) and then gone left on purpose, even if it never closed
-    dead = sorted(
-        r
-        for r in range(s.world)
-        if (r not in tails or not (tails[r].closed or tails[r].stopping)) and s.alive.get(r) is False
-    )
-    victims = [r for r, t in tails.items() if any(p in t.last_error for p in PEER_LOST)]
+    gone = [r for r in range(s.world) if r not in tails or not tails[r].left]
+    dead = sorted(r for r in gone if s.alive.get(r) is False)
+    victims = [r for r, t in tails.items() if _lost_a_peer(t)]
     dead = [r for r in dead if r not in victims] or dead
     if not dead:
         return None
@@ -219,7 +217,7 @@ def _check_peer_lost(s: Stall) -> Diagnosis | None:
     not the culprits, nor is a rank of theirs that vanished meanwhile without a word (its agent
     tearing the attempt down kills what does not stop in time); the ranks no node answered
     for are. Asked before `dead`: with every rank in sight it says nothing."""
-    victims = sorted(r for r, t in s.tails.items() if any(p in t.last_error for p in PEER_LOST))
+    victims = sorted(r for r, t in s.tails.items() if _lost_a_peer(t))
     gone = sorted(set(range(s.world)) - set(s.tails))
     if not victims or not gone:
         return None
@@ -227,9 +225,7 @@ def _check_peer_lost(s: Stall) -> Diagnosis | None:
     at = f" at {', '.join(addresses)}" if addresses else ""
     step = max(s.tails[r].step for r in victims)
     silent = sorted(
-        r
-        for r, t in s.tails.items()
-        if r not in victims and not (t.closed or t.stopping) and s.alive.get(r) is False
+        r for r, t in s.tails.items() if r not in victims and not t.left and s.alive.get(r) is False
     )
     also = f"; {ranks_text(silent)} here vanished meanwhile (torn down with the attempt)" if silent else ""
     return Diagnosis(

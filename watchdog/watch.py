@@ -152,8 +152,8 @@ class HangWatch:
         # a rank told to stop (its agent restarting the job, the user cancelling) may stall or
         # end on its way out: neither a hang nor a crash; the ranks that made it stop are
         # named by their own node, or by the heartbeats if that node is gone
-        dead = [r for r, h in heads.items() if not h.closed and not h.stopping and not alive[r]]
-        running = [h for r, h in heads.items() if not h.closed and not h.stopping and alive[r]]
+        dead = [r for r, h in heads.items() if not h.left and not alive[r]]
+        running = [h for r, h in heads.items() if not h.left and alive[r]]
         failed = any(h.closed and h.last_error for h in heads.values())
         if not dead and not failed and running:
             idle = self.clock() - max(h.progress_t for h in running)
