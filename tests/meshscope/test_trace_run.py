@@ -27,14 +27,18 @@ def test_the_tracer_names_the_poisoned_module_and_rank(tmp_path, where, tensor, 
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out[-3000:]
     events = load_events(tmp_path / "t")
-    nans = events[events["kind"] == "nan"]
-    assert len(nans) == 1, nans
+    nans = events[events["kind"] == "nan"].sort_values(["step", "id"])
+    # The first finding is the fault. On the simulated device (the host runs ahead of its
+    # stream) a busy host can let the poisoned update reach the peers before the flag lands;
+    # their findings then come later and are downstream. On the CPU nothing spreads.
+    assert len(nans) == 1 if device == "cpu" else len(nans) >= 1 and (nans["step"].iloc[1:] > 4).all(), nans
     row = nans.iloc[0]
     detail = row["detail"]
     assert (row["rank"], row["step"]) == (1, 4)
     assert (detail["module"], detail["where"], detail["tensor"]) == (module, where, tensor)
     snapshots = events[events["kind"] == "snapshot"]
-    assert len(snapshots) == 1 and snapshots.iloc[0]["detail"]["path"] == detail["snapshot"]
+    paths = [d["path"] for d in snapshots["detail"]]
+    assert detail["snapshot"] in paths and (len(paths) == 1 or device == "sim"), paths
     # forward: the Inf weight is in the snapshot, so the re-run gives Inf again (exit 0);
     # backward: the NaN came from a hook, not the module, and replay says so (exit 1)
     replay = meshscope("replay", detail["snapshot"])
