@@ -379,6 +379,7 @@ class Monitor:
             mem_reserved=mem.get("reserved", 0),
             mem_rss=mem.get("rss", 0),
             nonfinite=nonfinite,
+            attempt=self.env.restart_count,
         )
 
     def _emit(self, rec: StepRecord) -> None:

@@ -67,6 +67,9 @@ class StepRecord:
     nonfinite: str = ""
     """Logged scalars that were NaN or Inf, comma-separated. The store keeps a NaN as NULL,
     like a value never logged: this says which it was (an unlogged loss is not a NaN loss)."""
+    attempt: int = 0
+    """Which attempt of the job ran the step (torchrun's restart count). A step redone after a
+    restart replaces the earlier attempt's row in `steps`; that row moves to `steps_retried`."""
 
 
 STEP_COLUMNS = tuple(f.name for f in dataclasses.fields(StepRecord))

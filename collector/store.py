@@ -28,6 +28,7 @@ from meshscope.collector.storedb import (
     pg_frame,
     pg_sql,
     pg_tables,
+    retire_sql,
     sqlite_connect,
     sqlite_open,
 )
@@ -43,6 +44,7 @@ EVENT_COLUMNS = ("time", "run_id", "kind", "severity", "rank", "step", "detail")
 
 NUMERIC_STEP_COLUMNS = frozenset(STEP_COLUMNS) - {"run_id", "nonfinite"}
 _STEP_ROW = operator.attrgetter(*STEP_COLUMNS)  # a StepRecord as a row, in one C call
+_STEP_KEY = operator.itemgetter(*(STEP_COLUMNS.index(c) for c in ("rank", "step", "attempt")))
 
 
 def store_path(run_dir: str | Path) -> Path:
@@ -160,6 +162,8 @@ class RunStore:
             else:
                 rows[kind].extend(_ROWS[kind](payload))
         with self._conn:  # one transaction per batch
+            if rows["step"]:  # a restart's redo keeps the earlier attempt's row, in steps_retried
+                self._conn.executemany(_RETIRE, map(_STEP_KEY, rows["step"]))
             for kind, batch in rows.items():
                 if batch:
                     self._conn.executemany(_INSERT[kind], batch)
@@ -196,8 +200,10 @@ _TABLE_OF = {
 
 
 _INSERT = {kind: insert_sql("sqlite", t, cols, replace=keyed) for kind, (t, cols, keyed) in _TABLE_OF.items()}
+_RETIRE = retire_sql("sqlite")
 # What a node's relay ships to the job store: table -> (columns, replaced on its key).
 RELAY_TABLES = {table: (columns, keyed) for table, columns, keyed in _TABLE_OF.values()}
+RELAY_TABLES["steps_retried"] = (STEP_COLUMNS, True)
 
 
 class StoreError(ValueError):
@@ -316,13 +322,29 @@ def read_frame(run_dir: str | Path, sql: str, params: tuple = ()) -> pd.DataFram
 
 
 def load_steps(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:
-    """All StepRecords of a run, ordered by step then rank; a number never measured (NULL in
-    every row, e.g. an unlogged loss) reads as NaN, not as None."""
-    df = read_frame(run_dir, "SELECT * FROM steps WHERE step > ? ORDER BY step, rank", (since_step,))
+    """All StepRecords of a run (the attempt that completed each step), ordered by step then rank."""
+    sql = "SELECT * FROM steps WHERE step > ? ORDER BY step, rank"
+    return _numeric(read_frame(run_dir, sql, (since_step,)))
+
+
+def _numeric(df: pd.DataFrame) -> pd.DataFrame:
+    """A number never measured (NULL in every row, e.g. an unlogged loss) reads as NaN, not None."""
     for column in NUMERIC_STEP_COLUMNS.intersection(df.columns):
         if df[column].dtype == object:
             df[column] = df[column].astype(float)
     return df
+
+
+def load_retried_steps(run_dir: str | Path) -> pd.DataFrame:
+    """The StepRecords a later attempt redid (a restart resumed before them), ordered by
+    attempt, step, rank; empty for a run that never redid a step or a store before version 3."""
+    import pandas as pd
+
+    try:
+        df = read_frame(run_dir, "SELECT * FROM steps_retried ORDER BY attempt, step, rank")
+    except (FileNotFoundError, sqlite3.DatabaseError, pd.errors.DatabaseError):  # kept none
+        return pd.DataFrame(columns=list(STEP_COLUMNS))
+    return _numeric(df)
 
 
 def load_expert_load(run_dir: str | Path, *, since_step: int = -1) -> pd.DataFrame:

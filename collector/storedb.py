@@ -34,12 +34,17 @@ _STEP_TYPES = {
     "world_size": "INTEGER",
     "step": "INTEGER",
     "nonfinite": "TEXT",
+    "attempt": "INTEGER",
 }
 # Version 1 is the schema every store has had; a change appends a version (never edits one).
 _TABLES = """
 CREATE TABLE IF NOT EXISTS steps (
   {step_columns},
   PRIMARY KEY (rank, step)
+);
+CREATE TABLE IF NOT EXISTS steps_retried (
+  {step_columns},
+  PRIMARY KEY (rank, step, attempt)
 );
 CREATE TABLE IF NOT EXISTS expert_load (
   step INTEGER NOT NULL, layer INTEGER NOT NULL, expert INTEGER NOT NULL, tokens {real} NOT NULL,
@@ -66,14 +71,18 @@ CREATE TABLE IF NOT EXISTS grad_stats (
 );
 """
 # 2: steps gained comm_intra_s, comm_inter_s and bytes_inter (added by `_add_step_columns`)
-SCHEMA_VERSION = 2
+# 3: steps gained attempt; steps_retried keeps the rows a restart's attempt redid
+SCHEMA_VERSION = 3
 # The job store only: how far each node's relay has shipped its store (collector/relay.py).
 RELAY_POSITIONS = """CREATE TABLE IF NOT EXISTS relay_positions (
   source TEXT NOT NULL, tbl TEXT NOT NULL, position BIGINT NOT NULL, PRIMARY KEY (source, tbl)
 )"""
+# The tables that hold StepRecords: the run's timeline, and the rows restarts redid.
+STEP_TABLES = ("steps", "steps_retried")
 # The key each table is replaced on (a step written again after a restart replaces the old row).
 TABLE_KEYS = {
     "steps": ("rank", "step"),
+    "steps_retried": ("rank", "step", "attempt"),
     "expert_load": ("step", "layer", "expert"),
     "tensor_stats": ("step", "rank", "module", "where"),
     "grad_stats": ("step", "module"),
@@ -102,6 +111,16 @@ def ddl(dialect: str) -> list[str]:
     columns = ",\n  ".join(f"{c} {_STEP_TYPES.get(c, types['real'])}" for c in STEP_COLUMNS)
     text = _TABLES.format(step_columns=columns, **types)
     return [s.strip() for s in text.split(";") if s.strip()]
+
+
+def retire_sql(dialect: str) -> str:
+    """Copy a step's row to `steps_retried` when a later attempt is about to replace it
+    (parameters: rank, step, the new row's attempt)."""
+    names = ",".join(f'"{c}"' for c in STEP_COLUMNS)
+    select = f"SELECT {names} FROM steps WHERE rank = ? AND step = ? AND attempt < ?"
+    if dialect == "sqlite":
+        return f"INSERT OR IGNORE INTO steps_retried ({names}) {select}"
+    return f"INSERT INTO steps_retried ({names}) {select} ON CONFLICT DO NOTHING"
 
 
 def insert_sql(dialect: str, table: str, columns: tuple[str, ...], *, replace: bool) -> str:
@@ -219,21 +238,24 @@ def sqlite_open(path: Path) -> sqlite3.Connection:
 
 def _add_step_columns(conn: Any, dialect: str) -> None:
     """Columns StepRecord gained since a store was created (a run resumed by a newer meshscope)."""
-    if dialect == "sqlite":
-        have = {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
-    else:
-        have = {
-            row[0]
-            for row in conn.execute(
-                "SELECT column_name FROM information_schema.columns "
-                "WHERE table_schema = current_schema() AND table_name = 'steps'"
-            )
-        }
-    for column in STEP_COLUMNS:
-        if column not in have:
-            kind = _STEP_TYPES.get(column, _DIALECT[dialect]["real"])
-            default = "''" if kind == "TEXT" else "NULL"
-            conn.execute(f"ALTER TABLE steps ADD COLUMN {column} {kind} DEFAULT {default}")
+    for table in STEP_TABLES:
+        if dialect == "sqlite":
+            have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        else:
+            have = {
+                row[0]
+                for row in conn.execute(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_schema = current_schema() AND table_name = %s",
+                    (table,),
+                )
+            }
+        for column in STEP_COLUMNS:
+            if column not in have:
+                kind = _STEP_TYPES.get(column, _DIALECT[dialect]["real"])
+                # a row from before `attempt` was the first attempt
+                default = {"TEXT": "''", "INTEGER": "0"}.get(kind, "NULL")
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind} DEFAULT {default}")
 
 
 # --- PostgreSQL -------------------------------------------------------------------------------

@@ -21,7 +21,14 @@ from meshscope.collector.figures import balancedness as balancedness_of
 from meshscope.collector.figures import tokens_per_second, with_compute
 from meshscope.collector.rundir import STORE_LOCATOR
 from meshscope.collector.schema import anomaly_link
-from meshscope.collector.store import has_store, load_events, load_steps, store_path, store_version
+from meshscope.collector.store import (
+    has_store,
+    load_events,
+    load_retried_steps,
+    load_steps,
+    store_path,
+    store_version,
+)
 from meshscope.explain.facts import Anomaly, RunFacts
 
 LIVE_WITHIN_S = 30.0  # a run whose store changed this recently is shown as running
@@ -79,6 +86,18 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
         updated=pd.Timestamp(store_version(run_dir), unit="s"),
     )
     return row
+
+
+def redone_steps(run_dir: Path, steps: pd.DataFrame) -> pd.DataFrame:
+    """Every attempt's rows at the steps a restart redid: the earlier attempts' (kept apart in
+    the store) beside the one that completed them, so a recovered fault keeps its trace."""
+    earlier = load_retried_steps(run_dir)
+    if earlier.empty:
+        return earlier
+    redone = pd.MultiIndex.from_frame(earlier[["rank", "step"]])
+    completed = steps[pd.MultiIndex.from_frame(steps[["rank", "step"]]).isin(redone)]
+    both = with_compute(pd.concat([earlier, completed], ignore_index=True))
+    return both.assign(attempt=both["attempt"].astype(int).astype(str), rank=both["rank"].astype(str))
 
 
 def runs_table(runs_dir: Path) -> pd.DataFrame:

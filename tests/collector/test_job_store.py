@@ -28,6 +28,7 @@ from meshscope.collector.store import (
     latest_step,
     load_events,
     load_expert_load,
+    load_retried_steps,
     load_steps,
     store_path,
     store_version,
@@ -79,12 +80,15 @@ def test_two_nodes_relay_into_one_job_store_and_either_node_reads_every_rank(tmp
         assert load_expert_load(run)["tokens"].tolist() == [1.0, 2.0, 3.0, 4.0]
         assert latest_step(run, rank=3) == 5
     assert "schema ms_job_a" in describe_store(a) and "password" not in describe_store(a)
-    # a step written again (a restart) replaces its row, as on SQLite
+    # a step redone by a restart's attempt replaces its row, as on SQLite; the first attempt's
+    # row reaches the job store too, kept apart
     again = RunStore(b)
-    again.add_step(_step(3, 5, loss=7.0))
+    again.add_step(_step(3, 5, loss=7.0, attempt=1))
     again.close()
     assert _relay(b).drain()  # a relay started afresh goes on where the last one committed
-    assert load_steps(a).query("rank == 3 and step == 5")["loss"].tolist() == [7.0]
+    assert load_steps(a).query("rank == 3 and step == 5")[["loss", "attempt"]].values.tolist() == [[7.0, 1]]
+    kept = load_retried_steps(a)
+    assert kept[["rank", "step", "attempt", "loss"]].values.tolist() == [[3, 5, 0, 1.0]]
     assert len(load_events(a, kind="fault")) == 1  # and ships nothing twice
 
 

@@ -12,6 +12,7 @@ from meshscope.collector.store import (
     latest_step,
     load_events,
     load_expert_load,
+    load_retried_steps,
     load_steps,
     store_path,
 )
@@ -25,8 +26,7 @@ def rec(rank, step, **kw):
         step=step,
         time=time.time(),
         step_s=0.1,
-        loss=1.0 / (step + 1),
-        **kw,
+        **{"loss": 1.0 / (step + 1), **kw},
     )
 
 
@@ -125,3 +125,48 @@ def test_nonfinite_mask_tells_unlogged_from_nan_with_and_without_the_column():
     # a store from before the column: NaN counts only on a rank that logged a loss at all
     old = pd.DataFrame({"rank": [0, 0, 1, 1], "loss": [1.0, np.nan, np.nan, np.nan]})
     assert nonfinite_mask(old).tolist() == [False, True, False, False]
+
+
+def test_a_step_redone_by_a_later_attempt_keeps_the_earlier_row_apart(tmp_path):
+    first = RunStore(tmp_path)
+    for step in range(5):
+        first.add_step(rec(0, step, attempt=0))
+    first.close()
+    again = RunStore(tmp_path)  # the restart resumed from step 3's checkpoint
+    for step in range(3, 7):
+        again.add_step(rec(0, step, attempt=1, loss=9.0))
+    again.add_step(rec(0, 6, attempt=1, loss=8.0))  # the same attempt again: replaced, not kept
+    again.close()
+    steps = load_steps(tmp_path)
+    assert steps[["step", "attempt"]].values.tolist() == [
+        [0, 0],
+        [1, 0],
+        [2, 0],
+        [3, 1],
+        [4, 1],
+        [5, 1],
+        [6, 1],
+    ]
+    assert steps["loss"].iloc[-1] == 8.0
+    kept = load_retried_steps(tmp_path)
+    assert kept[["step", "attempt"]].values.tolist() == [[3, 0], [4, 0]]
+    assert kept["loss"].tolist() == [0.25, 0.2]  # the first attempt's own figures
+
+
+def test_a_store_from_before_attempts_is_migrated_in_place(tmp_path):
+    path = store_path(tmp_path)
+    old = sqlite3.connect(path)  # a version-2 store: steps without `attempt`, no steps_retried
+    old.execute(
+        "CREATE TABLE steps (run_id TEXT, rank INTEGER, world_size INTEGER, step INTEGER, "
+        "time REAL, step_s REAL, PRIMARY KEY (rank, step))"
+    )
+    old.execute("INSERT INTO steps VALUES ('r', 0, 1, 0, 0.0, 0.5)")
+    old.execute("PRAGMA user_version=2")
+    old.commit()
+    old.close()
+    assert load_retried_steps(tmp_path).empty  # a reader of an old store finds none kept
+    again = RunStore(tmp_path)
+    again.add_step(rec(0, 0, attempt=1))
+    again.close()
+    assert load_steps(tmp_path)["attempt"].tolist() == [1]
+    assert load_retried_steps(tmp_path)[["step", "attempt", "step_s"]].values.tolist() == [[0, 0, 0.5]]

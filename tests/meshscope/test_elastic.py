@@ -12,7 +12,13 @@ import torch.distributed.checkpoint as dcp
 
 from fixtures.ports import free_port_range
 from fixtures.runs import REPO, TINY, start_run
-from meshscope.collector.store import latest_step, load_events, load_expert_load, load_steps
+from meshscope.collector.store import (
+    latest_step,
+    load_events,
+    load_expert_load,
+    load_retried_steps,
+    load_steps,
+)
 from meshscope.config import load_config
 from meshscope.trainer.model import MoELM
 
@@ -30,7 +36,7 @@ def final_params(run_dir):
     return newest.name, state["model"]
 
 
-def test_kill9_of_a_worker_resumes_and_ends_bit_identical(tmp_path):
+def test_kill9_of_a_worker_resumes_and_ends_bit_identical(tmp_path, monkeypatch):
     flags = ("--steps", "40", "--checkpoint-every", "5", "--max-restarts", "2")
     clean = meshscope_run(tmp_path, "clean", *flags)
     out_clean, _ = clean.communicate(timeout=240)
@@ -53,11 +59,37 @@ def test_kill9_of_a_worker_resumes_and_ends_bit_identical(tmp_path):
     assert resume["steps_lost"] == 17 - resume["from_step"]
     steps = load_steps(tmp_path / "killed")
     assert sorted(steps["step"].unique()) == list(range(40))
+    _the_first_attempt_is_kept(tmp_path / "killed", steps, resume["from_step"], monkeypatch)
     name_a, a = final_params(tmp_path / "clean")
     name_b, b = final_params(tmp_path / "killed")
     assert name_a == name_b == "step_00000040"
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def _the_first_attempt_is_kept(run_dir, steps, from_step, monkeypatch):
+    """The steps the restart redid keep the killed attempt's rows beside the redo's, in the store
+    and on the view's Run page."""
+    import json
+
+    from streamlit.testing.v1 import AppTest
+
+    retried = load_retried_steps(run_dir)
+    assert set(retried["attempt"]) == {0}
+    for rank in (0, 1):  # what both ranks completed after the checkpoint and before the kill
+        assert sorted(retried[retried["rank"] == rank]["step"]) == list(range(from_step, 17)), retried
+    redone = steps.merge(retried[["rank", "step"]], on=["rank", "step"])
+    assert len(redone) == len(retried) and set(redone["attempt"]) == {1}
+    assert set(steps[steps["step"] < from_step]["attempt"]) == {0}
+    monkeypatch.setenv("MESHSCOPE_VIEW_RUNS_DIR", str(run_dir.parent))
+    at = AppTest.from_file(str(REPO / "view" / "app.py"), default_timeout=60)
+    at.query_params["run"] = run_dir.name
+    at.run()
+    at.switch_page("screens/run.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    charts = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    assert "step time per attempt (s)" in charts
+    assert any("ran in 2 attempts" in c.value for c in at.caption)
 
 
 def _descendants(pid):

@@ -65,6 +65,21 @@ if across_nodes(steps):  # gradients crossed nodes
         per_hop = hops.groupby(["step", "hop"], as_index=False)["seconds"].mean()
         title = "communication inside / across nodes (s)"
         st.plotly_chart(px.line(per_hop, x="step", y="seconds", color="hop", title=title), key="hops")
+redone = data.redone_steps(run_dir, steps)
+if not redone.empty:
+    st.subheader("Steps redone after a restart")
+    first, last = int(redone["step"].min()), int(redone["step"].max())
+    st.caption(
+        f"Steps {first}–{last} ran in {redone['attempt'].nunique()} attempts: a restart resumed from an "
+        "earlier checkpoint. The charts above show the attempt that completed each step; "
+        "here is every attempt."
+    )
+    st.plotly_chart(
+        px.line(
+            redone, x="step", y="step_s", color="attempt", line_dash="rank", title="step time per attempt (s)"
+        ),
+        key="attempts",
+    )
 events = data.timeline(facts.events)
 st.subheader("Events")
 if events.empty:
