@@ -15,6 +15,10 @@ strengths, N runs per cell (onset step and rank vary), plus N clean runs, each a
 injected cause ranked first, on the injected rank where the cause names one; the rate per
 kind comes with a Wilson 95 % interval; a clean run should have nothing to explain.
 
+Both modes end with a reliability table: every cause shown (the first and any after it), by
+its confidence, against how often it was right (a cause on a clean run is wrong by definition),
+and the Brier score. A confidence means something when each bin's rate is at or above it.
+
     .venv/bin/python benchmarks/root_cause.py [--record [RUN...]] [--fresh N]
 """
 
@@ -47,8 +51,9 @@ def judge(run: Path) -> dict:
     causes = explain(run)
     took = time.perf_counter() - t0
     top = causes[0] if causes else None
-    ok = top is not None and top.kind == want and (not rank_known or top.ranks == [rank])
+    ok = top is not None and _right(top, want, rank_known, rank)
     return {
+        "shown": [(c.confidence, _right(c, want, rank_known, rank)) for c in causes],
         "run": run.name,
         "kind": kind,
         "want": want,
@@ -59,6 +64,39 @@ def judge(run: Path) -> dict:
         "seconds": took,
         "causes": causes,
     }
+
+
+def _right(cause, want: str, rank_known: bool, rank: int) -> bool:
+    """A cause is right when it is the injected kind, on the injected rank where it names one."""
+    return cause.kind == want and (not rank_known or cause.ranks == [rank])
+
+
+# Confidence bins of the reliability table: does a cause shown at 0.9 come true nine times in ten?
+BINS = ((0.5, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.01))
+
+
+def reliability(shown: list[tuple[float, bool]]) -> None:
+    """Every cause explain showed (not only the first), by confidence: how many were right, the
+    Wilson interval of that rate, and the Brier score (0 is perfect; 0.25 is a coin)."""
+    from detection_strength import wilson
+
+    print(
+        "\n| confidence | causes shown | right | rate | Wilson 95 % | mean confidence |"
+        "\n|---|---|---|---|---|---|"
+    )
+    for lo, hi in BINS:
+        cell = [(c, ok) for c, ok in shown if lo <= c < hi]
+        if not cell:
+            continue
+        right = sum(ok for _, ok in cell)
+        w_lo, w_hi = wilson(right, len(cell))
+        mean = sum(c for c, _ in cell) / len(cell)
+        print(
+            f"| {lo:.1f}–{min(hi, 1.0):.1f} | {len(cell)} | {right} | {right / len(cell):.0%} | "
+            f"{w_lo:.0%}–{w_hi:.0%} | {mean:.2f} |"
+        )
+    brier = sum((c - ok) ** 2 for c, ok in shown) / len(shown) if shown else float("nan")
+    print(f"\nBrier score over {len(shown)} causes shown: {brier:.3f}")
 
 
 def record(only: list[str] | None = None) -> None:
@@ -125,6 +163,7 @@ def fresh(repeats: int) -> None:
     print("| kind | strength | onset | rank | ranked first | its ranks | confidence | hit |")
     print("|---|---|---|---|---|---|---|---|")
     per_kind: dict[str, list[bool]] = {}
+    shown: list[tuple[float, bool]] = []
     for kind, (strengths, spec) in FRESH.items():
         want, rank_known = EXPECTED[kind]
         for s in strengths:
@@ -136,7 +175,8 @@ def fresh(repeats: int) -> None:
                 )
                 causes = explain(run)
                 top = causes[0] if causes else None
-                hit = top is not None and top.kind == want and (not rank_known or top.ranks == [rank])
+                hit = top is not None and _right(top, want, rank_known, rank)
+                shown += [(c.confidence, _right(c, want, rank_known, rank)) for c in causes]
                 per_kind.setdefault(kind, []).append(hit)
                 first = f"{top.kind} | {top.ranks} | {top.confidence:.2f}" if top else "- | - | -"
                 print(f"| {kind} | {s} | {step} | {rank} | {first} | {'yes' if hit else 'NO'} |")
@@ -144,6 +184,7 @@ def fresh(repeats: int) -> None:
     for i in range(repeats):
         causes = explain(_run(config, Path(tempfile.mkdtemp()), f"clean-{i}", FRESH_STEPS, []))
         quiet.append(not causes)
+        shown += [(c.confidence, False) for c in causes]  # a clean run has nothing to explain
         print(
             f"| clean | - | - | - | {causes[0].kind if causes else 'nothing to explain'} | | | "
             f"{'yes' if not causes else 'NO'} |"
@@ -156,6 +197,7 @@ def fresh(repeats: int) -> None:
     lo, hi = wilson(sum(every), len(every))
     rate = sum(every) / len(every)
     print(f"\nall injected: {sum(every)}/{len(every)} = {rate:.0%} (Wilson 95 % {lo:.0%}–{hi:.0%})")
+    reliability(shown)
 
 
 def main() -> None:
@@ -183,6 +225,7 @@ def main() -> None:
         f"\ninjected cause ranked first: {hits}/{len(rows)} = {hits / len(rows):.1%}; "
         f"explain took {max(r['seconds'] for r in rows):.2f} s at most per run"
     )
+    reliability([pair for r in rows for pair in r["shown"]])
 
 
 if __name__ == "__main__":
