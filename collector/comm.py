@@ -79,16 +79,16 @@ class CommWindow:
     bytes_raw: int = 0
     bytes_wire: int = 0
     bytes_inter: int = 0
+    bytes_a2a: int = 0
     hops: list[tuple[str, Any, Any]] = field(default_factory=list)
     """(kind, start, end) of each hop a hook timed: intra- or inter-node (`HOP_KINDS`)."""
 
     def hop_seconds(self, probe: Any) -> dict[str, float]:
-        """Seconds per hop kind over the step; NaN for both when no hook timed its hops."""
-        if not self.hops:
-            return dict.fromkeys(HOP_KINDS, math.nan)
-        out = dict.fromkeys(HOP_KINDS, 0.0)
+        """Seconds per hop kind over the step; NaN for a kind nothing timed."""
+        out = dict.fromkeys(HOP_KINDS, math.nan)
         for kind, a, b in self.hops:
-            out[kind] += probe.seconds(a, b)
+            seconds = probe.seconds(a, b)
+            out[kind] = seconds if math.isnan(out[kind]) else out[kind] + seconds
         return out
 
 
@@ -129,6 +129,11 @@ class CommMeter:
             self._window.bytes_raw += raw
             self._window.bytes_wire += wire
             self._window.bytes_inter += inter
+
+    def count_exchange(self, wire: int) -> None:
+        """Add the bytes one expert all-to-all sent to this window."""
+        with self._lock:
+            self._window.bytes_a2a += wire
 
     def launched(self, raw: int, wire: int, inter: int = 0) -> list[Any]:
         """A bucket's collective was issued: returns its timing span."""

@@ -197,6 +197,7 @@ class MeshscopeMetrics:
         c["bytes_inter_node"].inc(sum(r.bytes_inter for r in recs))
         c["comm_intra_node"].inc(sum(r.comm_intra_s for r in recs if math.isfinite(r.comm_intra_s)))
         c["comm_inter_node"].inc(sum(r.comm_inter_s for r in recs if math.isfinite(r.comm_inter_s)))
+        c["comm_expert_all_to_all"].inc(sum(r.comm_a2a_s for r in recs if math.isfinite(r.comm_a2a_s)))
         last = recs[-1]
         c["forward"].set(last.forward_s)
         c["backward"].set(last.backward_s)

@@ -346,6 +346,9 @@ class Monitor:
         phases = {name: sec(*span) for name, span in p.phases.items()}
         comm_total, comm_exposed = step_comm_seconds(self.probe, p.comm, p.bounds[0])
         hops = p.comm.hop_seconds(self.probe)
+        a2a = hops["expert_all_to_all"]
+        if math.isfinite(a2a):  # the step waited for its expert all-to-all: communication too
+            comm_total, comm_exposed = comm_total + a2a, comm_exposed + a2a
         scalars = dict(p.scalars)
         if p.window is not None:
             scalars.update(zip(p.device_keys, p.window.values(p.offset, len(p.device_keys))))
@@ -371,6 +374,8 @@ class Monitor:
             comm_intra_s=hops["intra_node"],
             comm_inter_s=hops["inter_node"],
             bytes_inter=p.comm.bytes_inter,
+            comm_a2a_s=a2a,
+            bytes_a2a=p.comm.bytes_a2a,
             loss=scalars.get("loss", math.nan),
             grad_norm=scalars.get("grad_norm", math.nan),
             tokens=p.tokens,

@@ -36,6 +36,7 @@ def summarize(steps: pd.DataFrame, expert_load: pd.DataFrame | None = None) -> d
         "loss_last": float(steps.sort_values("step")["loss"].iloc[-1]),
     }
     out.update(across_nodes(steps))
+    out.update(expert_exchange(steps))
     imb = expert_imbalance(expert_load if expert_load is not None else pd.DataFrame())
     out["expert_imbalance_max"] = float(imb["imbalance"].max()) if not imb.empty else math.nan
     out["expert_imbalance_mean"] = float(imb["imbalance"].mean()) if not imb.empty else math.nan
@@ -52,6 +53,19 @@ def across_nodes(steps: pd.DataFrame) -> dict[str, float]:
     return {
         "inter_node_bytes_per_step": float(steps["bytes_inter"].mean()),
         "inter_node_time_share": float(hops.get("inter_node", 0.0) / timed) if timed > 0 else math.nan,
+    }
+
+
+def expert_exchange(steps: pd.DataFrame) -> dict[str, float]:
+    """Expert parallelism's all-to-all: seconds and bytes per rank and step, and its share of
+    the step; empty for a run without expert parallelism."""
+    if "comm_a2a_s" not in steps or not steps["comm_a2a_s"].notna().any():
+        return {}
+    a2a = steps["comm_a2a_s"].fillna(0.0)
+    return {
+        "a2a_s_per_step": float(a2a.mean()),
+        "a2a_bytes_per_step": float(steps["bytes_a2a"].mean()),
+        "a2a_step_share": float(a2a.sum() / steps["step_s"].sum()) if steps["step_s"].sum() > 0 else math.nan,
     }
 
 

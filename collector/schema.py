@@ -29,7 +29,9 @@ EVENT_KINDS = frozenset(
     }
 )
 SEVERITIES = ("info", "warning", "critical")
-HOP_KINDS = ("intra_node", "inter_node")  # the hops a reduction across nodes is timed in
+# What the meter times apart: the hops of a reduction across nodes, and expert parallelism's
+# all-to-all (dispatch and combine, forward and backward)
+HOP_KINDS = ("intra_node", "inter_node", "expert_all_to_all")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -57,6 +59,11 @@ class StepRecord:
     """Communication across nodes, likewise (the hierarchical all-reduce's middle hop)."""
     bytes_inter: int = 0
     """This rank's share of the gradient bytes that crossed the node boundary."""
+    comm_a2a_s: float = math.nan
+    """Expert parallelism's all-to-all (NaN: no expert parallelism): the step waits for it, so
+    it counts in `comm_exposed_s` and `comm_total_s` too."""
+    bytes_a2a: int = 0
+    """Bytes this rank sent in the expert all-to-all (token slots out and results back)."""
     loss: float = math.nan
     grad_norm: float = math.nan
     tokens: int = 0

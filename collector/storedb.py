@@ -71,7 +71,8 @@ CREATE TABLE IF NOT EXISTS grad_stats (
 );
 """
 # 2: steps gained comm_intra_s, comm_inter_s and bytes_inter (added by `_add_step_columns`)
-# 3: steps gained attempt; steps_retried keeps the rows a restart's attempt redid
+# 3: steps gained attempt (steps_retried keeps the rows a restart's attempt redid), comm_a2a_s
+#    and bytes_a2a (expert parallelism's all-to-all)
 SCHEMA_VERSION = 3
 # The job store only: how far each node's relay has shipped its store (collector/relay.py).
 RELAY_POSITIONS = """CREATE TABLE IF NOT EXISTS relay_positions (

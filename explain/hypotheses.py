@@ -340,11 +340,11 @@ def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
         ]
     else:
         title = f"{d.get('what', 'loss')} became {d.get('value', 'non-finite')} at step {step}"
-        evidence = [
-            f"{d.get('what', 'loss')} = {d.get('value')} on {_who(ranks)}; no module "
-            "was localised (tracer off?)"
-        ]
+        why = d.get("note") or "no module was localised (tracer off?)"
+        evidence = [f"{d.get('what', 'loss')} = {d.get('value')} on {_who(ranks)}; {why}"]
     action = "rerun with `--trace nonfinite` (the default) to name the module and snapshot it"
+    if "expert parallelism" in d.get("note", ""):
+        action = "rerun with `--set parallel.ep=1` and the same seed to name the module"
     if len(snaps):
         path = snaps.iloc[0]["detail"].get("path")
         evidence.append(f"snapshot: {path}")

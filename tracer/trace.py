@@ -83,6 +83,7 @@ class TensorTracer:
         self._rng: tuple[torch.Tensor, Any] | None = None
         self._flags: list[tuple[int, Readback, Callable[[], torch.Tensor] | None, Any]] = []
         self._lag_note = ""  # while a late re-run is judged: what its findings must say
+        self.no_rerun = "no re-run given to localise it"  # why, when a step brings none
         if self.config.mode == "full":
             self._attach()
 
@@ -223,9 +224,7 @@ class TensorTracer:
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])
         if rerun is None:
-            self._emit(
-                self._unlocalised(step, "loss or gradient norm non-finite; no re-run given to localise it")
-            )
+            self._emit(self._unlocalised(step, f"loss or gradient norm non-finite; {self.no_rerun}"))
             return
         self._localise(step, rerun, rng, report_transient=own_loss_bad or not has_loss)
 

@@ -106,6 +106,7 @@ class CheckpointManager:
         if self.group is not None and world_size > 1:
             self._split_by_node(node)
         self._pending: threading.Thread | None = None
+        self.sharded: Any = None  # experts.ShardedExperts under expert parallelism
 
     def _split_by_node(self, node: int) -> None:
         """On nodes that do not share the folder, each node saves and loads a copy of its own."""
@@ -147,8 +148,7 @@ class CheckpointManager:
             shutil.rmtree(partial)
         self._barrier(self.save_group)
         partial.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self._state(model, optimizer)
         torch.save(local, partial / f"local_rank{self.rank}.pt")
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.save_group)
@@ -159,6 +159,13 @@ class CheckpointManager:
         else:
             dcp.save(state, checkpoint_id=str(partial), process_group=self.save_group)
             self._finish(step, partial, None)
+
+    def _state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What DCP saves and loads: model and optimizer, sharded experts as DTensors."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        if self.sharded is not None:
+            return self.sharded.wrap(model_sd, optim_sd)
+        return {"model": model_sd, "optim": optim_sd}
 
     def _finish(self, step: int, partial: Path, future: Any) -> None:
         if future is not None:
@@ -240,9 +247,10 @@ class CheckpointManager:
         if path is None:
             return None, refused
         manifest = verify(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self._state(model, optimizer)
         dcp.load(state, checkpoint_id=str(path), process_group=self.save_group)
+        if self.sharded is not None:
+            state = self.sharded.unwrap(state)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return Restored(step=manifest["step"], path=path, world_size=manifest["world_size"]), refused
 

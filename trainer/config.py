@@ -102,6 +102,17 @@ class TrainConfig(_Strict):
         return self
 
 
+class ParallelConfig(_Strict):
+    """How the model is laid over the ranks, beyond data parallelism."""
+
+    ep: int = Field(
+        1,
+        gt=0,
+        description="expert parallelism: each MoE layer's experts sharded over groups of ep ranks "
+        "inside a node (exchanged by all-to-all); must divide nproc and model.experts",
+    )
+
+
 class ElasticConfig(_Strict):
     """Surviving failures: checkpoints, restarts, heartbeats, membership."""
 
@@ -214,6 +225,7 @@ class TrainerConfig(_Strict):
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 
     @field_validator("metrics_host")
@@ -233,8 +245,22 @@ class TrainerConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _expert_parallel(self) -> TrainerConfig:
+        ep = self.parallel.ep
+        if ep > 1 and self.nproc % ep:  # EP groups stay inside a node: any node count then fits
+            raise ValueError(f"parallel.ep: {ep} does not divide nproc {self.nproc} (the ranks of a node)")
+        if self.model.experts % ep:
+            raise ValueError(f"parallel.ep: {ep} does not divide model.experts {self.model.experts}")
+        return self
+
+    @model_validator(mode="after")
     def _injections(self) -> TrainerConfig:
-        from meshscope.trainer.inject import InjectionError, check_against_model, parse_injection
+        from meshscope.trainer.inject import (
+            InjectionError,
+            check_against_model,
+            check_expert_holders,
+            parse_injection,
+        )
 
         injections = []
         for spec in self.inject:
@@ -258,6 +284,7 @@ class TrainerConfig(_Strict):
             world = self.nproc * int(self.elastic.nnodes.rpartition(":")[2])
             try:
                 check_against_model(injections, model, world)
+                check_expert_holders(injections, self.model.experts, self.parallel.ep)
             except InjectionError as err:
                 raise ValueError(f"inject: {err}") from None
         return self

@@ -223,6 +223,10 @@ class ElasticRun:
         RNG, compression error feedback) and say what was lost."""
         if self.ckpt is None:
             return
+        if state.experts is not None:  # expert parallelism: experts are saved as shards
+            from meshscope.trainer.experts import ShardedExperts
+
+            self.ckpt.sharded = ShardedExperts(state.model, state.experts.mesh)
         restored, refused = self.ckpt.restore(state.model, state.optimizer)
         if self.env.rank == 0:
             for reason in refused:

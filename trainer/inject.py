@@ -134,6 +134,16 @@ def resolve_target(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, 
             module = model.get_submodule(parent)
         except AttributeError:
             module = None
+        owner = model.get_submodule(parent.rpartition(".")[0]) if module is not None else None
+        mesh = getattr(owner, "expert_mesh", None)  # expert parallelism: this rank holds a slice
+        if mesh is not None:
+            held = mesh.local_experts(owner.router.experts)
+            if int(last) not in held:
+                raise InjectionError(
+                    f"--inject nan: expert {last} of {parent!r} is not held by this rank "
+                    f"(it holds {held.start}..{held.stop - 1})"
+                )
+            return module, int(last) - held.start
         count = stacked_experts(module) if module is not None else None
         if count is not None:
             if int(last) < count:
@@ -145,6 +155,21 @@ def resolve_target(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, 
         f"--inject nan: no module {path!r} in the model (e.g. {', '.join((near or names)[:8])}; "
         "an expert inside stacked experts: PATH.INDEX)"
     )
+
+
+def check_expert_holders(injections: Iterable[Injection], experts: int, ep: int) -> None:
+    """Under expert parallelism an expert lives on the ranks r with r % ep == its EP rank: an
+    injection into one expert must name such a rank."""
+    per = experts // ep
+    for inj in injections:
+        path = inj.param("module") if inj.kind == "nan" else ""
+        last = str(path).rpartition(".")[2]
+        if ep > 1 and ".experts." in f"{path}" and last.isdigit() and inj.rank % ep != int(last) // per:
+            holder = int(last) // per
+            raise InjectionError(
+                f"--inject {inj.kind}: expert {last} is held by the ranks r with r % {ep} == {holder} "
+                f"(parallel.ep={ep}), not rank {inj.rank}"
+            )
 
 
 def check_against_model(injections: Iterable[Injection], model: torch.nn.Module, world: int) -> None:

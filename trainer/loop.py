@@ -22,6 +22,7 @@ from meshscope.trainer.controls import ControlApplier
 from meshscope.trainer.data import SyntheticTokens
 from meshscope.trainer.device import Device
 from meshscope.trainer.elastic import ElasticRun
+from meshscope.trainer.experts import EXCHANGE_KIND, ExpertGradSync, expert_mesh, grad_norm, shard_experts
 from meshscope.trainer.hierarchy import (
     hierarchical_hook,
     hierarchical_wire_bytes,
@@ -46,6 +47,7 @@ class TrainState:
     step: int = 0
     tracer: Any = None  # tracer.TensorTracer when tracing is on
     inspector: Any = None  # tracer.GradientInspector, on rank 0
+    experts: ExpertGradSync | None = None  # expert parallelism: expert gradients over replicas
 
 
 def gradient_hook(cfg: TrainerConfig, device: Device, mon: Monitor) -> HookSpec:
@@ -75,6 +77,13 @@ def build(
     """Model, DDP with the chosen hook (registered through the Monitor), optimizer and data."""
     torch.manual_seed(cfg.train.seed)  # same init on every rank; DDP also broadcasts it
     model = MoELM(cfg.model).to(device.torch_device)
+    experts = None
+    if cfg.parallel.ep > 1:  # before DDP: it must neither broadcast nor reduce expert weights
+        mesh = expert_mesh(cfg.parallel.ep)
+        mesh.timer = lambda: mon.meter.hop(EXCHANGE_KIND)
+        mesh.count = mon.meter.count_exchange
+        DDP._set_params_and_buffers_to_ignore_for_model(model, shard_experts(model, mesh))
+        experts = ExpertGradSync.attach(model, mesh)
     if injector is not None:
         injector.arm(model)
     if world_size > 1:
@@ -111,7 +120,9 @@ def build(
         rank=rank,
         world_size=world_size,
     )
-    return TrainState(model=model, ddp=ddp, optimizer=optimizer, data=data, hook_state=hook_state)
+    return TrainState(
+        model=model, ddp=ddp, optimizer=optimizer, data=data, hook_state=hook_state, experts=experts
+    )
 
 
 def train_step(
@@ -137,7 +148,7 @@ def train_step(
         with s.phase("optimizer"):
             if state.inspector is not None:
                 state.inspector.before_clip(state.step)
-            grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)
+            grad_norm = clip_gradients(state, cfg.train.grad_clip)
             step_if_finite(state.optimizer, grad_norm)
             if state.inspector is not None:
                 state.inspector.after_update()
@@ -151,9 +162,22 @@ def train_step(
             loss, _ = state.model.loss(state.model(inputs), targets)
             return injector.poison_loss(loss, step)
 
-        state.tracer.step_end(loss=loss, grad_norm=grad_norm, rerun=rerun)
+        if state.experts is not None:  # a re-run would exchange tokens with peers not re-running
+            state.tracer.no_rerun = "not localised under expert parallelism (a re-run needs every EP peer)"
+        state.tracer.step_end(loss=loss, grad_norm=grad_norm, rerun=rerun if state.experts is None else None)
     injector.step_took(state.step, time.perf_counter() - started)
     state.step += 1
+
+
+def clip_gradients(state: TrainState, max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm` by the whole model's gradient norm (returned); under expert
+    parallelism once the expert gradients are reduced, with the norm every rank shares."""
+    if state.experts is None:
+        return torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm)
+    state.experts.wait()
+    norm = grad_norm(state.model, state.experts.mesh)
+    torch.nn.utils.clip_grads_with_norm_(state.model.parameters(), max_norm, norm)
+    return norm
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: Device) -> torch.optim.Optimizer:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshscope.trainer.config import ModelConfig
+from meshscope.trainer.experts import ExpertMesh, dispatch_and_combine
 
 
 class Router(nn.Module):
@@ -95,10 +96,14 @@ class MoEFeedForward(nn.Module):
         self.expert_token_counts = torch.zeros(cfg.experts)
         self.aux_loss = torch.zeros(())
         self.z_loss = torch.zeros(())
+        # Expert parallelism (trainer/experts.py): this layer holds only its EP rank's experts
+        # and exchanges slots with its EP peers; `expert_work` counts the tokens they processed.
+        self.expert_mesh: ExpertMesh | None = None
+        self.expert_work = torch.zeros(0)
 
     def capacity(self, tokens: int) -> int:
         """Tokens each expert takes at most in a batch of `tokens`."""
-        k, e = self.router.top_k, len(self.experts)
+        k, e = self.router.top_k, self.router.experts
         return max(1, math.ceil(self.capacity_factor * tokens * k / e))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +111,7 @@ class MoEFeedForward(nn.Module):
         flat = x.reshape(-1, shape[-1])
         tokens, d = flat.shape
         weights, chosen, self.aux_loss, self.z_loss = self.router(flat)
-        experts, k, cap = len(self.experts), self.router.top_k, self.capacity(tokens)
+        experts, k, cap = self.router.experts, self.router.top_k, self.capacity(tokens)
         # Assignments in (token, choice) order; an expert serves them first come, first served.
         assigned = F.one_hot(chosen.reshape(-1), experts)  # [T*k, E]
         self.expert_token_counts = assigned.sum(dim=0).to(self.expert_token_counts.dtype)
@@ -115,8 +120,17 @@ class MoEFeedForward(nn.Module):
         spare = experts * cap  # one extra row takes every dropped assignment
         slot = torch.where(kept, chosen.reshape(-1) * cap + queue_pos, spare)
         source = flat.repeat_interleave(k, dim=0)  # row i = the token of assignment i
-        table = flat.new_zeros(spare + 1, d).index_copy(0, slot, source)
-        y = self.experts(table[:spare].view(experts, cap, d)).reshape(spare, d)
+        if self.expert_mesh is None:
+            table = flat.new_zeros(spare + 1, d).index_copy(0, slot, source)
+            y = self.experts(table[:spare].view(experts, cap, d)).reshape(spare, d)
+        else:  # a last column marks the filled slots, so the holder counts what it processed
+            source = torch.cat([source, source.new_ones(source.shape[0], 1)], dim=1)
+            table = flat.new_zeros(spare + 1, d + 1).index_copy(0, slot, source)
+            y, work = dispatch_and_combine(
+                table[:spare].view(experts, cap, d + 1), self.experts, self.expert_mesh
+            )
+            self.expert_work = work.detach()
+            y = y.reshape(spare, d)
         y = torch.cat([y, y.new_zeros(1, d)])
         gate = (weights.reshape(-1) * kept).unsqueeze(-1)  # dropped assignments add nothing
         out = (y.index_select(0, slot) * gate).view(tokens, k, d).sum(dim=1)

@@ -22,6 +22,12 @@ on gloo alone can take enqueue for completion. The sim gives a CPU run those sem
 The sim's device is the host, so it cannot tell a host tensor from a device one: its device
 type is "cpu". What it proves is ordering and completion, not placement (the refusal of host
 tensors by a real accelerator group is tested with gloo's `cuda:gloo` groups).
+
+Nor does it order the host's own arithmetic after a collective: on a device, a kernel enqueued
+after DDP's all-reduce runs after it (DDP's future makes the compute stream wait); here the
+host runs it at once, so a value read from a bucket before a `Work.wait()` (or a synchronous
+collective, which waits for everything enqueued before it) may predate the reduction. Training
+numbers are compared on gloo, or read after such a wait.
 """
 
 from __future__ import annotations

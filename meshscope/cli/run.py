@@ -97,6 +97,7 @@ def _print_header(cfg: RunConfig, alerts: AlertPath) -> None:
     console.print(
         f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device} ({cfg.backend}), "
         f"compression={cfg.train.compression}, overlap={cfg.train.overlap}"
+        + (f", experts sharded over groups of {cfg.parallel.ep} ranks" if cfg.parallel.ep > 1 else "")
     )
     console.print(f"  store    {describe_store(cfg.run_dir)}")
     if warning := launcher.store_warning(cfg):
@@ -200,6 +201,14 @@ def _across_nodes_cell(s: dict[str, float]) -> str:
     return cell + (f", {share:.0%} of communication time" if math.isfinite(share) else "")
 
 
+def _exchange_cell(s: dict[str, float]) -> str:
+    """Expert parallelism's all-to-all: time, bytes, and its share of the step."""
+    return (
+        f"{s['a2a_s_per_step'] * 1e3:.1f} ms, {s['a2a_bytes_per_step'] / 1e6:.2f} MB, "
+        f"{s['a2a_step_share']:.0%} of the step"
+    )
+
+
 def _print_summary(cfg: RunConfig) -> None:
     """The finished run in one table."""
     s = summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
@@ -224,6 +233,8 @@ def _print_summary(cfg: RunConfig) -> None:
     ]
     if "inter_node_bytes_per_step" in s:
         rows.insert(5, ("across nodes (per rank and step)", _across_nodes_cell(s)))
+    if "a2a_s_per_step" in s:
+        rows.insert(4, ("expert all-to-all (per rank and step)", _exchange_cell(s)))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
