@@ -36,8 +36,11 @@ def final_params(run_dir):
     return newest.name, state["model"]
 
 
-def test_kill9_of_a_worker_resumes_and_ends_bit_identical(tmp_path, monkeypatch):
-    flags = ("--steps", "40", "--checkpoint-every", "5", "--max-restarts", "2")
+@pytest.mark.parametrize("layout", [(), ("--set", "parallel.ep=2")], ids=["replicated", "expert-parallel"])
+def test_kill9_of_a_worker_resumes_and_ends_bit_identical(tmp_path, monkeypatch, layout):
+    """Expert-parallel: each rank holds half the experts, so the resume restores them from
+    their shards (the final checkpoint reads back whole, every expert once)."""
+    flags = ("--steps", "40", "--checkpoint-every", "5", "--max-restarts", "2", *layout)
     clean = meshscope_run(tmp_path, "clean", *flags)
     out_clean, _ = clean.communicate(timeout=240)
     killed = meshscope_run(tmp_path, "killed", *flags, "--inject", "kill@step=17,rank=1")

@@ -10,17 +10,26 @@ from meshscope.collector.store import load_events
 
 
 @pytest.mark.parametrize(
-    "nproc,inject,kind,collective",
+    "nproc,inject,kind,collective,flags",
     [
-        (3, "skip_collective@step=5,rank=2", "desync", ("all_reduce", "0")),
-        (3, "collective_mismatch@step=5,rank=2,what=op", "mismatch", ("broadcast", "0")),
-        (3, "hang@step=5,rank=2,seconds=600", "compute", ("all_reduce", "0")),
+        (3, "skip_collective@step=5,rank=2", "desync", ("all_reduce", "0"), ()),
+        (3, "collective_mismatch@step=5,rank=2,what=op", "mismatch", ("broadcast", "0"), ()),
+        (3, "hang@step=5,rank=2,seconds=600", "compute", ("all_reduce", "0"), ()),
         # two ranks: no majority to outvote the culprit; the program order of a step both ran
         # alike says which collective was skipped
-        (2, "skip_collective@step=5,rank=1", "missing", ("all_reduce", "0")),
+        (2, "skip_collective@step=5,rank=1", "missing", ("all_reduce", "0"), ()),
+        # expert parallelism: the peer waits in the expert all-to-all of the first MoE layer
+        (
+            2,
+            "hang@step=5,rank=1,seconds=600",
+            "compute",
+            ("all_to_all_single", None),
+            ("--set", "parallel.ep=2"),
+        ),
     ],
+    ids=["desync", "mismatch", "compute", "missing-of-two", "compute-in-expert-all-to-all"],
 )
-def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, kind, collective):
+def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, kind, collective, flags):
     culprit = nproc - 1
     port = free_port_range(nproc + 1)
     proc = start_run(
@@ -39,6 +48,7 @@ def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, ki
         "1",
         "--on-hang",
         "abort",
+        *flags,
     )
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
@@ -47,7 +57,8 @@ def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, ki
     assert len(hangs) == 1, out[-2000:]
     detail = hangs.iloc[0]["detail"]
     assert detail["culprit_ranks"] == [culprit] and detail["type"] == kind, detail["why"]
-    assert (detail["op"], detail["group"]) == collective, detail
+    op, group = collective
+    assert detail["op"] == op and group in (None, detail["group"]), detail  # EP: a group of its own
     assert detail["action"] == "abort" and set(detail["stacks"]) >= {"0", "1"}
     assert detail["detected_at"] - detail["stalled_since"] < 10
     kinds = events["kind"].tolist()
