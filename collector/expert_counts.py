@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from meshscope.collector.moe import find_moe_layers
+from meshscope.collector.moe import expert_work, find_moe_layers
 from meshscope.collector.readback import Readback
 
 # Token counts are whole numbers: int64 keeps them exact over any window, and every backend
@@ -40,12 +40,15 @@ class ExpertCounts:
         self._like: torch.Tensor | None = None
         self._in_flight: tuple[int, torch.Tensor, Any] | None = None
         self._reads: list[tuple[int, Readback]] = []
+        self._work: list[torch.Tensor | None] = []  # this rank's experts' tokens, per layer
+        self._work_reads: list[tuple[int, Readback]] = []
 
     def attach(self, model: torch.nn.Module) -> None:
         """Count the tokens of every MoE layer of `model` (the `collector.moe` protocol)."""
         self.layers = find_moe_layers(model)
         self._index = {id(m): i for i, m in enumerate(self.layers)}
         self._acc = [None] * len(self.layers)
+        self._work = [None] * len(self.layers)
         for module in self.layers:
             module.register_forward_hook(self._count)
 
@@ -58,6 +61,10 @@ class ExpertCounts:
             self._acc[layer] = counts
         else:
             acc.add_(counts)
+        work = expert_work(module)
+        if work is not None:
+            done = work.detach().sum().round().to(EXPERT_COUNT_DTYPE)
+            self._work[layer] = done if self._work[layer] is None else self._work[layer].add_(done)
 
     def due(self, step: int) -> bool:
         """Whether `step` closes a window."""
@@ -70,6 +77,12 @@ class ExpertCounts:
             self._start(step)
 
     def _start(self, step: int) -> None:
+        work, self._work = self._work, [None] * len(self._work)
+        if any(w is not None for w in work):  # a per-rank fact: straight to the host, no collective
+            zero = next(w for w in work if w is not None)
+            self._work_reads.append(
+                (step, Readback(torch.stack([zero * 0 if w is None else w for w in work])))
+            )
         layers, self._acc = self._acc, [None] * len(self._acc)
         like = next((a for a in layers if a is not None), self._like)
         if like is None:  # no MoE forward yet (on every rank: they step together)
@@ -98,6 +111,15 @@ class ExpertCounts:
             self.settle()
         while self._reads and (block or self._reads[0][1].ready()):
             step, read = self._reads.pop(0)
+            if block:
+                read.wait()
+            yield step, read.value().tolist()  # host tensor: the landed copy
+
+    def landed_work(self, block: bool) -> Iterator[tuple[int, list[float]]]:
+        """(step, [layer] tokens this rank's experts processed over the window) of every
+        window whose copy has landed (`block`: wait for all)."""
+        while self._work_reads and (block or self._work_reads[0][1].ready()):
+            step, read = self._work_reads.pop(0)
             if block:
                 read.wait()
             yield step, read.value().tolist()  # host tensor: the landed copy

@@ -21,6 +21,8 @@ FAULT_KINDS = ("dead_rank", "hang", "nonfinite", "injected")
 # (layer, expert), the imbalance per layer, gradient norm and update ratio per inspected
 # layer. A job of W ranks exports about W * SERIES_PER_RANK + rank0_extra_series(...) series.
 SERIES_PER_RANK = 45
+# ... plus, under expert parallelism, one series per MoE layer: the tokens the rank's experts
+# processed (`meshscope_expert_work_tokens_total{layer}`).
 
 
 def rank0_extra_series(layers: int, experts: int, inspected_layers: int) -> int:
@@ -77,6 +79,7 @@ class MeshscopeMetrics:
         )
         # loss and grad norm exist once a step logged them: absent, not NaN, when a loop never does
         self._scalars: dict[str, Gauge] = {}
+        self._expert_work: Counter | None = None  # registered by the first expert-parallel window
         self.memory = Gauge(
             "meshscope_memory_bytes",
             "Memory; kind=allocated|reserved (device), rss (host).",
@@ -211,6 +214,19 @@ class MeshscopeMetrics:
         c["allocated"].set(last.mem_allocated)
         c["reserved"].set(last.mem_reserved)
         c["rss"].set(last.mem_rss)
+
+    def observe_expert_work(self, tokens: Sequence[float]) -> None:
+        """Export one window of the tokens this rank's experts processed, per layer (expert
+        parallelism only: one series per MoE layer and rank)."""
+        if self._expert_work is None:
+            self._expert_work = Counter(
+                "meshscope_expert_work_tokens",
+                "Tokens the experts this rank holds processed (expert parallelism), by layer.",
+                ["layer"],
+                registry=self._registry,
+            )
+        for layer, count in enumerate(tokens):
+            self._expert_work.labels(layer=str(layer)).inc(float(count))
 
     def observe_experts(self, added: Sequence[Sequence[float]]) -> None:
         """Export one window of expert tokens, `added[layer][expert]`, already summed over ranks."""

@@ -5,6 +5,11 @@ tensor, one entry per expert, holding the tokens routed to each expert in its la
 (before capacity dropping, so the entries sum to tokens x top_k). The tensor may live on the
 device; the Monitor reads it without a sync and sums it over ranks every few steps.
 
+Under expert parallelism a layer may also expose `expert_work`: a 1-D tensor, one entry per
+expert this rank holds, of the tokens those experts processed in its last forward (from every
+sender, after capacity). It is a per-rank fact: the Monitor adds it up per layer and window on
+the device and stores it per rank, with no collective.
+
 Experts held as one stacked tensor per weight (index 0 is the expert) have no submodule each:
 `stacked_experts` says how many a module holds, so an expert is named as `PATH.INDEX`.
 """
@@ -14,6 +19,14 @@ from __future__ import annotations
 import torch
 
 PROTOCOL_ATTRIBUTE = "expert_token_counts"
+WORK_ATTRIBUTE = "expert_work"
+
+
+def expert_work(module: torch.nn.Module) -> torch.Tensor | None:
+    """The tokens the experts this rank holds processed in the layer's last forward (None: the
+    layer holds every expert, or says nothing)."""
+    work = getattr(module, WORK_ATTRIBUTE, None)
+    return work if isinstance(work, torch.Tensor) and work.numel() else None
 
 
 def is_moe_layer(module: torch.nn.Module) -> bool:

@@ -320,6 +320,9 @@ class Monitor:
             self._emit(rec)
         for step, table in self.experts.landed(block):
             self._emit_experts(step, table)
+        for step, tokens in self.experts.landed_work(block):
+            self.metrics.observe_expert_work(tokens)
+            self.store.add_expert_work(step, self.env.rank, tokens)
 
     def _finished(self, p: PendingStep) -> bool:
         if p.window is not None and not p.window.ready():

@@ -50,6 +50,16 @@ class RunInfo:
     capacity_factor: float | None = None
     aux_loss_coef: float | None = None
     expert_every: int | None = None  # steps per expert-load window
+    ep: int = 1  # expert parallelism: experts sharded over groups of ep ranks
+
+    def holders(self, rank: int) -> list[int]:
+        """The experts `rank` holds under expert parallelism, in the trainer's placement (EP
+        rank j = rank mod ep holds the j-th run of E/ep); every expert without it."""
+        if not self.experts:
+            return []
+        per = self.experts // self.ep
+        start = (rank % self.ep) * per
+        return list(range(start, start + per))
 
     def model(self) -> dict[str, Any]:
         """The known model values as a dict (the feedback loop's view of the model)."""
@@ -69,7 +79,9 @@ def run_info(run_dir: str | Path) -> RunInfo:
     """The typed model facts of a run, from its config.json."""
     config = run_config(run_dir)
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    parallel = config.get("parallel") if isinstance(config.get("parallel"), dict) else {}
     return RunInfo(
+        ep=_number(parallel.get("ep"), int) or 1,
         expert_every=_number(config.get("expert_every"), int),
         top_k=_number(model.get("top_k"), int),
         experts=_number(model.get("experts"), int),

@@ -117,6 +117,10 @@ class RunStore:
         """Queue one window's tokens per (layer, expert)."""
         self._put(("experts", (step, tokens)))
 
+    def add_expert_work(self, step: int, rank: int, tokens: list[float]) -> None:
+        """Queue one window's tokens this rank's experts processed, per layer."""
+        self._put(("work", (step, rank, tokens)))
+
     def add_tensor_stats(self, rows: list[dict[str, Any]]) -> None:
         """Per-module tensor statistics of one step (the tracer's `stats` mode)."""
         self._put(("stats", [tuple(r[c] for c in TENSOR_STAT_COLUMNS) for r in rows]))
@@ -182,11 +186,17 @@ def _expert_rows(payload: tuple[int, list[list[float]]]) -> list[tuple]:
     ]
 
 
+def _work_rows(payload: tuple[int, int, list[float]]) -> list[tuple]:
+    step, rank, tokens = payload
+    return [(step, rank, layer, float(t)) for layer, t in enumerate(tokens)]
+
+
 # Per queued kind: how its payload becomes rows, and the statement that writes them.
 _ROWS: dict[str, Any] = {
     "step": lambda rec: [_STEP_ROW(rec)],
     "event": _event_row,
     "experts": _expert_rows,
+    "work": _work_rows,
     "stats": list,
     "grads": list,
 }
@@ -194,6 +204,7 @@ _TABLE_OF = {
     "step": ("steps", STEP_COLUMNS, True),
     "event": ("events", EVENT_COLUMNS, False),
     "experts": ("expert_load", ("step", "layer", "expert", "tokens"), True),
+    "work": ("expert_work", ("step", "rank", "layer", "tokens"), True),
     "stats": ("tensor_stats", TENSOR_STAT_COLUMNS, True),
     "grads": ("grad_stats", GRAD_STAT_COLUMNS, True),
 }
@@ -362,6 +373,17 @@ def load_events(run_dir: str | Path, kind: str | None = None) -> pd.DataFrame:
         df = read_frame(run_dir, "SELECT * FROM events WHERE kind = ? ORDER BY id", (kind,))
     df["detail"] = [json.loads(d) for d in df["detail"]]
     return df
+
+
+def load_expert_work(run_dir: str | Path) -> pd.DataFrame:
+    """Tokens each rank's experts processed per (step, rank, layer), over the window ending at
+    step (expert parallelism); empty for a run without it or a store from before it."""
+    import pandas as pd
+
+    try:
+        return read_frame(run_dir, "SELECT * FROM expert_work ORDER BY step, rank, layer")
+    except (FileNotFoundError, sqlite3.DatabaseError, pd.errors.DatabaseError):
+        return pd.DataFrame(columns=["step", "rank", "layer", "tokens"])
 
 
 def load_tensor_stats(run_dir: str | Path, *, module: str | None = None) -> pd.DataFrame:

@@ -50,6 +50,10 @@ CREATE TABLE IF NOT EXISTS expert_load (
   step INTEGER NOT NULL, layer INTEGER NOT NULL, expert INTEGER NOT NULL, tokens {real} NOT NULL,
   PRIMARY KEY (step, layer, expert)
 );
+CREATE TABLE IF NOT EXISTS expert_work (
+  step INTEGER NOT NULL, rank INTEGER NOT NULL, layer INTEGER NOT NULL, tokens {real} NOT NULL,
+  PRIMARY KEY (step, rank, layer)
+);
 CREATE TABLE IF NOT EXISTS events (
   id {serial}, time {real} NOT NULL, run_id TEXT NOT NULL,
   kind TEXT NOT NULL, severity TEXT NOT NULL, rank INTEGER, step INTEGER, detail TEXT NOT NULL
@@ -72,7 +76,7 @@ CREATE TABLE IF NOT EXISTS grad_stats (
 """
 # 2: steps gained comm_intra_s, comm_inter_s and bytes_inter (added by `_add_step_columns`)
 # 3: steps gained attempt (steps_retried keeps the rows a restart's attempt redid), comm_a2a_s
-#    and bytes_a2a (expert parallelism's all-to-all)
+#    and bytes_a2a (expert parallelism's all-to-all); expert_work (tokens per rank and layer)
 SCHEMA_VERSION = 3
 # The job store only: how far each node's relay has shipped its store (collector/relay.py).
 RELAY_POSITIONS = """CREATE TABLE IF NOT EXISTS relay_positions (
@@ -85,6 +89,7 @@ TABLE_KEYS = {
     "steps": ("rank", "step"),
     "steps_retried": ("rank", "step", "attempt"),
     "expert_load": ("step", "layer", "expert"),
+    "expert_work": ("step", "rank", "layer"),
     "tensor_stats": ("step", "rank", "module", "where"),
     "grad_stats": ("step", "module"),
 }

@@ -12,7 +12,7 @@ import pandas as pd
 from meshscope.collector.env import HostShare
 from meshscope.collector.report import busiest_host
 from meshscope.collector.rundir import run_info
-from meshscope.collector.store import load_events, load_expert_load, load_steps
+from meshscope.collector.store import load_events, load_expert_load, load_expert_work, load_steps
 from meshscope.detectors.engine import DetectionEngine
 
 # What each cause means, for people and for the view's legend.
@@ -27,6 +27,8 @@ CAUSE_KINDS = {
     "recovery_failing": "restarts keep failing at the same place",
     "checkpoint": "meshscope saved a checkpoint: every rank waited for it (expected, not a fault)",
     "host_oversubscribed": "more busy threads than cores: ranks take turns, none is slow",
+    "hot_experts": "expert parallelism: the experts placed on one rank get more tokens; it computes "
+    "longer and its peers wait in the all-to-all",
 }
 
 
@@ -34,6 +36,9 @@ SLOW_RATIO = 1.5  # compute this many times its peers' makes a straggler
 
 
 LINK_RISE = 3.0  # exposed communication this many times its usual on every rank
+
+
+HOT_WORK = 1.3  # a rank's experts processing this many times the mean tokens of every rank's
 
 
 LEAK_MIN_BYTES = 16 * 2**20
@@ -107,6 +112,7 @@ class RunFacts:
     events: pd.DataFrame
     experts: pd.DataFrame
     anomalies: list[Anomaly]
+    expert_work: pd.DataFrame = field(default_factory=pd.DataFrame)  # per rank (expert parallelism)
 
     @classmethod
     def load(cls, run_dir: str | Path) -> RunFacts:
@@ -118,7 +124,7 @@ class RunFacts:
             anomalies = [Anomaly.from_event(row) for _, row in stored.iterrows()]
         else:
             anomalies = replay_anomalies(run_dir, steps, experts, busiest_host(events))
-        return cls(run_dir, steps, events, experts, anomalies)
+        return cls(run_dir, steps, events, experts, anomalies, load_expert_work(run_dir))
 
     def anomaly(self, anomaly_id: int) -> Anomaly:
         """The stored anomaly with this event id; KeyError naming the ids there are."""

@@ -23,6 +23,11 @@ def _rank_causes(causes: list[Cause]) -> list[Cause]:
             if c.kind == "slow_link":
                 c.confidence = round(c.confidence * 0.6, 3)
                 c.evidence.append("the routing changed at the same time (see routing)")
+    hot = {tuple(c.ranks) for c in causes if c.kind == "hot_experts"}
+    for c in causes:  # more work placed on the rank explains its slow compute better than its host
+        if c.kind == "slow_host" and tuple(c.ranks) in hot:
+            c.confidence = round(c.confidence * 0.6, 3)
+            c.evidence.append("its experts received more tokens than its peers' (see hot_experts)")
     if any(c.kind == "checkpoint" for c in causes):  # meshscope's own pause explains the stall
         for c in causes:
             if c.kind in ("slow_host", "slow_link", "stall", "host_oversubscribed"):

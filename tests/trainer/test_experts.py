@@ -30,7 +30,9 @@ def _trainer(rank: int, world_size: int, ep: int, run_dir: str, device: str):
     env = DistEnv(
         rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size, torchrun=True
     )
-    config = MonitorConfig(run_dir=Path(run_dir) / str(rank), metrics_port=None, flight_log=False)
+    config = MonitorConfig(
+        run_dir=Path(run_dir) / str(rank), metrics_port=None, flight_log=False, expert_every=2
+    )
     mon = Monitor(config, env=env, registry=CollectorRegistry())
     dev = Device(device)
     dev.activate()
@@ -60,21 +62,27 @@ def _train(
 ) -> dict:
     """`steps` steps on this rank; its losses, grad norms, step records, the experts it holds,
     and (with `save`) a checkpoint written there."""
-    from meshscope.collector.store import load_steps
+    from meshscope.collector.store import load_expert_work, load_steps
     from meshscope.trainer.inject import Injector
     from meshscope.trainer.loop import train_step
 
     cfg, dev, mon, state, store = _trainer(rank, world_size, ep, run_dir, device)
     injector = Injector([], rank, lambda inj, step: None)
+    layer = state.model.blocks[0].moe
+    cap = layer.capacity(cfg.train.batch_size * cfg.model.seq_len)
+    kept, work = [], []
     for _ in range(steps):
         train_step(state, mon, cfg, dev, injector)
+        kept.append(layer.expert_token_counts.clamp(max=cap).sum().item())  # routed, within capacity
+        work.append(layer.expert_work.sum().item() if layer.expert_work.numel() else 0.0)
     if save:
         _checkpoints(save, rank, world_size, state).save(steps, state.model, state.optimizer, {})
     mon.close()
     rows = load_steps(store).sort_values("step").to_dict("records")
-    layer = state.model.blocks[0].moe
-    cap = layer.capacity(cfg.train.batch_size * cfg.model.seq_len)
+    stored = load_expert_work(store)
     return {
+        "stored_work": stored[stored["layer"] == 0].set_index("step")["tokens"].to_dict(),
+        "work_per_step": work,
         "loss": [r["loss"] for r in rows],
         "grad_norm": [r["grad_norm"] for r in rows],
         "rows": rows,
@@ -82,7 +90,8 @@ def _train(
         "held": _held(state),
         "dense": state.model.embed.weight.detach().sum().item(),
         "work": layer.expert_work.tolist(),
-        "kept": layer.expert_token_counts.clamp(max=cap).sum().item(),  # routed here, within capacity
+        "kept": kept[-1],
+        "kept_per_step": kept,
         "capacity": cap,
     }
 
@@ -132,6 +141,15 @@ def test_experts_sharded_over_a_2x2_mesh_train_the_replicated_model(tmp_path, re
 
 
 def _the_monitor_saw_the_all_to_all(sharded: list[dict], replicated: list[dict]) -> None:
+    # each rank's experts' work, per window of 2 steps, in the store: what the EP row's ranks
+    # routed within capacity is what its ranks' experts processed
+    for r in sharded:
+        assert r["stored_work"] == {1: sum(r["work_per_step"][:2]), 3: sum(r["work_per_step"][2:])}
+    for row in (sharded[:2], sharded[2:]):
+        for window in (1, 3):
+            done = sum(r["stored_work"][window] for r in row)
+            assert done == sum(sum(r["kept_per_step"][window - 1 : window + 1]) for r in row)
+    assert all(not r["stored_work"] for r in replicated)  # a per-rank fact of expert parallelism only
     # per layer and step: dispatch [E, C, d+1] and combine [E, C, d] forward, and their
     # gradients backward; a rank sends (ep-1)/ep of each
     e, cap, d, layers = 4, sharded[0]["capacity"], 32, 2

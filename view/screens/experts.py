@@ -1,9 +1,11 @@
-"""Experts: layer × expert load over steps (heatmap), balancedness and estimated drops."""
+"""Experts: layer × expert load over steps (heatmap), balancedness and estimated drops; under
+expert parallelism, the tokens each rank's experts processed."""
 
 import plotly.express as px
 import streamlit as st
 
 from meshscope.collector.rundir import run_info
+from meshscope.collector.store import load_expert_work
 from meshscope.view import data, ui
 
 run_dir, facts = ui.open_run("Experts")
@@ -63,4 +65,19 @@ if info.capacity_factor:
             title=f"layer {layer}: estimated share of tokens over capacity (factor {info.capacity_factor})",
         ),
         key="dropped",
+    )
+work = load_expert_work(run_dir)
+if not work.empty:  # expert parallelism: each rank holds some experts and does their work
+    st.subheader("Work per rank (expert parallelism)")
+    mine = work[work["layer"] == layer]
+    per_step = mine.assign(rank=mine["rank"].astype(str), tokens=mine["tokens"] / (info.expert_every or 1))
+    st.caption(
+        "Tokens the experts each rank holds processed per step (every sender's, within capacity): "
+        "a rank far above the others holds hot experts and makes its peers wait in the all-to-all."
+    )
+    st.plotly_chart(
+        px.line(
+            per_step, x="step", y="tokens", color="rank", title=f"layer {layer}: tokens processed per rank"
+        ),
+        key="work",
     )
