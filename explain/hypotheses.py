@@ -242,12 +242,13 @@ def _hot_experts(facts: RunFacts, w: Window) -> list[Cause]:
         f"{layer}, {ratio:.1f}× the mean of every rank's ({per_rank.loc[layer].mean() / every:.0f}) over "
         f"{_span(w.lo, w.hi)}"
     ]
+    named = f"expert{'s' if len(held) > 1 else ''} {_list(held)}"
     title = (
-        f"experts {_list(held)}, placed on rank {rank}, receive {ratio:.1f}× the mean tokens (layer {layer})"
+        f"{named}, placed on rank {rank}, receive{'' if len(held) > 1 else 's'} {ratio:.1f}× the mean tokens"
     )
     demand = _expert_demand(facts.experts, layer, held, w, every)
     if demand is not None:
-        evidence.append(f"the router sent experts {_list(held)} {demand:.1f}× an expert's mean share")
+        evidence.append(f"the router sent {named} {demand:.1f}× an expert's mean share")
     steps = with_compute(w.of(facts.steps))
     slower = 1.0
     if not steps.empty and steps["rank"].nunique() > 1 and rank in set(steps["rank"]):
@@ -262,6 +263,8 @@ def _hot_experts(facts: RunFacts, w: Window) -> list[Cause]:
         )
         if slower >= 1.1:
             title = f"rank {rank} is slow in layer {layer} because " + title
+        else:
+            title += f" in layer {layer}"
     return [
         Cause(
             "hot_experts",
@@ -271,8 +274,8 @@ def _hot_experts(facts: RunFacts, w: Window) -> list[Cause]:
             w.lo,
             evidence,
             "balance the router (a higher aux_loss_coef, or the aux-loss-free bias the feedback loop "
-            f"tunes), or place experts {_list(held)} apart from each other (the view's Feedback page "
-            "suggests a placement from these loads)",
+            f"tunes), or spread the load: {_spread(held)} (the view's Feedback page suggests a "
+            "placement from these loads)",
         )
     ]
 
@@ -286,6 +289,13 @@ def _expert_demand(experts: pd.DataFrame, layer: int, held: list[int], w: Window
         return None
     load = rows.groupby("expert")["tokens"].sum()
     return float(load.reindex(held).fillna(0).mean() / max(float(load.mean()), 1e-9))
+
+
+def _spread(held: list[int]) -> str:
+    """What moves load off a rank that holds `held`."""
+    if len(held) > 1:
+        return f"place experts {_list(held)} on different ranks"
+    return f"replicate expert {held[0]} on more ranks, or shard it"
 
 
 def _list(items: list[int]) -> str:

@@ -111,6 +111,18 @@ class ParallelConfig(_Strict):
         description="expert parallelism: each MoE layer's experts sharded over groups of ep ranks "
         "inside a node (exchanged by all-to-all); must divide nproc and model.experts",
     )
+    dispatch: Literal["capacity", "dropless"] = Field(
+        "capacity",
+        description="under expert parallelism: capacity (static slot tables, even all-to-all "
+        "splits, no host read; tokens over capacity are dropped) or dropless (every token, "
+        "uneven splits read on the host once per layer, as Megatron's all-to-all dispatcher)",
+    )
+
+    @model_validator(mode="after")
+    def _dropless_needs_experts_apart(self) -> ParallelConfig:
+        if self.dispatch == "dropless" and self.ep == 1:
+            raise ValueError("dispatch: dropless exchanges tokens between expert shards; set ep > 1 too")
+        return self
 
 
 class ElasticConfig(_Strict):

@@ -24,6 +24,7 @@ the whole model: the expert part is summed over the EP group, so every rank clip
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-from meshscope.collector.comm import alltoall_sent_bytes
 
 EXCHANGE_KIND = "expert_all_to_all"  # the meter's kind for the dispatch and combine exchanges
 
@@ -47,6 +46,7 @@ class ExpertMesh:
     ep_rank: int
     ep_group: Any
     replicas: Any  # the ranks holding the same experts (one per data shard)
+    dropless: bool = False  # uneven splits, every token (see `dropless_dispatch`)
     rows_on_host: Any = None  # the EP rows as gloo groups: checkpoints shard experts over them
     timer: Callable[[], Any] | None = None  # a context manager timing one exchange (the Monitor's)
     count: Callable[[int], None] | None = None  # the bytes one exchange sent (the Monitor's)
@@ -91,17 +91,71 @@ class _Exchange(torch.autograd.Function):
         return exchange(grad.contiguous(), ctx.mesh), None
 
 
-def exchange(x: torch.Tensor, mesh: ExpertMesh) -> torch.Tensor:
-    """Chunk j of `x` (split evenly along dim 0) to EP rank j; chunk i of the result from rank i."""
-    out = torch.empty_like(x)
+def exchange(
+    x: torch.Tensor, mesh: ExpertMesh, send: list[int] | None = None, recv: list[int] | None = None
+) -> torch.Tensor:
+    """Chunk j of `x` along dim 0 to EP rank j, chunk i of the result from rank i: even chunks,
+    or `send` rows to each rank and `recv` rows from each."""
+    out = torch.empty_like(x) if recv is None else x.new_empty(sum(recv), *x.shape[1:])
     if mesh.count is not None:
-        mesh.count(alltoall_sent_bytes(x.numel() * x.element_size(), mesh.ep))
-    if mesh.timer is None:
-        dist.all_to_all_single(out, x, group=mesh.ep_group)
-    else:
-        with mesh.timer():
-            dist.all_to_all_single(out, x, group=mesh.ep_group)
+        row = x[0].numel() * x.element_size() if x.shape[0] else 0
+        own = (send[mesh.ep_rank] if send is not None else x.shape[0] // mesh.ep) * row
+        mesh.count(x.numel() * x.element_size() - own)  # what leaves this rank
+    timer = mesh.timer() if mesh.timer is not None else contextlib.nullcontext()
+    with timer:
+        dist.all_to_all_single(out, x, recv, send, group=mesh.ep_group)
     return out
+
+
+class _SplitExchange(torch.autograd.Function):
+    """An all-to-all with uneven splits over the EP group; its gradient goes back the same way
+    with the splits swapped."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, mesh: ExpertMesh, send: list[int], recv: list[int]
+    ) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh, ctx.send, ctx.recv = mesh, send, recv
+        return exchange(x, mesh, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return exchange(grad.contiguous(), ctx.mesh, ctx.recv, ctx.send), None, None, None
+
+
+def dropless_dispatch(
+    flat: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    experts: Any,
+    mesh: ExpertMesh,
+    total: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every assignment to the rank holding its expert, none dropped: ([T, d] the weighted sum
+    of the experts' outputs, [E/ep] tokens this rank's experts processed).
+
+    The splits depend on the routing, so the host reads them once per layer (the counts of an
+    even all-to-all), as Megatron's all-to-all token dispatcher does; each expert then computes
+    its own tokens only, so a rank whose experts get more tokens computes longer."""
+    tokens, d = flat.shape
+    k, per = chosen.shape[1], total // mesh.ep
+    expert_of = chosen.reshape(-1)
+    order = torch.argsort(expert_of, stable=True)  # assignments grouped by expert
+    counts = torch.nn.functional.one_hot(expert_of, total).sum(dim=0)  # [E], on the device
+    received_counts = exchange(counts.view(mesh.ep, per).contiguous(), mesh)  # [sender, my expert]
+    sent, got = torch.stack([counts, received_counts.reshape(-1)]).tolist()  # sync point: the splits
+    send = [sum(sent[j * per : (j + 1) * per]) for j in range(mesh.ep)]
+    recv = [sum(got[s * per : (s + 1) * per]) for s in range(mesh.ep)]
+    arrived = _SplitExchange.apply(flat.repeat_interleave(k, dim=0)[order], mesh, send, recv)
+    pieces = arrived.split(got)  # (sender, expert) pieces, sender-major
+    outputs = [experts.one(i, torch.cat([pieces[s * per + i] for s in range(mesh.ep)])) for i in range(per)]
+    by_sender = [out.split([got[s * per + i] for s in range(mesh.ep)]) for i, out in enumerate(outputs)]
+    back = torch.cat([by_sender[i][s] for s in range(mesh.ep) for i in range(per)])
+    returned = _SplitExchange.apply(back, mesh, recv, send)  # in the sorted order sent
+    unsorted = torch.empty_like(returned).index_copy(0, order, returned)
+    out = (unsorted * weights.reshape(-1, 1)).view(tokens, k, d).sum(dim=1)
+    work = [sum(got[s * per + i] for s in range(mesh.ep)) for i in range(per)]
+    return out, torch.tensor(work, dtype=torch.float32)
 
 
 def dispatch_and_combine(

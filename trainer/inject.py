@@ -280,8 +280,9 @@ class Injector:
             if collapse is not None and layer == int(collapse.param("layer")):
                 # logit=20 (the default): every token's first choice is `expert` (a collapse);
                 # a few units: it hogs; negative: it starves
-                bias = torch.zeros(len(moe.experts), device=moe.router.gate.weight.device)
-                bias[int(collapse.param("expert")) % len(moe.experts)] = collapse.param("logit")
+                experts = moe.router.experts  # every expert, also where this rank holds a few
+                bias = torch.zeros(experts, device=moe.router.gate.weight.device)
+                bias[int(collapse.param("expert")) % experts] = collapse.param("logit")
                 moe.router.logit_bias = bias
             else:
                 moe.router.logit_bias = None

@@ -80,6 +80,7 @@ def build(
     experts = None
     if cfg.parallel.ep > 1:  # before DDP: it must neither broadcast nor reduce expert weights
         mesh = expert_mesh(cfg.parallel.ep)
+        mesh.dropless = cfg.parallel.dispatch == "dropless"
         mesh.timer = lambda: mon.meter.hop(EXCHANGE_KIND)
         mesh.count = mon.meter.count_exchange
         DDP._set_params_and_buffers_to_ignore_for_model(model, shard_experts(model, mesh))

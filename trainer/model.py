@@ -3,10 +3,12 @@
 Each `MoEFeedForward` keeps `expert_token_counts` (tokens routed per expert in the last forward,
 before capacity dropping) and its auxiliary losses (Switch load balancing, router z-loss).
 
-Routing never waits for the device: static-capacity dispatch (every expert gets a padded
-[capacity, d] slot table, filled by index arithmetic on one-hot cumulative sums), one batched
-matmul for all experts, counts by one-hot sums. No `nonzero`, boolean indexing, `bincount` or
-`.item()`: shapes depend on configuration only, so the host never reads a device value.
+Routing never waits for the device (but for expert parallelism's dropless dispatch, which
+reads its all-to-all splits on the host: trainer/experts.py): static-capacity dispatch (every
+expert gets a padded [capacity, d] slot table, filled by index arithmetic on one-hot cumulative
+sums), one batched matmul for all experts, counts by one-hot sums. No `nonzero`, boolean
+indexing, `bincount` or `.item()`: shapes depend on configuration only, so the host never
+reads a device value.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshscope.trainer.config import ModelConfig
-from meshscope.trainer.experts import ExpertMesh, dispatch_and_combine
+from meshscope.trainer.experts import ExpertMesh, dispatch_and_combine, dropless_dispatch
 
 
 class Router(nn.Module):
@@ -78,6 +80,11 @@ class GroupedExperts(nn.Module):
     def __len__(self) -> int:
         return self.w1.shape[0]
 
+    def one(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `index` alone over its own tokens, x: [n, d] -> [n, d] (dropless dispatch)."""
+        h = F.gelu(torch.addmm(self.b1[index], x, self.w1[index]))
+        return torch.addmm(self.b2[index], h, self.w2[index])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [E, C, d] (expert e's slot table) -> [E, C, d]."""
         h = F.gelu(torch.baddbmm(self.b1.unsqueeze(1), x, self.w1))
@@ -115,6 +122,10 @@ class MoEFeedForward(nn.Module):
         # Assignments in (token, choice) order; an expert serves them first come, first served.
         assigned = F.one_hot(chosen.reshape(-1), experts)  # [T*k, E]
         self.expert_token_counts = assigned.sum(dim=0).to(self.expert_token_counts.dtype)
+        if self.expert_mesh is not None and self.expert_mesh.dropless:
+            out, work = dropless_dispatch(flat, chosen, weights, self.experts, self.expert_mesh, experts)
+            self.expert_work = work.to(flat.device)
+            return out.reshape(shape)
         queue_pos = ((assigned.cumsum(dim=0) - 1) * assigned).sum(dim=1)
         kept = queue_pos < cap
         spare = experts * cap  # one extra row takes every dropped assignment

@@ -15,7 +15,7 @@ from fixtures.dist import run_ranks
 MODEL = {"experts": 4, "d_model": 32, "heads": 2, "layers": 2}
 
 
-def _trainer(rank: int, world_size: int, ep: int, run_dir: str, device: str):
+def _trainer(rank: int, world_size: int, ep: int, run_dir: str, device: str, **parallel):
     """The reference trainer's state on this rank, watched by a Monitor writing under `run_dir`."""
     from prometheus_client import CollectorRegistry
 
@@ -26,7 +26,10 @@ def _trainer(rank: int, world_size: int, ep: int, run_dir: str, device: str):
     from meshscope.trainer.device import Device
     from meshscope.trainer.loop import build
 
-    cfg = TrainerConfig(nproc=world_size, parallel={"ep": ep}, model=MODEL, train={"batch_size": 4})
+    model = {**MODEL, "capacity_factor": 2.0} if parallel else MODEL  # 2.0 = E / top_k: none dropped
+    cfg = TrainerConfig(
+        nproc=world_size, parallel={"ep": ep, **parallel}, model=model, train={"batch_size": 4}
+    )
     env = DistEnv(
         rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size, torchrun=True
     )
@@ -58,7 +61,7 @@ def _held(state) -> dict:
 
 
 def _train(
-    rank: int, world_size: int, ep: int, run_dir: str, device: str, save: str = "", steps: int = 4
+    rank: int, world_size: int, ep: int, run_dir: str, device: str, save: str = "", steps: int = 4, **parallel
 ) -> dict:
     """`steps` steps on this rank; its losses, grad norms, step records, the experts it holds,
     and (with `save`) a checkpoint written there."""
@@ -66,7 +69,7 @@ def _train(
     from meshscope.trainer.inject import Injector
     from meshscope.trainer.loop import train_step
 
-    cfg, dev, mon, state, store = _trainer(rank, world_size, ep, run_dir, device)
+    cfg, dev, mon, state, store = _trainer(rank, world_size, ep, run_dir, device, **parallel)
     injector = Injector([], rank, lambda inj, step: None)
     layer = state.model.blocks[0].moe
     cap = layer.capacity(cfg.train.batch_size * cfg.model.seq_len)
@@ -172,3 +175,19 @@ def _the_checkpoint_restores_at_other_layouts(tmp_path: Path, root: Path, sharde
             assert held.keys() <= saved.keys() and len(held) == 4 // ep
             for expert, (w, moment) in held.items():
                 assert torch.equal(w, saved[expert][0]) and torch.equal(moment, saved[expert][1]), expert
+
+
+def test_dropless_dispatch_trains_the_model_that_drops_nothing(tmp_path):
+    """Uneven all-to-all splits, every token to its expert: the same numbers as replicated
+    experts with capacity for every token, and each rank's experts did exactly their tokens."""
+    kw = {"world_size": 2, "device": "cpu"}
+    whole = run_ranks(_train, ep=1, run_dir=str(tmp_path / "dp"), dispatch="capacity", **kw)
+    dropless = run_ranks(_train, ep=2, run_dir=str(tmp_path / "ep"), dispatch="dropless", **kw)
+    for dp, ep in zip(whole, dropless):
+        assert ep["loss"] == pytest.approx(dp["loss"], rel=1e-5)
+        assert ep["grad_norm"] == pytest.approx(dp["grad_norm"], rel=1e-5)
+    held = {e: v for r in dropless for e, v in r["experts"].items()}
+    assert held == pytest.approx(whole[0]["experts"], rel=1e-5)
+    routed = 2 * 4 * 32 * 2  # ranks x sequences x tokens x top-k: nothing dropped
+    assert sum(sum(r["work"]) for r in dropless) == routed
+    assert all(r["rows"][-1]["bytes_a2a"] > 0 for r in dropless)
