@@ -39,6 +39,7 @@ LINK_RISE = 3.0  # exposed communication this many times its usual on every rank
 
 
 HOT_WORK = 1.3  # a rank's experts processing this many times the mean tokens of every rank's
+HOT_RISE = 1.2  # ... and this many times their own share before the anomaly (what changed)
 
 
 LEAK_MIN_BYTES = 16 * 2**20

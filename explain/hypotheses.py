@@ -19,6 +19,7 @@ from meshscope.collector.schema import nonfinite_mask
 from meshscope.collector.stacks import own_frame
 from meshscope.explain.facts import (
     BASELINE_STEPS,
+    HOT_RISE,
     HOT_WORK,
     LEAK_MIN_BYTES,
     LINK_RISE,
@@ -231,6 +232,12 @@ def _hot_experts(facts: RunFacts, w: Window) -> list[Cause]:
         return []
     per_rank = win.groupby(["layer", "rank"])["tokens"].mean().unstack("rank")
     ratios = per_rank.div(per_rank.mean(axis=1), axis=0)
+    # what changed with the anomaly: a share that was as high before is the run's usual routing
+    base = w.before(work[work["step"] < w.lo])
+    if not base.empty:
+        before = base.groupby(["layer", "rank"])["tokens"].mean().unstack("rank")
+        usual = before.div(before.mean(axis=1), axis=0).reindex_like(ratios)
+        ratios = ratios.where((ratios / usual.clip(lower=1e-9)).fillna(np.inf) >= HOT_RISE, 0.0)
     layer, rank = ratios.stack().idxmax()
     ratio = float(ratios.loc[layer, rank])
     if ratio < HOT_WORK:

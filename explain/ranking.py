@@ -24,10 +24,15 @@ def _rank_causes(causes: list[Cause]) -> list[Cause]:
                 c.confidence = round(c.confidence * 0.6, 3)
                 c.evidence.append("the routing changed at the same time (see routing)")
     hot = {tuple(c.ranks) for c in causes if c.kind == "hot_experts"}
-    for c in causes:  # more work placed on the rank explains its slow compute better than its host
+    for c in causes:  # more tokens for the rank's experts explain its compute and its memory
         if c.kind == "slow_host" and tuple(c.ranks) in hot:
             c.confidence = round(c.confidence * 0.6, 3)
             c.evidence.append("its experts received more tokens than its peers' (see hot_experts)")
+        if c.kind == "leak" and tuple(c.ranks) in hot:
+            c.confidence = round(c.confidence * 0.6, 3)
+            c.evidence.append(
+                "its experts received more tokens (see hot_experts): activations grow with them"
+            )
     if any(c.kind == "checkpoint" for c in causes):  # meshscope's own pause explains the stall
         for c in causes:
             if c.kind in ("slow_host", "slow_link", "stall", "host_oversubscribed"):

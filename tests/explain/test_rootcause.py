@@ -123,3 +123,34 @@ def test_no_cause_below_the_confidence_floor_is_shown():
 
     for run in injected_runs():
         assert all(c.confidence >= MIN_CONFIDENCE for c in explain(run)), run.name
+
+
+def _expert_parallel(tmp_path: Path, name: str, work_of_rank_1: float) -> Path:
+    """A recorded run where rank 1 computes 3x slower from step 80, as if its 2 ranks had
+    sharded 4 experts (2 each) and rank 1's experts processed `work_of_rank_1` x rank 0's tokens."""
+    import json
+
+    from meshscope.collector.store import RunStore
+
+    run = tmp_path / name
+    shutil.copytree(DATA / "slow", run)
+    config = {"model": {"experts": 4, "top_k": 2}, "parallel": {"ep": 2}, "expert_every": 5}
+    (run / "config.json").write_text(json.dumps(config))
+    store = RunStore(run)
+    for step in range(4, 150, 5):
+        hot = work_of_rank_1 if 80 <= step < 95 else 1.0
+        store.add_expert_work(step, 0, [1000.0, 1000.0])
+        store.add_expert_work(step, 1, [1000.0, 1000.0 * hot])
+    store.close()
+    return run
+
+
+def test_a_rank_slow_from_the_experts_placed_on_it_is_told_from_a_slow_host(tmp_path):
+    hot = explain(_expert_parallel(tmp_path, "hot", 2.4))
+    assert hot[0].kind == "hot_experts" and hot[0].ranks == [1], [(c.kind, c.confidence) for c in hot]
+    assert hot[0].title.startswith("rank 1 is slow in layer 1 because experts 2 and 3, placed on rank 1")
+    slow_host = [c for c in hot if c.kind == "slow_host"]
+    assert all(c.confidence < hot[0].confidence and "see hot_experts" in c.evidence[-1] for c in slow_host)
+    even = explain(_expert_parallel(tmp_path, "even", 1.0))  # the same slowness, the same load
+    assert even[0].kind == "slow_host" and even[0].ranks == [1], [(c.kind, c.confidence) for c in even]
+    assert not any(c.kind == "hot_experts" for c in even)
