@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from meshscope.collector.store import execute, fetch, read_frame
 
-ControlKind = Literal["router_bias", "aux_loss_coef", "capacity_factor"]
-KIND_CODES = {"router_bias": 1, "aux_loss_coef": 2, "capacity_factor": 3}
+ControlKind = Literal["router_bias", "aux_loss_coef", "capacity_factor", "expert_placement"]
+KIND_CODES = {"router_bias": 1, "aux_loss_coef": 2, "capacity_factor": 3, "expert_placement": 4}
 
 
 class ControlBounds(BaseModel):
@@ -45,7 +45,8 @@ class ControlChange(BaseModel):
     """One change: what to set, on which MoE layer (-1: every layer), to which values.
 
     router_bias: values = [γ, b_0 .. b_{E-1}] (the bias update speed, then each expert's bias);
-    aux_loss_coef and capacity_factor: values = [value]."""
+    aux_loss_coef and capacity_factor: values = [value]; expert_placement (expert parallelism):
+    values = the expert each slot holds, rank-major (E/ep slots per rank of an EP group)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -71,6 +72,11 @@ class ControlChange(BaseModel):
             bad = [x for x in v[1:] if abs(x) > bounds.bias_max]
             if bad:
                 raise ValueError(f"values: bias {bad[0]} outside ±{bounds.bias_max}")
+        elif self.kind == "expert_placement":
+            if sorted(v) != list(range(len(v))):
+                raise ValueError("values: an expert placement lists every expert 0..E-1 once")
+            if self.layer < 0:
+                raise ValueError("layer: an expert placement is for one layer")
         elif len(v) != 1:
             raise ValueError(f"values: {self.kind} takes one value")
         elif self.kind == "aux_loss_coef" and not 0 <= v[0] <= bounds.aux_loss_coef_max:

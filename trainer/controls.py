@@ -41,8 +41,10 @@ class ControlApplier:
         every: int,
         plane: ControlPlane | None,
         expert_every: int,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.model, self.mon, self.run_dir = model, mon, Path(run_dir)
+        self.optimizer = optimizer  # an expert placement moves Adam's moments with the weights
         self.rank, self.every, self.plane = rank, every, plane
         self.expert_every = expert_every
         self.layers = list(getattr(model, "moe_layers", lambda: [])())
@@ -115,6 +117,8 @@ class ControlApplier:
             old = getattr(self.model, "aux_loss_coef", None)
             self.model.aux_loss_coef = v[0]
             return old, v[0]
+        if change.kind == "expert_placement":
+            return self._place(targets[0], [int(x) for x in v])
         if change.kind == "capacity_factor":
             old = {i: self.layers[i].capacity_factor for i in targets}
             for i in targets:
@@ -136,6 +140,17 @@ class ControlApplier:
             router.bias_rate = rate
             new[i] = {"rate": rate, "bias": list(bias)}
         return old, new
+
+    def _place(self, layer: int, slots: list[int]) -> tuple[Any, Any]:
+        """Move one layer's experts to `slots` (collective over its EP group, every rank alike)."""
+        from meshscope.trainer.experts import move_experts
+
+        moe = self.layers[layer]
+        if getattr(moe, "expert_mesh", None) is None or self.optimizer is None:
+            raise ValueError("expert_placement: this run holds every expert on every rank (parallel.ep=1)")
+        old = moe.slot_expert.tolist()  # a change is rare: one readback
+        cost = move_experts(moe, self.optimizer, slots)
+        return {layer: {"placement": old}}, {layer: {"placement": slots, **cost}}
 
     def _settle(self, cid: int, status: str, step: int, old: Any, new: Any, note: str) -> None:
         if self.rank != 0:

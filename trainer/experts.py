@@ -125,7 +125,7 @@ class _SplitExchange(torch.autograd.Function):
 
 def dropless_dispatch(
     flat: torch.Tensor,
-    chosen: torch.Tensor,
+    slot_of: torch.Tensor,
     weights: torch.Tensor,
     experts: Any,
     mesh: ExpertMesh,
@@ -136,11 +136,12 @@ def dropless_dispatch(
 
     The splits depend on the routing, so the host reads them once per layer (the counts of an
     even all-to-all), as Megatron's all-to-all token dispatcher does; each expert then computes
-    its own tokens only, so a rank whose experts get more tokens computes longer."""
+    its own tokens only, so a rank whose experts get more tokens computes longer. `slot_of`:
+    [T, k] the slot (rank-major, see `move_experts`) of each token's chosen experts."""
     tokens, d = flat.shape
-    k, per = chosen.shape[1], total // mesh.ep
-    expert_of = chosen.reshape(-1)
-    order = torch.argsort(expert_of, stable=True)  # assignments grouped by expert
+    k, per = slot_of.shape[1], total // mesh.ep
+    expert_of = slot_of.reshape(-1)
+    order = torch.argsort(expert_of, stable=True)  # assignments grouped by slot
     counts = torch.nn.functional.one_hot(expert_of, total).sum(dim=0)  # [E], on the device
     received_counts = exchange(counts.view(mesh.ep, per).contiguous(), mesh)  # [sender, my expert]
     sent, got = torch.stack([counts, received_counts.reshape(-1)]).tolist()  # sync point: the splits
@@ -187,6 +188,11 @@ def shard_experts(model: nn.Module, mesh: ExpertMesh) -> list[str]:
         for pname, param in list(layer.experts.named_parameters(recurse=False)):
             param.data = param.data[mine.start : mine.stop].clone()
             names.append(f"{layer_name}.experts.{pname}")
+        # slot s (rank s // (E/ep), its local index s % (E/ep)) holds expert slot_expert[s]: the
+        # identity until a re-placement moves experts (`move_experts`); saved with checkpoints
+        device = layer.router.gate.weight.device
+        layer.register_buffer("slot_expert", torch.arange(total, device=device))
+        names.append(f"{layer_name}.slot_expert")  # agreed by every rank, never broadcast by DDP
         layer.expert_mesh = mesh
     return names
 
@@ -195,6 +201,63 @@ def _moe_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
     for name, module in model.named_modules():
         if hasattr(module, "expert_mesh") and hasattr(module, "experts"):
             yield name, module
+
+
+def slot_order(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot -> expert, expert -> slot) of a sharded layer, on its device."""
+    slots = layer.slot_expert
+    return slots, torch.argsort(slots)
+
+
+def move_experts(layer: Any, optimizer: torch.optim.Optimizer, new: list[int]) -> dict[str, Any]:
+    """Re-place one layer's experts over its EP group at a step boundary (collective: every rank
+    of the group calls it with the same `new` slot -> expert list). Weights and Adam's moments go
+    with their expert; each arrival is checked against its sender's checksum, and a mismatch
+    leaves every rank where it was. Returns what moved and what it cost."""
+    import hashlib
+    import time
+
+    mesh: ExpertMesh = layer.expert_mesh
+    old = layer.slot_expert.tolist()  # sync point: a re-placement is rare
+    total, per = len(old), len(old) // mesh.ep
+    if sorted(new) != list(range(total)):
+        raise ValueError(f"values: a placement lists each of the {total} experts once, got {new}")
+    started = time.perf_counter()
+    params = list(layer.experts.parameters())
+    tensors = [p.data for p in params] + [
+        optimizer.state[p][k]
+        for p in params
+        for k in ("exp_avg", "exp_avg_sq")
+        if k in optimizer.state.get(p, {})
+    ]
+
+    def digest(i: int, among: list[torch.Tensor]) -> str:
+        h = hashlib.sha256()
+        for t in among:
+            h.update(t[i].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    sent = [digest(i, tensors) for i in range(per)]
+    sums: list[Any] = [None] * mesh.ep
+    dist.all_gather_object(sums, sent, group=mesh.rows_on_host)
+    wanted = [new[mesh.ep_rank * per + i] for i in range(per)]
+    sources = [old.index(e) for e in wanted]
+    arrived = []
+    for t in tensors:
+        every = t.new_empty((mesh.ep * per, *t.shape[1:]))
+        dist.all_gather_into_tensor(every, t.contiguous(), group=mesh.ep_group)
+        arrived.append(every[sources])
+    ok = all(digest(i, arrived) == sums[s // per][s % per] for i, s in enumerate(sources))
+    agreed = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.rows_on_host)
+    if not int(agreed):  # host tensor: a gloo group's
+        raise RuntimeError("expert placement: a moved expert failed its checksum; nothing was moved")
+    for t, a in zip(tensors, arrived):
+        t.copy_(a)
+    layer.slot_expert.copy_(torch.tensor(new, device=layer.slot_expert.device))
+    moved = [e for e in range(total) if old.index(e) // per != new.index(e) // per]
+    bytes_moved = sum(t[0].numel() * t.element_size() for t in tensors) * len(moved)
+    return {"moved": moved, "bytes": bytes_moved, "seconds": round(time.perf_counter() - started, 4)}
 
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshscope.trainer.config import ModelConfig
-from meshscope.trainer.experts import ExpertMesh, dispatch_and_combine, dropless_dispatch
+from meshscope.trainer.experts import ExpertMesh, dispatch_and_combine, dropless_dispatch, slot_order
 
 
 class Router(nn.Module):
@@ -123,7 +123,8 @@ class MoEFeedForward(nn.Module):
         assigned = F.one_hot(chosen.reshape(-1), experts)  # [T*k, E]
         self.expert_token_counts = assigned.sum(dim=0).to(self.expert_token_counts.dtype)
         if self.expert_mesh is not None and self.expert_mesh.dropless:
-            out, work = dropless_dispatch(flat, chosen, weights, self.experts, self.expert_mesh, experts)
+            slot_of = slot_order(self)[1][chosen]
+            out, work = dropless_dispatch(flat, slot_of, weights, self.experts, self.expert_mesh, experts)
             self.expert_work = work.to(flat.device)
             return out.reshape(shape)
         queue_pos = ((assigned.cumsum(dim=0) - 1) * assigned).sum(dim=1)
@@ -137,11 +138,11 @@ class MoEFeedForward(nn.Module):
         else:  # a last column marks the filled slots, so the holder counts what it processed
             source = torch.cat([source, source.new_ones(source.shape[0], 1)], dim=1)
             table = flat.new_zeros(spare + 1, d + 1).index_copy(0, slot, source)
-            y, work = dispatch_and_combine(
-                table[:spare].view(experts, cap, d + 1), self.experts, self.expert_mesh
-            )
+            order, where = slot_order(self)  # expert tables in slot order, and back
+            slots = table[:spare].view(experts, cap, d + 1).index_select(0, order)
+            y, work = dispatch_and_combine(slots, self.experts, self.expert_mesh)
             self.expert_work = work.detach()
-            y = y.reshape(spare, d)
+            y = y.index_select(0, where).reshape(spare, d)
         y = torch.cat([y, y.new_zeros(1, d)])
         gate = (weights.reshape(-1) * kept).unsqueeze(-1)  # dropped assignments add nothing
         out = (y.index_select(0, slot) * gate).view(tokens, k, d).sum(dim=1)

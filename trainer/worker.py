@@ -164,6 +164,7 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
             every=cfg.control_every,
             plane=control,
             expert_every=cfg.expert_every,
+            optimizer=state.optimizer,
         )
         applier.replay_applied()  # a restarted worker keeps the changes approved before
         try:

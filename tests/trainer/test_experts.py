@@ -191,3 +191,47 @@ def test_dropless_dispatch_trains_the_model_that_drops_nothing(tmp_path):
     routed = 2 * 4 * 32 * 2  # ranks x sequences x tokens x top-k: nothing dropped
     assert sum(sum(r["work"]) for r in dropless) == routed
     assert all(r["rows"][-1]["bytes_a2a"] > 0 for r in dropless)
+
+
+def _moved(rank: int, world_size: int, run_dir: str, dispatch: str, move: bool) -> dict:
+    """6 steps; with `move`, every layer's experts are re-placed (reversed) after step 2, as a
+    live re-placement does at a step boundary."""
+    from meshscope.trainer.experts import move_experts
+    from meshscope.trainer.inject import Injector
+    from meshscope.trainer.loop import train_step
+
+    from meshscope.collector.store import load_steps
+
+    cfg, dev, mon, state, store = _trainer(rank, world_size, 2, run_dir, "cpu", dispatch=dispatch)
+    injector = Injector([], rank, lambda inj, step: None)
+    losses, cost = [], None
+    for step in range(6):
+        train_step(state, mon, cfg, dev, injector)
+        losses.append(float(state.model.blocks[0].moe.aux_loss))
+        if move and step == 2:
+            for moe in state.model.moe_layers():
+                cost = move_experts(moe, state.optimizer, [3, 2, 1, 0])
+    mon.close()
+    held = {
+        int(e): w
+        for e, w in zip(
+            state.model.blocks[1].moe.slot_expert.tolist()[rank * 2 : rank * 2 + 2],
+            state.model.blocks[1].moe.experts.w1.detach(),
+        )
+    }
+    return {"aux": losses, "loss": load_steps(store)["loss"].tolist(), "held": held, "cost": cost}
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_a_live_re_placement_moves_experts_without_changing_the_model(tmp_path, dispatch):
+    """Experts (weights and Adam's moments) re-placed mid-run: every later step computes what
+    the run that kept its placement computes, and each expert now lives where it was sent."""
+    kept = run_ranks(_moved, world_size=2, run_dir=str(tmp_path / "kept"), dispatch=dispatch, move=False)
+    moved = run_ranks(_moved, world_size=2, run_dir=str(tmp_path / "moved"), dispatch=dispatch, move=True)
+    for a, b in zip(kept, moved):
+        assert b["aux"] == pytest.approx(a["aux"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and len(b["loss"]) == 6
+    assert sorted(moved[0]["held"]) == [2, 3] and sorted(moved[1]["held"]) == [0, 1]
+    for expert, w in moved[0]["held"].items():
+        assert torch.allclose(w, kept[1]["held"][expert], rtol=1e-5), expert
+    assert moved[0]["cost"]["moved"] == [0, 1, 2, 3] and moved[0]["cost"]["bytes"] > 0
