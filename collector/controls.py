@@ -163,3 +163,21 @@ def load_controls(run_dir: str | Path):
     for c in ("payload", "old", "new", "outcome"):
         df[c] = [json.loads(x) if isinstance(x, str) else None for x in df[c]]
     return df
+
+
+def placement_at(
+    run_dir: str | Path, layer: int, experts: int, step: int | None = None
+) -> tuple[list[int], int | None]:
+    """The expert placement of `layer` in force at `step` (now, without one): the last applied
+    `expert_placement` change, else experts in order; and the step it was applied at."""
+    rows = load_controls(run_dir)
+    if rows.empty:
+        return list(range(experts)), None
+    placed = (rows["kind"] == "expert_placement") & (rows["status"] == "applied") & (rows["layer"] == layer)
+    if step is not None:
+        placed &= rows["step"] <= step
+    mine = rows[placed]
+    if mine.empty:
+        return list(range(experts)), None
+    last = mine.sort_values("id").iloc[-1]
+    return [int(x) for x in last["payload"]], int(last["step"])

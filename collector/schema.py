@@ -17,6 +17,7 @@ EVENT_KINDS = frozenset(
         "hang",
         "nan",
         "snapshot",
+        "placement_proposed",  # live expert re-placement: the change, expected balance before/after
         "suggestion",
         "suggestion_applied",
         "outcome",

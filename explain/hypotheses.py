@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from meshscope.collector.controls import placement_at
 from meshscope.collector.env import HostShare
 from meshscope.collector.figures import STALL_FLOOR_S, balancedness, stall_threshold_s, with_compute
 from meshscope.collector.report import busiest_host
@@ -243,7 +244,9 @@ def _hot_experts(facts: RunFacts, w: Window) -> list[Cause]:
     if ratio < HOT_WORK:
         return []
     rank, layer = int(rank), int(layer)
-    held = info.holders(rank)
+    placement, _ = placement_at(facts.run_dir, layer, info.experts or 0, w.hi) if info.experts else ([], None)
+    per = len(placement) // info.ep if placement else 0
+    held = placement[(rank % info.ep) * per : (rank % info.ep + 1) * per] if per else info.holders(rank)
     evidence = [
         f"rank {rank}'s experts processed {per_rank.loc[layer, rank] / every:.0f} tokens per step in layer "
         f"{layer}, {ratio:.1f}× the mean of every rank's ({per_rank.loc[layer].mean() / every:.0f}) over "

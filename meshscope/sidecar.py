@@ -22,6 +22,7 @@ from meshscope.collector.store import RELAY_TABLES, RunStore, store_path
 from meshscope.collector.storedb import locate
 from meshscope.detectors.episodes import Episode
 from meshscope.detectors.live import LiveDetection
+from meshscope.feedback.rebalance import Rebalancer
 from meshscope.trainer.elastic import job_id
 from meshscope.watchdog.exchange import NodeExchange
 from meshscope.watchdog.verdicts import Diagnosis
@@ -121,12 +122,22 @@ class Sidecar:
             if target.is_postgres
             else None
         )
+        rounds = [self.outbox.deliver] if self.outbox else []
+        if cfg.parallel.replace_threshold:  # live expert re-placement, decided where the job is judged
+            rebalancer = Rebalancer(
+                cfg.run_dir,
+                cfg.parallel.ep,
+                cfg.parallel.replace_threshold,
+                cfg.parallel.replace_cooldown,
+                run_id=cfg.run_id,
+            )
+            rounds.append(rebalancer.round)
         self.live = LiveDetection(
             cfg.run_dir,
             cfg.run_id,
             config=cfg.detect,
             on_open=[self._alert_anomaly] if self.outbox else [],
-            on_round=[self.outbox.deliver] if self.outbox else [],
+            on_round=rounds,
             leader=self.job_lock,
         )
         self.watch = HangWatch(

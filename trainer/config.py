@@ -117,11 +117,24 @@ class ParallelConfig(_Strict):
         "splits, no host read; tokens over capacity are dropped) or dropless (every token, "
         "uneven splits read on the host once per layer, as Megatron's all-to-all dispatcher)",
     )
+    replace_threshold: float = Field(
+        0.0,
+        ge=0,
+        description="live expert re-placement: when a rank's experts carry this many times the "
+        "mean per-rank load, move experts to balance it (0 = never; e.g. 1.3)",
+    )
+    replace_cooldown: int = Field(50, gt=0, description="steps between two re-placements of a layer")
 
     @model_validator(mode="after")
     def _dropless_needs_experts_apart(self) -> ParallelConfig:
         if self.dispatch == "dropless" and self.ep == 1:
             raise ValueError("dispatch: dropless exchanges tokens between expert shards; set ep > 1 too")
+        if self.replace_threshold and self.ep == 1:
+            raise ValueError("replace_threshold: re-placement moves experts between ranks; set ep > 1 too")
+        if 0 < self.replace_threshold <= 1:
+            raise ValueError(
+                f"replace_threshold: {self.replace_threshold} is a max/mean ratio, above 1 (or 0: off)"
+            )
         return self
 
 
