@@ -15,7 +15,13 @@ A hit is the expected cause ranked first among the causes that name a slow rank 
 (hot_experts, slow_host, host_oversubscribed, routing); other findings (a memory reading, a
 checkpoint) are listed, not scored.
 
-    .venv/bin/python benchmarks/expert_parallel.py [--repeats N]
+`--replace`: live re-placement against its untreated twin instead. 2 ranks, ep=2, dropless,
+a router that prefers expert 0 (`model.router_skew=2`), 240 steps, the same seed; the treated
+run re-places when a rank's experts carry 1.15x the mean (cooldown 30 steps). Compared over
+the steps after the first move: the max/mean of per-rank tokens (the load the placement
+evens) and the median step time, treated / untreated, per repeat.
+
+    .venv/bin/python benchmarks/expert_parallel.py [--repeats N] [--replace]
 """
 
 from __future__ import annotations
@@ -48,10 +54,67 @@ def run(root: Path, name: str, injections: list[str]) -> Path:
     return root / name
 
 
+def _after(run: Path, first: int) -> tuple[float, float]:
+    """Median max/mean of per-rank expert tokens, and median step time, after step `first`."""
+    import numpy as np
+
+    from meshscope.collector.store import load_expert_work, load_steps
+
+    work = load_expert_work(run)
+    work = work[work["step"] > first + 5].pivot_table(
+        index=["step", "layer"], columns="rank", values="tokens"
+    )
+    steps = load_steps(run)
+    skew = float(np.median(work.max(axis=1) / work.mean(axis=1)))
+    return skew, float(steps[steps["step"] > first]["step_s"].median())
+
+
+def replace(repeats: int) -> None:
+    """Treated (live re-placement) against untreated twins (see the module doc)."""
+    from meshscope.collector.controls import load_controls
+
+    flags = [
+        "--nproc",
+        "2",
+        "--steps",
+        "240",
+        "--set",
+        "parallel.ep=2",
+        "--set",
+        "parallel.dispatch=dropless",
+    ]
+    flags += ["--set", "model.router_skew=2", "--set", "model.d_model=128", "--set", "model.ffn_mult=8"]
+    treat = ["--set", "parallel.replace_threshold=1.15", "--set", "parallel.replace_cooldown=30"]
+    print(f"# live expert re-placement against its untreated twin, {machine()}")
+    print("| repeat | first move at | moves | max/mean rank tokens untreated → treated | step time t / u |")
+    print("|---|---|---|---|---|")
+    for i in range(repeats):
+        runs = {}
+        for name, extra in (("untreated", []), ("treated", treat)):
+            root = Path(tempfile.mkdtemp())
+            cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(REPO / "fixtures/tiny.toml")]
+            cmd += ["--run-dir", str(root), "--run-id", name, "--metrics-port", "9870", *flags, *extra]
+            subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+            runs[name] = root / name
+        moves = load_controls(runs["treated"])
+        moves = moves[(moves["kind"] == "expert_placement") & (moves["status"] == "applied")]
+        if moves.empty:
+            print(f"| {i} | - | 0 | - | - |")
+            continue
+        first = int(moves["step"].min())
+
+        (skew_u, time_u), (skew_t, time_t) = _after(runs["untreated"], first), _after(runs["treated"], first)
+        print(f"| {i} | {first} | {len(moves)} | {skew_u:.3f} → {skew_t:.3f} | {time_t / time_u:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--replace", action="store_true", help="live re-placement against its untreated twin")
     args = parser.parse_args()
+    if args.replace:
+        replace(args.repeats)
+        return
     from meshscope.explain.ranking import explain
 
     print(f"# causal chain under expert parallelism, {machine()}; {RANKS} ranks, ep={RANKS}, dropless")
