@@ -196,11 +196,10 @@ def test_dropless_dispatch_trains_the_model_that_drops_nothing(tmp_path):
 def _moved(rank: int, world_size: int, run_dir: str, dispatch: str, move: bool) -> dict:
     """6 steps; with `move`, every layer's experts are re-placed (reversed) after step 2, as a
     live re-placement does at a step boundary."""
+    from meshscope.collector.store import load_steps
     from meshscope.trainer.experts import move_experts
     from meshscope.trainer.inject import Injector
     from meshscope.trainer.loop import train_step
-
-    from meshscope.collector.store import load_steps
 
     cfg, dev, mon, state, store = _trainer(rank, world_size, 2, run_dir, "cpu", dispatch=dispatch)
     injector = Injector([], rank, lambda inj, step: None)
