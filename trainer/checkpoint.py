@@ -251,6 +251,8 @@ class CheckpointManager:
         dcp.load(state, checkpoint_id=str(path), process_group=self.save_group)
         if self.sharded is not None:
             state = self.sharded.unwrap(state)
+        else:  # every expert here: undo a re-placement the checkpoint's sharded run had made
+            _in_expert_order(path, state, self.save_group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return Restored(step=manifest["step"], path=path, world_size=manifest["world_size"]), refused
 
@@ -260,3 +262,21 @@ class CheckpointManager:
         if restored.world_size != self.world_size or not f.exists():
             return None
         return torch.load(f, weights_only=False)
+
+
+def _in_expert_order(path: Path, state: dict[str, Any], group: Any) -> None:
+    """A checkpoint of expert-parallel layers holds each layer's experts in slot order (its
+    `slot_expert` placement, identity until a live re-placement). Loaded by a run that holds every
+    expert in expert order, the stacked expert weights and their moments are put back in order."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for key in (k for k in saved if k.startswith("model.") and k.endswith(".slot_expert")):
+        layer = key.removeprefix("model.").removesuffix(".slot_expert")
+        slots = {"model": {f"{layer}.slot_expert": torch.empty(saved[key].size, dtype=torch.int64)}}
+        dcp.load(slots, checkpoint_id=str(path), process_group=group)
+        where = torch.argsort(slots["model"][f"{layer}.slot_expert"])  # expert -> its slot
+        for name, value in state["model"].items():
+            if name.startswith(f"{layer}.experts."):
+                value.copy_(value[where])
+                for moment in state["optim"].get("state", {}).get(name, {}).values():
+                    if isinstance(moment, torch.Tensor) and moment.shape == value.shape:
+                        moment.copy_(moment[where])

@@ -193,7 +193,7 @@ def test_dropless_dispatch_trains_the_model_that_drops_nothing(tmp_path):
     assert all(r["rows"][-1]["bytes_a2a"] > 0 for r in dropless)
 
 
-def _moved(rank: int, world_size: int, run_dir: str, dispatch: str, move: bool) -> dict:
+def _moved(rank: int, world_size: int, run_dir: str, dispatch: str, move: bool, save: str = "") -> dict:
     """6 steps; with `move`, every layer's experts are re-placed (reversed) after step 2, as a
     live re-placement does at a step boundary."""
     from meshscope.collector.store import load_steps
@@ -210,6 +210,8 @@ def _moved(rank: int, world_size: int, run_dir: str, dispatch: str, move: bool) 
         if move and step == 2:
             for moe in state.model.moe_layers():
                 cost = move_experts(moe, state.optimizer, [3, 2, 1, 0])
+    if save:
+        _checkpoints(save, rank, world_size, state).save(6, state.model, state.optimizer, {})
     mon.close()
     held = {
         int(e): w
@@ -226,7 +228,10 @@ def test_a_live_re_placement_moves_experts_without_changing_the_model(tmp_path, 
     """Experts (weights and Adam's moments) re-placed mid-run: every later step computes what
     the run that kept its placement computes, and each expert now lives where it was sent."""
     kept = run_ranks(_moved, world_size=2, run_dir=str(tmp_path / "kept"), dispatch=dispatch, move=False)
-    moved = run_ranks(_moved, world_size=2, run_dir=str(tmp_path / "moved"), dispatch=dispatch, move=True)
+    root = str(tmp_path / "ckpt")
+    moved = run_ranks(
+        _moved, world_size=2, run_dir=str(tmp_path / "moved"), dispatch=dispatch, move=True, save=root
+    )
     for a, b in zip(kept, moved):
         assert b["aux"] == pytest.approx(a["aux"], rel=1e-5)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and len(b["loss"]) == 6
@@ -234,3 +239,9 @@ def test_a_live_re_placement_moves_experts_without_changing_the_model(tmp_path, 
     for expert, w in moved[0]["held"].items():
         assert torch.allclose(w, kept[1]["held"][expert], rtol=1e-5), expert
     assert moved[0]["cost"]["moved"] == [0, 1, 2, 3] and moved[0]["cost"]["bytes"] > 0
+    # its checkpoint (experts in slot order, with the placement) read by a run holding every
+    # expert: each expert where that run expects it
+    whole = run_ranks(_restore, world_size=2, ep=1, run_dir=str(tmp_path / "whole"), root=root)
+    for expert in range(4):
+        w = moved[0]["held"].get(expert, moved[1]["held"].get(expert))
+        assert torch.equal(whole[0][expert][0], w), expert
