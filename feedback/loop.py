@@ -15,6 +15,7 @@ from meshscope.collector.controls import ControlChange
 from meshscope.collector.rundir import run_info
 from meshscope.collector.store import load_expert_load, load_steps
 from meshscope.feedback.knowledge import KnowledgeBase, measure_outcome
+from meshscope.feedback.rebalance import placement_suggestions
 from meshscope.feedback.serving import FeedbackError, read_serving_load
 from meshscope.feedback.suggestions import LayerDiagnosis, Suggestion, diagnose, suggest, training_load
 
@@ -51,7 +52,10 @@ def ingest(
     run_dir = Path(run_dir)
     serving = read_serving_load(data, name)
     diagnoses = diagnose(serving, training_load(run_dir))
-    suggestions = suggest(diagnoses, serving, model=run_info(run_dir).model(), devices=devices, kb=kb)
+    info = run_info(run_dir)
+    suggestions = suggest(diagnoses, serving, model=info.model(), devices=devices, kb=kb)
+    suggestions += placement_suggestions(run_dir, info.ep)  # expert parallelism: the training side
+    suggestions.sort(key=lambda s: -s.score)
     from meshscope.collector.store import latest_step
 
     step = latest_step(run_dir)

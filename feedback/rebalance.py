@@ -24,6 +24,7 @@ from meshscope.collector.figures import balancedness
 from meshscope.collector.schema import Event
 from meshscope.collector.store import insert_events, load_expert_load
 from meshscope.feedback.placement import place_experts
+from meshscope.feedback.suggestions import Suggestion
 
 log = logging.getLogger("meshscope.rebalance")
 RECENT_WINDOWS = 4  # expert-load windows the decision looks at
@@ -110,3 +111,46 @@ class Rebalancer:
         return any(
             c.kind == "expert_placement" and c.layer == layer for _, c in controls.pending(self.run_dir)
         )
+
+
+def placement_suggestions(run_dir: Path, ep: int, windows: int = RECENT_WINDOWS) -> list[Suggestion]:
+    """For an expert-parallel run: per layer, the placement that packs its recent training load
+    better over its EP ranks than the one in force, as a suggestion a person can approve (the
+    view's Feedback page, `meshscope feedback approve`) to move the experts while it trains."""
+    load = load_expert_load(run_dir)
+    if load.empty or ep < 2:
+        return []
+    recent = load[load["step"] >= sorted(load["step"].unique())[-windows:][0]]
+    out = []
+    for layer, rows in recent.groupby("layer"):
+        per_expert = rows.groupby("expert")["tokens"].sum().sort_index().to_numpy()
+        placement, _ = controls.placement_at(run_dir, int(layer), len(per_expert))
+        current = rank_loads(per_expert, placement, ep)
+        proposal = packed(per_expert, ep)
+        better = rank_loads(per_expert, proposal, ep)
+        if current.mean() <= 0 or better.max() >= current.max() * 0.97:
+            continue
+        worst, then = current.max() / current.mean(), better.max() / better.mean()
+        out.append(
+            Suggestion(
+                "placement",
+                "training",
+                int(layer),
+                {"ep": ep, "slot_expert": proposal, "placement_before": placement},
+                {
+                    "rank_balancedness_before": round(balancedness(current), 3),
+                    "rank_balancedness_after": round(balancedness(better), 3),
+                },
+                f"re-place layer {layer}'s experts over its {ep} expert-parallel ranks: the busiest "
+                f"rank carries {worst:.2f}x the mean, {then:.2f}x after (weights and optimizer state "
+                "move at one step boundary)",
+                cause="training_rank_imbalance",
+                score=round(balancedness(better) - balancedness(current), 3),
+                control={
+                    "kind": "expert_placement",
+                    "layer": int(layer),
+                    "values": [float(e) for e in proposal],
+                },
+            )
+        )
+    return out

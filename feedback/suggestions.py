@@ -253,6 +253,8 @@ def suggest(
 
 def _gain(s: Suggestion) -> float:
     e = s.expected
+    if "rank_balancedness_after" in e:
+        return e["rank_balancedness_after"] - e["rank_balancedness_before"]
     if "balancedness_after" in e:
         return e["balancedness_after"] - e["balancedness_before"]
     if "device_balancedness_after" in e:

@@ -192,3 +192,34 @@ def test_the_knowledge_base_ranks_and_calibrates_by_past_outcomes(tmp_path):
 def test_out_of_bounds_changes_are_refused_naming_the_field(change, message):
     with pytest.raises(ControlError, match=message):
         ControlChange.parse(change)
+
+
+def test_an_expert_parallel_run_gets_a_training_placement_a_person_can_approve(tmp_path):
+    """The ranks of a sharded run carry unequal loads: ingesting a serving load also offers the
+    training placement that evens them, whose approval queues an `expert_placement` change."""
+    import json
+
+    from meshscope.collector import controls
+    from meshscope.collector.store import RunStore
+    from meshscope.feedback.loop import approve, ingest
+
+    run = tmp_path / "ep"
+    run.mkdir()
+    config = {"model": {"experts": 4, "top_k": 2}, "parallel": {"ep": 2}, "expert_every": 5}
+    (run / "config.json").write_text(json.dumps(config))
+    store = RunStore(run)
+    for step in range(4, 40, 5):  # experts 0 and 1 (rank 0's) hot, 2 and 3 (rank 1's) cold
+        store.add_expert_load(step, [[400.0, 300.0, 100.0, 50.0], [200.0, 200.0, 200.0, 200.0]])
+    store.close()
+    serving = b"layer,expert,tokens\n0,0,9\n0,1,1\n0,2,1\n0,3,1\n1,0,1\n1,1,1\n1,2,1\n1,3,1\n"
+    report = ingest(run, serving, "s.csv")
+    training = [s for s in report.suggestions if s.action == "placement" and s.target == "training"]
+    assert [s.layer for s in training] == [0]  # layer 1 is balanced already
+    (s,) = training
+    assert s.expected["rank_balancedness_after"] > s.expected["rank_balancedness_before"]
+    ranks = [sorted(s.params["slot_expert"][:2]), sorted(s.params["slot_expert"][2:])]
+    assert sorted(ranks) == [[0, 3], [1, 2]]  # hot beside cold
+    sid = report.event_ids[report.suggestions.index(s)]
+    approve(run, sid)
+    ((_, change),) = controls.pending(run)
+    assert change.kind == "expert_placement" and change.layer == 0 and sorted(change.values) == [0, 1, 2, 3]
