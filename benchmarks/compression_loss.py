@@ -1,5 +1,6 @@
 """Loss after a longer run with each gradient compression, against none: the demo config on
-2 CPU ranks, 300 steps, mean loss of steps 290-299 over both ranks.
+2 CPU ranks, 300 steps, mean loss of steps 290-299 over both ranks; and the bytes each put on
+the wire, over the whole run and per step after its warm-up, against none's.
 
     .venv/bin/python benchmarks/compression_loss.py [--steps 300]
 """
@@ -18,11 +19,21 @@ from _common import REPO, machine
 from meshscope.collector.store import load_steps
 from meshscope.config import load_config
 
-CASES = [("none", 0), ("fp16", 0), ("powersgd", 0), ("onebit", 0), ("onebit", 30), ("onebit", 100)]
+CASES = [
+    ("none", 0),
+    ("fp16", 0),
+    ("powersgd", 0),
+    ("onebit", 0),
+    ("onebit", 30),
+    ("onebit", 100),
+    ("onebit_adam", 30),
+    ("onebit_adam", 60),
+]
 
 
-def run(root: Path, compression: str, warmup: int, steps: int, port: int) -> float:
-    """Train one case; the mean loss of its last 10 steps."""
+def run(root: Path, compression: str, warmup: int, steps: int, port: int) -> tuple[float, float, float]:
+    """Train one case; the mean loss of its last 10 steps, its wire bytes over the run and per
+    step after its warm-up."""
     name = f"{compression}-w{warmup}"
     cfg = load_config(
         REPO / "configs" / "demo.toml",
@@ -56,7 +67,12 @@ def run(root: Path, compression: str, warmup: int, steps: int, port: int) -> flo
         cwd=REPO,
     )
     df = load_steps(cfg.run_dir)
-    return float(df[df["step"] >= steps - 10]["loss"].mean())
+    after = df[df["step"] >= warmup]
+    return (
+        float(df[df["step"] >= steps - 10]["loss"].mean()),
+        float(df["bytes_wire"].sum()),
+        float(after["bytes_wire"].mean()),
+    )
 
 
 def main() -> None:
@@ -67,11 +83,17 @@ def main() -> None:
     losses = {}
     for i, (compression, warmup) in enumerate(CASES):
         losses[(compression, warmup)] = run(root, compression, warmup, args.steps, 9800 + 10 * i)
-    base = losses[("none", 0)]
-    print(f"| compression | warm-up steps | loss, steps {args.steps - 10}-{args.steps - 1} | vs none |")
-    print("|---|---|---|---|")
-    for (compression, warmup), loss in losses.items():
-        print(f"| {compression} | {warmup} | {loss:.3f} | {100 * (loss / base - 1):+.1f} % |")
+    base, base_total, base_step = losses[("none", 0)]
+    print(
+        f"| compression | warm-up steps | loss, steps {args.steps - 10}-{args.steps - 1} | vs none "
+        "| wire bytes, whole run / none | per step after warm-up / none |"
+    )
+    print("|---|---|---|---|---|---|")
+    for (compression, warmup), (loss, total, per_step) in losses.items():
+        print(
+            f"| {compression} | {warmup} | {loss:.3f} | {100 * (loss / base - 1):+.1f} % "
+            f"| 1/{base_total / total:.1f} | 1/{base_step / per_step:.1f} |"
+        )
     print(machine())
 
 

@@ -16,6 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 from meshscope.collector.comm import allreduce_sent_bytes, allreduce_wire_bytes, bucket_bytes
 from meshscope.trainer.onebit import OneBitState, onebit_hook, onebit_wire_bytes
+from meshscope.trainer.onebit_adam import onebit_adam_hook, onebit_adam_wire_bytes
 from meshscope.trainer.serial import serial_hook, wait_for
 
 # With one bucket as large as the model, communication starts only when backward is done:
@@ -82,4 +83,7 @@ def build_hook(
     if name == "onebit":
         state = OneBitState(process_group=process_group, warmup_steps=warmup_steps)
         return HookSpec(name, onebit_hook, state, onebit_wire_bytes)
-    raise ValueError(f"train.compression: unknown hook {name!r} (none, fp16, powersgd, onebit)")
+    if name == "onebit_adam":  # the optimizer compresses the momentum: trainer/onebit_adam.py
+        state = OneBitState(process_group=process_group, warmup_steps=max(1, warmup_steps))
+        return HookSpec(name, onebit_adam_hook, state, onebit_adam_wire_bytes)
+    raise ValueError(f"train.compression: unknown hook {name!r} (none, fp16, powersgd, onebit, onebit_adam)")

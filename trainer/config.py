@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-Compression = Literal["none", "fp16", "powersgd", "onebit"]
+Compression = Literal["none", "fp16", "powersgd", "onebit", "onebit_adam"]
 DeviceKind = Literal["auto", "cpu", "cuda", "npu", "sim"]
 BackendKind = Literal["auto", "gloo", "nccl", "hccl", "simnccl", "simhccl"]
 TraceMode = Literal["off", "nonfinite", "stats", "full"]
@@ -81,7 +81,10 @@ class TrainConfig(_Strict):
     compression: Compression = Field("none", description="gradient compression hook")
     powersgd_rank: int = Field(4, gt=0, description="matrix approximation rank of PowerSGD")
     compression_warmup: int = Field(
-        0, ge=0, description="steps of plain all-reduce before powersgd/onebit compress"
+        0,
+        ge=0,
+        description="steps of plain all-reduce before powersgd/onebit compress; for onebit_adam "
+        "the full-precision Adam warm-up that learns the variance (0: a tenth of steps)",
     )
     overlap: bool = Field(True, description="bucketed all-reduce overlapping backward")
     bucket_cap_mb: float = Field(1.0, gt=0, description="DDP bucket size when overlapping")
@@ -272,6 +275,11 @@ class TrainerConfig(_Strict):
     @model_validator(mode="after")
     def _expert_parallel(self) -> TrainerConfig:
         ep = self.parallel.ep
+        if ep > 1 and self.train.compression == "onebit_adam":
+            raise ValueError(
+                "train.compression: onebit_adam averages every momentum over all ranks; with "
+                "parallel.ep > 1 the experts' are not replicated there (not supported yet)"
+            )
         if ep > 1 and self.nproc % ep:  # EP groups stay inside a node: any node count then fits
             raise ValueError(f"parallel.ep: {ep} does not divide nproc {self.nproc} (the ranks of a node)")
         if self.model.experts % ep:

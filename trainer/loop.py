@@ -31,6 +31,7 @@ from meshscope.trainer.hierarchy import (
 )
 from meshscope.trainer.inject import Injector, collective_fault_hook, delayed_hook
 from meshscope.trainer.model import MoELM
+from meshscope.trainer.onebit_adam import OneBitAdam
 
 # Devices whose AdamW has fused kernels that honour `found_inf`. Ascend is left out until
 # torch_npu's fused AdamW is checked on hardware; it reads the norm instead (a sync point).
@@ -57,11 +58,14 @@ def gradient_hook(cfg: TrainerConfig, device: Device, mon: Monitor) -> HookSpec:
         groups = node_groups(cfg.nproc, cfg.train.compression, device.torch_device.type)
         groups.meter = mon.meter  # each hop timed: intra- and inter-node apart
         return HookSpec("hierarchical", hierarchical_hook, groups, hierarchical_wire_bytes, inter_node_bytes)
+    warmup = cfg.train.compression_warmup
+    if cfg.train.compression == "onebit_adam" and not warmup:
+        warmup = max(1, cfg.train.steps // 10)  # Adam learns its variance before it is frozen
     return build_hook(
         cfg.train.compression,
         powersgd_rank=cfg.train.powersgd_rank,
         seed=cfg.train.seed,
-        warmup_steps=cfg.train.compression_warmup,
+        warmup_steps=warmup,
     )
 
 
@@ -112,7 +116,12 @@ def build(
     else:
         ddp, hook_state = model, None
         mon.watch(model)
-    optimizer = build_optimizer(model, cfg, device)
+    if cfg.train.compression == "onebit_adam" and hook_state is not None:
+        optimizer: torch.optim.Optimizer = OneBitAdam(
+            model.parameters(), hook_state, lr=cfg.train.lr, count=mon.meter.count
+        )
+    else:
+        optimizer = build_optimizer(model, cfg, device)
     data = SyntheticTokens(
         vocab_size=cfg.model.vocab_size,
         seq_len=cfg.model.seq_len,
