@@ -21,7 +21,14 @@ run re-places when a rank's experts carry 1.15x the mean (cooldown 30 steps). Co
 the steps after the first move: the max/mean of per-rank tokens (the load the placement
 evens) and the median step time, treated / untreated, per repeat.
 
-    .venv/bin/python benchmarks/expert_parallel.py [--repeats N] [--replace]
+`--node-loss`: a node of an expert-parallel job dies for good. 2 agents ("nodes") of 2 ranks,
+ep=2 (each node holds every expert once: EP groups stay inside a node), checkpoints every 5
+steps; once both nodes have trained 15 steps together, one node's whole process tree is
+killed. The survivor restarts alone (2 ranks, still ep=2) and restores every expert from the
+sharded checkpoint; reported: the resume, steps lost, the time from the loss to the restored
+state and to the first step after it, and that the final checkpoint holds every expert.
+
+    .venv/bin/python benchmarks/expert_parallel.py [--repeats N] [--replace] [--node-loss]
 """
 
 from __future__ import annotations
@@ -107,11 +114,94 @@ def replace(repeats: int) -> None:
         print(f"| {i} | {first} | {len(moves)} | {skew_u:.3f} → {skew_t:.3f} | {time_t / time_u:.3f} |")
 
 
+def node_loss(repeats: int) -> None:
+    """A node of an expert-parallel job killed for good (see the module doc)."""
+    import os
+    import signal
+    import time
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fixtures.ports import free_port_range
+    from meshscope.collector.store import load_events, load_steps
+    from meshscope.config import load_config
+    from meshscope.trainer.model import MoELM
+
+    print(f"# a node of an expert-parallel job lost for good, {machine()}")
+    header = "| repeat | world then → now | resumed from | steps lost | loss → restored | loss → first step |"
+    print(header + " every expert in the final checkpoint |")
+    print("|---|---|---|---|---|---|---|")
+    for i in range(repeats):
+        root = Path(tempfile.mkdtemp())
+        rdzv = free_port_range(1)
+        store = subprocess.Popen(
+            [sys.executable, "-m", "meshscope", "rendezvous", "--port", str(rdzv)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+        )
+        store.stdout.readline()
+        flags = ["--config", str(REPO / "fixtures/tiny.toml"), "--run-dir", str(root), "--run-id", "ep"]
+        flags += ["--nproc", "2", "--steps", "200", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{rdzv}"]
+        flags += [
+            "--rdzv-external",
+            "--max-restarts",
+            "3",
+            "--checkpoint-every",
+            "5",
+            "--set",
+            "parallel.ep=2",
+        ]
+        flags += ["--set", "elastic.last_call_s=10"]
+        agents = [
+            subprocess.Popen(
+                [sys.executable, "-m", "meshscope", "run", *flags],
+                cwd=REPO,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for _ in range(2)
+        ]
+        run = root / "ep"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                steps = load_steps(run)
+            except Exception:  # noqa: BLE001  (not there yet)
+                steps = None
+            if steps is not None and len(steps) and steps[steps["world_size"] == 4]["step"].max() >= 15:
+                break
+            time.sleep(0.3)
+        os.killpg(agents[1].pid, signal.SIGKILL)  # the whole node: agent and workers
+        killed_at = time.time()
+        agents[0].wait(timeout=600)
+        store.kill()
+        events = load_events(run)
+        resume = events[events["kind"] == "resume"].iloc[-1]["detail"]
+        steps = load_steps(run)
+        first = steps[(steps["world_size"] == 2) & (steps["step"] > resume["from_step"])]["time"].min()
+        cfg = load_config(REPO / "fixtures/tiny.toml")
+        state = {"model": MoELM(cfg.model).state_dict()}
+        newest = sorted((run / "checkpoints").glob("step_*"))[-1]
+        dcp.load(state, checkpoint_id=str(newest))  # every expert of every layer, read whole
+        whole = all(torch.isfinite(v).all() for k, v in state["model"].items() if ".experts." in k)
+        print(
+            f"| {i} | {resume['world_size_then']} → {resume['world_size_now']} | {resume['from_step']} "
+            f"| {resume['steps_lost']} | {resume['restored_at'] - killed_at:.2f} s "
+            f"| {first - killed_at:.2f} s | {'yes' if whole else 'NO'} ({newest.name}) |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--replace", action="store_true", help="live re-placement against its untreated twin")
+    parser.add_argument("--node-loss", action="store_true", help="a node of an expert-parallel job dies")
     args = parser.parse_args()
+    if args.node_loss:
+        node_loss(args.repeats)
+        return
     if args.replace:
         replace(args.repeats)
         return
