@@ -11,17 +11,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from meshscope.collector.controls import placement_at
 from meshscope.collector.env import HostShare
 from meshscope.collector.figures import STALL_FLOOR_S, balancedness, stall_threshold_s, with_compute
 from meshscope.collector.report import busiest_host
-from meshscope.collector.rundir import run_info
 from meshscope.collector.schema import nonfinite_mask
 from meshscope.collector.stacks import own_frame
+from meshscope.explain.experts import hot_experts
 from meshscope.explain.facts import (
     BASELINE_STEPS,
-    HOT_RISE,
-    HOT_WORK,
     LEAK_MIN_BYTES,
     LINK_RISE,
     SLOW_RATIO,
@@ -218,100 +215,6 @@ def _slow_link(facts: RunFacts, w: Window) -> list[Cause]:
             "compression (fp16, powersgd) lowers the bytes in the meantime",
         )
     ]
-
-
-def _hot_experts(facts: RunFacts, w: Window) -> list[Cause]:
-    """Under expert parallelism: the experts placed on one rank processed more tokens than
-    every rank's mean, so that rank computes longer and its EP peers wait in the all-to-all.
-    The causal chain from a slow rank to its experts; a slow host has the same load."""
-    work, info = facts.expert_work, run_info(facts.run_dir)
-    every = info.expert_every or 1
-    if work.empty:
-        return []
-    win = work[(work["step"] >= w.lo) & (work["step"] <= w.hi + every - 1)]  # windows ending in it
-    if win.empty:
-        return []
-    per_rank = win.groupby(["layer", "rank"])["tokens"].mean().unstack("rank")
-    ratios = per_rank.div(per_rank.mean(axis=1), axis=0)
-    # what changed with the anomaly: a share that was as high before is the run's usual routing
-    base = w.before(work[work["step"] < w.lo])
-    if not base.empty:
-        before = base.groupby(["layer", "rank"])["tokens"].mean().unstack("rank")
-        usual = before.div(before.mean(axis=1), axis=0).reindex_like(ratios)
-        ratios = ratios.where((ratios / usual.clip(lower=1e-9)).fillna(np.inf) >= HOT_RISE, 0.0)
-    layer, rank = ratios.stack().idxmax()
-    ratio = float(ratios.loc[layer, rank])
-    if ratio < HOT_WORK:
-        return []
-    rank, layer = int(rank), int(layer)
-    placement, _ = placement_at(facts.run_dir, layer, info.experts or 0, w.hi) if info.experts else ([], None)
-    per = len(placement) // info.ep if placement else 0
-    held = placement[(rank % info.ep) * per : (rank % info.ep + 1) * per] if per else info.holders(rank)
-    evidence = [
-        f"rank {rank}'s experts processed {per_rank.loc[layer, rank] / every:.0f} tokens per step in layer "
-        f"{layer}, {ratio:.1f}× the mean of every rank's ({per_rank.loc[layer].mean() / every:.0f}) over "
-        f"{_span(w.lo, w.hi)}"
-    ]
-    named = f"expert{'s' if len(held) > 1 else ''} {_list(held)}"
-    title = (
-        f"{named}, placed on rank {rank}, receive{'' if len(held) > 1 else 's'} {ratio:.1f}× the mean tokens"
-    )
-    demand = _expert_demand(facts.experts, layer, held, w, every)
-    if demand is not None:
-        evidence.append(f"the router sent {named} {demand:.1f}× an expert's mean share")
-    steps = with_compute(w.of(facts.steps))
-    slower = 1.0
-    if not steps.empty and steps["rank"].nunique() > 1 and rank in set(steps["rank"]):
-        compute = steps.groupby("rank")["compute_s"].median()
-        slower = float(compute[rank] / max(float(compute.drop(rank).median()), 1e-9))
-        waited = (
-            steps[steps["rank"] != rank]["comm_a2a_s"].median() if "comm_a2a_s" in steps else float("nan")
-        )
-        evidence.append(
-            f"rank {rank} computes {slower:.1f}× its peers"
-            + (f"; they waited {waited:.3f} s per step in the expert all-to-all" if waited == waited else "")
-        )
-        if slower >= 1.1:
-            title = f"rank {rank} is slow in layer {layer} because " + title
-        else:
-            title += f" in layer {layer}"
-    return [
-        Cause(
-            "hot_experts",
-            title,
-            min(0.93, 0.5 + 0.15 * ratio + (0.1 if slower >= SLOW_RATIO else 0.0)),
-            [rank],
-            w.lo,
-            evidence,
-            "balance the router (a higher aux_loss_coef, or the aux-loss-free bias the feedback loop "
-            f"tunes), or spread the load: {_spread(held)} (the view's Feedback page suggests a "
-            "placement from these loads)",
-        )
-    ]
-
-
-def _expert_demand(experts: pd.DataFrame, layer: int, held: list[int], w: Window, every: int) -> float | None:
-    """How many times an expert's mean share of routed tokens the experts in `held` got."""
-    if experts.empty or not held:
-        return None
-    rows = experts[(experts["layer"] == layer) & experts["step"].between(w.lo, w.hi + every - 1)]
-    if rows.empty:
-        return None
-    load = rows.groupby("expert")["tokens"].sum()
-    return float(load.reindex(held).fillna(0).mean() / max(float(load.mean()), 1e-9))
-
-
-def _spread(held: list[int]) -> str:
-    """What moves load off a rank that holds `held`."""
-    if len(held) > 1:
-        return f"place experts {_list(held)} on different ranks"
-    return f"replicate expert {held[0]} on more ranks, or shard it"
-
-
-def _list(items: list[int]) -> str:
-    """1, 2 and 3."""
-    names = [str(i) for i in items]
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def _routing(facts: RunFacts, w: Window) -> list[Cause]:
@@ -555,7 +458,7 @@ HYPOTHESES: list[Callable[[RunFacts, Window], list[Cause]]] = [
     _stall,
     _slow_host,
     _slow_link,
-    _hot_experts,
+    hot_experts,
     _routing,
     _leak,
     _nonfinite,

@@ -81,14 +81,7 @@ def build(
     """Model, DDP with the chosen hook (registered through the Monitor), optimizer and data."""
     torch.manual_seed(cfg.train.seed)  # same init on every rank; DDP also broadcasts it
     model = MoELM(cfg.model).to(device.torch_device)
-    experts = None
-    if cfg.parallel.ep > 1:  # before DDP: it must neither broadcast nor reduce expert weights
-        mesh = expert_mesh(cfg.parallel.ep)
-        mesh.dropless = cfg.parallel.dispatch == "dropless"
-        mesh.timer = lambda: mon.meter.hop(EXCHANGE_KIND)
-        mesh.count = mon.meter.count_exchange
-        DDP._set_params_and_buffers_to_ignore_for_model(model, shard_experts(model, mesh))
-        experts = ExpertGradSync.attach(model, mesh)
+    experts = _shard_experts(cfg, model, mon) if cfg.parallel.ep > 1 else None  # before DDP
     if injector is not None:
         injector.arm(model)
     if world_size > 1:
@@ -116,7 +109,7 @@ def build(
     else:
         ddp, hook_state = model, None
         mon.watch(model)
-    if cfg.train.compression == "onebit_adam" and hook_state is not None:
+    if cfg.train.compression == "onebit_adam" and hook_state is not None:  # it sends the momentum
         optimizer: torch.optim.Optimizer = OneBitAdam(
             model.parameters(), hook_state, lr=cfg.train.lr, count=mon.meter.count
         )
@@ -133,6 +126,17 @@ def build(
     return TrainState(
         model=model, ddp=ddp, optimizer=optimizer, data=data, hook_state=hook_state, experts=experts
     )
+
+
+def _shard_experts(cfg: TrainerConfig, model: torch.nn.Module, mon: Monitor) -> ExpertGradSync:
+    """Expert parallelism: keep this rank's experts, time and count their exchanges, and keep
+    them out of DDP (it must neither broadcast nor reduce them: their replicas do)."""
+    mesh = expert_mesh(cfg.parallel.ep)
+    mesh.dropless = cfg.parallel.dispatch == "dropless"
+    mesh.timer = lambda: mon.meter.hop(EXCHANGE_KIND)
+    mesh.count = mon.meter.count_exchange
+    DDP._set_params_and_buffers_to_ignore_for_model(model, shard_experts(model, mesh))
+    return ExpertGradSync.attach(model, mesh)
 
 
 def train_step(
