@@ -13,7 +13,7 @@ import pandas as pd
 
 from meshscope.collector.controls import ControlChange
 from meshscope.collector.rundir import run_info
-from meshscope.collector.store import load_expert_load, load_steps
+from meshscope.collector.store import load_expert_load, load_expert_work, load_steps
 from meshscope.feedback.knowledge import KnowledgeBase, measure_outcome
 from meshscope.feedback.rebalance import placement_suggestions
 from meshscope.feedback.serving import FeedbackError, read_serving_load
@@ -103,9 +103,12 @@ def settle_outcomes(run_dir: Path, kb: KnowledgeBase, *, after: int) -> list[dic
         return []
     suggestions = {int(r["id"]): r["detail"] for _, r in load_events(run_dir, kind="suggestion").iterrows()}
     steps, experts = load_steps(run_dir), load_expert_load(run_dir)  # once for every change
+    # a placement does not change routing, it evens the ranks: judged on each rank's experts' work
+    ranks = load_expert_work(run_dir).rename(columns={"rank": "expert"})
     done = []
     for _, row in unsettled.iterrows():
-        measured = measure_outcome(steps, experts, int(row["step"]), int(row["layer"]), after)
+        load = ranks if row["kind"] == "expert_placement" else experts
+        measured = measure_outcome(steps, load, int(row["step"]), int(row["layer"]), after)
         if measured is None:
             continue
         s = suggestions.get(int(row["suggestion"])) if pd.notna(row["suggestion"]) else None

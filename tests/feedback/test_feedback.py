@@ -200,8 +200,9 @@ def test_an_expert_parallel_run_gets_a_training_placement_a_person_can_approve(t
     import json
 
     from meshscope.collector import controls
+    from meshscope.collector.schema import StepRecord
     from meshscope.collector.store import RunStore
-    from meshscope.feedback.loop import approve, ingest
+    from meshscope.feedback.loop import approve, ingest, settle_outcomes
 
     run = tmp_path / "ep"
     run.mkdir()
@@ -210,6 +211,8 @@ def test_an_expert_parallel_run_gets_a_training_placement_a_person_can_approve(t
     store = RunStore(run)
     for step in range(4, 40, 5):  # experts 0 and 1 (rank 0's) hot, 2 and 3 (rank 1's) cold
         store.add_expert_load(step, [[400.0, 300.0, 100.0, 50.0], [200.0, 200.0, 200.0, 200.0]])
+        store.add_expert_work(step, 0, [700.0, 400.0])
+        store.add_expert_work(step, 1, [150.0, 400.0])
     store.close()
     serving = b"layer,expert,tokens\n0,0,9\n0,1,1\n0,2,1\n0,3,1\n1,0,1\n1,1,1\n1,2,1\n1,3,1\n"
     report = ingest(run, serving, "s.csv")
@@ -221,5 +224,20 @@ def test_an_expert_parallel_run_gets_a_training_placement_a_person_can_approve(t
     assert sorted(ranks) == [[0, 3], [1, 2]]  # hot beside cold
     sid = report.event_ids[report.suggestions.index(s)]
     approve(run, sid)
-    ((_, change),) = controls.pending(run)
+    ((cid, change),) = controls.pending(run)
     assert change.kind == "expert_placement" and change.layer == 0 and sorted(change.values) == [0, 1, 2, 3]
+    # applied at step 40; afterwards the ranks' experts share layer 0's tokens evenly: the
+    # outcome is judged on the ranks' work (routing did not change, and is not the measure)
+    controls.settle(run, cid, status="applied", step=40)
+    store = RunStore(run)
+    for step in range(0, 60):
+        store.add_step(
+            StepRecord(run_id="ep", rank=0, world_size=2, step=step, time=0.0, step_s=0.1, loss=1.0)
+        )
+    for step in range(44, 60, 5):
+        store.add_expert_load(step, [[400.0, 300.0, 100.0, 50.0], [200.0, 200.0, 200.0, 200.0]])
+        store.add_expert_work(step, 0, [425.0, 400.0])
+        store.add_expert_work(step, 1, [425.0, 400.0])
+    store.close()
+    (outcome,) = settle_outcomes(run, KnowledgeBase(tmp_path / "kb.sqlite"), after=20)
+    assert outcome["balancedness_before"] < 0.8 < outcome["balancedness_after"] and outcome["success"]
