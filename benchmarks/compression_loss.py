@@ -78,10 +78,13 @@ def run(root: Path, compression: str, warmup: int, steps: int, port: int) -> tup
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="these compressions (and none)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="meshscope-loss-"))
     losses = {}
     for i, (compression, warmup) in enumerate(CASES):
+        if args.only and compression not in {"none", *args.only}:
+            continue
         losses[(compression, warmup)] = run(root, compression, warmup, args.steps, 9800 + 10 * i)
     base, base_total, base_step = losses[("none", 0)]
     print(

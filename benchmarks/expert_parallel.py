@@ -153,15 +153,16 @@ def node_loss(repeats: int) -> None:
             "parallel.ep=2",
         ]
         flags += ["--set", "elastic.last_call_s=10"]
+        ports = free_port_range(20)  # two agents on one host: a metrics base of their own each
         agents = [
             subprocess.Popen(
-                [sys.executable, "-m", "meshscope", "run", *flags],
+                [sys.executable, "-m", "meshscope", "run", *flags, "--metrics-port", str(ports + 10 * a)],
                 cwd=REPO,
                 start_new_session=True,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            for _ in range(2)
+            for a in range(2)
         ]
         run = root / "ep"
         deadline = time.monotonic() + 180
