@@ -152,7 +152,8 @@ def node_loss(repeats: int) -> None:
             "--set",
             "parallel.ep=2",
         ]
-        flags += ["--set", "elastic.last_call_s=10"]
+        # the rendezvous' last call (elastic.last_call_s, 3 s) stays the default: a re-rendezvous
+        # after the loss waits it out, and it is part of what recovery costs
         ports = free_port_range(20)  # two agents on one host: a metrics base of their own each
         agents = [
             subprocess.Popen(
