@@ -116,7 +116,7 @@ class Rebalancer:
 def placement_suggestions(run_dir: Path, ep: int, windows: int = RECENT_WINDOWS) -> list[Suggestion]:
     """For an expert-parallel run: per layer, the placement that packs its recent training load
     better over its EP ranks than the one in force, as a suggestion a person can approve (the
-    view's Feedback page, `meshscope feedback approve`) to move the experts while it trains."""
+    view's Feedback page, `meshscope feedback apply`) to move the experts while it trains."""
     load = load_expert_load(run_dir)
     if load.empty or ep < 2:
         return []
