@@ -16,10 +16,20 @@ Experts held as one stacked tensor per weight (index 0 is the expert) have no su
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 PROTOCOL_ATTRIBUTE = "expert_token_counts"
 WORK_ATTRIBUTE = "expert_work"
+
+
+def experts_on(placement: Sequence[int], ep: int, rank: int) -> list[int]:
+    """The experts `rank` holds under expert parallelism: slot s lives on EP rank s // (E/ep)
+    (the rank's EP rank is rank mod ep) and holds expert placement[s]."""
+    per = len(placement) // ep
+    mine = rank % ep
+    return list(placement[mine * per : (mine + 1) * per])
 
 
 def expert_work(module: torch.nn.Module) -> torch.Tensor | None:

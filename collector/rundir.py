@@ -52,15 +52,6 @@ class RunInfo:
     expert_every: int | None = None  # steps per expert-load window
     ep: int = 1  # expert parallelism: experts sharded over groups of ep ranks
 
-    def holders(self, rank: int) -> list[int]:
-        """The experts `rank` holds under expert parallelism, in the trainer's placement (EP
-        rank j = rank mod ep holds the j-th run of E/ep); every expert without it."""
-        if not self.experts:
-            return []
-        per = self.experts // self.ep
-        start = (rank % self.ep) * per
-        return list(range(start, start + per))
-
     def model(self) -> dict[str, Any]:
         """The known model values as a dict (the feedback loop's view of the model)."""
         return {k: v for k in MODEL_FACTS if (v := getattr(self, k)) is not None}

@@ -11,6 +11,7 @@ import pandas as pd
 
 from meshscope.collector.controls import placement_at
 from meshscope.collector.figures import with_compute
+from meshscope.collector.moe import experts_on
 from meshscope.collector.rundir import RunInfo, run_info
 from meshscope.explain.facts import HOT_RISE, HOT_WORK, SLOW_RATIO, Cause, RunFacts, Window, _span
 
@@ -25,7 +26,7 @@ def hot_experts(facts: RunFacts, w: Window) -> list[Cause]:
         return []
     layer, rank, ratio, per_rank = found
     held = _held(facts, info, layer, rank, w)
-    named = f"expert{'s' if len(held) > 1 else ''} {_list(held)}"
+    named = f"expert{'s' if len(held) > 1 else ''} {_list(held)}" if held else "its experts"
     title = (
         f"{named}, placed on rank {rank}, receive{'' if len(held) > 1 else 's'} {ratio:.1f}× the mean tokens"
     )
@@ -82,11 +83,10 @@ def _hottest(work: pd.DataFrame, w: Window, every: int) -> tuple[int, int, float
 
 def _held(facts: RunFacts, info: RunInfo, layer: int, rank: int, w: Window) -> list[int]:
     """The experts `rank` held in `layer` during the window: the placement in force then."""
-    if not info.experts:
-        return info.holders(rank)
+    if not info.experts:  # a run whose config does not say: the experts go unnamed
+        return []
     placement, _ = placement_at(facts.run_dir, layer, info.experts, w.hi)
-    per = len(placement) // info.ep
-    return placement[(rank % info.ep) * per : (rank % info.ep + 1) * per]
+    return experts_on(placement, info.ep, rank)
 
 
 def _what_it_cost(facts: RunFacts, w: Window, rank: int) -> tuple[float, list[str]]:
@@ -116,6 +116,8 @@ def _expert_demand(experts: pd.DataFrame, layer: int, held: list[int], w: Window
 
 def _spread(held: list[int]) -> str:
     """What moves load off a rank that holds `held`."""
+    if not held:
+        return "place this rank's experts apart"
     if len(held) > 1:
         return f"place experts {_list(held)} on different ranks"
     return f"replicate expert {held[0]} on more ranks, or shard it"

@@ -21,6 +21,7 @@ import numpy as np
 
 from meshscope.collector import controls
 from meshscope.collector.figures import balancedness
+from meshscope.collector.moe import experts_on
 from meshscope.collector.schema import Event
 from meshscope.collector.store import insert_events, load_expert_load
 from meshscope.feedback.placement import place_experts
@@ -32,8 +33,7 @@ RECENT_WINDOWS = 4  # expert-load windows the decision looks at
 
 def rank_loads(load: np.ndarray, placement: list[int], ep: int) -> np.ndarray:
     """Tokens per rank of an EP group: the load of the experts each rank's slots hold."""
-    per = len(placement) // ep
-    return np.array([sum(load[e] for e in placement[r * per : (r + 1) * per]) for r in range(ep)])
+    return np.array([sum(load[e] for e in experts_on(placement, ep, r)) for r in range(ep)])
 
 
 def packed(load: np.ndarray, ep: int) -> list[int]:

@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from meshscope.collector.moe import experts_on
+
 EXCHANGE_KIND = "expert_all_to_all"  # the meter's kind for the dispatch and combine exchanges
 
 
@@ -240,7 +242,7 @@ def move_experts(layer: Any, optimizer: torch.optim.Optimizer, new: list[int]) -
     sent = [digest(i, tensors) for i in range(per)]
     sums: list[Any] = [None] * mesh.ep
     dist.all_gather_object(sums, sent, group=mesh.rows_on_host)
-    wanted = [new[mesh.ep_rank * per + i] for i in range(per)]
+    wanted = experts_on(new, mesh.ep, mesh.ep_rank)
     sources = [old.index(e) for e in wanted]
     arrived = []
     for t in tensors:

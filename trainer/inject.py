@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshscope.collector.moe import stacked_experts
+from meshscope.collector.moe import experts_on, stacked_experts
 from meshscope.trainer import sim
 
 KINDS = {
@@ -136,14 +136,13 @@ def resolve_target(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, 
             module = None
         owner = model.get_submodule(parent.rpartition(".")[0]) if module is not None else None
         mesh = getattr(owner, "expert_mesh", None)  # expert parallelism: this rank holds a slice
-        if mesh is not None:
-            held = mesh.local_experts(owner.router.experts)
+        if mesh is not None:  # the placement in force (a live re-placement moves experts)
+            held = experts_on(owner.slot_expert.tolist(), mesh.ep, mesh.ep_rank)  # sync point: injection only
             if int(last) not in held:
                 raise InjectionError(
-                    f"--inject nan: expert {last} of {parent!r} is not held by this rank "
-                    f"(it holds {held.start}..{held.stop - 1})"
+                    f"--inject nan: expert {last} of {parent!r} is not held by this rank (it holds {held})"
                 )
-            return module, int(last) - held.start
+            return module, held.index(int(last))
         count = stacked_experts(module) if module is not None else None
         if count is not None:
             if int(last) < count:

@@ -55,44 +55,42 @@ class OneBitAdam(torch.optim.Optimizer):
         """Past the warm-up: the variance is frozen and the momentum travels as 1 bit."""
         return self.onebit.iter > self.onebit.warmup_steps
 
+    def _with_grads(self) -> list[tuple[dict[str, Any], torch.nn.Parameter]]:
+        """(its group, parameter) of every parameter that has a gradient this step."""
+        return [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """One update (see the module doc); collective in the compression stage."""
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not params:
+        todo = self._with_grads()
+        if not todo:
             return
         frozen = self.compressing
-        for group in self.param_groups:
+        for group, p in todo:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["frozen_at"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1  # host tensors: counts, not device values
-                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                if not frozen:
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                    state["frozen_at"].copy_(state["step"])
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["frozen_at"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1  # host tensors: counts, not device values
+            state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            if not frozen:
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                state["frozen_at"].copy_(state["step"])
         if frozen:
-            self._average_momentum(params)
-        for group in self.param_groups:
+            self._average_momentum([p for _, p in todo])
+        for group, p in todo:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                first = 1 - beta1 ** float(state["step"])  # host tensor
-                second = 1 - beta2 ** float(state["frozen_at"])  # host tensor
-                denom = (state["exp_avg_sq"] / second).sqrt_().add_(group["eps"])
-                update = (state["exp_avg"] / first).div_(denom)
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
-                p.add_(update, alpha=-group["lr"])
+            state = self.state[p]
+            first = 1 - beta1 ** float(state["step"])  # host tensor
+            second = 1 - beta2 ** float(state["frozen_at"])  # host tensor
+            denom = (state["exp_avg_sq"] / second).sqrt_().add_(group["eps"])
+            update = (state["exp_avg"] / first).div_(denom)
+            if group["weight_decay"]:
+                update.add_(p, alpha=group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
 
     def _average_momentum(self, params: list[torch.nn.Parameter]) -> None:
         """Every rank's momentum averaged by the 1-bit all-reduce (one flat buffer)."""
