@@ -34,3 +34,40 @@ def timed_blocks(variants, built, step, blocks: int, block_steps: int, times: di
                 step(v, *built[v], i)
                 times.setdefault(v, []).append(time.perf_counter() - t0)
     return times
+
+
+def run_on_two_nodes(root: Path, name: str, link: str, steps: int, *settings: str) -> list[Path]:
+    """`meshscope run` of one rank on each of two emulated nodes (network namespaces, the link
+    rate-limited to `link`), `configs/demo.toml` with `settings` (`--set` pairs); each node's
+    run directory. Reused when node 0's store is already there (`--keep`)."""
+    import subprocess
+
+    from fixtures.netns import nodes
+    from fixtures.ports import free_port_range
+
+    dirs = [root / f"{name}-node{i}" / name for i in range(2)]
+    if (dirs[0] / "store.sqlite").exists():
+        return dirs
+    port = free_port_range(1)
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}  # the route's, as a user has it
+    with nodes(2) as pair:
+        for node in pair:
+            node.limit(link)
+        procs = []
+        for run_dir, node in zip(dirs, pair):
+            cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(REPO / "configs/demo.toml")]
+            cmd += ["--run-dir", str(run_dir.parent), "--run-id", name, "--nproc", "1", "--steps", str(steps)]
+            cmd += [
+                "--nnodes",
+                "2",
+                "--rdzv-endpoint",
+                f"{pair[0].address}:{port}",
+                "--metrics-port",
+                "19890",
+            ]
+            for setting in settings:
+                cmd += ["--set", setting]
+            procs.append(subprocess.Popen(node.command(*cmd), cwd=REPO, env=env, stdout=subprocess.DEVNULL))
+        for proc in procs:
+            assert proc.wait(timeout=600) == 0, name
+    return dirs

@@ -73,3 +73,43 @@ def stall_threshold_s(
     """Seconds without progress that make a stall, given the typical step time (the floor
     alone while there is no step time yet)."""
     return max(floor_s, factor * typical_step_s) if typical_step_s > 0 else floor_s
+
+
+def fault_tolerance_factor(steps: Any, retried: Any = None) -> float:
+    """Productive time over wall time: the steps that count (each once, as long as its slowest
+    rank took) over the span from the first step's start to the last one's end, every attempt
+    included. Restarts, redone steps, hangs and pauses between steps are what it loses."""
+    import pandas as pd
+
+    if steps.empty:
+        return float("nan")
+    every = steps if retried is None or retried.empty else pd.concat([steps, retried], ignore_index=True)
+    wall = float((every["time"] + every["step_s"]).max() - every["time"].min())
+    productive = float(steps.groupby("step")["step_s"].max().sum())
+    return min(productive / wall, 1.0) if wall > 0 else float("nan")
+
+
+def training_efficiency_index(
+    steps: Any, one_device_tokens_per_s: float, retried: Any = None
+) -> dict[str, float]:
+    """The Training Efficiency Index, TEI = scaling efficiency x (1 - communication overhead) x
+    fault-tolerance factor, with its three parts. Scaling efficiency is the job's throughput
+    over one device's (`one_device_tokens_per_s`, the same model and per-device batch on one
+    device) times the devices; communication overhead is exposed communication over step time.
+    NaN parts where the run cannot say them (no steps, no one-device figure)."""
+    if steps.empty:
+        return {"tei": float("nan")}
+    devices = int(steps["rank"].nunique())
+    scaling = (
+        tokens_per_second(steps) / (one_device_tokens_per_s * devices)
+        if one_device_tokens_per_s > 0
+        else float("nan")
+    )
+    comm = float(steps["comm_exposed_s"].sum() / max(steps["step_s"].sum(), 1e-12))
+    ft = fault_tolerance_factor(steps, retried)
+    return {
+        "tei": scaling * (1 - comm) * ft,
+        "scaling_efficiency": scaling,
+        "comm_overhead": comm,
+        "fault_tolerance": ft,
+    }

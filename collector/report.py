@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pandas as pd
 
@@ -77,3 +78,29 @@ def busiest_host(events: pd.DataFrame) -> HostShare | None:
     details = events.loc[events["kind"] == "host", "detail"]
     shares = [s for s in map(HostShare.from_detail, details) if s is not None]
     return max(shares, key=lambda s: s.factor, default=None)
+
+
+def efficiency(run_dir: Any, steps: pd.DataFrame | None = None) -> dict[str, Any]:
+    """The run's Training Efficiency Index and its parts, against the one-device run of the
+    same model found beside it (`reference`: its name, or '' when there is none and scaling
+    efficiency is NaN)."""
+    from meshscope.collector.figures import training_efficiency_index
+    from meshscope.collector.rundir import one_device_reference
+    from meshscope.collector.store import load_retried_steps, load_steps
+
+    steps = load_steps(run_dir) if steps is None else steps
+    reference = one_device_reference(run_dir)
+    one = tokens_per_second(load_steps(reference)) if reference is not None else math.nan
+    out: dict[str, Any] = training_efficiency_index(steps, one, load_retried_steps(run_dir))
+    out["reference"] = "" if reference is None else reference.name
+    return out
+
+
+def efficiency_text(e: dict[str, Any]) -> str:
+    """The TEI and its parts in one line (what the summary and the view print)."""
+    if "comm_overhead" not in e:
+        return "n/a (no steps)"
+    parts = f"(1 - comm {e['comm_overhead']:.2f}) x fault tolerance {e['fault_tolerance']:.2f}"
+    if not e["reference"]:
+        return f"n/a: no one-device run of this model beside it to scale against; {parts}"
+    return f"{e['tei']:.2f} = scaling {e['scaling_efficiency']:.2f} x {parts} (one device: {e['reference']})"

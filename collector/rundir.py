@@ -120,3 +120,35 @@ def job_leader(run_dir: str | Path, directory_lock: LeaderLock | None = None) ->
     if target.is_postgres:
         return PgLeaderLock(target)
     return directory_lock or LeaderLock(run_dir)
+
+
+def world_size(config: dict[str, Any]) -> int:
+    """Ranks of the whole job a run's config.json describes (per-node ranks x nodes, the
+    largest when nodes is a range)."""
+    nodes = str(config.get("elastic", {}).get("nnodes", "1")).split(":")[-1]
+    return int(config.get("nproc", 1)) * (int(nodes) if nodes.isdigit() else 1)
+
+
+def one_device_reference(run_dir: str | Path) -> Path | None:
+    """A run of the same model, per-device batch and device on one device, beside `run_dir`
+    (the newest; the run itself when it had one device): what scaling efficiency divides by.
+    None when there is none, or `run_dir` has no config (a user's own loop)."""
+    run_dir = Path(run_dir)
+    mine = run_config(run_dir)
+    if not mine:
+        return None
+    if world_size(mine) == 1:
+        return run_dir
+
+    def same(other: dict[str, Any]) -> bool:
+        keys = ("model", "device")
+        batch = other.get("train", {}).get("batch_size") == mine.get("train", {}).get("batch_size")
+        return batch and world_size(other) == 1 and all(other.get(k) == mine.get(k) for k in keys)
+
+    found = [
+        p
+        for p in run_dir.parent.iterdir()
+        if p != run_dir and (p / CONFIG).is_file() and (p / STORE).is_file()
+    ]
+    found = [p for p in found if same(run_config(p))]
+    return max(found, key=lambda p: (p / STORE).stat().st_mtime, default=None)

@@ -10,7 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ROOMS = ["collector", "trainer", "tracer", "detectors", "watchdog", "explain", "feedback", "alerts"]
-ROOMS += ["dashboards", "view"]
+ROOMS += ["dashboards", "view", "advisor"]
 ALLOWED = {
     "collector": set(),
     "trainer": {"collector"},
@@ -21,7 +21,8 @@ ALLOWED = {
     "feedback": {"collector"},
     "alerts": {"collector"},
     "dashboards": {"collector", "detectors", "alerts"},
-    "view": {"collector", "explain", "feedback"},
+    "view": {"collector", "explain", "feedback", "advisor"},
+    "advisor": {"collector"},
 }
 OLD_NAMES = set(ROOMS)  # the pre-package top-level names: importing one bypasses `meshscope`
 

@@ -75,6 +75,7 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
         "meshscope/view/screens/run.py",
         "meshscope/dashboards/rules/rules.yml",
         "meshscope/dashboards/grafana/dashboards/training.json",
+        "meshscope/advisor/examples/h100.toml",
     ):
         assert needed in names, needed
 

@@ -32,6 +32,7 @@ titles = {
     "experts": "Experts",
     "debug": "Debug",
     "feedback": "Feedback",
+    "advisor": "Advisor",
 }
 pages = [
     st.Page(str(Path(__file__).parent / path), title=titles[name], url_path=name, default=(name == landing))

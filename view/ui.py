@@ -27,6 +27,7 @@ PAGES = {
     "experts": "screens/experts.py",
     "debug": "screens/debug.py",
     "feedback": "screens/feedback.py",
+    "advisor": "screens/advisor.py",
 }
 
 

@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 
-from meshscope.cli import boards, detect, explain, feedback, hang, replay, run, settings, stack, view  # noqa: F401
+from meshscope.cli import advise, boards, detect, explain, feedback, hang, replay, run, settings, stack, view  # noqa: F401
 from meshscope.cli.common import app
 from meshscope.cli.settings import apply_set_options, config_fields
 

@@ -15,7 +15,7 @@ from meshscope.cli.common import app, console, err_console, fail
 from meshscope.cli.flags import RUN_FLAGS, with_config_flags
 from meshscope.cli.settings import apply_set_options
 from meshscope.collector.exporter import PortInUseError, remove_from_index
-from meshscope.collector.report import busiest_host, summarize
+from meshscope.collector.report import busiest_host, efficiency, efficiency_text, summarize
 from meshscope.collector.store import (
     StoreUnavailable,
     describe_store,
@@ -231,6 +231,7 @@ def _print_summary(cfg: RunConfig) -> None:
             " / ".join(str(int(kinds.get(k, 0))) for k in ("injected", "fault", "restart", "resume")),
         ),
     ]
+    rows.append(("training efficiency index", efficiency_text(efficiency(cfg.run_dir))))
     if "inter_node_bytes_per_step" in s:
         rows.insert(5, ("across nodes (per rank and step)", _across_nodes_cell(s)))
     if "a2a_s_per_step" in s:

@@ -68,7 +68,7 @@ def test_runs_page_lists_every_run_with_its_health(runs, monkeypatch):
     assert row["hangs"] == 1 and row["restarts"] == 1
 
 
-@pytest.mark.parametrize("page", ["run", "anomalies", "experts", "debug", "feedback"])
+@pytest.mark.parametrize("page", ["run", "anomalies", "experts", "debug", "feedback", "advisor"])
 def test_every_page_renders_on_a_recorded_store(runs, monkeypatch, page):
     at = app(runs, monkeypatch, page, run="expert_collapse-2")
     assert "expert_collapse-2" in at.title[0].value

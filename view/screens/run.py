@@ -5,7 +5,7 @@ import plotly.express as px
 import streamlit as st
 
 from meshscope.collector.figures import node_hops, with_compute
-from meshscope.collector.report import across_nodes
+from meshscope.collector.report import across_nodes, efficiency, efficiency_text
 from meshscope.view import data, ui
 
 run_dir, facts = ui.open_run("Run")
@@ -30,6 +30,7 @@ steps = facts.steps
 if steps.empty:
     st.info("No step recorded yet.")
     st.stop()
+st.markdown(f"**Training efficiency index**: {efficiency_text(efficiency(run_dir, steps))}")
 per_rank = with_compute(steps).assign(rank=steps["rank"].astype(str))
 # under synchronous DDP every rank's step lasts as long as the slowest's: the straggler is the one
 # whose own compute is long, while its peers' exposed communication (the wait for it) is

@@ -1,0 +1,194 @@
+"""The advisor checked against measurement, and its search time.
+
+Part 1 (search): `advise()` over every uniform layout of the 128-expert model
+(`advisor/examples/moe-128e.toml`) on 1,024 devices (128 nodes x 8: the Ascend 910B and the
+H100 cluster files), median of 5 timed searches after one warm one (target <= 1 s).
+
+Part 2 (predicted vs measured): layouts of the reference MoE trained on this machine's CPU
+ranks (gloo, a rank per core, both cores: `advisor/examples/cpu-local.toml`), each a
+`meshscope run` of `--steps` steps. The model is calibrated on the `cal` runs only (data
+parallel and expert parallel, two batch sizes each), then predicts the `held` runs, which it
+never saw: other batches, and dropless dispatch. Printed side by side with the error; targets median
+|error| <= 5 %, worst <= 10 % over the held-out runs. `--nodes` does the same across two emulated
+nodes of one rank each (network namespaces, the link limited to 1 Gbit/s), a cluster of its own.
+
+    .venv/bin/python benchmarks/advisor.py [--steps N] [--search-only] [--nodes] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, machine, run_on_two_nodes
+
+# name: (ranks, ep, batch per rank, role, extra settings)
+LAYOUTS = {
+    "dp2-b8": (2, 1, 8, "cal", ()),
+    "dp2-b32": (2, 1, 32, "cal", ()),
+    "dp2-ep2-b8": (2, 2, 8, "cal", ()),
+    "dp2-ep2-b32": (2, 2, 32, "cal", ()),
+    "dp2-b16": (2, 1, 16, "held", ()),
+    "dp2-b24": (2, 1, 24, "held", ()),
+    "dp2-b48": (2, 1, 48, "held", ()),
+    "dp2-ep2-b16": (2, 2, 16, "held", ()),
+    "dp2-ep2-b24": (2, 2, 24, "held", ()),
+    "dp2-ep2-b48": (2, 2, 48, "held", ()),
+    "dp2-ep2-b16-dropless": (2, 2, 16, "held", ("parallel.dispatch=dropless",)),
+}
+
+
+def search_time() -> None:
+    """Part 1: seconds per full search at 1,024 devices."""
+    from meshscope.advisor.advise import advise
+    from meshscope.advisor.specs import AdvisorConfig, load_cluster, load_model
+
+    model = load_model("moe-128e")
+    print(
+        "| cluster | devices | layouts evaluated | search s (median of 5) | best layout | predicted step s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name in ("ascend-910b", "h100"):
+        cluster = load_cluster(name)
+        advise(model, cluster, AdvisorConfig())
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            advice = advise(model, cluster, AdvisorConfig())
+            times.append(time.perf_counter() - t0)
+        best = advice.best()
+        print(
+            f"| {cluster.name} | {cluster.devices} | {advice.evaluated:,} | {statistics.median(times):.3f} "
+            f"| {best.label} | {best.step_s:.2f} |"
+        )
+
+
+def train(root: Path, name: str, ranks: int, ep: int, batch: int, extra: tuple[str, ...], steps: int) -> Path:
+    """One `meshscope run` of a layout on this machine; its run directory."""
+    cmd = [sys.executable, "-m", "meshscope", "run", "--config", str(REPO / "configs/demo.toml")]
+    cmd += ["--run-dir", str(root), "--run-id", name, "--nproc", str(ranks), "--steps", str(steps)]
+    cmd += [
+        "--metrics-port",
+        "9890",
+        "--set",
+        'train.compression="none"',
+        "--set",
+        f"train.batch_size={batch}",
+    ]
+    cmd += ["--set", f"parallel.ep={ep}", "--set", "train.overlap=true"]
+    for setting in extra:
+        cmd += ["--set", setting]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    return root / name
+
+
+def predicted_vs_measured(steps: int, keep: Path | None, with_nodes: bool) -> None:
+    """Part 2 (see the module doc)."""
+    from meshscope.advisor.specs import load_cluster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = keep or Path(tmp)
+        runs = {
+            name: (
+                root / name
+                if (root / name / "store.sqlite").exists()
+                else train(root, name, *spec[:3], spec[4], steps)
+            )
+            for name, spec in LAYOUTS.items()
+        }
+        compare(load_cluster("cpu-local"), {name: (runs[name], spec[3]) for name, spec in LAYOUTS.items()})
+        if with_nodes:
+            cluster = emulated_cluster()
+            node_runs = {
+                name: (run_on_two_nodes(root, name, LINK, steps, *node_settings(batch))[0], role)
+                for name, (batch, role) in NODE_LAYOUTS.items()
+            }
+            print(f"\n{cluster.name}:\n")
+            compare(cluster, node_runs)
+
+
+def compare(cluster, runs: dict[str, tuple[Path, str]]) -> None:
+    """Calibrate on the `cal` runs, predict every run, print both, then the parts."""
+    from meshscope.advisor.calibrate import calibrate, measure, predict_run
+
+    fitted = calibrate([path for path, role in runs.values() if role == "cal"], cluster)
+    assert not fitted.skipped, fitted.skipped
+    print("| run | role | layout | measured step ms | predicted ms (interval) | error |")
+    print("|---|---|---|---|---|---|")
+    held, parts = [], []
+    for name, (path, role) in runs.items():
+        run = measure(path)
+        p = predict_run(run, cluster, fitted.factors)
+        err = p.step_s / run.step_s - 1
+        if role == "held":
+            held.append((abs(err), p.step_lo_s <= run.step_s <= p.step_hi_s))
+        interval = f"{p.step_s * 1e3:.1f} ({p.step_lo_s * 1e3:.1f}–{p.step_hi_s * 1e3:.1f})"
+        print(
+            f"| {name} | {role} | {run.layout.label()} | {run.step_s * 1e3:.1f} | {interval} | {err:+.1%} |"
+        )
+        pairs = [(run.compute_s, p.compute_s), (run.optimizer_s, p.other_s)]
+        pairs += [(run.grad_exposed_s, p.comm_exposed_s), (run.a2a_s, p.a2a_s)]
+        parts.append(f"  {name}: " + "  ".join(f"{m * 1e3:.1f}/{q * 1e3:.1f}" for m, q in pairs))
+    errors = sorted(e for e, _ in held)
+    print(
+        f"\nheld-out: median |error| {statistics.median(errors):.1%}, worst {errors[-1]:.1%}, "
+        f"inside the interval {sum(i for _, i in held)}/{len(held)}"
+    )
+    print("\nparts, measured/predicted ms: compute, optimizer+overhead, exposed gradient sync, all-to-all")
+    print("\n".join(parts))
+    print("factors:", {k: round(v, 4) for k, v in fitted.factors.model_dump(exclude={"measured"}).items()})
+    print("fitted from measurement:", sorted(fitted.factors.measured))
+    for note in fitted.notes:
+        print("note:", note)
+
+
+# Across two emulated nodes, one rank each, the link limited to LINK: name -> (batch, role)
+LINK = "1gbit"
+NODE_LAYOUTS = {
+    "nodes-b8": (8, "cal"),
+    "nodes-b32": (32, "cal"),
+    "nodes-b16": (16, "held"),
+    "nodes-b24": (24, "held"),
+}
+
+
+def node_settings(batch: int) -> tuple[str, ...]:
+    """What every emulated-node run sets."""
+    return ('train.compression="none"', f"train.batch_size={batch}")
+
+
+def emulated_cluster():
+    """Two namespaces of one CPU rank each, joined by a LINK veth (the CPU cluster's device)."""
+    from meshscope.advisor.specs import ClusterSpec, load_cluster
+
+    cpu = load_cluster("cpu-local")
+    inter = {"name": f"veth, tc {LINK}", "bandwidth_gbs": 0.125, "latency_us": 50}
+    return ClusterSpec(
+        name=f"2 emulated nodes x 1 rank ({LINK})", backend="gloo", nodes=2, devices_per_node=1,
+        device=cpu.device, intra=cpu.intra, inter=inter,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--search-only", action="store_true")
+    parser.add_argument("--keep", type=Path, help="keep the runs here (and reuse those already there)")
+    parser.add_argument("--nodes", action="store_true", help="also layouts across two emulated nodes (root)")
+    args = parser.parse_args()
+    print(f"machine: {machine()}\n")
+    search_time()
+    if not args.search_only:
+        print()
+        predicted_vs_measured(args.steps, args.keep, args.nodes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Calibration: factors recovered from runs whose times the model itself produced with known
+factors (so a fit that is wrong in any part fails), and a measured run's description."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshscope.advisor.calibrate import MeasuredRun, fit, run_model
+from meshscope.advisor.cost import Factors
+from meshscope.advisor.layouts import Layout
+from meshscope.advisor.specs import ClusterSpec
+
+CPU = ClusterSpec(
+    backend="gloo",
+    nodes=1,
+    devices_per_node=2,
+    device={"name": "core", "peak_tflops": 0.08, "memory_gib": 12, "memory_bandwidth_gbs": 10},
+    intra={"name": "loopback", "bandwidth_gbs": 5, "latency_us": 30},
+    inter={"name": "veth", "bandwidth_gbs": 1, "latency_us": 50},
+)
+TRUE = Factors(
+    compute_efficiency=0.2,
+    step_overhead_s=0.004,
+    memory_efficiency=0.3,
+    allreduce_efficiency=0.05,
+    alltoall_efficiency=0.1,
+    dp_overlap=0.0,
+    a2a_call_s=0.001,
+    allreduce_call_s=0.002,
+    ep_compute_scale=1.3,
+)
+
+
+def synthetic(name: str, ranks: int, ep: int, batch: int) -> MeasuredRun:
+    """A run whose every median is what the model predicts under TRUE."""
+    from meshscope.advisor.calibrate import predict_run
+
+    config = {
+        "model": {"d_model": 64, "experts": 8, "top_k": 2},
+        "train": {"batch_size": batch},
+        "parallel": {"ep": ep},
+    }
+    model, layout = run_model(config, ranks, skew=1.4)
+    probe = MeasuredRun(Path(name), model, layout, "gloo", *([0.0] * 6), 1.4, 50)
+    p = predict_run(probe, CPU, TRUE)
+    return MeasuredRun(
+        path=Path(name),
+        model=model,
+        layout=layout,
+        backend="gloo",
+        step_s=p.step_s,
+        compute_s=p.compute_s + TRUE.step_overhead_s,  # the per-step cost shows in a rank's busy time
+        optimizer_s=p.other_s - TRUE.step_overhead_s,
+        grad_total_s=p.grad_sync_s,
+        grad_exposed_s=p.comm_exposed_s,
+        a2a_s=p.a2a_s if ep > 1 else float("nan"),
+        expert_skew=1.4,
+        steps=50,
+    )
+
+
+def test_fit_recovers_the_factors_the_runs_were_made_with():
+    runs = [
+        synthetic("a", 1, 1, 8),
+        synthetic("b", 1, 1, 32),
+        synthetic("c", 2, 1, 8),
+        synthetic("d", 2, 2, 16),
+        synthetic("e", 2, 2, 64),
+    ]
+    got = fit(runs, CPU)
+    for name in (
+        "compute_efficiency",
+        "step_overhead_s",
+        "memory_efficiency",
+        "allreduce_efficiency",
+        "alltoall_efficiency",
+        "dp_overlap",
+        "a2a_call_s",
+        "allreduce_call_s",
+        "ep_compute_scale",
+    ):
+        assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.02), name
+        assert got.source(name).startswith("measured ("), name
+    assert got.source("compute_efficiency") == "measured (a, b, c, d, e)"
+    assert got.source("ep_compute_scale") == "measured (a, b, c, d, e)"
+    assert got.source("alltoall_efficiency") == "measured (d, e)"  # only the runs that exchanged tokens
+    assert got.source("allreduce_efficiency") == "measured (c, d, e)"
+    assert got.source("p2p_efficiency") == "default"  # no run sent between pipeline stages
+
+
+def test_one_run_cannot_split_the_per_step_cost_from_compute():
+    got = fit([synthetic("a", 2, 1, 16)], CPU)
+    assert got.step_overhead_s == 0.0  # through the origin: one batch size says nothing of an intercept
+    assert "compute_efficiency" in got.measured
+
+
+def test_a_run_is_described_by_its_own_config(tmp_path):
+    config = {
+        "model": {"d_model": 128, "layers": 3, "heads": 8, "experts": 4, "top_k": 1, "ffn_mult": 4},
+        "train": {"batch_size": 6},
+        "parallel": {"ep": 2, "dispatch": "dropless"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model, layout = run_model(config, world=4, skew=2.0)
+    assert (model.hidden, model.layers, model.expert_ffn, model.global_batch) == (128, 3, 512, 24)
+    assert model.capacity_factor == 1.0 and model.expert_skew == 2.0 and model.precision == "fp32"
+    assert layout == Layout(dp=4, ep=2, mb=6)
