@@ -133,10 +133,13 @@ def _link(
     cluster: ClusterSpec, span: np.ndarray, efficiency: float, f: Factors
 ) -> tuple[np.ndarray, np.ndarray]:
     """(bytes/s, seconds per hop) of a group whose devices span `span` consecutive ranks."""
-    inside = np.asarray(span) <= cluster.devices_per_node
-    bw = np.where(inside, cluster.intra.bandwidth_gbs, cluster.inter.bandwidth_gbs) * 1e9 * efficiency
-    lat = np.where(inside, cluster.intra.latency_us, cluster.inter.latency_us) * 1e-6 * f.latency_scale
-    return bw, lat
+    span = np.asarray(span)
+    group = cluster.devices_per_group or cluster.devices_per_node
+    middle = cluster.pcie or cluster.intra
+    levels = [span <= group, span <= cluster.devices_per_node]
+    bw = np.select(levels, [cluster.intra.bandwidth_gbs, middle.bandwidth_gbs], cluster.inter.bandwidth_gbs)
+    lat = np.select(levels, [cluster.intra.latency_us, middle.latency_us], cluster.inter.latency_us)
+    return bw * 1e9 * efficiency, lat * 1e-6 * f.latency_scale
 
 
 def _flops_per_token(

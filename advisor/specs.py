@@ -103,8 +103,24 @@ class ClusterSpec(_Strict):
     nodes: int = Field(..., gt=0, description="nodes")
     devices_per_node: int = Field(..., gt=0, description="devices (ranks) per node")
     device: DeviceSpec
-    intra: Link = Field(..., description="inside a node (HCCS, NVLink, loopback)")
+    intra: Link = Field(..., description="inside a node, or inside a device group (HCCS, NVLink, loopback)")
     inter: Link = Field(..., description="between nodes (RoCE, IB); per device")
+    devices_per_group: int = Field(
+        0, ge=0, description="devices joined by the intra link when a node has several groups (0 = all)"
+    )
+    pcie: Link | None = Field(
+        None, description="between a node's device groups (PCIe), with devices_per_group"
+    )
+
+    @model_validator(mode="after")
+    def _groups(self) -> ClusterSpec:
+        if self.devices_per_group:
+            if self.devices_per_node % self.devices_per_group:
+                group, node = self.devices_per_group, self.devices_per_node
+                raise ValueError(f"devices_per_group ({group}) must divide devices_per_node ({node})")
+            if self.pcie is None and self.devices_per_group < self.devices_per_node:
+                raise ValueError("devices_per_group needs a [cluster.pcie] link between the groups")
+        return self
 
     @property
     def devices(self) -> int:

@@ -231,7 +231,6 @@ def _print_summary(cfg: RunConfig) -> None:
             " / ".join(str(int(kinds.get(k, 0))) for k in ("injected", "fault", "restart", "resume")),
         ),
     ]
-    rows.append(("training efficiency index", efficiency_text(efficiency(cfg.run_dir))))
     if "inter_node_bytes_per_step" in s:
         rows.insert(5, ("across nodes (per rank and step)", _across_nodes_cell(s)))
     if "a2a_s_per_step" in s:
@@ -239,6 +238,8 @@ def _print_summary(cfg: RunConfig) -> None:
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
+    tei = efficiency_text(efficiency(cfg.run_dir))
+    console.print(f"training efficiency index: {tei}", soft_wrap=True, highlight=False)
     console.print(f"store: {describe_store(cfg.run_dir)}")
     host = busiest_host(events)
     if host is not None and host.oversubscribed:

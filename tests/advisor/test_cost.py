@@ -146,3 +146,22 @@ def test_nothing_fits_says_how_much_the_smallest_layout_needs():
 def test_the_memory_goal_ranks_by_peak_memory():
     advice = advise(DENSE, cluster(), AdvisorConfig(goal="memory", max_comm_ratio=1.0))
     assert advice.ranked.memory_gib.is_monotonic_increasing
+
+
+def test_a_node_of_device_groups_prices_the_pcie_hop_between_them():
+    pcie = {"name": "pcie", "bandwidth_gbs": 25, "latency_us": 0}
+    grouped = ClusterSpec.model_validate(cluster().model_dump() | {"devices_per_group": 2, "pcie": pcie})
+    pair, node = one(Layout(tp=2, dp=8), hw=grouped), one(Layout(tp=8, dp=2), hw=grouped)
+    flat_pair, flat_node = one(Layout(tp=2, dp=8)), one(Layout(tp=8, dp=2))
+    assert pair.comm_exposed_s == pytest.approx(flat_pair.comm_exposed_s)  # NVLink inside a pair: as before
+    assert node.comm_exposed_s > 3 * flat_node.comm_exposed_s  # 8-way TP crosses PCIe: 4x slower link
+
+
+def test_groups_that_do_not_divide_the_node_are_refused():
+    from meshscope.advisor.specs import SpecError, validate
+
+    data = cluster().model_dump() | {"devices_per_group": 3, "pcie": {"name": "p", "bandwidth_gbs": 1}}
+    with pytest.raises(SpecError, match="devices_per_group"):
+        validate(ClusterSpec, data, "c.toml")
+    with pytest.raises(SpecError, match="pcie"):
+        validate(ClusterSpec, cluster().model_dump() | {"devices_per_group": 4}, "c.toml")
