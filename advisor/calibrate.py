@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from meshscope.advisor.cost import Factors, predict
+from meshscope.advisor.cost import Factors, backward_window, predict
 from meshscope.advisor.layouts import Layout, layout_frame
 from meshscope.advisor.specs import ClusterSpec, ModelSpec
 from meshscope.collector.figures import with_compute
@@ -207,16 +207,29 @@ def _compute(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
     return out
 
 
-def _allreduce(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
-    """All-reduce efficiency and a fixed cost per step's reduction, fitted from the time the
-    step waited for it (a line when the runs reduced different sizes). Not from its whole
-    span: an overlapped reduction's span measures contention with backward as much as the
-    link (on CPU ranks it stretches with the batch), so what backward hid is inside the fit
-    and `dp_overlap` is 0 for a calibrated cluster."""
+def _allreduce(runs: list[MeasuredRun], cluster: ClusterSpec, compute_efficiency: float) -> dict[str, float]:
+    """All-reduce efficiency, a fixed cost per step's reduction and how much of it backward
+    hides, from the time each step waited for it. Not from its whole span: an overlapped
+    reduction's span measures contention with backward as much as the link (on CPU ranks it
+    stretches with the batch). Runs that reduced the same bytes behind different backward
+    windows give the hiding rate (the slope of waited time against window, median of the
+    pairs); the waited time plus what was hidden, against the bytes, gives the rest (a line
+    when the runs reduced different sizes)."""
     bandwidth = np.array([_ideal(r, cluster, 0.0).grad_sync_s for r in runs])
     stated = np.array([_ideal(r, cluster).grad_sync_s for r in runs]) - bandwidth
-    call_s, slope = _fit_line(bandwidth, np.array([r.grad_exposed_s for r in runs]) - stated)
-    return {"allreduce_call_s": call_s, "allreduce_efficiency": 1 / slope, "dp_overlap": 0.0}
+    compute = np.array([_ideal(r, cluster).compute_s for r in runs]) / compute_efficiency
+    window = backward_window(compute, np.array([_ideal(r, cluster).m for r in runs]))
+    waited = np.array([r.grad_exposed_s for r in runs]) - stated
+    slopes = [
+        (waited[i] - waited[j]) / (window[j] - window[i])
+        for i in range(len(runs))
+        for j in range(i + 1, len(runs))
+        if np.isclose(bandwidth[i], bandwidth[j])
+        and abs(window[j] - window[i]) > 0.1 * max(window[i], window[j])
+    ]
+    rate = float(np.clip(np.median(slopes), 0.0, 1.0)) if slopes else 0.0
+    call_s, slope = _fit_line(bandwidth, waited + rate * window)
+    return {"allreduce_call_s": call_s, "allreduce_efficiency": 1 / slope, "dp_overlap": rate}
 
 
 def _alltoall(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
@@ -259,7 +272,7 @@ def fit(runs: list[MeasuredRun], cluster: ClusterSpec) -> Factors:
         measured["memory_efficiency"] = _names(busy)
     reduced = [r for r in runs if r.layout.dp > 1 and r.grad_exposed_s > 0]
     if reduced:
-        fitted = _allreduce(reduced, cluster)
+        fitted = _allreduce(reduced, cluster, values.get("compute_efficiency", Factors().compute_efficiency))
         values.update(fitted)
         measured.update(dict.fromkeys(fitted, _names(reduced)))
     exchanged = [r for r in runs if r.layout.ep > 1 and np.isfinite(r.a2a_s)]

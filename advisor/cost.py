@@ -46,7 +46,12 @@ class Factors(BaseModel):
         0.8, gt=0, le=1.5, description="pipeline send/recv: achieved / link bandwidth"
     )
     latency_scale: float = Field(1.0, ge=0, description="measured / stated per-hop latency")
-    dp_overlap: float = Field(0.8, ge=0, le=1, description="share of gradient sync hidden behind backward")
+    dp_overlap: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="seconds of gradient sync hidden per second of the last micro-batch's backward",
+    )
     tp_overlap: float = Field(0.0, ge=0, le=1, description="share of TP collectives hidden")
     cp_overlap: float = Field(0.8, ge=0, le=1, description="share of context-parallel exchange hidden")
     a2a_overlap: float = Field(0.0, ge=0, le=1, description="share of the expert all-to-all hidden")
@@ -230,8 +235,7 @@ def _communication(
     sync = ring_allreduce(c["dense_params"] * grad, dp * cp, bw, lat)
     sync = sync + ring_allreduce(c["expert_params"] * grad, dp * cp / ep, bw, lat)
     sync = sync + np.where(dp * cp > 1, f.allreduce_call_s, 0.0)
-    window = (2 / 3) * c["compute_s"] / m  # the last micro-batch's backward
-    dp_s = sync - np.minimum(f.dp_overlap * sync, window)
+    dp_s = np.maximum(sync - f.dp_overlap * backward_window(c["compute_s"], m), 0.0)
     return {
         "tp_s": tp_s,
         "cp_s": cp_s,
@@ -241,6 +245,12 @@ def _communication(
         "dp_s": dp_s,
         "dp_total_s": sync,
     }
+
+
+def backward_window(compute_s: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """What a gradient reduction can hide behind: the last micro-batch's backward (two thirds
+    of its compute); earlier micro-batches accumulate without reducing."""
+    return (2 / 3) * np.asarray(compute_s) / np.asarray(m)
 
 
 def _memory(frame: pd.DataFrame, model: ModelSpec, cluster: ClusterSpec, c: dict) -> np.ndarray:

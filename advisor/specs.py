@@ -199,8 +199,18 @@ def load_model(path: Path | str) -> ModelSpec:
     return validate(ModelSpec, data.get("model", data), str(path))
 
 
+def load_settings(cluster_path: Path | str, overrides: dict[str, Any]) -> AdvisorConfig:
+    """The search's settings: the cluster file's [advisor] table, then `overrides` (--set)."""
+    path = _resolve(cluster_path, "cluster")
+    table = read_toml(path).get("advisor", {})
+    merged = {**(table if isinstance(table, dict) else {}), **overrides}
+    return validate(AdvisorConfig, merged, f"{path} (advisor table) / --set" if table else "--set")
+
+
 def load_cluster(path: Path | str) -> ClusterSpec:
     """A cluster file (its fields at the top level or under [cluster]) or a bundled cluster's name."""
     path = _resolve(path, "cluster")
     data = read_toml(path)
-    return validate(ClusterSpec, data.get("cluster", data), str(path))
+    return validate(
+        ClusterSpec, data.get("cluster", {k: v for k, v in data.items() if k != "advisor"}), str(path)
+    )

@@ -52,6 +52,7 @@ class ExpertMesh:
     rows_on_host: Any = None  # the EP rows as gloo groups: checkpoints shard experts over them
     timer: Callable[[], Any] | None = None  # a context manager timing one exchange (the Monitor's)
     count: Callable[[int], None] | None = None  # the bytes one exchange sent (the Monitor's)
+    miscount: Callable[[list[int]], list[int]] | None = None  # fault injection: a router's wrong splits
 
     @property
     def world(self) -> int:
@@ -148,6 +149,8 @@ def dropless_dispatch(
     received_counts = exchange(counts.view(mesh.ep, per).contiguous(), mesh)  # [sender, my expert]
     sent, got = torch.stack([counts, received_counts.reshape(-1)]).tolist()  # sync point: the splits
     send = [sum(sent[j * per : (j + 1) * per]) for j in range(mesh.ep)]
+    if mesh.miscount is not None:
+        send = mesh.miscount(send)
     recv = [sum(got[s * per : (s + 1) * per]) for s in range(mesh.ep)]
     arrived = _SplitExchange.apply(flat.repeat_interleave(k, dim=0)[order], mesh, send, recv)
     pieces = arrived.split(got)  # (sender, expert) pieces, sender-major

@@ -292,7 +292,12 @@ class Injector:
         return loss * float("nan") if nan is not None and not nan.param("module") else loss
 
     def arm(self, model: torch.nn.Module) -> None:
-        """Hooks for module-level NaN injections; InjectionError when the module is unknown."""
+        """Hooks for module-level NaN injections (InjectionError when the module is unknown),
+        and wrong splits in the expert dispatch itself where it has uneven ones."""
+        meshes = [getattr(layer, "expert_mesh", None) for layer in getattr(model, "moe_layers", list)()]
+        for mesh in meshes:
+            if mesh is not None and mesh.dropless and self.exchanges:
+                mesh.miscount = self.miscount
         for inj in self.mine:
             path = inj.param("module") if inj.kind == "nan" else ""
             if not path:
@@ -370,6 +375,26 @@ class Injector:
         return bool(self.exchanges) or any(
             i.kind in ("skip_collective", "collective_mismatch") for i in self.mine
         )
+
+    def miscount(self, send: list[int]) -> list[int]:
+        """Dropless expert dispatch's split sizes under collective_mismatch(what=split): the
+        step's first dispatch takes the fault (the gradient hook then leaves it), and the
+        culprit sends one row meant for one rank to the next, its total right, so only the
+        ranks in the exchange can notice, as a router that miscounts would."""
+        step = self._step
+        active = next(
+            (i for i in self.exchanges if i.active(step, i.rank) and i.key not in self._fired_before), None
+        )
+        if active is None or self._broken_step == step:
+            return send
+        self._broken_step = step
+        if active.rank != self.rank:
+            return send
+        out = list(send)
+        src = max(range(len(out)), key=out.__getitem__)
+        out[src] -= 1
+        out[(src + 1) % len(out)] += 1
+        return out
 
     def collective_fault(self) -> tuple[str, Injection] | None:
         """What this bucket's collective must do wrong: ("skip" | shape | op | dtype | split)."""

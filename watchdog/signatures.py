@@ -51,7 +51,12 @@ def _split_culprits(records: dict[int, FlightRecord], members: list[int]) -> lis
         send = sizes(ri.splits, "in")
         for j, rj in records.items():
             expect = sizes(rj.splits, "out")
-            if send is None or expect is None or i == j:
+            if send is None or expect is None:
+                continue
+            if i == j:  # what a rank sends itself must be what it expects from itself: one that
+                pi = members.index(i)  # disagrees with itself miscounted (two ranks have no majority)
+                if pi < min(len(send), len(expect)) and send[pi] != expect[pi]:
+                    blame[i] += 1
                 continue
             pi, pj = members.index(i), members.index(j)
             if pj < len(send) and pi < len(expect) and send[pj] != expect[pi]:

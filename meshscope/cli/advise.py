@@ -24,14 +24,11 @@ def _settings(items: list[str]) -> dict:
 
 
 def _inputs(model_file: Path, cluster_file: Path, settings: list[str]):
-    from meshscope.advisor.specs import AdvisorConfig, SpecError, load_cluster, load_model, validate
+    from meshscope.advisor.specs import SpecError, load_cluster, load_model, load_settings
 
     try:
-        return (
-            load_model(model_file),
-            load_cluster(cluster_file),
-            validate(AdvisorConfig, _settings(settings), "--set"),
-        )
+        cluster = load_cluster(cluster_file)
+        return load_model(model_file), cluster, load_settings(cluster_file, _settings(settings))
     except SpecError as err:
         fail(str(err))
     raise AssertionError  # unreachable: fail exits
@@ -112,7 +109,9 @@ def advise(
     ),
     as_json: bool = typer.Option(False, "--json", help="print the ranked layouts as JSON"),
     settings: list[str] = typer.Option(
-        [], "--set", help="advisor setting KEY=VALUE, e.g. goal=memory, top=20"
+        [],
+        "--set",
+        help="advisor setting KEY=VALUE (`meshscope config --advisor` lists them), e.g. goal=memory",
     ),
 ) -> None:
     """Rank every uniform layout (DP/TP/PP/EP/CP, micro-batches, recompute, distributed

@@ -65,8 +65,18 @@ def config_cmd(
         None, "--config", "-c", help="also validate this TOML and show its values"
     ),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per field"),
+    advisor: bool = typer.Option(
+        False,
+        "--advisor",
+        help="the advisor's settings instead (`meshscope advise --set`, or [advisor] in the cluster file)",
+    ),
 ) -> None:
     """Every config field (TOML section.key, or `meshscope run --set section.key=VALUE`)."""
+    if advisor:
+        from meshscope.advisor.specs import AdvisorConfig
+
+        _print_fields(config_fields(AdvisorConfig), {}, as_json, "meshscope advise settings")
+        return
     values: dict[str, Any] = {}
     if config is not None:
         try:
@@ -74,24 +84,28 @@ def config_cmd(
         except ConfigError as err:
             fail(str(err))
         values = {path: repr(_get_path(cfg, path)) for path, *_ in config_fields()}
+    _print_fields(config_fields(), values, as_json, "meshscope run configuration")
+
+
+def _print_fields(
+    fields: list[tuple[str, str, str, str]], values: dict[str, Any], as_json: bool, title: str
+) -> None:
+    """The fields as a table (with their values when a file was given), or JSON lines."""
     if as_json:
-        for path, kind, default, description in config_fields():
-            print(
-                json.dumps(
-                    {
-                        "field": path,
-                        "type": kind,
-                        "default": default,
-                        "value": values.get(path),
-                        "meaning": description,
-                    }
-                )
-            )
+        for path, kind, default, description in fields:
+            row = {
+                "field": path,
+                "type": kind,
+                "default": default,
+                "value": values.get(path),
+                "meaning": description,
+            }
+            print(json.dumps(row))
         return
-    table = Table(title="meshscope run configuration")
+    table = Table(title=title)
     for column in ("field", "type", "default", *(("value",) if values else ()), "meaning"):
         table.add_column(column)
-    for path, kind, default, description in config_fields():
+    for path, kind, default, description in fields:
         table.add_row(path, kind, default, *((values[path],) if values else ()), description)
     console.print(table)
 

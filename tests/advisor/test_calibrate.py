@@ -69,6 +69,7 @@ def test_fit_recovers_the_factors_the_runs_were_made_with():
         synthetic("c", 2, 1, 8),
         synthetic("d", 2, 2, 16),
         synthetic("e", 2, 2, 64),
+        synthetic("f", 2, 1, 32),  # the same bytes as c behind a longer backward: how much it hides
     ]
     got = fit(runs, CPU)
     for name in (
@@ -84,10 +85,10 @@ def test_fit_recovers_the_factors_the_runs_were_made_with():
     ):
         assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.02), name
         assert got.source(name).startswith("measured ("), name
-    assert got.source("compute_efficiency") == "measured (a, b, c, d, e)"
-    assert got.source("ep_compute_scale") == "measured (a, b, c, d, e)"
+    assert got.source("compute_efficiency") == "measured (a, b, c, d, e, f)"
+    assert got.source("ep_compute_scale") == "measured (a, b, c, d, e, f)"
     assert got.source("alltoall_efficiency") == "measured (d, e)"  # only the runs that exchanged tokens
-    assert got.source("allreduce_efficiency") == "measured (c, d, e)"
+    assert got.source("allreduce_efficiency") == "measured (c, d, e, f)"
     assert got.source("p2p_efficiency") == "default"  # no run sent between pipeline stages
 
 

@@ -124,5 +124,5 @@ def test_a_deep_link_on_a_fresh_server_shows_the_page_in_its_layout(recorded, br
         wide = page.locator('[data-testid="stMainBlockContainer"]').bounding_box()["width"]
         page.close()
     # the pages by their titles, never the files they live in ("app", "anomalies", ...)
-    assert entries == ["Runs", "Run", "Anomalies", "Experts", "Debug", "Feedback"], entries
+    assert entries == ["Runs", "Run", "Anomalies", "Experts", "Debug", "Feedback", "Advisor"], entries
     assert wide > 900, wide  # the wide layout, not Streamlit's narrow default

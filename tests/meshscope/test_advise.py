@@ -159,3 +159,23 @@ def test_the_views_advisor_page_shows_what_the_run_changed(measured_runs, monkey
     assert any(
         "Training efficiency index" in m.value and "one device: one" in m.value for m in run_page.markdown
     )
+
+
+def test_settings_come_from_the_cluster_files_advisor_table_then_set(tmp_path):
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(CPU.read_text() + "\n[advisor]\ntop = 2\nmax_comm_ratio = 0.9\n")
+    out = json.loads(advise("--model", str(REFERENCE), "--cluster", str(cluster), "--json").stdout)
+    assert len(out["layouts"]) == 2
+    out = json.loads(
+        advise("--model", str(REFERENCE), "--cluster", str(cluster), "--json", "--set", "top=3").stdout
+    )
+    assert len(out["layouts"]) == 3  # --set wins over the file
+    cluster.write_text(CPU.read_text() + "\n[advisor]\nmax_comm_ratio = 7\n")
+    bad = advise("--model", str(REFERENCE), "--cluster", str(cluster))
+    assert bad.exit_code == 2 and "advisor table" in bad.stderr and "max_comm_ratio" in bad.stderr
+
+
+def test_meshscope_config_lists_the_advisor_settings():
+    result = CliRunner().invoke(app, ["config", "--advisor", "--json"])
+    fields = {json.loads(line)["field"] for line in result.stdout.splitlines()}
+    assert {"goal", "max_comm_ratio", "memory_headroom", "max_tp", "micro_batches", "top"} <= fields
