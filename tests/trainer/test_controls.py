@@ -19,9 +19,12 @@ from meshscope.collector.store import latest_step, load_events, load_expert_load
 from meshscope.feedback.knowledge import measure_outcome
 from meshscope.feedback.loop import approve, ingest
 
+# A skewed router with no balance loss (aux_loss_coef 0): the aux-loss-free regime the bias
+# correction exists for. With the default loss the untreated twin heals itself as fast as the
+# treatment does, and "better than the twin" becomes a coin toss.
 SKEWED = (
     TINY.read_text()
-    .replace("top_k = 2", "top_k = 2\nrouter_skew = 3.0")
+    .replace("top_k = 2", "top_k = 2\nrouter_skew = 3.0\naux_loss_coef = 0.0")
     .replace("expert_every = 5", "expert_every = 5\ncontrol_every = 5")
 )
 
@@ -151,7 +154,8 @@ def test_outcomes_are_measured_and_remembered(controlled):
         int(first["outcome"]["steps"]),
     )
     assert twin is not None
-    assert first["outcome"]["balancedness_gain"] > twin["balancedness_gain"], (first["outcome"], twin)
+    # a clear margin, not a coin toss: the twin's skew stays (no balance loss), the bias heals it
+    assert first["outcome"]["balancedness_gain"] > twin["balancedness_gain"] + 0.1, (first["outcome"], twin)
     assert (controlled["root"] / "knowledge.sqlite").exists()
     assert not load_events(controlled["run"], kind="outcome").empty
 
