@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 
 from meshscope.detectors.engine import DetectionEngine, EngineConfig
+from meshscope.detectors.episodes import EpisodeTracker
 
 
 def synthetic_run(
@@ -178,3 +179,18 @@ def test_a_collapse_whose_windows_land_behind_the_steps_is_one_episode():
     engine.finish()
     collapses = [(e.start_step, e.end_step) for e in closed if e.type == "expert_imbalance" and e.expert == 0]
     assert len(collapses) == 1 and collapses[0][0] <= 44 and collapses[0][1] >= 94, collapses
+
+
+def test_a_noisy_flag_before_a_fault_is_not_the_faults_start():
+    # Confirmation takes consecutive flags: a lone flag, a quiet step, then the fault's own flags
+    # give an episode that starts at the fault, not at the noise two steps earlier.
+    tracker, opened = EpisodeTracker(gap=3), []
+    for step, flagged in [(38, True), (39, False), (40, True), (41, True), (42, True), (43, False)]:
+        if flagged:
+            ep = tracker.flag(step, "straggler", 3.0, ranks=[3], confirm=3)
+            opened += [ep] if ep else []
+        tracker.close_quiet(step)
+    assert [(e.start_step, e.announced_step) for e in opened] == [(40, 42)]
+    # a confirmed episode still lives through a quiet step or two of its gap
+    assert tracker.flag(44, "straggler", 3.0, ranks=[3], confirm=3) is None
+    assert tracker.close_all()[0].start_step == 40
