@@ -89,6 +89,13 @@ def fault_tolerance_factor(steps: Any, retried: Any = None) -> float:
     return min(productive / wall, 1.0) if wall > 0 else float("nan")
 
 
+def comm_overhead(steps: Any) -> float:
+    """The share of the job's step time spent waiting on communication (exposed, not hidden
+    behind compute): one figure for the run summary and the TEI. Time-weighted, so a few long
+    steps weigh as long as they took, not as one step each."""
+    return float(steps["comm_exposed_s"].sum() / max(steps["step_s"].sum(), 1e-12))
+
+
 def training_efficiency_index(
     steps: Any, one_device_tokens_per_s: float, retried: Any = None
 ) -> dict[str, float]:
@@ -105,7 +112,7 @@ def training_efficiency_index(
         if one_device_tokens_per_s > 0
         else float("nan")
     )
-    comm = float(steps["comm_exposed_s"].sum() / max(steps["step_s"].sum(), 1e-12))
+    comm = comm_overhead(steps)
     ft = fault_tolerance_factor(steps, retried)
     return {
         "tei": scaling * (1 - comm) * ft,

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from meshscope.collector.env import HostShare
-from meshscope.collector.figures import node_hops, tokens_per_second
+from meshscope.collector.figures import comm_overhead, node_hops, tokens_per_second
 
 
 def expert_imbalance(expert_load: pd.DataFrame) -> pd.DataFrame:
@@ -21,7 +21,7 @@ def expert_imbalance(expert_load: pd.DataFrame) -> pd.DataFrame:
 
 
 def summarize(steps: pd.DataFrame, expert_load: pd.DataFrame | None = None) -> dict[str, float]:
-    """Throughput, step-time mean/p99, comm ratio, compression ratio and expert imbalance."""
+    """Throughput, step-time mean/p99, communication overhead, compression ratio and expert imbalance."""
     if steps.empty:
         return {}
     wire = steps["bytes_wire"].sum()
@@ -31,7 +31,7 @@ def summarize(steps: pd.DataFrame, expert_load: pd.DataFrame | None = None) -> d
         "tokens_per_s": tokens_per_second(steps),
         "step_s_mean": float(steps["step_s"].mean()),
         "step_s_p99": float(steps["step_s"].quantile(0.99)),
-        "comm_ratio_mean": float(steps["comm_ratio"].mean()),
+        "comm_overhead": comm_overhead(steps),
         "compression_ratio": float(steps["bytes_raw"].sum() / wire) if wire > 0 else math.nan,
         "loss_first": float(steps.sort_values("step")["loss"].iloc[0]),
         "loss_last": float(steps.sort_values("step")["loss"].iloc[-1]),

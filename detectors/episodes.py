@@ -56,8 +56,9 @@ class Episode:
 
 
 class EpisodeTracker:
-    """Turns per-step flags into episodes: opened when confirmed (`confirm` consecutive flagged
-    steps), closed after `gap` quiet steps."""
+    """Turns per-step flags into episodes: opened when confirmed (`confirm` flagged steps, none
+    `gap` apart), starting at the first of the flags without a quiet step between; closed after
+    `gap` quiet steps."""
 
     def __init__(self, gap: int = 3) -> None:
         self.gap = gap
@@ -99,6 +100,10 @@ class EpisodeTracker:
                 clock=clock,
             )
             return self._announce(ep, step) if ep.confirmed else None
+        if not ep.confirmed and ep.clock == "steps" and step - ep.end_step > 1:
+            # Pending, after a quiet step: the flags still count (a weak fault flags on and
+            # off), but the start moves up, so a noisy step before a fault is not its start.
+            ep.start_step = step
         ep.end_step, ep.score, ep.count = step, max(ep.score, score), ep.count + 1
         return self._announce(ep, step) if ep.count == ep.confirm else None
 
@@ -112,17 +117,12 @@ class EpisodeTracker:
         step each clock has reached; an int is the steps' clock), removed and returned."""
         if isinstance(clocks, int):
             clocks = {"steps": clocks}
-        done = [ep for ep in self.open.values() if ep.clock in clocks and self._quiet(ep, clocks[ep.clock])]
+        done = [
+            ep for ep in self.open.values() if ep.clock in clocks and clocks[ep.clock] - ep.end_step >= ep.gap
+        ]
         for ep in done:
             del self.open[ep.key]
         return [ep for ep in done if ep.confirmed]
-
-    @staticmethod
-    def _quiet(ep: Episode, now: int) -> bool:
-        # A confirmed episode lasts through `gap` quiet steps. An unconfirmed one is dropped at
-        # its first quiet step, as Prometheus resets a pending `for:`: confirmation takes
-        # consecutive flags, so a noisy step before a fault does not become the fault's start.
-        return now - ep.end_step >= (ep.gap if ep.confirmed else 1)
 
     def close_all(self) -> list[Episode]:
         """Close every open episode; the confirmed ones."""

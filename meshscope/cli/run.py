@@ -219,7 +219,7 @@ def _print_summary(cfg: RunConfig) -> None:
         ("steps x ranks", f"{s['steps']:.0f} x {s['ranks']:.0f}"),
         ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
         ("step time mean / p99", f"{s['step_s_mean'] * 1e3:.1f} / {s['step_s_p99'] * 1e3:.1f} ms"),
-        ("comm ratio (exposed)", f"{s['comm_ratio_mean']:.1%}"),
+        ("comm overhead (exposed)", f"{s['comm_overhead']:.1%}"),
         ("compression ratio (raw / wire)", _compression_cell(s)),
         ("loss first -> last", f"{s['loss_first']:.3f} -> {s['loss_last']:.3f}"),
         (

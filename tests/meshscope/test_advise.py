@@ -5,6 +5,7 @@ Training Efficiency Index against a one-device run beside it."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -113,6 +114,10 @@ def test_the_summary_gives_the_training_efficiency_index_against_the_one_device_
     _, last_output = measured_runs
     line = next(x for x in last_output.splitlines() if "training efficiency index" in x)
     assert "one device: one" in line and "scaling" in line, line
+    # one communication overhead: the summary's row and the TEI's factor are the same figure
+    shown = float(re.search(r"comm overhead \(exposed\)\W+([\d.]+)%", last_output).group(1)) / 100
+    in_tei = float(re.search(r"1 - comm ([\d.]+)", line).group(1))
+    assert abs(shown - in_tei) <= 0.006, (shown, in_tei)
 
 
 def test_calibrate_reads_a_store_that_is_not_a_trainer_run(tmp_path):
