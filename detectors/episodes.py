@@ -102,8 +102,9 @@ class EpisodeTracker:
             return self._announce(ep, step) if ep.confirmed else None
         if not ep.confirmed and ep.clock == "steps" and step - ep.end_step > 1:
             # Pending, after a quiet step: the flags still count (a weak fault flags on and
-            # off), but the start moves up, so a noisy step before a fault is not its start.
-            ep.start_step = step
+            # off), but the start moves up, so a noisy step before a fault is not its start,
+            # and its evidence and score are not the fault's.
+            ep.start_step, ep.score, ep.evidence = step, score, dict(evidence or {})
         ep.end_step, ep.score, ep.count = step, max(ep.score, score), ep.count + 1
         return self._announce(ep, step) if ep.count == ep.confirm else None
 

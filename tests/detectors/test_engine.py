@@ -188,10 +188,13 @@ def test_a_noisy_flag_before_a_fault_is_not_the_faults_start():
     tracker, opened = EpisodeTracker(gap=3), []
     for step, flagged in [(38, True), (39, False), (40, True), (41, True), (42, True), (43, False)]:
         if flagged:
-            ep = tracker.flag(step, "straggler", 3.0, ranks=[3], confirm=3)
+            score = 9.0 if step == 38 else 3.0  # a loud noisy step: neither its score nor evidence stays
+            ep = tracker.flag(step, "straggler", score, ranks=[3], confirm=3, evidence={"at": step})
             opened += [ep] if ep else []
         tracker.close_quiet(step)
-    assert [(e.start_step, e.announced_step) for e in opened] == [(40, 41)]
+    assert [(e.start_step, e.announced_step, e.score, e.evidence) for e in opened] == [
+        (40, 41, 3.0, {"at": 40})
+    ]
     # once confirmed, the episode lives through quiet steps within its gap, start unchanged
     assert tracker.flag(45, "straggler", 3.0, ranks=[3], confirm=3) is None
     assert [(e.start_step, e.end_step) for e in tracker.close_all()] == [(40, 45)]
