@@ -78,8 +78,10 @@ def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, ki
     # wrong splits break gloo's exchange at once: both ranks end with its error, no stack to take
     assert set(detail["stacks"]) >= {"0", "1"} or "split sizes" in detail["why"], detail
     assert detail["detected_at"] - detail["stalled_since"] < 10
-    kinds = events["kind"].tolist()
-    assert "resume" in kinds and kinds[-1] == "run_end"  # restarted from a checkpoint, finished
+    # restarted from a checkpoint, finished. The verdict itself may land after the restart: wrong
+    # splits crash gloo at once, the agent restarts, and the post-mortem of the logs ends later
+    kinds = [k for k in events["kind"] if k != "hang"]
+    assert "resume" in kinds and kinds[-1] == "run_end", kinds
     report = meshscope("hang-report", "--run", str(tmp_path / "h"))
     assert report.returncode == 0 and f"[{culprit}]" in report.stdout
 
