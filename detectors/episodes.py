@@ -56,9 +56,8 @@ class Episode:
 
 
 class EpisodeTracker:
-    """Turns per-step flags into episodes: opened when confirmed (`confirm` flagged steps, none
-    `gap` apart), starting at the first of the flags without a quiet step between; closed after
-    `gap` quiet steps."""
+    """Turns per-step flags into episodes: opened when confirmed (`confirm` flags within `gap`
+    of each other), starting at the latest unbroken run of flags; closed after `gap` quiet steps."""
 
     def __init__(self, gap: int = 3) -> None:
         self.gap = gap
@@ -100,6 +99,7 @@ class EpisodeTracker:
                 clock=clock,
             )
             return self._announce(ep, step) if ep.confirmed else None
+        # only the steps' clock advances by one: a window table's next row is several steps on
         if not ep.confirmed and ep.clock == "steps" and step - ep.end_step > 1:
             # Pending, after a quiet step: the flags still count (a weak fault flags on and
             # off), but the start moves up, so a noisy step before a fault is not its start,
