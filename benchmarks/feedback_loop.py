@@ -9,7 +9,7 @@ approved, and the trainer applies it at its next control step. Target: balancedn
 expert load) >= 30 % above the twin's over the same steps within 100 steps of the change, the
 loss no more than 2 % worse than the twin's over the same steps.
 
-    .venv/bin/python benchmarks/feedback_loop.py [--steps 240] [--approve-at 100]
+    .venv/bin/python benchmarks/feedback_loop.py [--seeds 3] [--aux-loss 0] [--steps 240] [--approve-at 100]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ heads = 2
 experts = 8
 top_k = 2
 router_skew = {skew}
+aux_loss_coef = {aux}
 
 [train]
 steps = {steps}
@@ -143,7 +144,7 @@ def one_pair(args: argparse.Namespace, seed: int) -> dict:
     """A baseline and a treated run of one seed; the figures of the change."""
     root = Path(tempfile.mkdtemp())
     config = root / "skewed.toml"
-    config.write_text(CONFIG.format(skew=args.skew, steps=args.steps) + f"seed = {seed}\n")
+    config.write_text(CONFIG.format(skew=args.skew, aux=args.aux_loss, steps=args.steps) + f"seed = {seed}\n")
     base = start(root, "baseline", config, 9880)
     base_out = base.communicate()[0]
     if base.returncode != 0:
@@ -187,10 +188,16 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=3.0)
     parser.add_argument("--horizon", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=3)
+    # 0: the aux-loss-free router the bias update is built for; the default keeps the trainer's
+    # balance loss, which balances the untreated twin too and so understates the change
+    parser.add_argument("--aux-loss", type=float, default=0.01, help="model.aux_loss_coef of both runs")
     args = parser.parse_args()
     t0 = time.time()
     rows = [one_pair(args, seed) for seed in range(args.seeds)]
-    print(f"# feedback loop on a skewed router (skew {args.skew}, 8 experts, top-2, 2 ranks), {machine()}")
+    print(
+        f"# feedback loop on a skewed router (skew {args.skew}, aux loss {args.aux_loss}, 8 experts, "
+        f"top-2, 2 ranks), {machine()}"
+    )
     print(
         "| seed | applied at | γ per layer | balancedness before | after | baseline then | "
         "gain | vs baseline | loss treated/baseline |"

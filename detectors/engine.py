@@ -51,6 +51,7 @@ class _Row:
     device_mem: np.ndarray  # allocated device memory per rank (0 on the CPU)
     ranks: list[int]
     loss_bad: np.ndarray | None = None  # 1 where a logged loss was NaN/Inf (not: unlogged)
+    busy: np.ndarray | None = None  # per rank: the step less its wait for communication
 
     def col(self, name: str) -> np.ndarray:
         return self.feats[:, [COLUMN[name]]]
@@ -176,7 +177,10 @@ class DetectionEngine:
             self.on_close(ep)
 
     def finish(self) -> list[Episode]:
-        """Close every open episode (end of the run)."""
+        """Close every open episode (end of the run), after the verdicts rules still hold."""
+        for rule in self.rules:
+            for flag in rule.flush():
+                self._flag(self.last_step, flag)
         done = self.tracker.close_all()
         for ep in done:
             self.on_close(ep)
@@ -192,6 +196,7 @@ class DetectionEngine:
             view.cols["mem_allocated"].reshape(1, -1),
             [int(r) for r in view.ranks],
             view.cols["loss_bad"].reshape(1, -1),
+            (view.cols["step_s"] - view.cols["comm_exposed_s"]).reshape(1, -1),
         )
         if row.ranks != self._ranks:  # elastic shrink or grow: per-rank baselines start over
             self._ranks, self._fitted, self._warm = row.ranks, False, []
@@ -233,7 +238,7 @@ class DetectionEngine:
     def _flag(self, step: int, flag: Flag) -> None:
         """Feed the episode tracker; a new episode is announced at once."""
         opened = self.tracker.flag(
-            step,
+            step if flag.about is None else flag.about,
             flag.type,
             flag.score,
             ranks=flag.ranks,
@@ -244,6 +249,7 @@ class DetectionEngine:
             gap=flag.gap,
             confirm=flag.confirm,
             clock=flag.clock,
+            now=step,
         )
         if opened is not None:
             self.on_open(opened)

@@ -77,9 +77,12 @@ class EpisodeTracker:
         gap: int | None = None,
         confirm: int = 1,
         clock: str = "steps",
+        now: int | None = None,
     ) -> Episode | None:
         """Record a flagged step; returns the episode when this step confirms it (after
-        `confirm` flagged steps: one noisy step is not an anomaly)."""
+        `confirm` flagged steps: one noisy step is not an anomaly). `now`: the step being
+        judged, when the flag is about an earlier one (a held verdict); it announces."""
+        now = step if now is None else now
         key = (type, tuple(ranks or ()), layer, expert, module)
         ep = self.open.get(key)
         if ep is None:
@@ -98,15 +101,15 @@ class EpisodeTracker:
                 module=module,
                 clock=clock,
             )
-            return self._announce(ep, step) if ep.confirmed else None
+            return self._announce(ep, now) if ep.confirmed else None
         # only the steps' clock advances by one: a window table's next row is several steps on
         if not ep.confirmed and ep.clock == "steps" and step - ep.end_step > 1:
             # Pending, after a quiet step: the flags still count (a weak fault flags on and
             # off), but the start moves up, so a noisy step before a fault is not its start,
             # and its evidence and score are not the fault's.
             ep.start_step, ep.score, ep.evidence = step, score, dict(evidence or {})
-        ep.end_step, ep.score, ep.count = step, max(ep.score, score), ep.count + 1
-        return self._announce(ep, step) if ep.count == ep.confirm else None
+        ep.end_step, ep.score, ep.count = max(ep.end_step, step), max(ep.score, score), ep.count + 1
+        return self._announce(ep, now) if ep.count == ep.confirm else None
 
     @staticmethod
     def _announce(ep: Episode, step: int) -> Episode:

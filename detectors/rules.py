@@ -17,7 +17,7 @@ engine's list (`DetectionEngine.rules` / `window_rules`), and a board panel if i
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,9 @@ class Flag:
     clock: str = "steps"
     """The table whose progress closes its episode: a window rule's own (its flags arrive as
     its table does, a window or more behind the steps when tailing a live run)."""
+    about: int | None = None
+    """The earlier step this flag is about, when a rule held its verdict on it (None: the step
+    being judged); it is announced at the step being judged."""
 
 
 @dataclass
@@ -69,8 +72,8 @@ class Verdict:
 
     @property
     def normal(self) -> bool:
-        """No rule has flagged the step so far."""
-        return not self.flags
+        """No rule has flagged the step so far (a held verdict on an earlier step is not about it)."""
+        return not any(f.about is None for f in self.flags)
 
     def has(self, type: str) -> bool:
         """Whether a rule already flagged this type on the step."""
@@ -94,6 +97,10 @@ class StepRule:
 
     def update(self, row: Any, normal: bool) -> None:
         """Move the baseline on (most rules only on normal steps)."""
+
+    def flush(self) -> list[Flag]:
+        """Verdicts still held when the run ends (most rules hold none)."""
+        return []
 
 
 class WindowRule:
@@ -139,34 +146,67 @@ class NonFiniteRule(StepRule):
 
 class StallRule(StepRule):
     """A step many times the usual one: a stall (a stuck collective, a blocked input). Loud,
-    so no confirmation, and it explains the step (nothing else is judged). It owns the usual
-    step time."""
+    so it explains the step (nothing else is judged). It owns the usual step time.
+
+    A long step in which no rank was busy for long (every rank waited on communication) is
+    held one step: alone it is a stall, announced at the next step; followed by another such
+    step it is a slow link, a `comm` episode from the first (a stuck collective happens once,
+    a slow link delays every step). A step a rank spent busy (a hang, a blocked input) is a
+    stall at once."""
 
     name, during_warmup = "stall", False
-    types = ("stall",)
+    types = ("stall", "comm")
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
         self.step_time = RobustZ(window=200)
+        self.held: tuple[int, Flag] | None = None  # a long waiting step and its stall flag
+        self.waiting = False  # the last step was a long one spent waiting on the network
 
     def learn(self, warm: Any) -> None:
         self.step_time.fit(warm.col("step_s"))
+        self.held, self.waiting = None, False
 
     def judge(self, step: int, row: Any, verdict: Verdict) -> list[Flag]:
         usual = float(self.step_time.center_[0])
         verdict.usual_step_s = usual
         step_s = row.value("step_s")
-        if step_s > self.factor * usual:
-            return [
-                Flag(
-                    "stall",
-                    step_s / usual,
-                    ranks=row.ranks,
-                    final=True,
-                    evidence={"stall_s": round(step_s, 3), "usual_step_s": round(usual, 4)},
-                )
-            ]
-        return []
+        held, self.held = self.held, None
+        before = [replace(held[1], about=held[0], final=False)] if held else []
+        if step_s <= self.factor * usual:
+            self.waiting = False
+            return before  # a held step alone: a stall
+        if not self._waited(row, step_s):
+            self.waiting = False
+            return before + [self._stall(step_s, usual, row.ranks)]
+        if held is None and not self.waiting:
+            self.held = (step, replace(self._stall(step_s, usual, row.ranks), confirm=2))
+            return [self.held[1]]
+        self.waiting = True  # a second long step waiting on the network: a slow link
+        comm = Flag(
+            "comm",
+            step_s / usual,
+            ranks=row.ranks,
+            confirm=2,
+            final=True,
+            evidence={"comm_ratio": round(row.value("comm_ratio"), 4), "usual_step_s": round(usual, 4)},
+        )
+        return ([replace(comm, about=held[0], final=False)] if held else []) + [comm]
+
+    @staticmethod
+    def _stall(step_s: float, usual: float, ranks: list[int]) -> Flag:
+        evidence = {"stall_s": round(step_s, 3), "usual_step_s": round(usual, 4)}
+        return Flag("stall", step_s / usual, ranks=ranks, final=True, evidence=evidence)
+
+    @staticmethod
+    def _waited(row: Any, step_s: float) -> bool:
+        """No rank was busy (computing, or waiting for input) for half the step."""
+        return row.busy is not None and float(np.max(row.busy)) < 0.5 * step_s
+
+    def flush(self) -> list[Flag]:
+        """A step held at the end of the run: a stall."""
+        held, self.held = self.held, None
+        return [replace(held[1], about=held[0], final=False)] if held else []
 
     def update(self, row: Any, normal: bool) -> None:
         if normal:

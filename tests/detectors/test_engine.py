@@ -198,3 +198,40 @@ def test_a_noisy_flag_before_a_fault_is_not_the_faults_start():
     # once confirmed, the episode lives through quiet steps within its gap, start unchanged
     assert tracker.flag(45, "straggler", 3.0, ranks=[3], confirm=3) is None
     assert [(e.start_step, e.end_step) for e in tracker.close_all()] == [(40, 45)]
+
+
+def _long_steps(df, steps, seconds, busy_rank=None):
+    """Make `steps` longer by `seconds`: every rank waits in communication for it, or, with
+    `busy_rank`, that rank computes through it while its peers wait."""
+    df = df.copy()
+    at = df["step"].isin(list(steps))
+    df.loc[at, "step_s"] += seconds
+    busy = at & (df["rank"] == busy_rank)
+    df.loc[at & ~busy, "comm_exposed_s"] += seconds
+    df["comm_ratio"] = df["comm_exposed_s"] / df["step_s"]
+    return df
+
+
+@pytest.mark.parametrize("onset", [50, 83])
+def test_a_slow_link_is_comm_and_a_lone_long_wait_is_a_stall(onset):
+    # Ten steps each 15x the usual, every rank waiting on the network: a slow link, one comm
+    # episode from its first step, no stall. One such step alone: a stuck collective, a stall
+    # announced at the step after it.
+    _, closed = run(_long_steps(synthetic_run(), range(onset, onset + 10), 1.5))
+    assert [(e.type, e.start_step, e.end_step, e.announced_step) for e in closed] == [
+        ("comm", onset, onset + 9, onset + 1)
+    ]
+    _, closed = run(_long_steps(synthetic_run(), [onset], 1.5))
+    assert [(e.type, e.start_step, e.end_step, e.announced_step) for e in closed] == [
+        ("stall", onset, onset, onset + 1)
+    ]
+
+
+def test_a_long_step_a_rank_spent_busy_is_a_stall_at_once():
+    _, closed = run(_long_steps(synthetic_run(), range(60, 63), 1.5, busy_rank=1))
+    assert [(e.type, e.start_step, e.end_step, e.announced_step) for e in closed] == [("stall", 60, 62, 60)]
+
+
+def test_a_long_wait_on_the_last_step_is_still_a_stall():
+    _, closed = run(_long_steps(synthetic_run(steps=120), [119], 1.5))
+    assert [(e.type, e.start_step, e.announced_step) for e in closed] == [("stall", 119, 119)]
