@@ -14,6 +14,7 @@ torch_npu's `_dump_hccl_trace`, c10d's `_dump_nccl_trace` (older builds) and `_d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,16 +147,45 @@ def recorder_answer(flight: Path, request_id: str) -> Path | None:
 def answer_requests(
     folder: Path, answer: Callable[[str], object], stop: threading.Event, poll_s: float = 0.2
 ) -> None:
-    """The responder's loop: call `answer(request_id)` each time the request file changes."""
+    """The responder's loop: call `answer(request_id)` each time the request file changes.
+    On Linux it sleeps in the kernel until the file is replaced (inotify): a rank that is
+    never asked spends nothing on it. Where there are no notifications (another OS) it looks
+    every `poll_s`, and with them it still looks every `RECHECK_S`, for a filesystem that
+    misses some (a network mount written from another host)."""
     request, answered = Path(folder) / REQUEST_FILE, None
-    while not stop.wait(poll_s):
-        try:
-            stamp = request.stat().st_mtime_ns
-        except FileNotFoundError:
-            continue
-        if stamp != answered:
-            answered = stamp
-            answer(request.read_text().strip())
+    with _request_watch(Path(folder)) as wait:
+        while not stop.is_set():
+            try:
+                stamp = request.stat().st_mtime_ns
+            except FileNotFoundError:
+                stamp = None
+            if stamp is not None and stamp != answered:
+                answered = stamp
+                answer(request.read_text().strip())
+            wait(poll_s)
+
+
+RECHECK_S = 2.0  # with notifications: the safety look at the request file
+
+
+@contextlib.contextmanager
+def _request_watch(folder: Path) -> Iterator[Callable[[float], None]]:
+    """A wait that returns when the request file is replaced in `folder` (or after the
+    fallback interval): inotify where there is one, a sleep where there is not."""
+    try:
+        from inotify_simple import INotify, flags
+
+        notify = INotify()
+    except (ImportError, OSError):  # not Linux, or the user's inotify instances used up: poll
+        yield time.sleep
+        return
+    with notify:
+        notify.add_watch(folder, flags.MOVED_TO | flags.CLOSE_WRITE)
+
+        def wait(poll_s: float) -> None:
+            notify.read(timeout=int(RECHECK_S * 1000))  # a change in the folder, or the safety look
+
+        yield wait
 
 
 def request_stacks(live_dir: Path, request_id: str) -> None:

@@ -35,6 +35,8 @@ class LayerDiagnosis:
     shares: list[float]
     latency_cost_ms: float | None = None
     note: str = ""
+    training_load: list[float] | None = None
+    """The run's own recent tokens per expert: what a training-side change acts on."""
 
 
 def training_load(run_dir: Path, last: int = 5) -> np.ndarray | None:
@@ -76,6 +78,7 @@ def diagnose(serving: ServingLoad, training: np.ndarray | None) -> list[LayerDia
                 cold,
                 [round(float(s), 4) for s in shares],
                 cost,
+                training_load=None if training is None else [float(x) for x in training[layer]],
             )
         )
     return out
@@ -127,27 +130,38 @@ def predicted_balancedness(load: np.ndarray, bias: np.ndarray) -> float:
     return balancedness(np.asarray(load, dtype=float) * np.exp(bias))
 
 
-def _router_bias(d: LayerDiagnosis, load: np.ndarray, model: dict[str, Any], devices: int) -> Suggestion:
-    """The aux-loss-free bias update (DeepSeek-V3) that evens this layer's routing."""
-    bias = bias_correction(load)
-    after = predicted_balancedness(load, bias)
-    gamma = bias_rate(load)
+def _router_bias(
+    d: LayerDiagnosis, load: np.ndarray, model: dict[str, Any], devices: int
+) -> Suggestion | None:
+    """The aux-loss-free bias update (DeepSeek-V3) that evens this layer's routing. Serving's
+    skew says the layer needs it; the bias acts on the training router, so it is sized from
+    what that router routes now where the run is known (sized from serving's load, when the
+    two disagree about which experts are hot, it boosts the expert training already favours).
+    None when the training router is even already: serving's skew is its traffic's."""
+    routed = load if d.training_load is None else np.asarray(d.training_load, dtype=float)
+    bias = bias_correction(routed)
+    after = predicted_balancedness(routed, bias)
+    if d.training_load is not None and after <= balancedness(routed) + 0.01:
+        return None
+    gamma = bias_rate(routed)
     slow = (
         ""
         if gamma == GAMMA
         else f" (DeepSeek-V3's {GAMMA:g} would take {np.abs(bias).max() / GAMMA:.0f} steps to move the "
         f"bias as far as the shares say; this closes it within {HORIZON_STEPS})"
     )
+    sized = "serving's shares" if d.training_load is None else "the training router's own recent shares"
+    before = d.serving_balancedness if d.training_load is None else balancedness(routed)
     return Suggestion(
         "router_bias",
         "training",
         d.layer,
         {"gamma": gamma, "bias": bias.round(4).tolist()},
-        {"balancedness_before": round(d.serving_balancedness, 3), "balancedness_after": round(after, 3)},
+        {"balancedness_before": round(before, 3), "balancedness_after": round(after, 3)},
         f"layer {d.layer}: experts {d.hot} take {sum(d.shares[e] for e in d.hot):.0%} of "
         f"serving tokens (balanced {len(load) and 1 / len(load):.0%} each); the aux-loss-free "
         f"bias update (DeepSeek-V3) shifts routing only, the gates stay, so the loss is not "
-        f"pulled by a balancing term; a one-shot correction from the measured shares, then "
+        f"pulled by a balancing term; a one-shot correction from {sized}, then "
         f"sign updates with γ={gamma:g}" + slow,
         control={"kind": "router_bias", "layer": d.layer, "values": [gamma, *bias.round(4).tolist()]},
     )

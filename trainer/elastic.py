@@ -217,6 +217,13 @@ class ElasticRun:
             self.mon.flight.stopping()
         self.stop_requested = True
 
+    def linger(self, seconds: float) -> None:
+        """Keep the process, and its /metrics, up for `seconds` after the last step, for a last
+        scrape; a SIGTERM ends it at once (a plain sleep would outlast the agent's grace)."""
+        end = time.monotonic() + seconds
+        while not self.stop_requested and (left := end - time.monotonic()) > 0:
+            time.sleep(min(0.1, left))
+
     # --- resume -------------------------------------------------------------------------
     def resume(self, state: Any) -> None:
         """Load the newest valid checkpoint into the train state (model, optimizer, step,

@@ -187,7 +187,7 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
             mon.event("run_end", detail={"steps": state.step, "reason": reason})
         if reason == "done":
             mon.training_over()
-            time.sleep(cfg.linger_s)  # lets Prometheus take a last scrape of short runs
+            elastic.linger(cfg.linger_s)  # lets Prometheus take a last scrape of short runs
     finally:
         if audit is not None:
             audit.uninstall()

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import torch
 
-from meshscope.collector.stacks import LIBRARY, frame_text, own_frame, write_stacks
+from meshscope.collector import stacks
+from meshscope.collector.stacks import (
+    LIBRARY,
+    answer_requests,
+    frame_text,
+    own_frame,
+    request_stacks,
+    write_stacks,
+)
 
 
 def test_library_frames_are_marked_and_the_own_frame_is_the_innermost_of_ours(tmp_path):
@@ -34,3 +43,28 @@ def test_stores_from_before_the_marker_still_name_the_own_frame():
         own_frame(["trainer/loop.py:90 train_step", "torch/_tensor.py:623 backward"])
         == "trainer/loop.py:90 train_step"
     )
+
+
+def test_the_responder_sleeps_until_asked_and_answers_every_request(tmp_path, monkeypatch):
+    # The safety look pushed out of reach: an answer within the test's time comes from the
+    # kernel's notification, and a quiet responder does not wake at all.
+    monkeypatch.setattr(stacks, "RECHECK_S", 60.0)
+    asked, stop, looks = [], threading.Event(), []
+    real_stat = type(tmp_path).stat
+
+    def counted_stat(path, **kw):
+        looks.extend([path] if path.parent == tmp_path else [])
+        return real_stat(path, **kw)
+
+    monkeypatch.setattr(type(tmp_path), "stat", counted_stat)
+    responder = threading.Thread(target=answer_requests, args=(tmp_path, asked.append, stop), daemon=True)
+    responder.start()
+    time.sleep(1.0)
+    assert len(looks) == 1  # once on start, then asleep (polling looked 5 times a second)
+    for request in ("a1", "a2"):
+        request_stacks(tmp_path, request)
+        deadline = time.monotonic() + 5
+        while request not in asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert asked == ["a1", "a2"]
+    stop.set()

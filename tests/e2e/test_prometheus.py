@@ -1,5 +1,6 @@
 """Debian's Prometheus scrapes a live run through the run's file_sd targets."""
 
+import signal
 import subprocess
 
 import pytest
@@ -8,6 +9,7 @@ import requests
 from fixtures.ports import free_port_range
 from fixtures.runs import start_run, wait_for
 from fixtures.servers import Prometheus
+from meshscope.collector.store import latest_step, load_events
 from meshscope.dashboards.prometheus import write_prometheus_config
 from tests.conftest import require_binary
 
@@ -24,7 +26,7 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
     port = free_port_range(3)
     with Prometheus(prometheus_bin, config, tmp_path) as prom:
-        run = start_run(runs, "e2e", port, "--steps", "40", "--linger", "30")
+        run = start_run(runs, "e2e", port, "--steps", "40", "--linger", "600")
         try:
 
             def both_ranks(promql):
@@ -50,6 +52,14 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
             body = requests.get(f"http://127.0.0.1:{port + 1}/metrics", timeout=5).content
             lint = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True)
             assert lint.returncode == 0 and lint.stdout + lint.stderr == b""
+            # trained to the end, lingering for a last scrape; a SIGTERM (how a scheduler ends a
+            # job) ends the linger at once, not after its 600 s
+            assert wait_for(lambda: min(latest_step(runs / "e2e", rank=r) for r in (0, 1)) == 39, 60)
         finally:
-            out, _ = run.communicate(timeout=120)
-        assert run.returncode == 0, out
+            run.send_signal(signal.SIGTERM)
+            try:
+                out, _ = run.communicate(timeout=120)
+            finally:
+                run.kill()
+        assert run.returncode == 128 + signal.SIGTERM and "Traceback" not in out, out[-3000:]
+        assert load_events(runs / "e2e", kind="run_end").iloc[0]["detail"]["reason"] == "done"

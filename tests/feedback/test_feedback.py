@@ -142,6 +142,20 @@ def test_suggestions_in_practitioners_terms_for_the_skewed_layer_only(tmp_path):
     assert all(s.why for s in out)
 
 
+def test_a_training_bias_is_sized_from_the_training_router_when_serving_disagrees():
+    # Serving finds expert 1 hot; the run's router favours expert 0. A bias sized from serving
+    # would boost expert 0 (cold in serving) and unbalance training further.
+    serving = read_serving_load(b"layer,expert,tokens\n0,0,100\n0,1,700\n0,2,100\n0,3,100\n", "s.csv")
+    training = np.array([[700.0, 100.0, 100.0, 100.0]])
+    bias = next(s for s in suggest(diagnose(serving, training), serving) if s.action == "router_bias")
+    assert bias.params["bias"][0] < 0 < bias.params["bias"][1]
+    assert bias.expected["balancedness_before"] == pytest.approx(0.357, abs=1e-3)  # training's own
+    assert "training router" in bias.why
+    # a training router that is even already is offered no bias: serving's skew is its traffic's
+    even = np.array([[250.0, 250.0, 250.0, 250.0]])
+    assert "router_bias" not in {s.action for s in suggest(diagnose(serving, even), serving)}
+
+
 def test_the_knowledge_base_ranks_and_calibrates_by_past_outcomes(tmp_path):
     kb = KnowledgeBase(tmp_path / "kb.sqlite")
     assert kb.weight("c", "router_bias") == 1.0 and kb.realised("c", "router_bias") == 1.0
