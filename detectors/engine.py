@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field
 
 from meshscope.collector.env import HostShare
 from meshscope.collector.figures import SLOW_STEP_FACTOR
@@ -36,7 +35,7 @@ from meshscope.detectors.rules import (
     Verdict,
     WindowRule,
 )
-from meshscope.detectors.thresholds import Thresholds
+from meshscope.detectors.thresholds import EngineConfig
 from meshscope.detectors.window_rules import ExpertRule, GradientRule
 
 
@@ -62,17 +61,6 @@ class _Row:
     @property
     def multivariate(self) -> np.ndarray:
         return self.feats[:, [COLUMN[n] for n in MULTIVARIATE]]
-
-
-class EngineConfig(BaseModel):
-    """How the engine judges (the `[detect]` TOML section). `sensitivity` > 1 flags more, < 1 less."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    warmup: int = Field(20, ge=5, description="steps the detectors learn from before they judge")
-    gap: int = Field(3, ge=0, description="quiet steps that close an anomaly episode")
-    sensitivity: float = Field(1.0, gt=0, description="> 1 flags more, < 1 flags less")
-    thresholds: Thresholds = Field(default_factory=Thresholds)
 
 
 class DetectionEngine:

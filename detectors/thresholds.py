@@ -1,4 +1,6 @@
-"""The alarm lines the detection engine and the Prometheus alert rules share.
+"""The engine's settings (`EngineConfig`, the `[detect]` section) and the alarm lines the
+detection engine and the Prometheus alert rules share. Light on purpose: every command that
+reads a config imports it, and the engine's numerics are not needed for that.
 
 One validated model; the engine reads it (`EngineConfig.thresholds`) and `dashboards/rules/
 rules.yml` is rendered from it (`dashboards.prometheus.render_rules`), so a threshold is said
@@ -43,3 +45,14 @@ class Thresholds(BaseModel):
         description="share of the step spent waiting for communication, "
         "over a minute, at which CommRatioHigh fires",
     )
+
+
+class EngineConfig(BaseModel):
+    """How the engine judges (the `[detect]` TOML section). `sensitivity` > 1 flags more, < 1 less."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    warmup: int = Field(20, ge=5, description="steps the detectors learn from before they judge")
+    gap: int = Field(3, ge=0, description="quiet steps that close an anomaly episode")
+    sensitivity: float = Field(1.0, gt=0, description="> 1 flags more, < 1 flags less")
+    thresholds: Thresholds = Field(default_factory=Thresholds)

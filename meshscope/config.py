@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import Field
 
 from meshscope.alerts.config import AlertsConfig
-from meshscope.detectors.engine import EngineConfig
+from meshscope.detectors.thresholds import EngineConfig
 from meshscope.trainer.config import ConfigError, TrainerConfig, merge_settings
 from meshscope.trainer.config import load_config as _load
 from meshscope.watchdog.watch import HangConfig

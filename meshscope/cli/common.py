@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -20,6 +22,27 @@ console = Console()
 
 
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay whole for grep
+
+
+class LazyModule:
+    """`name`, imported on first use: every command's module is imported to register it, and
+    one command's heavy imports (torch, scikit-learn) must not slow every other command. Not
+    put in sys.modules (code that walks it, as `inspect` does, would load it half-way)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def store_errors() -> tuple[type[Exception], ...]:
+    """What reading a damaged run store raises (called in an `except`: pandas loads only then)."""
+    import sqlite3
+
+    import pandas as pd
+
+    return (sqlite3.DatabaseError, pd.errors.DatabaseError)
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
-import pandas as pd
 import typer
 from rich.table import Table
 
-from meshscope.cli.common import _readable_store, app, console, fail
+from meshscope.cli.common import _readable_store, app, console, fail, store_errors
 from meshscope.collector.store import describe_store, load_steps
 
 
@@ -66,8 +64,8 @@ def _ship_to_job_store(run: Path) -> None:
 
 
 def _detect_run(run: Path, sensitivity: float) -> None:
-    from meshscope.detectors.engine import EngineConfig
     from meshscope.detectors.live import LiveDetection
+    from meshscope.detectors.thresholds import EngineConfig
 
     _readable_store(run)
     try:
@@ -75,7 +73,7 @@ def _detect_run(run: Path, sensitivity: float) -> None:
         config = EngineConfig(sensitivity=sensitivity)
     except (FileNotFoundError, ValueError) as err:
         fail(str(err))
-    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
+    except store_errors() as err:
         # corrupt, truncated, or a SQLite file that is not a meshscope run store
         fail(f"{describe_store(run)}: not a readable meshscope run store ({err})")
     run_id = str(steps["run_id"].iloc[0]) if not steps.empty else run.name

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
-import pandas as pd
 import typer
 
-from meshscope.cli.common import _readable_store, app, console, fail
+from meshscope.cli.common import _readable_store, app, console, fail, store_errors
 from meshscope.collector.store import describe_store
 
 
@@ -31,7 +29,7 @@ def explain(
         causes = rank_causes(run, anomaly)
     except KeyError as err:
         fail(str(err.args[0]))
-    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
+    except store_errors() as err:
         fail(f"{describe_store(run)}: not a readable meshscope run store ({err})")
     if as_json:
         print(json.dumps([c.as_dict() for c in causes[:limit]], indent=1))

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 
-import pandas as pd
 import typer
 from rich.table import Table
 
-from meshscope.cli.common import app, console, fail
+from meshscope.cli.common import app, console, fail, store_errors
 from meshscope.collector.store import describe_store, load_events
 
 
@@ -49,7 +47,7 @@ def hang_report(
         events = None  # no store (yet): the flight logs may still tell
     except StoreError as err:
         fail(str(err))
-    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
+    except store_errors() as err:
         fail(f"{describe_store(run)}: not a readable meshscope run store ({err})")
     if events is not None and not events.empty:
         detail, source = events.iloc[-1]["detail"], f"hang event in {describe_store(run)}"

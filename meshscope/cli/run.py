@@ -10,12 +10,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from meshscope import launcher
-from meshscope.cli.common import app, console, err_console, fail
+from meshscope.cli.common import LazyModule, app, console, err_console, fail
 from meshscope.cli.flags import RUN_FLAGS, with_config_flags
 from meshscope.cli.settings import apply_set_options
 from meshscope.collector.exporter import PortInUseError, remove_from_index
-from meshscope.collector.report import busiest_host, efficiency, efficiency_text, summarize
 from meshscope.collector.store import (
     StoreUnavailable,
     describe_store,
@@ -24,8 +22,12 @@ from meshscope.collector.store import (
     load_steps,
 )
 from meshscope.config import ConfigError, RunConfig, load_config
-from meshscope.sidecar import AlertPath, Sidecar, alert_path
-from meshscope.trainer.device import DeviceUnavailable
+
+# what training needs (torch, the detectors, the watchdog), loaded when a run starts
+launcher = LazyModule("meshscope.launcher")
+sidecars = LazyModule("meshscope.sidecar")
+report = LazyModule("meshscope.collector.report")
+device = LazyModule("meshscope.trainer.device")
 
 
 @app.command()
@@ -49,9 +51,9 @@ def run(
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
         cfg = load_config(config, apply_set_options(set_ or [], overrides or {}))
-        alerts = alert_path(cfg)  # secrets and the alert route checked before any write
+        alerts = sidecars.alert_path(cfg)  # secrets and the alert route checked before any write
         cfg = launcher.resolve_run(cfg) if check else launcher.prepare_run(cfg)
-    except (ConfigError, DeviceUnavailable, PortInUseError, ValueError) as err:
+    except (ConfigError, device.DeviceUnavailable, PortInUseError, ValueError) as err:
         fail(str(err))
     if check:
         console.print(
@@ -60,7 +62,7 @@ def run(
         )
         return
     _print_header(cfg, alerts)
-    sidecar = Sidecar(cfg, alerts).start()
+    sidecar = sidecars.Sidecar(cfg, alerts).start()
     if sidecar.metrics_url:
         console.print(f"  detector {sidecar.metrics_url}")
     else:
@@ -92,7 +94,7 @@ def run(
         )
 
 
-def _print_header(cfg: RunConfig, alerts: AlertPath) -> None:
+def _print_header(cfg: RunConfig, alerts: sidecars.AlertPath) -> None:
     """Where this run's measurements and alerts will be."""
     console.print(
         f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device} ({cfg.backend}), "
@@ -211,7 +213,7 @@ def _exchange_cell(s: dict[str, float]) -> str:
 
 def _print_summary(cfg: RunConfig) -> None:
     """The finished run in one table."""
-    s = summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
+    s = report.summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
     events = load_events(cfg.run_dir)
     kinds = events["kind"].value_counts()
     table = Table(title=f"run {cfg.run_id}", show_header=False)
@@ -238,10 +240,10 @@ def _print_summary(cfg: RunConfig) -> None:
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
-    tei = efficiency_text(efficiency(cfg.run_dir))
+    tei = report.efficiency_text(report.efficiency(cfg.run_dir))
     console.print(f"training efficiency index: {tei}", soft_wrap=True, highlight=False)
     console.print(f"store: {describe_store(cfg.run_dir)}")
-    host = busiest_host(events)
+    host = report.busiest_host(events)
     if host is not None and host.oversubscribed:
         console.print(f"[yellow]host:[/] {host.describe()}")
 
