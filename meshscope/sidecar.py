@@ -23,7 +23,6 @@ from meshscope.collector.storedb import locate
 from meshscope.detectors.episodes import Episode
 from meshscope.detectors.live import LiveDetection
 from meshscope.feedback.rebalance import Rebalancer
-from meshscope.trainer.elastic import job_id
 from meshscope.watchdog.exchange import NodeExchange
 from meshscope.watchdog.verdicts import Diagnosis
 from meshscope.watchdog.watch import HangWatch, pid_alive
@@ -93,7 +92,7 @@ def hang_exchange(cfg: Any) -> NodeExchange | None:
     host, port = parse_host_port(cfg.elastic.rdzv_endpoint, "--rdzv-endpoint")
     return NodeExchange(
         lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5)),
-        prefix=f"job/{job_id(cfg)}/hang",  # scoped like every key of the job
+        prefix=f"job/{cfg.job_id}/hang",  # scoped like every key of the job
     )
 
 

@@ -349,6 +349,11 @@ class TrainerConfig(_Strict):
         return self.metrics_host or "127.0.0.1"
 
     @property
+    def job_id(self) -> str:
+        """The job's one id, shared by its agents: it scopes every key meshscope puts in a store."""
+        return self.elastic.rdzv_id or self.run_id
+
+    @property
     def multi_node(self) -> bool:
         """Agents on several machines meet through a rendezvous (not one standalone agent)."""
         return self.elastic.nnodes != "1" or bool(self.elastic.rdzv_endpoint)

@@ -50,11 +50,6 @@ def heartbeat_endpoint(cfg: TrainerConfig, env: DistEnv) -> tuple[str, int]:
     return env.master_addr, env.master_port
 
 
-def job_id(cfg: TrainerConfig) -> str:
-    """The job's one id, shared by its agents: it scopes every key meshscope puts in a store."""
-    return cfg.elastic.rdzv_id or cfg.run_id
-
-
 def attempt_id(env: DistEnv) -> int:
     """torchrun's restart count: it names this attempt in the store's keys."""
     return env.restart_count
@@ -75,7 +70,7 @@ class ElasticRun:
         self.control = control
         self._stop_flag = LateFlag(control) if control is not None else None
         self.stop_requested = False
-        self.store = connect_store(*heartbeat_endpoint(cfg, env), job=job_id(cfg)) if env.torchrun else None
+        self.store = connect_store(*heartbeat_endpoint(cfg, env), job=cfg.job_id) if env.torchrun else None
         every = cfg.elastic.checkpoint_every
         self.ckpt = (
             CheckpointManager(
@@ -159,7 +154,7 @@ class ElasticRun:
         if env.local_rank == 0:
             out.append(
                 NodeWatch(
-                    connect_store(*heartbeat_endpoint(self.cfg, env), job=job_id(self.cfg)),
+                    connect_store(*heartbeat_endpoint(self.cfg, env), job=self.cfg.job_id),
                     attempt=self.round,
                     node=env.rank // per_node,
                     ranks=env.local_ranks(),
@@ -175,7 +170,7 @@ class ElasticRun:
             }
             out.append(
                 JobWatch(
-                    connect_store(*heartbeat_endpoint(self.cfg, env), job=job_id(self.cfg)),
+                    connect_store(*heartbeat_endpoint(self.cfg, env), job=self.cfg.job_id),
                     attempt=self.round,
                     nodes=nodes,
                     interval_s=interval,
