@@ -25,7 +25,8 @@ test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	# every server, the browser too, is installed above: missing one fails, never skips
-	MESHSCOPE_E2E=required OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+	# the slowest tests are listed: what the suite's time goes to stays visible in every CI log
+	MESHSCOPE_E2E=required OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 bench: $(STAMP) system-deps
 	$(PY) benchmarks/overhead.py
