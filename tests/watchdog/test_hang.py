@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.dist import rank_context
 from fixtures.hang_cases import BACKENDS, FAULT_STEP, rank_main
 from fixtures.ports import free_port_range
 from meshscope.watchdog.watch import HangConfig, HangWatch
@@ -28,7 +28,7 @@ def watch_scenario(
 ):
     """Run the scenario on `world` ranks and return the diagnosis (None: none came)."""
     live = tmp_path / "live"
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port_range(1)
     kwargs = {"backend": backend, "recorder": recorder}
     procs = [
@@ -123,7 +123,7 @@ def test_flight_recorder_dumps_of_a_plain_job_are_diagnosed(tmp_path, scenario, 
     from fixtures.hang_cases import fr_rank_main
     from meshscope.watchdog.flight_recorder import diagnose_dumps
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port_range(1)
     procs = [
         ctx.Process(target=fr_rank_main, args=(r, WORLD, port, str(tmp_path), scenario)) for r in range(WORLD)
@@ -225,7 +225,7 @@ def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_
     master = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
     client = lambda: dist.TCPStore("127.0.0.1", store_port, is_master=False)  # noqa: E731
     dirs = {0: tmp_path / "a", 1: tmp_path / "a", 2: tmp_path / "b"}
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     procs = [
         ctx.Process(target=rank_main, args=(r, WORLD, port, str(dirs[r]), "compute")) for r in range(WORLD)
     ]
