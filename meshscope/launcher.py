@@ -203,10 +203,11 @@ def zygote_refusal(cfg: RunConfig, code: int) -> str:
 class Launch:
     """torchrun (and the warm standby it forks workers from) for one agent."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, zygote: subprocess.Popen | None = None) -> None:
+        """`zygote`: a warm standby started earlier (`warm_standby`), else one starts now."""
         self.cfg = cfg
         env = worker_environment(cfg)
-        self.zygote = start_zygote(cfg, env) if cfg.elastic.warm_standby else None
+        self.zygote = zygote or warm_standby(cfg)
         if self.zygote is not None:
             env[ZYGOTE_ENV], env[ZYGOTE_PID_ENV] = str(zygote_socket()), str(self.zygote.pid)
         log = open(cfg.run_dir / "logs" / f"launcher-{os.getpid()}.log", "wb")
@@ -244,9 +245,15 @@ class Launch:
         zygote_socket().unlink(missing_ok=True)
 
 
-def launch(cfg: RunConfig) -> Launch:
-    """Start torchrun (and the warm standby) for `cfg`."""
-    return Launch(cfg)
+def warm_standby(cfg: RunConfig) -> subprocess.Popen | None:
+    """The warm standby for `cfg` (None when it is off), started early: it imports torch and
+    the trainer while the agent readies its sidecar, so the workers fork at once."""
+    return start_zygote(cfg, worker_environment(cfg)) if cfg.elastic.warm_standby else None
+
+
+def launch(cfg: RunConfig, zygote: subprocess.Popen | None = None) -> Launch:
+    """Start torchrun (and the warm standby, unless `zygote` is one started already)."""
+    return Launch(cfg, zygote)
 
 
 def follow(

@@ -8,12 +8,12 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlencode
 
-from meshscope.alerts.notify import Alert, Email, Outbox, SlackWebhook, parse_host_port, read_secret
+from meshscope.alerting import AlertPath
+from meshscope.alerts.notify import Alert, Outbox, parse_host_port
 from meshscope.collector.exporter import DETECTOR_JOB, PortInUseError, serve_metrics, write_detector_target
 from meshscope.collector.relay import StoreRelay
 from meshscope.collector.rundir import OUTBOX, LeaderLock, job_leader, live_dir
@@ -28,59 +28,6 @@ from meshscope.watchdog.verdicts import Diagnosis
 from meshscope.watchdog.watch import HangWatch, pid_alive
 
 log = logging.getLogger("meshscope.sidecar")
-
-
-@dataclass
-class AlertPath:
-    """Where this run's alerts go: its own channels (embedded), or a stack's Alertmanager."""
-
-    channels: list = field(default_factory=list)
-    alertmanager: str | None = None
-    ignored_channels: bool = False  # channels were given but Alertmanager pages instead
-
-
-def alert_channels(alerts: Any) -> list:
-    """Alert channels from the `alerts` config (TOML and flags) and secrets (files or
-    environment); AlertSettingError (a ValueError naming the flag) when one is unusable."""
-    channels = []
-    url = read_secret(
-        file=alerts.slack_webhook_file, env="MESHSCOPE_SLACK_WEBHOOK", flag="--slack-webhook-file"
-    )
-    if url:
-        channels.append(SlackWebhook(url))
-    if alerts.email_to:
-        host, port = parse_host_port(alerts.smtp, "--smtp")
-        channels.append(
-            Email(
-                host,
-                port,
-                alerts.smtp_from,
-                alerts.email_to,
-                username=alerts.smtp_user,
-                password=read_secret(file=alerts.smtp_password_file, flag="--smtp-password-file"),
-                starttls=alerts.smtp_tls,
-            )
-        )
-    return channels
-
-
-def alert_path(cfg: Any) -> AlertPath:
-    """One alert path: a run under a stack's Prometheus alerts through its Alertmanager (the
-    AnomalyDetected and HangDetected rules), never also from its own outbox; otherwise the run
-    sends to its own channels. ValueError naming the flag when it cannot be."""
-    from meshscope.dashboards.stack import alerting_for
-
-    alerts = cfg.alerts
-    channels = alert_channels(alerts)  # checked before any write
-    alertmanager = alerting_for(alerts.stack_home, cfg.runs_root) if alerts.mode != "embedded" else None
-    if alerts.mode == "alertmanager" and alertmanager is None:
-        raise ValueError(
-            f"--alerts alertmanager: no meshscope stack in {alerts.stack_home} watches "
-            f"{cfg.runs_root} (start one: meshscope stack up --runs {cfg.runs_root})"
-        )
-    if alertmanager is None:
-        return AlertPath(channels)
-    return AlertPath([], alertmanager, ignored_channels=bool(channels))
 
 
 def hang_exchange(cfg: Any) -> NodeExchange | None:

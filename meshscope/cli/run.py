@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 import signal
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from meshscope.alerting import AlertPath, alert_path
 from meshscope.cli.common import LazyModule, app, console, err_console, fail
 from meshscope.cli.flags import RUN_FLAGS, with_config_flags
 from meshscope.cli.settings import apply_set_options
@@ -51,7 +53,7 @@ def run(
     """Train the reference MoE model under torchrun with meshscope watching."""
     try:
         cfg = load_config(config, apply_set_options(set_ or [], overrides or {}))
-        alerts = sidecars.alert_path(cfg)  # secrets and the alert route checked before any write
+        alerts = alert_path(cfg)  # secrets and the alert route checked before any write
         cfg = launcher.resolve_run(cfg) if check else launcher.prepare_run(cfg)
     except (ConfigError, device.DeviceUnavailable, PortInUseError, ValueError) as err:
         fail(str(err))
@@ -61,14 +63,20 @@ def run(
             f"{len(cfg.inject)} injection(s); nothing started"
         )
         return
-    _print_header(cfg, alerts)
-    sidecar = sidecars.Sidecar(cfg, alerts).start()
+    zygote = launcher.warm_standby(cfg)  # warms up while the sidecar is readied
+    try:
+        _print_header(cfg, alerts)
+        sidecar = sidecars.Sidecar(cfg, alerts).start()
+    except BaseException:
+        if zygote is not None:
+            zygote.terminate()
+        raise
     if sidecar.metrics_url:
         console.print(f"  detector {sidecar.metrics_url}")
     else:
         err_console.print(f"[yellow]warning:[/] detector metrics not exported: {sidecar.export_error}")
     stop = StopSignal().install()
-    code = _train_with_progress(cfg, stop)
+    code = _train_with_progress(cfg, stop, zygote)
     episodes = sidecar.stop()
     if stop.signum is not None:
         record_stop(cfg, stop.signum)
@@ -94,7 +102,7 @@ def run(
         )
 
 
-def _print_header(cfg: RunConfig, alerts: sidecars.AlertPath) -> None:
+def _print_header(cfg: RunConfig, alerts: AlertPath) -> None:
     """Where this run's measurements and alerts will be."""
     console.print(
         f"run [bold]{cfg.run_id}[/]: {cfg.nproc} ranks on {cfg.device} ({cfg.backend}), "
@@ -158,8 +166,9 @@ def record_stop(cfg: RunConfig, signum: int) -> None:
         store.close()
 
 
-def _train_with_progress(cfg: RunConfig, stop: StopSignal) -> int:
-    """Follow torchrun with a progress bar of steps, loss, tokens/s and comm ratio."""
+def _train_with_progress(cfg: RunConfig, stop: StopSignal, zygote: Any = None) -> int:
+    """Start torchrun (its workers forking from `zygote` when there is one) and follow it with
+    a progress bar of steps, loss, tokens/s and comm ratio."""
     columns = (
         TextColumn("[bold]train"),
         BarColumn(),
@@ -182,7 +191,7 @@ def _train_with_progress(cfg: RunConfig, stop: StopSignal) -> int:
             )
             progress.update(task, completed=done, stats=stats)
 
-        stop.launch = launcher.launch(cfg)
+        stop.launch = launcher.launch(cfg, zygote)
         if stop.signum is not None:  # a signal before torchrun existed
             stop.launch.torchrun.send_signal(signal.SIGTERM)
         return launcher.follow(cfg, stop.launch, on_progress)
