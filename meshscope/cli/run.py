@@ -63,18 +63,7 @@ def run(
             f"{len(cfg.inject)} injection(s); nothing started"
         )
         return
-    zygote = launcher.warm_standby(cfg)  # warms up while the sidecar is readied
-    try:
-        _print_header(cfg, alerts)
-        sidecar = sidecars.Sidecar(cfg, alerts).start()
-    except BaseException:
-        if zygote is not None:
-            zygote.terminate()
-        raise
-    if sidecar.metrics_url:
-        console.print(f"  detector {sidecar.metrics_url}")
-    else:
-        err_console.print(f"[yellow]warning:[/] detector metrics not exported: {sidecar.export_error}")
+    zygote, sidecar = _start_beside(cfg, alerts)
     stop = StopSignal().install()
     code = _train_with_progress(cfg, stop, zygote)
     episodes = sidecar.stop()
@@ -100,6 +89,24 @@ def run(
             f"{len(episodes)} anomaly episode(s): "
             + "; ".join(f"{e.type} ranks={e.ranks} steps {e.start_step}-{e.end_step}" for e in episodes)
         )
+
+
+def _start_beside(cfg: RunConfig, alerts: AlertPath) -> tuple[Any, Any]:
+    """The warm standby, started first so it warms up while the sidecar is readied, and the
+    sidecar (detection, hang watchdog, alerts); the standby goes if the sidecar cannot start."""
+    zygote = launcher.warm_standby(cfg)
+    try:
+        _print_header(cfg, alerts)
+        sidecar = sidecars.Sidecar(cfg, alerts).start()
+    except BaseException:
+        if zygote is not None:
+            zygote.terminate()
+        raise
+    if sidecar.metrics_url:
+        console.print(f"  detector {sidecar.metrics_url}")
+    else:
+        err_console.print(f"[yellow]warning:[/] detector metrics not exported: {sidecar.export_error}")
+    return zygote, sidecar
 
 
 def _print_header(cfg: RunConfig, alerts: AlertPath) -> None:
