@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from pydantic import ValidationError
 
 from meshscope.advisor.cost import Factors, backward_window, predict
 from meshscope.advisor.layouts import Layout, layout_frame
@@ -80,6 +81,7 @@ def run_model(config: dict, world: int, skew: float) -> tuple[ModelSpec, Layout]
         experts=int(model.get("experts", 4)),
         top_k=int(model.get("top_k", 2)),
         capacity_factor=1.0 if dropless else float(model.get("capacity_factor", 1.25)),
+        dispatch="dropless" if dropless else "capacity",
         expert_skew=max(skew, 1.0),
         precision="fp32",
     )
@@ -193,18 +195,39 @@ def _ratios(runs: list[MeasuredRun], ideals: list[pd.Series], measured: str, ide
 
 def _compute(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
     """Compute efficiency and the per-step cost from the data-parallel runs (a line over their
-    batch sizes), and how much slower expert-parallel runs compute (their token permutation)."""
-    plain = [r for r in runs if r.layout.ep == 1] or runs
+    batch sizes), how much slower expert-parallel runs compute (their token permutation), and
+    how much slower dropless dispatch computes than capacity dispatch (tokens grouped per
+    expert), each from the runs that have it."""
+    padded = [r for r in runs if r.model.dispatch == "capacity"] or runs
+    plain = [r for r in padded if r.layout.ep == 1] or padded
     xy = _ratios(plain, [_ideal(r, cluster) for r in plain], "compute_s", "compute_s")
     if not len(xy):
         return {}
     overhead, slope = _fit_line(xy[:, 0], xy[:, 1])
     out = {"step_overhead_s": overhead, "compute_efficiency": 1 / slope}
-    expert = [r for r in runs if r.layout.ep > 1 and r not in plain]
-    if expert:
-        scale = [(r.compute_s - overhead) / (_ideal(r, cluster).compute_s * slope) for r in expert]
-        out["ep_compute_scale"] = float(np.median(scale))
+
+    line = (overhead, slope, cluster)
+    if expert := [r for r in padded if r.layout.ep > 1 and r not in plain]:
+        out["ep_compute_scale"] = _slower(expert, *line, ep_scale=1.0)
+    if dropless := [r for r in runs if r.model.dispatch == "dropless" and r not in plain]:
+        out["dropless_compute_scale"] = _slower(dropless, *line, ep_scale=out.get("ep_compute_scale", 1.0))
     return out
+
+
+def _slower(
+    runs: list[MeasuredRun], overhead: float, slope: float, cluster: ClusterSpec, ep_scale: float
+) -> float:
+    """How many times the compute the line predicts `runs` took (median; the line's per-step
+    cost aside, expert-parallel runs' known slowdown `ep_scale` taken out)."""
+    return float(
+        np.median(
+            [
+                (r.compute_s - overhead)
+                / (_ideal(r, cluster).compute_s * slope * (ep_scale if r.layout.ep > 1 else 1.0))
+                for r in runs
+            ]
+        )
+    )
 
 
 def _allreduce(runs: list[MeasuredRun], cluster: ClusterSpec, compute_efficiency: float) -> dict[str, float]:
@@ -270,7 +293,10 @@ def fit(runs: list[MeasuredRun], cluster: ClusterSpec) -> Factors:
     if len(xy := _ratios(busy, ideals, "optimizer_s", "other_s")):
         values["memory_efficiency"] = float(np.median(xy[:, 0] / xy[:, 1]))
         measured["memory_efficiency"] = _names(busy)
-    reduced = [r for r in runs if r.layout.dp > 1 and r.grad_exposed_s > 0]
+    # the reduction from capacity-dispatch runs where there are some: a dropless run's longer
+    # backward is its per-expert loop, not a window the reduction hides behind the same way
+    padded = [r for r in runs if r.model.dispatch == "capacity"] or runs
+    reduced = [r for r in padded if r.layout.dp > 1 and r.grad_exposed_s > 0]
     if reduced:
         fitted = _allreduce(reduced, cluster, values.get("compute_efficiency", Factors().compute_efficiency))
         values.update(fitted)
@@ -279,7 +305,20 @@ def fit(runs: list[MeasuredRun], cluster: ClusterSpec) -> Factors:
     if a2a := _alltoall(exchanged, cluster):
         values.update(a2a)
         measured.update(dict.fromkeys(a2a, _names(exchanged)))
-    return Factors(**values, measured=measured)
+    return _within_bounds(values, measured)
+
+
+def _within_bounds(values: dict[str, float], measured: dict[str, str]) -> Factors:
+    """The factors, a fitted value outside its field's bounds left at its default (the runs
+    could not pin it down): a calibration never fails on what it measured."""
+    rejected = {}
+    for name in list(values):
+        try:
+            Factors(**{name: values[name]})
+        except ValidationError:
+            rejected[name] = f"the runs gave {values.pop(name):.3g}, outside its bounds"
+            measured.pop(name, None)
+    return Factors(**values, measured=measured, rejected=rejected)
 
 
 def calibrate(paths: list[Path], cluster: ClusterSpec) -> Calibration:

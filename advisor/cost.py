@@ -66,12 +66,28 @@ class Factors(BaseModel):
         gt=0,
         description="compute time of expert-parallel layouts / data-parallel ones (token permutation)",
     )
+    dropless_compute_scale: float = Field(
+        1.0,
+        gt=0,
+        description="compute time of dropless dispatch / capacity dispatch at equal FLOPs "
+        "(tokens grouped per expert: a loop or grouped GEMM instead of one padded batch)",
+    )
     rel_error: float = Field(0.25, gt=0, description="half-width of the prediction interval, relative")
     measured: dict[str, str] = Field(default_factory=dict, description="factor -> runs it was fitted on")
+    rejected: dict[str, str] = Field(
+        default_factory=dict, description="factor -> why its fitted value was not used"
+    )
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The factors themselves (not the record of where they came from)."""
+        return [n for n in cls.model_fields if n not in ("measured", "rejected")]
 
     def source(self, name: str) -> str:
         """Where a factor's value came from."""
-        return f"measured ({self.measured[name]})" if name in self.measured else "default"
+        if name in self.measured:
+            return f"measured ({self.measured[name]})"
+        return f"default ({self.rejected[name]})" if name in self.rejected else "default"
 
 
 # Bytes per parameter of weights, gradients and Adam state, and what a distributed optimizer
@@ -170,6 +186,8 @@ def _compute(
     flops = tokens * (per_token + expert_part * (skew - 1)) / world
     compute = flops / (cluster.device.peak_tflops * 1e12 * f.compute_efficiency)
     compute = np.where(frame.ep > 1, compute * f.ep_compute_scale, compute)
+    if model.dispatch == "dropless":
+        compute = compute * f.dropless_compute_scale
     dense_dev = (p["dense"] - p["embed"]) / (frame.pp * frame.tp) + np.where(
         frame.pp == 1, p["embed"], model.vocab * model.hidden
     ) / frame.tp

@@ -46,6 +46,11 @@ class ModelSpec(_Strict):
     shared_experts: int = Field(0, ge=0, description="always-on experts per MoE layer")
     dense_layers: int = Field(0, ge=0, description="leading blocks with a dense feed-forward")
     capacity_factor: float = Field(1.0, gt=0, description="expert slots per fair share (1 = dropless)")
+    dispatch: Literal["capacity", "dropless"] = Field(
+        "capacity",
+        description="capacity: tokens over an expert's slots are dropped; dropless: every token is "
+        "computed, grouped per expert (priced by the dropless_compute_scale factor)",
+    )
     expert_skew: float = Field(1.0, ge=1.0, description="max/mean tokens per expert (1 = balanced)")
     precision: Literal["bf16", "fp32"] = Field("bf16", description="bf16: mixed precision, fp32: all fp32")
 

@@ -7,10 +7,11 @@ H100 cluster files), median of 5 timed searches after one warm one (target <= 1 
 Part 2 (predicted vs measured): layouts of the reference MoE trained on this machine's CPU
 ranks (gloo, a rank per core, both cores: `advisor/examples/cpu-local.toml`), each a
 `meshscope run` of `--steps` steps. The model is calibrated on the `cal` runs only (data
-parallel and expert parallel, two batch sizes each), then predicts the `held` runs, which it
-never saw: other batches, and dropless dispatch. Printed side by side with the error; targets median
-|error| <= 5 %, worst <= 10 % over the held-out runs. `--nodes` does the same across two emulated
-nodes of one rank each (network namespaces, the link limited to 1 Gbit/s), a cluster of its own.
+parallel, expert parallel, and expert parallel with dropless dispatch, two batch sizes each),
+then predicts the `held` runs, which it never saw: other batches of each. Printed side by side
+with the error; targets median |error| <= 5 %, worst <= 10 % over the held-out runs. `--nodes`
+does the same across two emulated nodes of one rank each (network namespaces, the link limited
+to 1 Gbit/s), a cluster of its own.
 
     .venv/bin/python benchmarks/advisor.py [--steps N] [--search-only] [--nodes] [--keep DIR]
 """
@@ -39,7 +40,10 @@ LAYOUTS = {
     "dp2-ep2-b16": (2, 2, 16, "held", ()),
     "dp2-ep2-b24": (2, 2, 24, "held", ()),
     "dp2-ep2-b48": (2, 2, 48, "held", ()),
+    "dp2-ep2-b8-dropless": (2, 2, 8, "cal", ("parallel.dispatch=dropless",)),
+    "dp2-ep2-b32-dropless": (2, 2, 32, "cal", ("parallel.dispatch=dropless",)),
     "dp2-ep2-b16-dropless": (2, 2, 16, "held", ("parallel.dispatch=dropless",)),
+    "dp2-ep2-b24-dropless": (2, 2, 24, "held", ("parallel.dispatch=dropless",)),
 }
 
 
@@ -141,7 +145,9 @@ def compare(cluster, runs: dict[str, tuple[Path, str]]) -> None:
     )
     print("\nparts, measured/predicted ms: compute, optimizer+overhead, exposed gradient sync, all-to-all")
     print("\n".join(parts))
-    print("factors:", {k: round(v, 4) for k, v in fitted.factors.model_dump(exclude={"measured"}).items()})
+    print("factors:", {k: round(getattr(fitted.factors, k), 4) for k in fitted.factors.names()})
+    for name, why in fitted.factors.rejected.items():
+        print(f"not used: {name}: {why}")
     print("fitted from measurement:", sorted(fitted.factors.measured))
     for note in fitted.notes:
         print("note:", note)

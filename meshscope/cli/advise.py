@@ -94,9 +94,8 @@ def _print_factors(factors) -> None:
     table = Table(title="efficiency factors")
     for col in ("factor", "value", "from"):
         table.add_column(col)
-    for name in type(factors).model_fields:
-        if name != "measured":
-            table.add_row(name, f"{getattr(factors, name):.4g}", factors.source(name))
+    for name in factors.names():
+        table.add_row(name, f"{getattr(factors, name):.4g}", factors.source(name))
     console.print(table)
 
 
@@ -152,8 +151,7 @@ def _as_json(advice, top: int) -> dict:
         "layouts": [_row_dict(row) for _, row in advice.ranked.head(top).iterrows()],
         "factors": {
             name: {"value": getattr(advice.factors, name), "from": advice.factors.source(name)}
-            for name in type(advice.factors).model_fields
-            if name != "measured"
+            for name in advice.factors.names()
         },
         "notes": advice.notes,
     }

@@ -31,17 +31,18 @@ TRUE = Factors(
     a2a_call_s=0.001,
     allreduce_call_s=0.002,
     ep_compute_scale=1.3,
+    dropless_compute_scale=1.8,
 )
 
 
-def synthetic(name: str, ranks: int, ep: int, batch: int) -> MeasuredRun:
+def synthetic(name: str, ranks: int, ep: int, batch: int, dispatch: str = "capacity") -> MeasuredRun:
     """A run whose every median is what the model predicts under TRUE."""
     from meshscope.advisor.calibrate import predict_run
 
     config = {
         "model": {"d_model": 64, "experts": 8, "top_k": 2},
         "train": {"batch_size": batch},
-        "parallel": {"ep": ep},
+        "parallel": {"ep": ep, "dispatch": dispatch},
     }
     model, layout = run_model(config, ranks, skew=1.4)
     probe = MeasuredRun(Path(name), model, layout, "gloo", *([0.0] * 6), 1.4, 50)
@@ -109,3 +110,25 @@ def test_a_run_is_described_by_its_own_config(tmp_path):
     assert (model.hidden, model.layers, model.expert_ffn, model.global_batch) == (128, 3, 512, 24)
     assert model.capacity_factor == 1.0 and model.expert_skew == 2.0 and model.precision == "fp32"
     assert layout == Layout(dp=4, ep=2, mb=6)
+
+
+def test_dropless_dispatch_is_priced_from_a_dropless_run_and_a_default_without_one():
+    # dropless dispatch groups tokens per expert: it computes slower than capacity dispatch at
+    # equal FLOPs, by a factor only a dropless run can show
+    capacity = [synthetic("a", 1, 1, 8), synthetic("b", 1, 1, 32), synthetic("d", 2, 2, 16)]
+    got = fit([*capacity, synthetic("g", 2, 2, 32, dispatch="dropless")], CPU)
+    assert got.dropless_compute_scale == pytest.approx(TRUE.dropless_compute_scale, rel=0.02)
+    assert got.ep_compute_scale == pytest.approx(TRUE.ep_compute_scale, rel=0.02)  # not confused
+    assert got.source("dropless_compute_scale").startswith("measured (")
+    without = fit(capacity, CPU)
+    assert without.source("dropless_compute_scale") == "default" and without.dropless_compute_scale == 1.0
+
+
+def test_a_fitted_value_outside_its_bounds_is_left_at_its_default_and_said_so():
+    from meshscope.advisor.calibrate import _within_bounds
+
+    got = _within_bounds(
+        {"allreduce_efficiency": 2.14, "compute_efficiency": 0.3}, {"allreduce_efficiency": "a, b"}
+    )
+    assert got.allreduce_efficiency == Factors().allreduce_efficiency and got.compute_efficiency == 0.3
+    assert got.source("allreduce_efficiency") == "default (the runs gave 2.14, outside its bounds)"

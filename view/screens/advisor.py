@@ -70,8 +70,7 @@ changed = pd.DataFrame(
             "now": getattr(factors, name),
             "from": factors.source(name),
         }
-        for name in Factors.model_fields
-        if name != "measured"
+        for name in Factors.names()
     ]
 )
 st.dataframe(changed, hide_index=True, key="factors")
