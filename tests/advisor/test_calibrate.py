@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from meshscope.advisor.calibrate import MeasuredRun, fit, run_model
@@ -132,3 +133,17 @@ def test_a_fitted_value_outside_its_bounds_is_left_at_its_default_and_said_so():
     )
     assert got.allreduce_efficiency == Factors().allreduce_efficiency and got.compute_efficiency == 0.3
     assert got.source("allreduce_efficiency") == "default (the runs gave 2.14, outside its bounds)"
+
+
+def test_sizes_that_barely_differ_give_a_fixed_cost_not_a_slope():
+    from meshscope.advisor.calibrate import _steadiest_line
+
+    # 30 % more bytes, a few tenths of a ms apart: noise, not a link 11x slower than stated
+    # (the Theil-Sen line through them has slope 11, its intercept clipped at 0: 1 ms off)
+    x = np.array([2.0e-4, 2.0e-4, 2.6e-4, 2.6e-4])
+    y = np.array([1.0e-3, 1.2e-3, 1.6e-3, 1.9e-3])
+    call_s, slope = _steadiest_line(x, y)
+    assert slope == 1.0 and call_s == pytest.approx(np.median(y - x))
+    # a real spread of sizes keeps its line
+    x = np.array([1e-3, 2e-3, 4e-3, 8e-3])
+    assert _steadiest_line(x, 0.5e-3 + 3 * x) == pytest.approx((0.5e-3, 3.0))
