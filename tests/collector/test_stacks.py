@@ -59,6 +59,9 @@ def test_the_responder_sleeps_until_asked_and_answers_every_request(tmp_path, mo
     monkeypatch.setattr(type(tmp_path), "stat", counted_stat)
     responder = threading.Thread(target=answer_requests, args=(tmp_path, asked.append, stop), daemon=True)
     responder.start()
+    deadline = time.monotonic() + 10
+    while not looks and time.monotonic() < deadline:  # its first look, however busy the machine
+        time.sleep(0.01)
     time.sleep(1.0)
     assert len(looks) == 1  # once on start, then asleep (polling looked 5 times a second)
     for request in ("a1", "a2"):
