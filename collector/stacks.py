@@ -180,7 +180,11 @@ def _request_watch(folder: Path) -> Iterator[Callable[[float], None]]:
         yield time.sleep
         return
     with notify:
-        notify.add_watch(folder, flags.MOVED_TO | flags.CLOSE_WRITE)
+        try:
+            notify.add_watch(folder, flags.MOVED_TO | flags.CLOSE_WRITE)
+        except OSError:  # the user's inotify watches used up: poll
+            yield time.sleep
+            return
 
         def wait(poll_s: float) -> None:
             notify.read(timeout=int(RECHECK_S * 1000))  # a change in the folder, or the safety look
