@@ -198,7 +198,7 @@ def _compute(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
     batch sizes), how much slower expert-parallel runs compute (their token permutation), and
     how much slower dropless dispatch computes than capacity dispatch (tokens grouped per
     expert), each from the runs that have it."""
-    padded = [r for r in runs if r.model.dispatch == "capacity"] or runs
+    padded = _capacity_runs(runs)
     plain = [r for r in padded if r.layout.ep == 1] or padded
     xy = _ratios(plain, [_ideal(r, cluster) for r in plain], "compute_s", "compute_s")
     if not len(xy):
@@ -212,6 +212,12 @@ def _compute(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
     if dropless := [r for r in runs if r.model.dispatch == "dropless" and r not in plain]:
         out["dropless_compute_scale"] = _slower(dropless, *line, ep_scale=out.get("ep_compute_scale", 1.0))
     return out
+
+
+def _capacity_runs(runs: list[MeasuredRun]) -> list[MeasuredRun]:
+    """The capacity-dispatch runs, which the shared factors are fitted from (all runs when
+    there are none): dropless dispatch only prices its own compute."""
+    return [r for r in runs if r.model.dispatch == "capacity"] or runs
 
 
 def _slower(
@@ -307,10 +313,9 @@ def fit(runs: list[MeasuredRun], cluster: ClusterSpec) -> Factors:
     if len(xy := _ratios(busy, ideals, "optimizer_s", "other_s")):
         values["memory_efficiency"] = float(np.median(xy[:, 0] / xy[:, 1]))
         measured["memory_efficiency"] = _names(busy)
-    # the reduction from capacity-dispatch runs where there are some: a dropless run's longer
-    # backward is its per-expert loop, not a window the reduction hides behind the same way
-    padded = [r for r in runs if r.model.dispatch == "capacity"] or runs
-    reduced = [r for r in padded if r.layout.dp > 1 and r.grad_exposed_s > 0]
+    # a dropless run's longer backward is its per-expert loop, not a window the reduction
+    # hides behind the same way
+    reduced = [r for r in _capacity_runs(runs) if r.layout.dp > 1 and r.grad_exposed_s > 0]
     if reduced:
         fitted = _allreduce(reduced, cluster, values.get("compute_efficiency", Factors().compute_efficiency))
         values.update(fitted)

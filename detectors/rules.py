@@ -171,15 +171,15 @@ class StallRule(StepRule):
         usual = float(self.step_time.center_[0])
         verdict.usual_step_s = usual
         step_s = row.value("step_s")
-        held, self.held = self.held, None
-        before = [replace(held[1], about=held[0], final=False)] if held else []
+        held_step = self.held[0] if self.held else None
+        before = self.flush()
         if step_s <= self.factor * usual:
             self.waiting = False
             return before  # a held step alone: a stall
         if not self._waited(row, step_s):
             self.waiting = False
             return before + [self._stall(step_s, usual, row.ranks)]
-        if held is None and not self.waiting:
+        if held_step is None and not self.waiting:
             self.held = (step, replace(self._stall(step_s, usual, row.ranks), confirm=2))
             return [self.held[1]]
         self.waiting = True  # a second long step waiting on the network: a slow link
@@ -191,7 +191,7 @@ class StallRule(StepRule):
             final=True,
             evidence={"comm_ratio": round(row.value("comm_ratio"), 4), "usual_step_s": round(usual, 4)},
         )
-        return ([replace(comm, about=held[0], final=False)] if held else []) + [comm]
+        return ([replace(comm, about=held_step, final=False)] if held_step is not None else []) + [comm]
 
     @staticmethod
     def _stall(step_s: float, usual: float, ranks: list[int]) -> Flag:
@@ -204,7 +204,7 @@ class StallRule(StepRule):
         return row.busy is not None and float(np.max(row.busy)) < 0.5 * step_s
 
     def flush(self) -> list[Flag]:
-        """A step held at the end of the run: a stall."""
+        """The held step let go as a stall (at the next step, or at the end of the run)."""
         held, self.held = self.held, None
         return [replace(held[1], about=held[0], final=False)] if held else []
 

@@ -138,10 +138,14 @@ def _router_bias(
     what that router routes now where the run is known (sized from serving's load, when the
     two disagree about which experts are hot, it boosts the expert training already favours).
     None when the training router is even already: serving's skew is its traffic's."""
-    routed = load if d.training_load is None else np.asarray(d.training_load, dtype=float)
+    if d.training_load is None:
+        routed, sized, before = load, "serving's shares", d.serving_balancedness
+    else:
+        routed = np.asarray(d.training_load, dtype=float)
+        sized, before = "the training router's own recent shares", balancedness(routed)
     bias = bias_correction(routed)
     after = predicted_balancedness(routed, bias)
-    if d.training_load is not None and after <= balancedness(routed) + 0.01:
+    if d.training_load is not None and after <= before + 0.01:
         return None
     gamma = bias_rate(routed)
     slow = (
@@ -150,8 +154,6 @@ def _router_bias(
         else f" (DeepSeek-V3's {GAMMA:g} would take {np.abs(bias).max() / GAMMA:.0f} steps to move the "
         f"bias as far as the shares say; this closes it within {HORIZON_STEPS})"
     )
-    sized = "serving's shares" if d.training_load is None else "the training router's own recent shares"
-    before = d.serving_balancedness if d.training_load is None else balancedness(routed)
     return Suggestion(
         "router_bias",
         "training",
