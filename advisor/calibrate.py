@@ -199,7 +199,7 @@ def _compute(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
     how much slower dropless dispatch computes than capacity dispatch (tokens grouped per
     expert), each from the runs that have it."""
     padded = _capacity_runs(runs)
-    plain = [r for r in padded if r.layout.ep == 1] or padded
+    plain = _plain_runs(runs)
     xy = _ratios(plain, [_ideal(r, cluster) for r in plain], "compute_s", "compute_s")
     if not len(xy):
         return {}
@@ -212,6 +212,13 @@ def _compute(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
     if dropless := [r for r in runs if r.model.dispatch == "dropless" and r not in plain]:
         out["dropless_compute_scale"] = _slower(dropless, *line, ep_scale=out.get("ep_compute_scale", 1.0))
     return out
+
+
+def _plain_runs(runs: list[MeasuredRun]) -> list[MeasuredRun]:
+    """The data-parallel capacity-dispatch runs, which the efficiencies are fitted from (the
+    capacity runs when there are none): what expert parallelism adds is priced on top."""
+    padded = _capacity_runs(runs)
+    return [r for r in padded if r.layout.ep == 1] or padded
 
 
 def _capacity_runs(runs: list[MeasuredRun]) -> list[MeasuredRun]:
@@ -309,10 +316,13 @@ def fit(runs: list[MeasuredRun], cluster: ClusterSpec) -> Factors:
     fitted = _compute(busy, cluster)
     values.update(fitted)
     measured.update(dict.fromkeys(fitted, _names(busy)))
-    ideals = [_ideal(r, cluster) for r in busy]
-    if len(xy := _ratios(busy, ideals, "optimizer_s", "other_s")):
+    # expert-parallel ranks step fewer parameters yet spend longer in their optimizer phase
+    # (more parameter groups, the expert group's bookkeeping): that is their fixed cost
+    # (`_fitted`), not a slower memory
+    plain = _plain_runs(busy)
+    if len(xy := _ratios(plain, [_ideal(r, cluster) for r in plain], "optimizer_s", "other_s")):
         values["memory_efficiency"] = float(np.median(xy[:, 0] / xy[:, 1]))
-        measured["memory_efficiency"] = _names(busy)
+        measured["memory_efficiency"] = _names(plain)
     # a dropless run's longer backward is its per-expert loop, not a window the reduction
     # hides behind the same way
     reduced = [r for r in _capacity_runs(runs) if r.layout.dp > 1 and r.grad_exposed_s > 0]
@@ -375,14 +385,25 @@ def calibrate(paths: list[Path], cluster: ClusterSpec) -> Calibration:
 
 
 def _fitted(runs: list[MeasuredRun], cluster: ClusterSpec) -> Factors:
-    """`fit`, then the per-step work no part names (input, bookkeeping) as overhead."""
+    """`fit`, then the per-step work no part names (input, bookkeeping) as overhead: the
+    data-parallel runs' for every layout, and what the expert-parallel runs carry beyond it
+    for theirs (pooled, one class's fixed cost leaks into the other's predictions)."""
     factors = fit(runs, cluster)
     busy = full_nodes(runs, cluster)
-    residual = [r.step_s - predict_run(r, cluster, factors).step_s for r in busy]
-    if np.median(residual) > 0:
-        factors.step_overhead_s += float(np.median(residual))
-        factors.measured["step_overhead_s"] = _names(busy)
+    plain = _plain_runs(busy)
+    if (base := _residual(plain, cluster, factors)) > 0:
+        factors.step_overhead_s += base
+        factors.measured["step_overhead_s"] = _names(plain)
+    expert = [r for r in busy if r.layout.ep > 1 and r not in plain]
+    if expert and (extra := _residual(expert, cluster, factors)) > 0:
+        factors.ep_step_overhead_s = extra
+        factors.measured["ep_step_overhead_s"] = _names(expert)
     return factors
+
+
+def _residual(runs: list[MeasuredRun], cluster: ClusterSpec, factors: Factors) -> float:
+    """The median step time the runs took beyond what `factors` predict."""
+    return float(np.median([r.step_s - predict_run(r, cluster, factors).step_s for r in runs]))
 
 
 def _held_out_errors(runs: list[MeasuredRun], cluster: ClusterSpec) -> list[float]:

@@ -35,6 +35,12 @@ class Factors(BaseModel):
 
     compute_efficiency: float = Field(0.45, gt=0, le=1.5, description="achieved / peak matmul FLOP/s")
     step_overhead_s: float = Field(0.0, ge=0, description="fixed cost per step (launches, Python)")
+    ep_step_overhead_s: float = Field(
+        0.0,
+        ge=0,
+        description="extra fixed cost per step of expert-parallel layouts (the expert group's "
+        "bookkeeping: routing metadata, more launches, more parameter groups)",
+    )
     memory_efficiency: float = Field(
         0.7, gt=0, le=1.5, description="optimizer step: achieved / peak memory bandwidth"
     )
@@ -311,7 +317,8 @@ def predict(frame: pd.DataFrame, model: ModelSpec, cluster: ClusterSpec, f: Fact
     staged = c["compute_s"] + comm["tp_s"] + comm["cp_s"] + comm["a2a_s"]
     bubble = (frame.pp.to_numpy() - 1) / frame.v.to_numpy() * staged / frame.m.to_numpy()
     exposed = comm["tp_s"] + comm["cp_s"] + comm["pp_s"] + comm["dp_s"]
-    step = staged + comm["pp_s"] + comm["dp_s"] + bubble + c["optimizer_s"] + f.step_overhead_s
+    overhead = f.step_overhead_s + np.where(frame.ep.to_numpy() > 1, f.ep_step_overhead_s, 0.0)
+    step = staged + comm["pp_s"] + comm["dp_s"] + bubble + c["optimizer_s"] + overhead
     out = frame.copy()
     out["compute_s"] = c["compute_s"]
     out["comm_exposed_s"] = exposed
@@ -319,7 +326,7 @@ def predict(frame: pd.DataFrame, model: ModelSpec, cluster: ClusterSpec, f: Fact
     out["grad_sync_s"] = comm["dp_total_s"]  # all of it, hidden or not
     out["a2a_calls"] = comm["a2a_calls"]
     out["bubble_s"] = bubble
-    out["other_s"] = c["optimizer_s"] + f.step_overhead_s
+    out["other_s"] = c["optimizer_s"] + overhead
     out["step_s"] = step
     out["step_lo_s"] = step / (1 + f.rel_error)
     out["step_hi_s"] = step * (1 + f.rel_error)
