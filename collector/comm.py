@@ -243,10 +243,7 @@ class BackwardWatch:
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        leaves = [output] if isinstance(output, torch.Tensor) else torch.utils._pytree.tree_leaves(output)
-        node = next(
-            (t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None), None
-        )
+        node = _grad_node(output)
         if node is not None:  # a pre-hook on the output's node: C++, cheaper than a tensor hook
             # under no_sync() DDP reduces nothing this backward: nothing to record
             syncs = getattr(module, "require_backward_grad_sync", True)
@@ -269,6 +266,20 @@ class BackwardWatch:
         token, self._token = self._token, None
         if token is not None:
             self.record.end(token)
+
+
+def _grad_node(output: Any) -> Any:
+    """The autograd node of a model output's first tensor that has one (None: no graph). A
+    tensor or a flat tuple is read directly: the pytree walk costs more than the rest of the
+    hook, every step."""
+    if isinstance(output, torch.Tensor):
+        return output.grad_fn
+    flat = output if isinstance(output, (tuple, list)) else ()
+    for leaves in (flat, torch.utils._pytree.tree_leaves(output)):
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                return t.grad_fn
+    return None
 
 
 class DDPRuntimeStats:

@@ -27,6 +27,13 @@ EXPERT_COUNT_DTYPE = torch.int64
 Listener = Callable[[int, torch.Tensor], None]
 
 
+def _whole(counts: torch.Tensor) -> torch.Tensor:
+    """Counts as `EXPERT_COUNT_DTYPE`: the tensor itself when it already is one."""
+    if counts.dtype == EXPERT_COUNT_DTYPE:
+        return counts
+    return counts.detach().round().to(EXPERT_COUNT_DTYPE)
+
+
 class ExpertCounts:
     """Per-layer expert tokens of this rank's window, and their sum over ranks (module doc)."""
 
@@ -53,17 +60,18 @@ class ExpertCounts:
             module.register_forward_hook(self._count)
 
     def _count(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        # added on the device now (a layer may update its counts in place): no sync
+        # added on the device now (a layer may update its counts in place): no sync. Integer
+        # counts (ours) take one op a forward; float ones are rounded first.
         layer = self._index[id(module)]
-        counts = module.expert_token_counts.detach().round().to(EXPERT_COUNT_DTYPE)
+        counts = _whole(module.expert_token_counts)
         acc = self._acc[layer]
         if acc is None:
-            self._acc[layer] = counts
+            self._acc[layer] = counts.clone() if counts is module.expert_token_counts else counts
         else:
             acc.add_(counts)
         work = expert_work(module)
         if work is not None:
-            done = work.detach().sum().round().to(EXPERT_COUNT_DTYPE)
+            done = _whole(work.detach().sum())
             self._work[layer] = done if self._work[layer] is None else self._work[layer].add_(done)
 
     def due(self, step: int) -> bool:

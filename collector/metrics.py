@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -80,6 +81,7 @@ class MeshscopeMetrics:
         # loss and grad norm exist once a step logged them: absent, not NaN, when a loop never does
         self._scalars: dict[str, Gauge] = {}
         self._expert_work: Counter | None = None  # registered by the first expert-parallel window
+        self._experts: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.memory = Gauge(
             "meshscope_memory_bytes",
             "Memory; kind=allocated|reserved (device), rss (host).",
@@ -234,12 +236,23 @@ class MeshscopeMetrics:
             total = float(sum(row))
             n = len(row)
             for expert, tokens in enumerate(row):
-                labels = {"layer": str(layer), "expert": str(expert)}
-                self.expert_tokens.labels(**labels).inc(float(tokens))
-                share = (float(tokens) / total * n) if total > 0 else 0.0
-                self.expert_load.labels(**labels).set(share)
+                counted, load = self._expert_children(layer, expert)
+                counted.inc(float(tokens))
+                load.set((float(tokens) / total * n) if total > 0 else 0.0)
             if total > 0:
                 self.expert_imbalance.labels(layer=str(layer)).set(max(row) / (total / n))
+
+    def _expert_children(self, layer: int, expert: int) -> tuple[Any, Any]:
+        """An expert's (tokens, load) series, resolved once (a label lookup costs more than
+        the update, and every window updates layers x experts of them)."""
+        key = (layer, expert)
+        if (known := self._experts.get(key)) is None:
+            labels = {"layer": str(layer), "expert": str(expert)}
+            known = self._experts[key] = (
+                self.expert_tokens.labels(**labels),
+                self.expert_load.labels(**labels),
+            )
+        return known
 
 
 class DetectorMetrics:

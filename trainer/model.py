@@ -100,7 +100,7 @@ class MoEFeedForward(nn.Module):
         self.experts = GroupedExperts(cfg.experts, cfg.d_model, cfg.ffn_mult * cfg.d_model)
         self.capacity_factor = cfg.capacity_factor
         # The Monitor's MoE protocol; a plain attribute (not a buffer) so DDP never syncs it.
-        self.expert_token_counts = torch.zeros(cfg.experts)
+        self.expert_token_counts = torch.zeros(cfg.experts, dtype=torch.int64)  # whole tokens
         self.aux_loss = torch.zeros(())
         self.z_loss = torch.zeros(())
         # Expert parallelism (trainer/experts.py): this layer holds only its EP rank's experts
