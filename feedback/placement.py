@@ -63,18 +63,20 @@ def place_experts(load: np.ndarray, *, devices: int, redundant: int) -> Placemen
 
 
 def _refine(bins: list[list[tuple[float, int]]], rounds: int = 200) -> None:
-    """Swap one slot of the busiest device with one of the idlest while it lowers the peak."""
+    """Swap one slot of the busiest device with one of another device while that lowers the
+    peak: the swap that leaves the pair's larger load smallest. (The idlest device alone is
+    not enough: when its slots are all light, the swap that helps is with a middle one.)"""
     for _ in range(rounds):
         totals = [sum(w for w, _ in b) for b in bins]
-        hi, lo = int(np.argmax(totals)), int(np.argmin(totals))
-        gap = totals[hi] - totals[lo]
+        hi = int(np.argmax(totals))
         best = None
-        for i, (wi, _) in enumerate(bins[hi]):
-            for j, (wj, _) in enumerate(bins[lo]):
-                delta = wi - wj
-                if 0 < delta < gap and (best is None or abs(gap - 2 * delta) < best[0]):
-                    best = (abs(gap - 2 * delta), i, j)
+        for other in range(len(bins)):
+            for i, (wi, _) in enumerate(bins[hi]):
+                for j, (wj, _) in enumerate(bins[other]):
+                    peak = max(totals[hi] - (wi - wj), totals[other] + (wi - wj))
+                    if other != hi and peak < totals[hi] - 1e-12 and (best is None or peak < best[0]):
+                        best = (peak, other, i, j)
         if best is None:
             return
-        _, i, j = best
+        _, lo, i, j = best
         bins[hi][i], bins[lo][j] = bins[lo][j], bins[hi][i]

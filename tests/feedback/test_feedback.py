@@ -118,6 +118,13 @@ def test_placement_keeps_every_expert_and_fills_devices_evenly(load, devices, re
     assert plan.after >= plan.before - 0.02 or devices == 1
 
 
+def test_placement_swaps_with_any_device_when_the_idlest_one_cannot_help():
+    # hypothesis found it: the idlest device's slots were all light, so swapping only with it
+    # left the busiest device where it was, below the default layout's balance
+    plan = place_experts(np.array([1.0, 3114.0, 110.0, 3115.0, 4345.0]), devices=3, redundant=2)
+    assert plan.after >= plan.before
+
+
 def test_suggestions_in_practitioners_terms_for_the_skewed_layer_only(tmp_path):
     load = read_serving_load(
         b"layer,expert,tokens\n0,0,700\n0,1,100\n0,2,100\n0,3,100\n1,0,250\n1,1,250\n1,2,250\n1,3,250\n",
