@@ -274,12 +274,13 @@ def _grad_node(output: Any) -> Any:
     hook, every step."""
     if isinstance(output, torch.Tensor):
         return output.grad_fn
-    flat = output if isinstance(output, (tuple, list)) else ()
-    for leaves in (flat, torch.utils._pytree.tree_leaves(output)):
-        for t in leaves:
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                return t.grad_fn
-    return None
+    if isinstance(output, (tuple, list)) and (node := _first_node(output)) is not None:
+        return node
+    return _first_node(torch.utils._pytree.tree_leaves(output))  # nested outputs only
+
+
+def _first_node(values: Any) -> Any:
+    return next((t.grad_fn for t in values if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
 
 
 class DDPRuntimeStats:

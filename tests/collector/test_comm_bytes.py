@@ -32,3 +32,14 @@ def test_fp16_halves_what_is_sent_at_four_ranks():
     instrument_hook(lambda *_: torch.futures.Future(), meter, half, world_size=4)(None, _bucket(1000))
     window = meter.take()
     assert window.bytes_raw / window.bytes_wire == 2.0
+
+
+def test_the_backward_watch_finds_the_graph_of_any_output_shape():
+    from meshscope.collector.comm import _grad_node
+
+    w = torch.ones(2, requires_grad=True)
+    y = w * 2
+    assert _grad_node(y) is y.grad_fn
+    assert _grad_node((torch.zeros(1), y)) is y.grad_fn  # a flat tuple: its first tensor with a graph
+    assert _grad_node({"aux": [torch.zeros(1), (y,)]}) is y.grad_fn  # nested: found by the tree walk
+    assert _grad_node((torch.zeros(1), "text")) is None and _grad_node(y.detach()) is None
