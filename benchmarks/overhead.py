@@ -74,12 +74,13 @@ class CostMeter:
 
 def instrument_costs(mon, cost: CostMeter) -> None:
     """Route the Monitor's entry points through the cost meter (this process only)."""
-    from meshscope.collector import comm, flightlog, monitor
+    from meshscope.collector import comm, expert_counts, flightlog, monitor
 
     mon.step = cost.wrap_context(mon.step)
     monitor.StepScope.phase = cost.wrap_context(monitor.StepScope.phase)
     monitor.StepScope.log = cost.wrap(monitor.StepScope.log)
-    mon.experts._count = cost.wrap(mon.experts._count)
+    # expert counts: their own forward hook on a plain model, inside the backward watch's on DDP
+    expert_counts.ExpertCounts._on_forward = cost.wrap(expert_counts.ExpertCounts._on_forward)
     # the backward watch, with the flight log's one record of DDP's reduction a step
     for name in ("_on_forward", "_on_backward_start", "_on_local_backward", "_on_graph_done", "_on_reduced"):
         setattr(comm.BackwardWatch, name, cost.wrap(getattr(comm.BackwardWatch, name)))

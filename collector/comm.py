@@ -231,9 +231,10 @@ class BackwardWatch:
     number of buckets. `record` (begin() -> token, end(token)) is told both moments too: the
     flight log's one record of the step's reduction while DDP reduces in C++."""
 
-    def __init__(self, meter: CommMeter, record: Any = None) -> None:
+    def __init__(self, meter: CommMeter, record: Any = None, after_forward: Any = None) -> None:
         self.meter = meter
         self.record = record
+        self.after_forward = after_forward  # more to do after each forward, in the same hook
         self._token: Any = None
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -241,6 +242,8 @@ class BackwardWatch:
         model.register_forward_hook(self._on_forward)
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.after_forward is not None:
+            self.after_forward()
         if not torch.is_grad_enabled():
             return
         node = _grad_node(output)

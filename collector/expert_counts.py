@@ -27,6 +27,12 @@ EXPERT_COUNT_DTYPE = torch.int64
 Listener = Callable[[int, torch.Tensor], None]
 
 
+def _stamp(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A counts tensor and its version: what tells a layer that ran from one that did not (an
+    inference-mode tensor keeps no version: its identity alone tells)."""
+    return counts, -1 if counts.is_inference() else counts._version
+
+
 def _whole(counts: torch.Tensor) -> torch.Tensor:
     """Counts as `EXPERT_COUNT_DTYPE`: the tensor itself when it already is one."""
     if counts.dtype == EXPERT_COUNT_DTYPE:
@@ -42,37 +48,65 @@ class ExpertCounts:
         self.control: Any = None  # the Monitor's control plane, once there is one
         self.layers: list[torch.nn.Module] = []
         self.listeners: list[Listener] = []
-        self._index: dict[int, int] = {}
-        self._acc: list[torch.Tensor | None] = []
+        self._acc: torch.Tensor | None = None  # this window's tokens, [layer, expert]
+        self._seen: list[tuple[torch.Tensor, int]] = []  # each layer's counts as last added
         self._like: torch.Tensor | None = None
         self._in_flight: tuple[int, torch.Tensor, Any] | None = None
         self._reads: list[tuple[int, Readback]] = []
         self._work: list[torch.Tensor | None] = []  # this rank's experts' tokens, per layer
         self._work_reads: list[tuple[int, Readback]] = []
 
-    def attach(self, model: torch.nn.Module) -> None:
-        """Count the tokens of every MoE layer of `model` (the `collector.moe` protocol)."""
+    def attach(self, model: torch.nn.Module, hook: bool = True) -> None:
+        """Count the tokens of every MoE layer of `model` (the `collector.moe` protocol) after
+        each of its forwards: one hook on the model, not one per layer (each Python hook costs
+        a step ~25 us, and a large MoE has dozens of layers). `hook=False`: the caller's own
+        hook on the model calls `forward_done`."""
         self.layers = find_moe_layers(model)
-        self._index = {id(m): i for i, m in enumerate(self.layers)}
-        self._acc = [None] * len(self.layers)
+        self._seen = [_stamp(m.expert_token_counts) for m in self.layers]
         self._work = [None] * len(self.layers)
-        for module in self.layers:
-            module.register_forward_hook(self._count)
+        if hook and self.layers:
+            model.register_forward_hook(self._on_forward)
 
-    def _count(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        # added on the device now (a layer may update its counts in place): no sync. Integer
-        # counts (ours) take one op a forward; float ones are rounded first.
-        layer = self._index[id(module)]
-        counts = _whole(module.expert_token_counts)
-        acc = self._acc[layer]
-        if acc is None:
-            self._acc[layer] = counts.clone() if counts is module.expert_token_counts else counts
+    def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.forward_done()
+
+    def forward_done(self) -> None:
+        """Add up the counts of every layer that ran in the forward just finished (its counts
+        are a new tensor, or the same one changed in place), on the device: no sync. A layer
+        run twice in one forward counts its last run (the protocol's "last forward")."""
+        counts = [self._fresh(i, m) for i, m in enumerate(self.layers)]
+        if torch.is_inference_mode_enabled():  # the window's sums stay normal tensors
+            with torch.inference_mode(False):
+                self._add(counts)
         else:
-            acc.add_(counts)
-        work = expert_work(module)
-        if work is not None:
-            done = _whole(work.detach().sum())
-            self._work[layer] = done if self._work[layer] is None else self._work[layer].add_(done)
+            self._add(counts)
+
+    def _add(self, counts: list[torch.Tensor | None]) -> None:
+        ran = [c for c in counts if c is not None]
+        if not ran:
+            return
+        if len(ran) == len(counts):  # every layer ran: one stack, one add
+            added = torch.stack(ran)
+            self._acc = added if self._acc is None else self._acc.add_(added)
+        else:
+            if self._acc is None:
+                self._acc = ran[0].new_zeros((len(counts), ran[0].numel()))
+            for layer, c in enumerate(counts):
+                if c is not None:
+                    self._acc[layer].add_(c)
+        for layer, module in enumerate(self.layers):  # expert parallelism: what each layer's experts did
+            if counts[layer] is not None and (work := expert_work(module)) is not None:
+                done = _whole(work.detach().sum())
+                self._work[layer] = done if self._work[layer] is None else self._work[layer].add_(done)
+
+    def _fresh(self, layer: int, module: torch.nn.Module) -> torch.Tensor | None:
+        """The layer's counts as `EXPERT_COUNT_DTYPE` when it ran since they were last added
+        (None: it did not run, e.g. a layer skipped this forward)."""
+        stamp = _stamp(module.expert_token_counts)
+        if stamp[0] is self._seen[layer][0] and stamp[1] == self._seen[layer][1]:
+            return None
+        self._seen[layer] = stamp
+        return _whole(stamp[0])
 
     def due(self, step: int) -> bool:
         """Whether `step` closes a window."""
@@ -91,12 +125,12 @@ class ExpertCounts:
             self._work_reads.append(
                 (step, Readback(torch.stack([zero * 0 if w is None else w for w in work])))
             )
-        layers, self._acc = self._acc, [None] * len(self._acc)
-        like = next((a for a in layers if a is not None), self._like)
-        if like is None:  # no MoE forward yet (on every rank: they step together)
+        acc, self._acc = self._acc, None
+        if acc is None and self._like is None:  # no MoE forward yet (on every rank: they step together)
             return
-        self._like = like  # from now on this rank always joins the all-reduce
-        acc = torch.stack([torch.zeros_like(like) if a is None else a for a in layers])
+        if acc is None:  # none this window, but this rank has joined the all-reduce before
+            acc = torch.zeros_like(self._like)
+        self._like = acc
         work = self.control.all_reduce(acc, async_op=True) if self.control is not None else None
         self._in_flight = (step, acc, work)
 

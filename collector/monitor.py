@@ -184,7 +184,9 @@ class Monitor:
         self._attach_control_plane()
         if comm_hook is not None:
             self._compression = getattr(comm_hook, "__name__", "custom").removesuffix("_hook")
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.experts.attach(model, hook=not ddp)  # a DDP model's one forward hook counts them
+        if ddp:
             world = self.env.world_size
             record = None
             if comm_hook is None:
@@ -203,8 +205,8 @@ class Monitor:
                     comm_hook, self.meter, wire, world, self.env.ranks_per_node, inter_bytes
                 )
                 model.register_comm_hook(hook_state, timed)
-            BackwardWatch(self.meter, record).attach(model)
-        self.experts.attach(model)
+            counted = self.experts.forward_done if self.experts.layers else None
+            BackwardWatch(self.meter, record, after_forward=counted).attach(model)
         self._describe_host(model)
         return model
 

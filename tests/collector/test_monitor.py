@@ -68,6 +68,52 @@ def test_expert_counts_are_summed_every_k_steps(tmp_path):
     assert get("meshscope_expert_imbalance_ratio", {"layer": "0"}) == 1.5
 
 
+class InPlaceMoE(ToyMoE):
+    """A layer that keeps one counts tensor and rewrites it in place each forward."""
+
+    def forward(self, x):
+        self.expert_token_counts.copy_(torch.tensor(self.counts, dtype=torch.float32))
+        return self.lin(x)
+
+
+class SkippingModel(torch.nn.Module):
+    """Runs its second MoE layer only when asked: a layer that did not run adds nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = InPlaceMoE([3, 1]), ToyMoE([2, 2])
+
+    def forward(self, x, skip=False):
+        x = self.a(x)
+        return x if skip else self.b(x)
+
+
+def test_expert_counts_take_one_hook_and_count_only_the_layers_that_ran(tmp_path):
+    mon = make_monitor(tmp_path, expert_every=2)
+    model = mon.watch(SkippingModel())
+    assert not model.a._forward_hooks and not model.b._forward_hooks  # one hook, on the model
+    for step in range(4):
+        with mon.step(tokens=4):
+            model(torch.randn(1, 4), skip=step % 2 == 1)  # b runs at steps 0 and 2 only
+    mon.close()
+    df = load_expert_load(tmp_path / "run")
+    at1 = df[df["step"] == 1].sort_values(["layer", "expert"])["tokens"].tolist()
+    assert at1 == [6, 2, 2, 2]  # a: rewritten in place, counted twice; b: ran once
+
+
+def test_an_inference_mode_forward_is_counted_and_training_goes_on(tmp_path):
+    mon = make_monitor(tmp_path, expert_every=2)
+    model = mon.watch(torch.nn.Sequential(ToyMoE([3, 1])))
+    with mon.step(tokens=4):
+        with torch.inference_mode():  # an evaluation first: its counts start the window
+            model(torch.randn(1, 4))
+    with mon.step(tokens=4):
+        model(torch.randn(1, 4)).sum().backward()
+    mon.close()
+    df = load_expert_load(tmp_path / "run")
+    assert df[df["step"] == 1].sort_values("expert")["tokens"].tolist() == [6, 2]
+
+
 def test_non_finite_loss_is_one_event_and_a_fault(tmp_path):
     mon = make_monitor(tmp_path)
     for loss in [1.0, math.nan, math.inf, 1.0, math.nan]:
