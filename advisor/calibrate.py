@@ -264,22 +264,27 @@ def _allreduce(runs: list[MeasuredRun], cluster: ClusterSpec, compute_efficiency
         and abs(window[j] - window[i]) > 0.1 * max(window[i], window[j])
     ]
     rate = float(np.clip(np.median(slopes), 0.0, 1.0)) if slopes else 0.0
-    call_s, slope = _steadiest_line(bandwidth, waited + rate * window)
-    return {"allreduce_call_s": call_s, "allreduce_efficiency": 1 / slope, "dp_overlap": rate}
+    call_s, slope, sloped = _steadiest_line(bandwidth, waited + rate * window)
+    out = {"allreduce_call_s": call_s, "allreduce_efficiency": 1 / slope, "dp_overlap": rate}
+    return out if sloped else {**out, ASSUMED: {"allreduce_efficiency": STATED_BANDWIDTH}}
 
 
-def _steadiest_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """`_fit_line`, unless a fixed cost at the stated bandwidth (slope 1) fits the runs better:
-    when the runs' sizes differ by little, a slope over them is noise (on this machine a few
-    tenths of a ms between runs that reduced 25 % more bytes read as a link 28 times slower
-    than stated). The fixed cost keeps efficiency 1: the stated bandwidth, not a measured one."""
+ASSUMED = "assumed"  # a fit's key for the factors it set without measuring them
+STATED_BANDWIDTH = "the cluster file's link bandwidth: the runs' sizes were too close to fit one"
+
+
+def _steadiest_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, bool]:
+    """`_fit_line` (and True), unless a fixed cost at the stated bandwidth (slope 1, False)
+    fits the runs better: when the runs' sizes differ by little, a slope over them is noise (on
+    this machine a few tenths of a ms between runs that reduced 25 % more bytes read as a link
+    28 times slower than stated)."""
     line = _fit_line(x, y)
     fixed = (max(float(np.median(y - x)), 0.0), 1.0)
 
     def misfit(fit: tuple[float, float]) -> float:
         return float(np.median(np.abs(fit[0] + fit[1] * x - y)))
 
-    return line if misfit(line) <= misfit(fixed) else fixed
+    return (*line, True) if misfit(line) <= misfit(fixed) else (*fixed, False)
 
 
 def _alltoall(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
@@ -328,13 +333,18 @@ def fit(runs: list[MeasuredRun], cluster: ClusterSpec) -> Factors:
     reduced = [r for r in _capacity_runs(runs) if r.layout.dp > 1 and r.grad_exposed_s > 0]
     if reduced:
         fitted = _allreduce(reduced, cluster, values.get("compute_efficiency", Factors().compute_efficiency))
+        assumed = fitted.pop(ASSUMED, {})
         values.update(fitted)
-        measured.update(dict.fromkeys(fitted, _names(reduced)))
+        measured.update(dict.fromkeys(set(fitted) - set(assumed), _names(reduced)))
+    else:
+        assumed = {}
     exchanged = [r for r in runs if r.layout.ep > 1 and np.isfinite(r.a2a_s)]
     if a2a := _alltoall(exchanged, cluster):
         values.update(a2a)
         measured.update(dict.fromkeys(a2a, _names(exchanged)))
-    return _within_bounds(values, measured)
+    factors = _within_bounds(values, measured)
+    factors.assumed = {k: v for k, v in assumed.items() if k not in factors.rejected}
+    return factors
 
 
 def _within_bounds(values: dict[str, float], measured: dict[str, str]) -> Factors:

@@ -83,14 +83,20 @@ class Factors(BaseModel):
     rejected: dict[str, str] = Field(
         default_factory=dict, description="factor -> why its fitted value was not used"
     )
+    assumed: dict[str, str] = Field(
+        default_factory=dict,
+        description="factor -> what its value stands on, set by a fit that could not measure it",
+    )
 
     @classmethod
     def names(cls) -> list[str]:
         """The factors themselves (not the record of where they came from)."""
-        return [n for n in cls.model_fields if n not in ("measured", "rejected")]
+        return [n for n in cls.model_fields if n not in ("measured", "rejected", "assumed")]
 
     def source(self, name: str) -> str:
         """Where a factor's value came from."""
+        if name in self.assumed:
+            return f"assumed ({self.assumed[name]})"
         if name in self.measured:
             return f"measured ({self.measured[name]})"
         return f"default ({self.rejected[name]})" if name in self.rejected else "default"

@@ -148,6 +148,8 @@ def compare(cluster, runs: dict[str, tuple[Path, str]]) -> None:
     print("factors:", {k: round(getattr(fitted.factors, k), 4) for k in fitted.factors.names()})
     for name, why in fitted.factors.rejected.items():
         print(f"not used: {name}: {why}")
+    for name, what in fitted.factors.assumed.items():
+        print(f"assumed: {name}: {what}")
     print("fitted from measurement:", sorted(fitted.factors.measured))
     for note in fitted.notes:
         print("note:", note)

@@ -144,11 +144,25 @@ def test_sizes_that_barely_differ_give_a_fixed_cost_not_a_slope():
     # (the Theil-Sen line through them has slope 11, its intercept clipped at 0: 1 ms off)
     x = np.array([2.0e-4, 2.0e-4, 2.6e-4, 2.6e-4])
     y = np.array([1.0e-3, 1.2e-3, 1.6e-3, 1.9e-3])
-    call_s, slope = _steadiest_line(x, y)
-    assert slope == 1.0 and call_s == pytest.approx(np.median(y - x))
+    call_s, slope, sloped = _steadiest_line(x, y)
+    assert slope == 1.0 and call_s == pytest.approx(np.median(y - x)) and not sloped
     # a real spread of sizes keeps its line
     x = np.array([1e-3, 2e-3, 4e-3, 8e-3])
-    assert _steadiest_line(x, 0.5e-3 + 3 * x) == pytest.approx((0.5e-3, 3.0))
+    assert _steadiest_line(x, 0.5e-3 + 3 * x) == pytest.approx((0.5e-3, 3.0, True))
+
+
+def test_an_efficiency_the_runs_could_not_measure_says_what_it_stands_on(monkeypatch):
+    from meshscope.advisor import calibrate
+
+    runs = [synthetic("a", 2, 1, 16), synthetic("b", 2, 1, 32)]
+    assert fit(runs, CPU).source("allreduce_efficiency") == "measured (a, b)"  # their line stands
+    # the fixed cost wins (sizes too close to fit a slope): the efficiency is the stated link's
+    monkeypatch.setattr(calibrate, "_steadiest_line", lambda x, y: (1e-3, 1.0, False))
+    got = fit(runs, CPU)
+    assert got.allreduce_efficiency == 1.0
+    assert got.source("allreduce_efficiency").startswith("assumed (the cluster file's link bandwidth")
+    assert got.source("allreduce_call_s") == "measured (a, b)"
+    assert "assumed" not in Factors.names()
 
 
 def test_expert_parallel_runs_carry_their_own_fixed_cost_and_data_parallel_ones_do_not_pay_it():
