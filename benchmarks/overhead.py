@@ -14,7 +14,7 @@ Printed per configuration:
   autograd callbacks, and its store-writer thread), and that cost over the plain step time: the
   overhead as an account rather than a difference of two noisy numbers.
 
-    .venv/bin/python benchmarks/overhead.py [--ranks 2 --pairs 4 --blocks 6 --block-steps 8]
+    .venv/bin/python benchmarks/overhead.py [--ranks 2 --pairs 4 --blocks 6 --block-steps 8 --layers 2]
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def bench(
     d_model: int,
     bucket_mb: float,
     flight_log: bool = True,
+    layers: int = 2,
 ) -> dict:
     import torch
     from prometheus_client import CollectorRegistry
@@ -114,7 +115,7 @@ def bench(
     from meshscope.trainer.data import SyntheticTokens
     from meshscope.trainer.model import MoELM
 
-    cfg = ModelConfig(vocab_size=128, seq_len=32, layers=2, d_model=d_model, heads=4, experts=8, top_k=2)
+    cfg = ModelConfig(vocab_size=128, seq_len=32, layers=layers, d_model=d_model, heads=4, experts=8, top_k=2)
     env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
     mon = Monitor(
         MonitorConfig(run_dir=run_dir, metrics_port=None, expert_every=5, flight_log=flight_log),
@@ -203,6 +204,7 @@ def main() -> None:
         default=[25.0, 0.25],
         help="DDP bucket caps: 25 = torch's default; 0.25 = many buckets, worst case",
     )
+    ap.add_argument("--layers", type=int, default=2, help="MoE layers (2 = the demo model)")
     ap.add_argument(
         "--no-flight-log", action="store_true", help="the Monitor without its flight log (a diagnosis)"
     )
@@ -224,12 +226,14 @@ def main() -> None:
                 d_model=width,
                 bucket_mb=bucket_mb,
                 flight_log=not args.no_flight_log,
+                layers=args.layers,
             )
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
         cost = results[0]["cost_per_step"]
         parts = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in results[0]["parts"].items())
         print(
-            f"d_model={width:4d} bucket={bucket_mb:5.2f} MB  step on {med['on'] * 1e3:7.2f} ms  "
+            f"d_model={width:4d} layers={args.layers} bucket={bucket_mb:5.2f} MB  "
+            f"step on {med['on'] * 1e3:7.2f} ms  "
             f"off {med['off'] * 1e3:7.2f} ms  on/off {med['on'] / med['off']:.4f}  "
             f"control {med['control'] / med['off']:.4f}  cost {cost * 1e6:6.0f} us/step = "
             f"{cost / med['off']:.2%}  (target <= 1.01)\n    cost account, us/step: {parts}"
