@@ -3,7 +3,10 @@
 A module is an MoE layer for meshscope if it has an attribute `expert_token_counts`: a 1-D
 tensor, one entry per expert, holding the tokens routed to each expert in its last forward
 (before capacity dropping, so the entries sum to tokens x top_k). The tensor may live on the
-device; the Monitor reads it without a sync and sums it over ranks every few steps.
+device; the Monitor reads it without a sync and sums it over ranks every few steps. It reads
+every layer once after the model's forward, so a layer sets the attribute to a new tensor
+each forward or updates it in place: counts that are the same tensor at the same version as
+last time are a layer that did not run.
 
 Under expert parallelism a layer may also expose `expert_work`: a 1-D tensor, one entry per
 expert this rank holds, of the tokens those experts processed in its last forward (from every
