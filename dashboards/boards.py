@@ -74,8 +74,15 @@ def _base(uid: str, title: str, *, layer: bool = False) -> dashboard.Dashboard:
         .datasource(DATASOURCE)
         .enable(True)
         .icon_color("red")
-        .expr(f"sum by (type) (changes(meshscope_anomalies_total{{{RUN}}}[1m])) > 0")
+        .expr(_opened("meshscope_anomalies_total{" + RUN + "}", "1m"))
     )
+
+
+def _opened(counter: str, window: str) -> str:
+    """PromQL for "this counter rose within `window`", per type, that also holds for a series
+    first scraped above 0 (the detector's endpoint found after its first anomaly): changes()
+    alone needs to see the rise, as the alert rule's `unless ... offset` branch knows."""
+    return f"sum by (type) ((changes({counter}[{window}]) > 0) or ({counter} > 0 unless {counter} offset {window})) > 0"
 
 
 def training() -> dashboard.Dashboard:

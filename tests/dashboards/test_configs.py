@@ -71,6 +71,41 @@ def test_a_wrong_expectation_fails_promtool(tmp_path):
     assert subprocess.run([promtool, "test", "rules", str(broken)], capture_output=True).returncode != 0
 
 
+@pytest.mark.parametrize("first_scraped", ["0 0 1 1", "1 1 1 1"], ids=["seen-rising", "first-seen-at-1"])
+def test_the_anomaly_annotation_marks_an_anomaly_whenever_its_counter_was_first_scraped(
+    tmp_path, first_scraped
+):
+    # the detector's endpoint may be found after its first anomaly: the series then starts at 1,
+    # and changes() alone never sees it rise (an e2e run lost its annotation that way)
+    promtool = require_binary("promtool")
+    expr = dict(board_queries(build_all()["training"]))["annotation Anomalies"].replace("$run", "r1")
+    (tmp_path / "empty.yml").write_text("groups: []\n")
+    case = {
+        "rule_files": ["empty.yml"],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [
+                    {
+                        "series": 'meshscope_anomalies_total{run="r1",type="straggler"}',
+                        "values": first_scraped,
+                    }
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": expr,
+                        "eval_time": "30s",
+                        "exp_samples": [{"labels": '{type="straggler"}', "value": 1}],
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "annotation_test.yml").write_text(yaml.safe_dump(case))
+    _run(promtool, "test", "rules", str(tmp_path / "annotation_test.yml"))
+
+
 @pytest.mark.parametrize("email", [False, True])
 def test_amtool_accepts_the_alertmanager_config(tmp_path, email):
     amtool = require_binary("amtool")
