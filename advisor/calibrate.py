@@ -26,6 +26,7 @@ from meshscope.collector.store import load_events, load_expert_load, load_steps
 WARMUP = 0.2  # share of a run's first steps left out (allocation, caches, first buckets)
 MIN_REL_ERROR = 0.05  # the interval never claims more than this machine's repeatability
 HOLD_OUT_RUNS = 6  # runs needed before the interval is sized by leaving each out in turn
+STATED_BANDWIDTH = "the cluster file's link bandwidth: the runs' sizes were too close to fit one"
 
 
 class CalibrationError(ValueError):
@@ -243,9 +244,12 @@ def _slower(
     )
 
 
-def _allreduce(runs: list[MeasuredRun], cluster: ClusterSpec, compute_efficiency: float) -> dict[str, float]:
+def _allreduce(
+    runs: list[MeasuredRun], cluster: ClusterSpec, compute_efficiency: float
+) -> tuple[dict[str, float], dict[str, str]]:
     """All-reduce efficiency, a fixed cost per step's reduction and how much of it backward
-    hides, from the time each step waited for it. Not from its whole span: an overlapped
+    hides, from the time each step waited for it (and which of them the runs could only
+    assume, with what on). Not from its whole span: an overlapped
     reduction's span measures contention with backward as much as the link (on CPU ranks it
     stretches with the batch). Runs that reduced the same bytes behind different backward
     windows give the hiding rate (the slope of waited time against window, median of the
@@ -266,11 +270,7 @@ def _allreduce(runs: list[MeasuredRun], cluster: ClusterSpec, compute_efficiency
     rate = float(np.clip(np.median(slopes), 0.0, 1.0)) if slopes else 0.0
     call_s, slope, sloped = _steadiest_line(bandwidth, waited + rate * window)
     out = {"allreduce_call_s": call_s, "allreduce_efficiency": 1 / slope, "dp_overlap": rate}
-    return out if sloped else {**out, ASSUMED: {"allreduce_efficiency": STATED_BANDWIDTH}}
-
-
-ASSUMED = "assumed"  # a fit's key for the factors it set without measuring them
-STATED_BANDWIDTH = "the cluster file's link bandwidth: the runs' sizes were too close to fit one"
+    return out, {} if sloped else {"allreduce_efficiency": STATED_BANDWIDTH}
 
 
 def _steadiest_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, bool]:
@@ -331,13 +331,12 @@ def fit(runs: list[MeasuredRun], cluster: ClusterSpec) -> Factors:
     # a dropless run's longer backward is its per-expert loop, not a window the reduction
     # hides behind the same way
     reduced = [r for r in _capacity_runs(runs) if r.layout.dp > 1 and r.grad_exposed_s > 0]
+    assumed: dict[str, str] = {}
     if reduced:
-        fitted = _allreduce(reduced, cluster, values.get("compute_efficiency", Factors().compute_efficiency))
-        assumed = fitted.pop(ASSUMED, {})
+        efficiency = values.get("compute_efficiency", Factors().compute_efficiency)
+        fitted, assumed = _allreduce(reduced, cluster, efficiency)
         values.update(fitted)
         measured.update(dict.fromkeys(set(fitted) - set(assumed), _names(reduced)))
-    else:
-        assumed = {}
     exchanged = [r for r in runs if r.layout.ep > 1 and np.isfinite(r.a2a_s)]
     if a2a := _alltoall(exchanged, cluster):
         values.update(a2a)
