@@ -70,11 +70,11 @@ def _refine(bins: list[list[tuple[float, int]]], rounds: int = 200) -> None:
         totals = [sum(w for w, _ in b) for b in bins]
         hi = int(np.argmax(totals))
         best = None
-        for other in range(len(bins)):
+        for other in (d for d in range(len(bins)) if d != hi):
             for i, (wi, _) in enumerate(bins[hi]):
                 for j, (wj, _) in enumerate(bins[other]):
                     peak = max(totals[hi] - (wi - wj), totals[other] + (wi - wj))
-                    if other != hi and peak < totals[hi] - 1e-12 and (best is None or peak < best[0]):
+                    if peak < totals[hi] - 1e-12 and (best is None or peak < best[0]):
                         best = (peak, other, i, j)
         if best is None:
             return
