@@ -20,7 +20,8 @@ FAULT_KINDS = ("dead_rank", "hang", "nonfinite", "injected")
 # The series budget: what one rank exports whatever the size of the job (41 counted on 2- and
 # 4-rank runs, with headroom), and what rank 0 adds: expert tokens and load ratio per
 # (layer, expert), the imbalance per layer, gradient norm and update ratio per inspected
-# layer. A job of W ranks exports about W * SERIES_PER_RANK + rank0_extra_series(...) series.
+# layer; and each node's local rank 0 the heartbeat age of its ranks. A job of W ranks exports
+# about W * (SERIES_PER_RANK + 1) + rank0_extra_series(...) series.
 SERIES_PER_RANK = 45
 # ... plus, under expert parallelism, one series per MoE layer: the tokens the rank's experts
 # processed (`meshscope_expert_work_tokens_total{layer}`).
@@ -29,6 +30,12 @@ SERIES_PER_RANK = 45
 def rank0_extra_series(layers: int, experts: int, inspected_layers: int) -> int:
     """The series rank 0 exports beyond every rank's: expert load, and the gradient inspector."""
     return 2 * layers * experts + layers + 2 * inspected_layers
+
+
+def node_leader_extra_series(ranks_per_node: int) -> int:
+    """The series each node's local rank 0 exports beyond every rank's: its node watcher's
+    heartbeat age of every rank on the node (`meshscope_heartbeat_age_seconds{peer}`)."""
+    return ranks_per_node
 
 
 def faults_counter(registry: CollectorRegistry) -> Counter:
