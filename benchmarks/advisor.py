@@ -107,6 +107,8 @@ def recorded(root: Path, steps: int, repeats: int) -> dict[str, Path]:
             run_id = name if r == 0 else f"{name}-r{r}"
             done = (root / run_id / "store.sqlite").exists()
             passes[r][name] = root / run_id if done else train(root, run_id, *spec[:3], spec[4], steps)
+    if repeats == 1:  # nothing to choose between: compare() measures each run once
+        return passes[0]
     return {name: min((p[name] for p in passes), key=lambda path: measure(path).step_s) for name in LAYOUTS}
 
 
