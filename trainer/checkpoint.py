@@ -186,11 +186,15 @@ class CheckpointManager:
             self._prune()
         self._barrier()  # every copy is visible before anyone counts on it
 
-    def wait(self) -> None:
-        """Block until an asynchronous save has become visible."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until an asynchronous save has become visible (or `timeout` passed: a save
+        whose peers died never will); whether none is left in flight."""
         if self._pending is not None:
-            self._pending.join()
+            self._pending.join(timeout)
+            if self._pending.is_alive():
+                return False
             self._pending = None
+        return True
 
     def _prune(self) -> None:
         for old in self.checkpoints()[: -self.keep]:

@@ -147,6 +147,12 @@ class ElasticConfig(_Strict):
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = never)")
     keep: int = Field(3, gt=0, description="checkpoints kept")
     async_checkpoint: bool = Field(True, description="write checkpoints in the background")
+    settle_checkpoint_s: float = Field(
+        10.0,
+        ge=0,
+        description="a worker failing with a background checkpoint in flight waits this long "
+        "for it to become visible, so the restart does not lose those steps",
+    )
     max_restarts: int = Field(0, ge=0, description="torchrun restarts after a failure")
     heartbeat_s: float = Field(1.0, gt=0, description="heartbeat interval")
     nnodes: str = Field("1", pattern=r"^\d+(:\d+)?$", description="torchrun --nnodes, MIN[:MAX]")

@@ -7,6 +7,7 @@ lost), `checkpoint` (refused ones, with the reason).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -29,6 +30,8 @@ from meshscope.trainer.heartbeat import (
     previous_attempt_failures,
     world_of,
 )
+
+log = logging.getLogger(__name__)
 
 
 def process_start_time() -> float:
@@ -306,12 +309,24 @@ class ElasticRun:
         return self._stop_flag.exchange(self.stop_requested)
 
     def mark_failed(self, err: BaseException) -> None:
-        """Tell the peers this rank ends with an error."""
+        """Let a staged checkpoint land, then tell the peers this rank ends with an error."""
+        self._settle_checkpoint()
         if self.heartbeat is not None:
             try:
                 self.heartbeat.mark_exit(f"error:{type(err).__name__}")
             except Exception:  # the store may be gone too
                 pass
+
+    def _settle_checkpoint(self) -> None:
+        """A collective error leaves the checkpoint's own group whole: the save can finish, and
+        without it the restart would begin from the one before (or from step 0)."""
+        if self.ckpt is None:
+            return
+        if not self.ckpt.wait(timeout=self.cfg.elastic.settle_checkpoint_s):
+            log.warning(
+                "the checkpoint in flight did not land within %.0f s; the restart uses the one before",
+                self.cfg.elastic.settle_checkpoint_s,
+            )
 
     def finish(self, state: Any, reason: str) -> None:
         """Settle the stop flag, finish checkpoints, and say a clean goodbye."""

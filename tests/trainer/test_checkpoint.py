@@ -128,3 +128,32 @@ def test_nodes_without_a_shared_folder_each_keep_a_whole_copy_and_resume_at_one_
         _nodes_without_a_shared_folder, 4, root=str(tmp_path / "c"), drop=["step_00000004", "step_00000008"]
     )
     assert all(isinstance(r, str) and "no checkpoint in common" in r for _, r in none), none
+
+
+def _fail_with_a_checkpoint_in_flight(rank: int, world_size: int, root: str) -> list[str]:
+    """Stage a checkpoint whose background write is slow, then fail as a broken collective
+    does; returns the checkpoints visible once the failure is handled."""
+    from meshscope.collector import DistEnv
+    from meshscope.trainer.config import TrainerConfig
+    from meshscope.trainer.elastic import ElasticRun
+
+    cfg = TrainerConfig(run_id="r", runs_root=Path(root), elastic={"checkpoint_every": 4})
+    elastic = ElasticRun(cfg, DistEnv(rank=rank, world_size=world_size), mon=None)
+    finish = elastic.ckpt._finish
+
+    def slow_disk(*args: Any) -> None:
+        time.sleep(1.0)
+        finish(*args)
+
+    elastic.ckpt._finish = slow_disk
+    model, opt = small(rank)
+    elastic.ckpt.save(4, model, opt, {"step": 4})
+    elastic.mark_failed(RuntimeError("gloo: wrong split sizes"))
+    return [p.name for p in elastic.ckpt.checkpoints()]
+
+
+def test_a_worker_failing_with_a_checkpoint_in_flight_lets_it_land_first(tmp_path):
+    # the save has its own group, which the failed collective did not break; without the wait
+    # the restart would begin from the checkpoint before (here: none, step 0)
+    held = run_ranks(_fail_with_a_checkpoint_in_flight, 2, root=str(tmp_path))
+    assert held == [["step_00000004"]] * 2
