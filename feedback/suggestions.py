@@ -103,12 +103,23 @@ class Suggestion:
         return asdict(self)
 
 
+def observed_shares(load: np.ndarray) -> np.ndarray:
+    """Each expert's share of the load, read no lower than a correction that lifts an expert
+    at most twice as far as it lowers the hottest can use (the factor of two the sign updates
+    allow too: the hottest sits at the top-k cap, so its share understates its gap). Under
+    top-k routing the cold tail says little (a handful of tokens, or none, moves its log
+    share by several logits), and lifting it that far makes the coldest experts the next
+    hot spot."""
+    share = np.asarray(load, dtype=float) / max(float(np.sum(load)), 1e-12)
+    fair = 1.0 / len(share)
+    return np.maximum(share, fair * (fair / max(float(share.max()), fair)) ** 2)
+
+
 def bias_correction(load: np.ndarray, damping: float = 1.0) -> np.ndarray:
     """A one-shot routing bias from measured loads: under softmax routing an expert's share is
     ∝ exp(logit), so shifting its logit by −log(share/mean) evens the shares. Damped (top-k
     and learning interact), bounded, and centred (only differences matter)."""
-    load = np.asarray(load, dtype=float)
-    share = np.clip(load / max(load.sum(), 1e-12), 1e-6, None)
+    share = observed_shares(load)
     bias = -damping * np.log(share / share.mean())
     bias -= bias.mean()
     return np.clip(bias, -BOUNDS.bias_max, BOUNDS.bias_max)
@@ -118,7 +129,9 @@ def bias_rate(load: np.ndarray, horizon: int = HORIZON_STEPS) -> float:
     """γ for the sign updates: fast enough that they can move a bias by twice the gap the
     shares show within `horizon` steps (a share at the top-k cap understates the gap, and the
     router keeps learning), never below DeepSeek-V3's 1e-3 and never above half the bound.
-    DeepSeek's 1e-3 suits a run of many thousand steps; in 100 it moves a bias by 0.1."""
+    DeepSeek's 1e-3 suits a run of many thousand steps; in 100 it moves a bias by 0.1. The
+    gap is read from the raw shares, cold tail and all: the speed only bounds how far the
+    updates may go, and they stop where the loads even out."""
     share = np.asarray(load, dtype=float) / max(float(np.sum(load)), 1e-12)
     share = np.clip(share, 1e-6, None)
     gap = float(np.abs(np.log(share / share.mean())).max())
@@ -126,8 +139,9 @@ def bias_rate(load: np.ndarray, horizon: int = HORIZON_STEPS) -> float:
 
 
 def predicted_balancedness(load: np.ndarray, bias: np.ndarray) -> float:
-    """Balancedness after a bias shift, under the same softmax model."""
-    return balancedness(np.asarray(load, dtype=float) * np.exp(bias))
+    """Balancedness after a bias shift, under the same softmax model (and the same reading of
+    an expert that routed nothing)."""
+    return balancedness(observed_shares(load) * np.exp(bias))
 
 
 def _router_bias(

@@ -262,3 +262,16 @@ def test_an_expert_parallel_run_gets_a_training_placement_a_person_can_approve(t
     store.close()
     (outcome,) = settle_outcomes(run, KnowledgeBase(tmp_path / "kb.sqlite"), after=20)
     assert outcome["balancedness_before"] < 0.8 < outcome["balancedness_after"] and outcome["success"]
+
+
+def test_a_collapsed_routers_cold_tail_is_lifted_no_further_than_twice_the_hot_cut():
+    # an expert that took every token it could, one at its fair share, and a tail of a handful
+    # of tokens or none: read literally, the tail's log shares ask for the bias bound (+5), which
+    # in training turned the two coldest experts into the next hot spot (the benchmark's
+    # aux-loss-free run: 0 → 1,280 tokens a window)
+    load = np.array([1280.0, 320, 300, 4, 0, 2, 330, 324])
+    bias = bias_correction(load)
+    cut = bias[1] - bias[0]  # the hottest, lowered against a fair-share expert
+    lift = bias[1:].max() - bias[1]
+    assert cut > 0 and lift <= 2 * cut + 1e-9, bias
+    assert bias[4] == bias[3] == bias[5] == bias.max()  # the tail is one unknown, lifted alike
