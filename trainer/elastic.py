@@ -309,13 +309,13 @@ class ElasticRun:
         return self._stop_flag.exchange(self.stop_requested)
 
     def mark_failed(self, err: BaseException) -> None:
-        """Let a staged checkpoint land, then tell the peers this rank ends with an error."""
-        self._settle_checkpoint()
+        """Tell the peers this rank ends with an error, then let a staged checkpoint land."""
         if self.heartbeat is not None:
             try:
                 self.heartbeat.mark_exit(f"error:{type(err).__name__}")
             except Exception:  # the store may be gone too
                 pass
+        self._settle_checkpoint()
 
     def _settle_checkpoint(self) -> None:
         """A collective error leaves the checkpoint's own group whole: the save can finish, and
