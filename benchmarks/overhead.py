@@ -34,27 +34,37 @@ class CostMeter:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.by_entry: dict[str, list[float]] = {}  # name -> [seconds, calls]: where it goes
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds += seconds
+        spent = self.by_entry.setdefault(name, [0.0, 0])
+        spent[0] += seconds
+        spent[1] += 1
 
     def wrap(self, fn):
+        name = fn.__qualname__
+
         @functools.wraps(fn)  # annotations too: DDP checks a comm hook's
         def timed(*args, **kwargs):
             start = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.thread_time() - start
+                self.add(name, time.thread_time() - start)
 
         return timed
 
     def wrap_context(self, factory):
         meter = self
+        name = factory.__qualname__
 
         class Timed:
             def __init__(self, *args, **kwargs):
                 start = time.thread_time()
                 self.inner = factory(*args, **kwargs)
                 self.value = self.inner.__enter__()
-                meter.seconds += time.thread_time() - start
+                meter.add(f"{name} enter", time.thread_time() - start)
 
             def __enter__(self):
                 return self.value
@@ -64,7 +74,7 @@ class CostMeter:
                 try:
                     return self.inner.__exit__(*exc)
                 finally:
-                    meter.seconds += time.thread_time() - start
+                    meter.add(f"{name} exit", time.thread_time() - start)
 
         def enter(*args, **kwargs):  # a function, so it binds as a method too
             return Timed(*args, **kwargs)
@@ -181,6 +191,7 @@ def bench(
         **times,
         "cost_per_step": sum(parts.values()) / steps_on,
         "parts": {k: v / steps_on for k, v in parts.items()},
+        "entries": {k: (sec / steps_on, calls / steps_on) for k, (sec, calls) in cost.by_entry.items()},
     }
 
 
@@ -237,6 +248,11 @@ def main() -> None:
             f"off {med['off'] * 1e3:7.2f} ms  on/off {med['on'] / med['off']:.4f}  "
             f"control {med['control'] / med['off']:.4f}  cost {cost * 1e6:6.0f} us/step = "
             f"{cost / med['off']:.2%}  (target <= 1.01)\n    cost account, us/step: {parts}"
+        )
+        entries = sorted(results[0]["entries"].items(), key=lambda kv: -kv[1][0])
+        print(
+            "    in step by entry, us/step (calls/step): "
+            + ", ".join(f"{k} {sec * 1e6:.0f} ({calls:.1f})" for k, (sec, calls) in entries)
         )
 
 
