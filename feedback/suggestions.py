@@ -103,6 +103,11 @@ class Suggestion:
         return asdict(self)
 
 
+def _shares(load: np.ndarray) -> np.ndarray:
+    """Each expert's share of the load, as measured."""
+    return np.asarray(load, dtype=float) / max(float(np.sum(load)), 1e-12)
+
+
 def observed_shares(load: np.ndarray) -> np.ndarray:
     """Each expert's share of the load, read no lower than a correction that lifts an expert
     at most twice as far as it lowers the hottest can use (the factor of two the sign updates
@@ -110,7 +115,7 @@ def observed_shares(load: np.ndarray) -> np.ndarray:
     top-k routing the cold tail says little (a handful of tokens, or none, moves its log
     share by several logits), and lifting it that far makes the coldest experts the next
     hot spot."""
-    share = np.asarray(load, dtype=float) / max(float(np.sum(load)), 1e-12)
+    share = _shares(load)
     fair = 1.0 / len(share)
     return np.maximum(share, fair * (fair / max(float(share.max()), fair)) ** 2)
 
@@ -132,8 +137,7 @@ def bias_rate(load: np.ndarray, horizon: int = HORIZON_STEPS) -> float:
     DeepSeek's 1e-3 suits a run of many thousand steps; in 100 it moves a bias by 0.1. The
     gap is read from the raw shares, cold tail and all: the speed only bounds how far the
     updates may go, and they stop where the loads even out."""
-    share = np.asarray(load, dtype=float) / max(float(np.sum(load)), 1e-12)
-    share = np.clip(share, 1e-6, None)
+    share = np.clip(_shares(load), 1e-6, None)
     gap = float(np.abs(np.log(share / share.mean())).max())
     return float(min(BOUNDS.bias_rate_max / 2, max(GAMMA, round(2 * gap / horizon, 4))))
 
