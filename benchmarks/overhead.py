@@ -7,12 +7,15 @@ so drift and noise hit all; fresh triples are built several times in rotating or
 identical models differ by a few percent through memory layout alone.
 
 Printed per configuration:
-- `on/off`: watched step time over the first plain model's (target <= 1.01);
-- `control`: the second plain model over the first: the same code, so this is the noise floor
-  of this machine, measured in the same invocation;
+- `on/off`: watched step time over the first plain model's in the same block, the median over
+  blocks, with a 95 % bootstrap interval over blocks (target <= 1.01; the interval says
+  whether this many alternations resolve 1 %);
+- `control`: the second plain model over the first, likewise: the same code, so this is the
+  noise floor of this machine, measured in the same invocation;
 - `cost`: CPU time the Monitor itself spent per step on rank 0 (its context managers, hooks,
-  autograd callbacks, and its store-writer thread), and that cost over the plain step time: the
-  overhead as an account rather than a difference of two noisy numbers.
+  autograd callbacks, its store-writer thread and the flight log's responder thread over the
+  measured steps), and that cost over the plain step time: the overhead as an account rather
+  than a difference of two noisy numbers.
 
     .venv/bin/python benchmarks/overhead.py [--ranks 2 --pairs 4 --blocks 6 --block-steps 8 --layers 2]
 """
@@ -166,7 +169,11 @@ def bench(
 
     modes = ("on", "off", "control")
     times = {m: [] for m in modes}
+    block_medians = {m: [] for m in modes}  # one per (triple, block): what the interval pairs
+    time.sleep(0.5)  # the responder thread's start (an import, once a run) is not a cost per step
     writer_before = thread_cpu(mon.store._thread)
+    responder_thread = mon.flight._responder if mon.flight is not None else None
+    responder_before = thread_cpu(responder_thread) if responder_thread is not None else 0.0
     for pair in range(pairs):
         built = [make() for _ in modes]
         order = modes[pair % 3 :] + modes[: pair % 3]  # construction order rotates
@@ -177,22 +184,38 @@ def bench(
                 (step_watched if m == "on" else step_plain)(*models[m], i)
         for b in range(blocks):
             for m in modes[b % 3 :] + modes[: b % 3]:
+                block = []
                 for i in range(block_steps):
                     t0 = time.perf_counter()
                     (step_watched if m == "on" else step_plain)(*models[m], i)
-                    times[m].append(time.perf_counter() - t0)
+                    block.append(time.perf_counter() - t0)
+                times[m].extend(block)
+                block_medians[m].append(statistics.median(block))
     writer = thread_cpu(mon.store._thread) - writer_before
-    responder_thread = mon.flight._responder if mon.flight is not None else None
-    responder = thread_cpu(responder_thread) if responder_thread is not None else 0.0  # whole life
+    responder = thread_cpu(responder_thread) - responder_before if responder_thread is not None else 0.0
     steps_on = len(times["on"]) + 3 * pairs
     mon.close()
     parts = {"in_step": cost.seconds, "store_writer": writer, "responder": responder}
     return {
         **times,
+        "blocks": block_medians,
         "cost_per_step": sum(parts.values()) / steps_on,
         "parts": {k: v / steps_on for k, v in parts.items()},
         "entries": {k: (sec / steps_on, calls / steps_on) for k, (sec, calls) in cost.by_entry.items()},
     }
+
+
+def ratio_interval(results: list[dict], mode: str, draws: int = 4000) -> tuple[float, float, float]:
+    """The median over blocks of `mode`'s step time over the plain model's in the same block
+    (ranks averaged: they step in lockstep), with a 95 % bootstrap interval: whether the
+    alternations resolve 1 %."""
+    import numpy as np
+
+    ratios = np.mean([np.divide(r["blocks"][mode], r["blocks"]["off"]) for r in results], axis=0)
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(ratios, size=(draws, ratios.size)), axis=1)
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return float(np.median(ratios)), float(low), float(high)
 
 
 def main() -> None:
@@ -240,14 +263,15 @@ def main() -> None:
                 layers=args.layers,
             )
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
+        on, control = ratio_interval(results, "on"), ratio_interval(results, "control")
         cost = results[0]["cost_per_step"]
         parts = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in results[0]["parts"].items())
         print(
             f"d_model={width:4d} layers={args.layers} bucket={bucket_mb:5.2f} MB  "
-            f"step on {med['on'] * 1e3:7.2f} ms  "
-            f"off {med['off'] * 1e3:7.2f} ms  on/off {med['on'] / med['off']:.4f}  "
-            f"control {med['control'] / med['off']:.4f}  cost {cost * 1e6:6.0f} us/step = "
-            f"{cost / med['off']:.2%}  (target <= 1.01)\n    cost account, us/step: {parts}"
+            f"step on {med['on'] * 1e3:7.2f} ms  off {med['off'] * 1e3:7.2f} ms\n"
+            f"    on/off {on[0]:.4f} [{on[1]:.4f}, {on[2]:.4f}]  control {control[0]:.4f} "
+            f"[{control[1]:.4f}, {control[2]:.4f}]  (block medians, 95 % interval; target <= 1.01)\n"
+            f"    cost {cost * 1e6:6.0f} us/step = {cost / med['off']:.2%}; account, us/step: {parts}"
         )
         entries = sorted(results[0]["entries"].items(), key=lambda kv: -kv[1][0])
         print(

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshscope.collector.flightfixed import start_sum
+
 
 class ControlPlaneError(RuntimeError):
     """A tensor was handed to the control plane that no group of ours can carry."""
@@ -69,6 +71,11 @@ class ControlPlane:
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Any:
         """All-reduce in place on the group that fits; a Work handle when `async_op`."""
         return dist.all_reduce(tensor, op=op, group=self.group_for(tensor, "all_reduce"), async_op=async_op)
+
+    def start_sum(self, tensor: torch.Tensor, site: str) -> Any:
+        """Sum `tensor` over ranks in place without waiting (a Work): a sum meshscope issues
+        every window from `site`, cheaper than `all_reduce` (`collector.flightfixed.start_sum`)."""
+        return start_sum(self.group_for(tensor, "all_reduce"), tensor, site)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
         """Broadcast from global rank `src` in place."""

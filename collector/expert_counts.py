@@ -1,7 +1,8 @@
-"""Expert load as the Monitor counts it: tokens each MoE layer's experts received, added up on
-the device every forward and summed over ranks once per window of `every` steps.
+"""Expert load as the Monitor counts it: tokens each MoE layer's experts received, noted after
+every forward, added up on the device and summed over ranks once per window of `every` steps.
 
-The sum is the one collective the Monitor adds, and it holds no step: the all-reduce starts as
+The sum is the one collective the Monitor adds, issued straight on the control plane's group
+with a flight-log record packed once (`collector.flightfixed`), and it holds no step: the all-reduce starts as
 the step that closes a window ends and is settled as the next step ends, a whole step later,
 when it has long finished (on the host gloo's threads carry it meanwhile; on an accelerator the
 settle is a stream wait, no host block). Listeners (a trainer's bias update) get the summed
@@ -13,6 +14,7 @@ other and for gloo on shared cores; `benchmarks/overhead.py`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,9 +23,12 @@ import torch
 from meshscope.collector.moe import expert_work, find_moe_layers
 from meshscope.collector.readback import Readback
 
+log = logging.getLogger("meshscope.monitor")
+
 # Token counts are whole numbers: int64 keeps them exact over any window, and every backend
 # reduces it (HCCL has no float64 all-reduce).
 EXPERT_COUNT_DTYPE = torch.int64
+EXPERT_LOAD_SITE = "meshscope expert load (sum over ranks)"  # its flight-log records' call site
 Listener = Callable[[int, torch.Tensor], None]
 
 
@@ -31,6 +36,12 @@ def _stamp(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A counts tensor and its version: what tells a layer that ran from one that did not (an
     inference-mode tensor keeps no version: its identity alone tells)."""
     return counts, -1 if counts.is_inference() else counts._version
+
+
+def _copy(counts: torch.Tensor) -> torch.Tensor:
+    """The counts as they are now, as a normal tensor (a forward under inference mode too)."""
+    with torch.inference_mode(False):
+        return _whole(counts.detach()).clone()
 
 
 def _whole(counts: torch.Tensor) -> torch.Tensor:
@@ -48,8 +59,11 @@ class ExpertCounts:
         self.control: Any = None  # the Monitor's control plane, once there is one
         self.layers: list[torch.nn.Module] = []
         self.listeners: list[Listener] = []
-        self._acc: torch.Tensor | None = None  # this window's tokens, [layer, expert]
-        self._seen: list[tuple[torch.Tensor, int]] = []  # each layer's counts as last added
+        # this window's counts as noted after each forward: (layer, counts, version when noted;
+        # None for a copy)
+        self._noted: list[tuple[int, torch.Tensor, int | None]] = []
+        self._seen: list[tuple[torch.Tensor, int]] = []  # each layer's counts as last noted
+        self._warned = False
         self._like: torch.Tensor | None = None
         self._in_flight: tuple[int, torch.Tensor, Any] | None = None
         self._reads: list[tuple[int, Readback]] = []
@@ -71,51 +85,54 @@ class ExpertCounts:
         self.forward_done()
 
     def forward_done(self) -> None:
-        """Add up the counts of every layer that ran in the forward just finished (its counts
-        are a new tensor, or the same one changed in place), on the device: no sync. A layer
-        run twice in one forward counts its last run (the protocol's "last forward")."""
-        counts = [self._fresh(i, m) for i, m in enumerate(self.layers)]
-        if torch.is_inference_mode_enabled():  # the window's sums stay normal tensors
-            with torch.inference_mode(False):
-                self._add(counts)
-        else:
-            self._add(counts)
-
-    def _add(self, counts: list[torch.Tensor | None]) -> None:
-        ran = [c for c in counts if c is not None]
-        if not ran:
-            return
-        if len(ran) == len(counts):  # every layer ran: one stack, one add
-            added = torch.stack(ran)
-            self._acc = added if self._acc is None else self._acc.add_(added)
-        else:
-            if self._acc is None:
-                self._acc = ran[0].new_zeros((len(counts), ran[0].numel()))
-            for layer, c in enumerate(counts):
-                if c is not None:
-                    self._acc[layer].add_(c)
-        for layer, module in enumerate(self.layers):  # expert parallelism: what each layer's experts did
-            if counts[layer] is not None and (work := expert_work(module)) is not None:
+        """Note the counts of every layer that ran in the forward just finished: a reference
+        to a layer's new tensor, summed with the rest once a window (`_window_sum`), or a copy
+        when the layer updates one tensor in place. No device op per forward for a layer that
+        hands out new counts (each op costs the step a dispatch), and no sync either way. A
+        layer run twice in one forward counts its last run (the protocol's "last forward")."""
+        for layer, module in enumerate(self.layers):
+            counts = module.expert_token_counts
+            seen, version = self._seen[layer]
+            stamp = _stamp(counts)
+            if counts is seen and stamp[1] == version:
+                continue  # the layer did not run
+            self._seen[layer] = stamp
+            if counts is seen or stamp[1] < 0:  # changed in place, or an inference tensor: copy now
+                self._noted.append((layer, _copy(counts), None))
+            else:
+                self._noted.append((layer, counts, stamp[1]))
+            if (work := expert_work(module)) is not None:  # expert parallelism: this rank's experts
                 done = _whole(work.detach().sum())
                 self._work[layer] = done if self._work[layer] is None else self._work[layer].add_(done)
 
-    def _fresh(self, layer: int, module: torch.nn.Module) -> torch.Tensor | None:
-        """The layer's counts as `EXPERT_COUNT_DTYPE` when it ran since they were last added
-        (None: it did not run, e.g. a layer skipped this forward)."""
-        stamp = _stamp(module.expert_token_counts)
-        if stamp[0] is self._seen[layer][0] and stamp[1] == self._seen[layer][1]:
+    def _window_sum(self) -> torch.Tensor | None:
+        """This window's tokens, [layer, expert], from the counts noted since the last one
+        (None: no MoE forward). One stack and one sum when every forward ran every layer."""
+        noted, self._noted = self._noted, []
+        if not noted:
             return None
-        self._seen[layer] = stamp
-        return _whole(stamp[0])
-
-    def due(self, step: int) -> bool:
-        """Whether `step` closes a window."""
-        return bool(self.layers) and (step + 1) % self.every == 0
+        changed = [layer for layer, counts, seen in noted if seen is not None and counts._version != seen]
+        if changed and not self._warned:
+            self._warned = True
+            log.warning(
+                "meshscope: MoE layer %d changed expert_token_counts in place after handing them "
+                "out as new; its window's load is read as it is now",
+                changed[0],
+            )
+        parts = [_whole(counts) for _, counts, _ in noted]
+        layers = len(self.layers)
+        if len(noted) % layers == 0 and all(n[0] == i % layers for i, n in enumerate(noted)):
+            return torch.stack(parts).view(len(noted) // layers, layers, -1).sum(0)
+        acc = parts[0].new_zeros((layers, parts[0].numel()))
+        for layer in {n[0] for n in noted}:
+            acc[layer] = torch.stack([p for p, n in zip(parts, noted) if n[0] == layer]).sum(0)
+        return acc
 
     def step_ended(self, step: int) -> None:
         """Settle the sum started a step ago; start this window's when `step` closes one."""
-        self.settle()
-        if self.due(step):
+        if self._in_flight is not None:
+            self.settle()
+        if self.layers and (step + 1) % self.every == 0:  # this step closes a window
             self._start(step)
 
     def _start(self, step: int) -> None:
@@ -125,13 +142,13 @@ class ExpertCounts:
             self._work_reads.append(
                 (step, Readback(torch.stack([zero * 0 if w is None else w for w in work])))
             )
-        acc, self._acc = self._acc, None
+        acc = self._window_sum()
         if acc is None and self._like is None:  # no MoE forward yet (on every rank: they step together)
             return
         if acc is None:  # none this window, but this rank has joined the all-reduce before
             acc = torch.zeros_like(self._like)
         self._like = acc
-        work = self.control.all_reduce(acc, async_op=True) if self.control is not None else None
+        work = self.control.start_sum(acc, EXPERT_LOAD_SITE) if self.control is not None else None
         self._in_flight = (step, acc, work)
 
     def settle(self) -> None:

@@ -26,8 +26,8 @@ says where its device is. Nothing here synchronises the device.
 Collectives are seen by wrapping the `torch.distributed` functions once per process
 (`FlightLog.install`). Code that imported a function by name before that (`from
 torch.distributed import all_reduce`) is not seen. DDP's C++ all-reduce is seen as one record
-per step (`ReductionRecord`: issued as backward starts, completed once every bucket is
-reduced), so DDP keeps its C++ path; a Python comm hook (compression, injected faults) records
+per step (`flightfixed.ReductionRecord`: issued as backward starts, completed once every bucket
+is reduced), so DDP keeps its C++ path; a Python comm hook (compression, injected faults) records
 each bucket (`allreduce_hook`, `issue_bucket`).
 """
 
@@ -144,6 +144,7 @@ class FlightLog:
         self._host_slots: set[int] = set()  # records of host groups awaiting `enqueued`
         self._group_ranks: dict[str, list[int]] = {}
         self._buckets: dict[tuple[int, int, int], tuple] = {}  # (group, index, numel) -> packed
+        self.fixed: dict[tuple, Any] = {}  # `flightfixed.start_sum`'s records, packed once
         self._lock = threading.Lock()
         self._step = -1
         self._step_started = 0.0
@@ -158,7 +159,8 @@ class FlightLog:
             self._device = DeviceTruth(self, probe, device_poll_s).start()
 
     # --- records ------------------------------------------------------------------------
-    def _group(self, group: Any) -> tuple[str, int]:
+    def group_of(self, group: Any) -> tuple[str, int]:
+        """A process group's name and size, as records carry them (its ranks written once)."""
         key = id(group)
         known = self._groups.get(key)
         if known is None:
@@ -179,7 +181,7 @@ class FlightLog:
 
     def issue(self, op: str, spec: Op, args: tuple, kwargs: dict, frame: Any) -> int:
         """Record a collective as issued; returns its slot for `finish`."""
-        group, size = self._group(arg_of(args, kwargs, *spec.group))
+        group, size = self.group_of(arg_of(args, kwargs, *spec.group))
         tensors = [t for i, name in spec.tensors for t in tensors_of(arg_of(args, kwargs, i, name))]
         shapes = ";".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
@@ -223,21 +225,15 @@ class FlightLog:
         key = (id(group), bucket.index(), buffer.numel())  # DDP rebuilds its buckets once: new fields
         fields = self._buckets.get(key)
         if fields is None:
-            name, size = self._group(group)
+            name, size = self.group_of(group)
             dtype = str(buffer.dtype).removeprefix("torch.")
             site = f"DDP bucket {bucket.index()} ({len(bucket.gradients())} grads)"
             packed = (fit("all_reduce", 24), fit(dtype, 15), fit(str(buffer.numel()), 56), fit(site, 96))
             fields = self._buckets[key] = (name, fit(name, 16), size, packed)
         name, group_bytes, size, (op, dtype, shape, site) = fields
-        return self._append(name, group_bytes, size, op, dtype, shape, site)
+        return self.append(name, group_bytes, size, op, dtype, shape, site)
 
-    def issue_reduction(self, group: Any, fields: tuple) -> int:
-        """Record a step's whole DDP gradient reduction as one collective (`ReductionRecord`)."""
-        name, size = self._group(group)
-        op, dtype, shape, site = fields
-        return self._append(name, fit(name, 16), size, op, dtype, shape, site)
-
-    def _append(
+    def append(
         self, name: str, group: bytes, size: int, op: bytes, dtype: bytes, shape: bytes, site: bytes
     ) -> int:
         """A record of packed fields, issued now, numbered in `name`'s sequence: its slot."""
@@ -400,32 +396,6 @@ class FlightLog:
             self._crash_file.close()
             self._crash_file = None
         self._map.flush()
-
-
-class ReductionRecord:
-    """DDP's gradient all-reduce of one step as one flight-log record, while DDP keeps its C++
-    all-reduce: issued when this rank's backward starts, completed when DDP has reduced every
-    bucket. Two Python calls a step instead of a hook, a callback and a record per bucket (the
-    per-bucket path was most of what the Monitor cost); a rank that never reached backward
-    while its peers wait in it is named all the same. Buckets one by one are the backend's
-    Flight Recorder's to show, where it keeps one (`watchdog.flight_recorder`)."""
-
-    def __init__(self, log: FlightLog, ddp: torch.nn.Module) -> None:
-        self.log = log
-        self.group = getattr(ddp, "process_group", None)
-        grads = [p for p in ddp.module.parameters() if p.requires_grad]
-        numel = sum(p.numel() for p in grads)
-        dtype = str(grads[0].dtype).removeprefix("torch.") if grads else ""
-        site = f"DDP gradients ({len(grads)} tensors, C++ buckets)"
-        self.fields = (fit("all_reduce", 24), fit(dtype, 15), fit(str(numel), 56), fit(site, 96))
-
-    def begin(self) -> int:
-        """Backward started: the reduction is issued (returns its slot)."""
-        return self.log.issue_reduction(self.group, self.fields)
-
-    def end(self, slot: int) -> None:
-        """Every bucket reduced."""
-        self.log.reduction_done(slot)
 
 
 def _logged(name: str, spec: Op, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,7 +6,8 @@ tensor, one entry per expert, holding the tokens routed to each expert in its la
 device; the Monitor reads it without a sync and sums it over ranks every few steps. It reads
 every layer once after the model's forward, so a layer sets the attribute to a new tensor
 each forward or updates it in place: counts that are the same tensor at the same version as
-last time are a layer that did not run.
+last time are a layer that did not run. A new tensor is read when its window closes, so a
+layer does not change it after handing it out (the Monitor warns once if one does).
 
 Under expert parallelism a layer may also expose `expert_work`: a 1-D tensor, one entry per
 expert this rank holds, of the tokens those experts processed in its last forward (from every

@@ -38,7 +38,8 @@ from meshscope.collector.control import ControlPlane
 from meshscope.collector.env import DistEnv, HostShare
 from meshscope.collector.expert_counts import ExpertCounts
 from meshscope.collector.exporter import RANK_JOB, PortInUseError, port_for, serve_metrics, write_targets
-from meshscope.collector.flightlog import FlightLog, ReductionRecord
+from meshscope.collector.flightfixed import ReductionRecord
+from meshscope.collector.flightlog import FlightLog
 from meshscope.collector.metrics import MeshscopeMetrics
 from meshscope.collector.monitor_config import MonitorConfig
 from meshscope.collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
@@ -295,9 +296,12 @@ class Monitor:
 
     def _take_scalars(self, p: PendingStep, scalars: dict[str, Any]) -> None:
         """Host values are read now; device tensors join the window's buffer."""
-        on_device = {k: v for k, v in scalars.items() if readback.is_device_tensor(v)}
-        # host tensor: device tensors went to the window above
-        p.scalars = {k: float(v) for k, v in scalars.items() if k not in on_device}
+        on_device: dict[str, Any] = {}
+        for key, value in scalars.items():  # one pass: this runs every step
+            if readback.is_device_tensor(value):
+                on_device[key] = value
+            else:
+                p.scalars[key] = float(value)  # host tensor (or a number): no wait
         if on_device:
             p.device_keys = list(on_device)
             p.window, p.offset = self._window, self._window.add(list(on_device.values()))

@@ -54,17 +54,23 @@ def wait_mark(probe: Any, mark: Any) -> None:
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-_statm: dict[int, int] = {}  # pid -> open fd of /proc/self/statm (kept open: read every step)
+_statm: list[int] = []  # the open fd of /proc/self/statm (read every step; a fork reopens it)
+
+
+def _forget_statm() -> None:
+    _statm.clear()  # the child's /proc/self is another file: open it again when asked
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_statm)
 
 
 def host_rss_bytes() -> int:
     """Resident set size of this process; 0 where /proc is not there."""
-    pid = os.getpid()
     try:
-        fd = _statm.get(pid)
-        if fd is None:
-            fd = _statm[pid] = os.open("/proc/self/statm", os.O_RDONLY)
-        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
+        if not _statm:
+            _statm.append(os.open("/proc/self/statm", os.O_RDONLY))
+        return int(os.pread(_statm[0], 128, 0).split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
 

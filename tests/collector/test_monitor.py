@@ -101,6 +101,57 @@ def test_expert_counts_take_one_hook_and_count_only_the_layers_that_ran(tmp_path
     assert at1 == [6, 2, 2, 2]  # a: rewritten in place, counted twice; b: ran once
 
 
+class CountingModel(torch.nn.Module):
+    """Counts that change every forward: an in-place layer, a layer with new tensors, and a
+    layer that runs every other forward. What a window sums is each forward's own counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = InPlaceMoE([0, 0]), ToyMoE([0, 0]), ToyMoE([0, 0])
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        n = self.calls
+        self.a.counts, self.b.counts, self.c.counts = [n, 1], [1, n], [n * n, 0]
+        x = self.b(self.a(x))
+        return self.c(x) if n % 2 else x
+
+
+def test_a_window_sums_each_forwards_own_counts_whatever_the_layer_does(tmp_path, caplog):
+    mon = make_monitor(tmp_path, expert_every=3)
+    model = mon.watch(CountingModel())
+    for _ in range(6):
+        with mon.step(tokens=4):
+            model(torch.randn(1, 4))
+    mon.close()
+    df = load_expert_load(tmp_path / "run").sort_values(["step", "layer", "expert"])
+    by_step = {s: g["tokens"].tolist() for s, g in df.groupby("step")}
+    # forwards 1-3, then 4-6; c runs on odd forwards only (1 + 9, then 25)
+    assert by_step == {2: [6, 3, 3, 6, 10, 0], 5: [15, 3, 3, 15, 25, 0]}
+    assert "in place" not in caplog.text
+
+
+class ReusingMoE(ToyMoE):
+    """Hands out a new counts tensor, then zeroes it in place at its next forward: a layer
+    the Monitor can no longer read right, and says so."""
+
+    def forward(self, x):
+        if self.expert_token_counts is not None:
+            self.expert_token_counts.zero_()
+        return super().forward(x)
+
+
+def test_a_layer_that_changes_counts_it_handed_out_is_named_once(tmp_path, caplog):
+    mon = make_monitor(tmp_path, expert_every=2)
+    model = mon.watch(torch.nn.Sequential(ReusingMoE([3, 1])))
+    for _ in range(4):
+        with mon.step(tokens=4):
+            model(torch.randn(1, 4))
+    mon.close()
+    assert caplog.text.count("MoE layer 0 changed expert_token_counts in place") == 1
+
+
 def test_an_inference_mode_forward_is_counted_and_training_goes_on(tmp_path):
     mon = make_monitor(tmp_path, expert_every=2)
     model = mon.watch(torch.nn.Sequential(ToyMoE([3, 1])))

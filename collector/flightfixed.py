@@ -1,0 +1,78 @@
+"""Flight-log records of the collectives meshscope issues again and again with the same op,
+group, dtype and shape: DDP's gradient reduction of each step, and the Monitor's expert-load
+sum each window. Their fields are packed once, so a record costs one append to the ring
+(`collector.flightlog`); describing a call from its arguments and call site, every time,
+cost more than launching it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshscope.collector.flightlog import FlightLog
+from meshscope.collector.flightread import fit
+
+
+class FixedRecord:
+    """A collective issued again and again with the same op, group, dtype and shape (DDP's
+    reduction of a step, the Monitor's expert-load sum): its record's fields are packed once,
+    so a record costs one append. Describing a call from its arguments and its call site costs
+    more than launching it, on every call."""
+
+    def __init__(self, log: FlightLog, group: Any, op: str, dtype: str, shape: str, site: str) -> None:
+        self.log, self.group = log, group
+        self.fields = (fit(op, 24), fit(dtype, 15), fit(shape, 56), fit(site, 96))
+        self._named: tuple[str, bytes, int] | None = None  # the group's name and size, at first use
+
+    def begin(self) -> int:
+        """The collective is issued now: its slot."""
+        named = self._named
+        if named is None:
+            name, size = self.log.group_of(self.group)
+            named = self._named = (name, fit(name, 16), size)
+        return self.log.append(*named, *self.fields)
+
+    def end(self, slot: int) -> None:
+        """It completed (DDP: every bucket reduced)."""
+        self.log.reduction_done(slot)
+
+
+class ReductionRecord(FixedRecord):
+    """DDP's gradient all-reduce of one step as one flight-log record, while DDP keeps its C++
+    all-reduce: issued when this rank's backward starts, completed when DDP has reduced every
+    bucket. Two Python calls a step instead of a hook, a callback and a record per bucket (the
+    per-bucket path was most of what the Monitor cost); a rank that never reached backward
+    while its peers wait in it is named all the same. Buckets one by one are the backend's
+    Flight Recorder's to show, where it keeps one (`watchdog.flight_recorder`)."""
+
+    def __init__(self, log: FlightLog, ddp: torch.nn.Module) -> None:
+        grads = [p for p in ddp.module.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in grads)
+        dtype = str(grads[0].dtype).removeprefix("torch.") if grads else ""
+        site = f"DDP gradients ({len(grads)} tensors, C++ buckets)"
+        super().__init__(log, getattr(ddp, "process_group", None), "all_reduce", dtype, str(numel), site)
+
+
+def start_sum(group: Any, tensor: torch.Tensor, site: str) -> Any:
+    """All-reduce (sum) `tensor` in place on `group` without waiting: the Work. For a sum
+    meshscope issues every window from one place: straight on the process group (the
+    `torch.distributed` wrapper's checks cost more than gloo's launch) with a `FixedRecord`
+    kept per (group, shape, dtype, site), so the flight log still shows it."""
+    log = FlightLog._active
+    if log is None:
+        return group.allreduce([tensor])
+    key = (id(group), tuple(tensor.shape), tensor.dtype, site)
+    record = log.fixed.get(key)
+    if record is None:
+        shape = "x".join(map(str, tensor.shape)) or "scalar"
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        record = log.fixed[key] = FixedRecord(log, group, "all_reduce", dtype, shape, site)
+    slot = record.begin()
+    try:
+        work = group.allreduce([tensor])
+    except BaseException as err:
+        log.finish(slot, err)
+        raise
+    log.enqueued(slot, work)
+    return work
