@@ -103,6 +103,29 @@ def instrument_costs(mon, cost: CostMeter) -> None:
     monitor.instrument_hook = lambda *a, **k: cost.wrap(real_instrument(*a, **k))
 
 
+def empty_bodies() -> None:
+    """`--floor`: the Monitor's entry points keep their hooks, contexts and callbacks but do no
+    work in them (no record, no flight log, no expert counts): what entering the Monitor 16
+    times a step costs on this host, whatever an entry does. A diagnosis, not a Monitor."""
+    import torch
+
+    from meshscope.collector import comm, expert_counts, monitor
+    from meshscope.collector.scope import StepScope
+
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+
+    def begin(self, tokens, step):
+        self._step += 1
+        return StepScope(self.probe), time.time(), time.perf_counter()
+
+    monitor.Monitor._begin = begin
+    monitor.Monitor._end = lambda self, scope, tokens, wall, start: None
+    expert_counts.ExpertCounts.forward_done = lambda self: None
+    comm.BackwardWatch._on_backward_start = lambda self, grads: queue(self._on_graph_done)
+    comm.BackwardWatch._on_graph_done = lambda self: queue(self._on_reduced)
+    comm.BackwardWatch._on_reduced = lambda self: None
+
+
 def thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
@@ -118,6 +141,7 @@ def bench(
     bucket_mb: float,
     flight_log: bool = True,
     layers: int = 2,
+    floor: bool = False,
 ) -> dict:
     import torch
     from prometheus_client import CollectorRegistry
@@ -135,6 +159,8 @@ def bench(
         env=env,
         registry=CollectorRegistry(),
     )
+    if floor:
+        empty_bodies()
     cost = CostMeter()
     instrument_costs(mon, cost)
     data = SyntheticTokens(vocab_size=128, seq_len=32, batch_size=8, seed=0, rank=rank, world_size=world_size)
@@ -242,6 +268,9 @@ def main() -> None:
     ap.add_argument(
         "--no-flight-log", action="store_true", help="the Monitor without its flight log (a diagnosis)"
     )
+    ap.add_argument(
+        "--floor", action="store_true", help="the Monitor's entry points with empty bodies (a diagnosis)"
+    )
     args = ap.parse_args()
     print(f"machine: {machine()}")
     print(
@@ -261,6 +290,7 @@ def main() -> None:
                 bucket_mb=bucket_mb,
                 flight_log=not args.no_flight_log,
                 layers=args.layers,
+                floor=args.floor,
             )
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
         on, control = ratio_interval(results, "on"), ratio_interval(results, "control")

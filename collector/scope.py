@@ -67,7 +67,9 @@ class StepScope:
     def log(self, **scalars: Any) -> None:
         """Record loss, grad_norm, ...: tensors are kept as they are and read later."""
         for key, value in scalars.items():
-            self.scalars[key] = value.detach() if isinstance(value, torch.Tensor) else value
+            # kept without its graph (a loss holds the step's); a tensor with none is kept as is
+            graph = isinstance(value, torch.Tensor) and value.requires_grad
+            self.scalars[key] = value.detach() if graph else value
 
 
 class StepContext:
