@@ -2,14 +2,14 @@
 every forward, added up on the device and summed over ranks once per window of `every` steps.
 
 The sum is the one collective the Monitor adds, issued straight on the control plane's group
-with a flight-log record packed once (`collector.flightfixed`), and it holds no step: the all-reduce starts as
-the step that closes a window ends and is settled as the next step ends, a whole step later,
-when it has long finished (on the host gloo's threads carry it meanwhile; on an accelerator the
-settle is a stream wait, no host block). Listeners (a trainer's bias update) get the summed
-load then, on every rank at the same step, one step after the window closed; the host copy
-lands a window later still (`Readback`). Waiting for it as the window closed, or as the next
-step began, was the largest single part of the Monitor's own cost (ranks waiting for each
-other and for gloo on shared cores; `benchmarks/overhead.py`).
+with a flight-log record packed once (`collector.flightfixed`). It holds no step: the
+all-reduce starts as the step that closes a window ends and is settled as the next step ends,
+a whole step later, when it has long finished (on the host gloo's threads carry it meanwhile;
+on an accelerator the settle is a stream wait, no host block). Listeners (a trainer's bias
+update) get the summed load then, on every rank at the same step, one step after the window
+closed; the host copy lands a window later still (`Readback`). Waiting for it as the window
+closed, or as the next step began, was the largest single part of the Monitor's own cost
+(ranks waiting for each other and for gloo on shared cores; `benchmarks/overhead.py`).
 """
 
 from __future__ import annotations
@@ -102,8 +102,12 @@ class ExpertCounts:
             else:
                 self._noted.append((layer, counts, stamp[1]))
             if (work := expert_work(module)) is not None:  # expert parallelism: this rank's experts
-                done = _whole(work.detach().sum())
-                self._work[layer] = done if self._work[layer] is None else self._work[layer].add_(done)
+                self._add_work(layer, work)
+
+    def _add_work(self, layer: int, work: torch.Tensor) -> None:
+        with torch.inference_mode(False):  # the window's sums stay normal tensors
+            done = _whole(work.detach().sum())
+            self._work[layer] = done if self._work[layer] is None else self._work[layer].add_(done)
 
     def _window_sum(self) -> torch.Tensor | None:
         """This window's tokens, [layer, expert], from the counts noted since the last one

@@ -11,7 +11,7 @@ from fixtures.ports import free_port_range
 from meshscope.collector import Monitor, MonitorConfig
 from meshscope.collector.env import DistEnv
 from meshscope.collector.exporter import PortInUseError
-from meshscope.collector.store import load_events, load_expert_load, load_steps
+from meshscope.collector.store import load_events, load_expert_load, load_expert_work, load_steps
 
 
 class ToyMoE(torch.nn.Module):
@@ -163,6 +163,27 @@ def test_an_inference_mode_forward_is_counted_and_training_goes_on(tmp_path):
     mon.close()
     df = load_expert_load(tmp_path / "run")
     assert df[df["step"] == 1].sort_values("expert")["tokens"].tolist() == [6, 2]
+
+
+class HeldExperts(ToyMoE):
+    """Expert parallelism's per-rank fact too: the tokens this rank's experts processed."""
+
+    def forward(self, x):
+        self.expert_work = torch.tensor([2.0, 5.0])
+        return super().forward(x)
+
+
+def test_expert_work_after_an_inference_mode_forward_is_counted_and_training_goes_on(tmp_path):
+    mon = make_monitor(tmp_path, expert_every=2)
+    model = mon.watch(torch.nn.Sequential(HeldExperts([3, 1])))
+    with mon.step(tokens=4):
+        with torch.inference_mode():
+            model(torch.randn(1, 4))
+    with mon.step(tokens=4):
+        model(torch.randn(1, 4)).sum().backward()
+    mon.close()
+    work = load_expert_work(tmp_path / "run")
+    assert work[["step", "layer", "tokens"]].values.tolist() == [[1, 0, 14]]
 
 
 def test_non_finite_loss_is_one_event_and_a_fault(tmp_path):
