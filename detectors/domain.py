@@ -99,6 +99,10 @@ class Straggler(WindowedDetector):
         lines = np.maximum(self.ratio, self.lines_)  # `ratio` may have been raised since (set_params)
         return [list(np.flatnonzero(row > lines)) for row in self.ratios(X)]
 
+    def line(self, ranks: list[int]) -> float:
+        """The ratio above which the lowest-lined of `ranks` straggles."""
+        return float(np.maximum(self.ratio, self.lines_)[ranks].min())
+
 
 class PersistentStraggler(WindowedDetector):
     """X: compute seconds, one row per step, one column per rank, in step order.

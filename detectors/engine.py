@@ -238,6 +238,7 @@ class DetectionEngine:
             confirm=flag.confirm,
             clock=flag.clock,
             now=step,
+            line=flag.line,
         )
         if opened is not None:
             self.on_open(opened)

@@ -28,6 +28,9 @@ class Episode:
     announced_step: int | None = None
     """The step that confirmed it: when it opened (alerts go out then), `confirm - 1` flagged
     steps after `start_step` or later."""
+    run: list[tuple[int, float, dict[str, Any]]] = field(default_factory=list)
+    """While pending: the unbroken run of flags it starts with, (step, excess over the rule's
+    line, evidence), when the rule says where its line is."""
 
     @property
     def confirmed(self) -> bool:
@@ -78,10 +81,13 @@ class EpisodeTracker:
         confirm: int = 1,
         clock: str = "steps",
         now: int | None = None,
+        line: float | None = None,
     ) -> Episode | None:
         """Record a flagged step; returns the episode when this step confirms it (after
         `confirm` flagged steps: one noisy step is not an anomaly). `now`: the step being
-        judged, when the flag is about an earlier one (a held verdict); it announces."""
+        judged, when the flag is about an earlier one (a held verdict); it announces. `line`:
+        the score the rule flags above, which lets a weak flag just before a fault be told
+        from the fault (`WEAK_LEAD`)."""
         now = step if now is None else now
         key = (type, tuple(ranks or ()), layer, expert, module)
         ep = self.open.get(key)
@@ -101,6 +107,7 @@ class EpisodeTracker:
                 module=module,
                 clock=clock,
             )
+            self._note_run(ep, step, score, evidence, line)
             return self._announce(ep, now) if ep.confirmed else None
         # only the steps' clock advances by one: a window table's next row is several steps on
         if not ep.confirmed and ep.clock == "steps" and step - ep.end_step > 1:
@@ -108,8 +115,23 @@ class EpisodeTracker:
             # off), but the start moves up, so a noisy step before a fault is not its start,
             # and its evidence and score are not the fault's.
             ep.start_step, ep.score, ep.evidence = step, score, dict(evidence or {})
+            ep.run = []
         ep.end_step, ep.score, ep.count = max(ep.end_step, step), max(ep.score, score), ep.count + 1
+        if not ep.confirmed or ep.count == ep.confirm:
+            self._note_run(ep, step, score, evidence, line)
         return self._announce(ep, now) if ep.count == ep.confirm else None
+
+    @staticmethod
+    def _note_run(ep: Episode, step: int, score: float, evidence: dict | None, line: float | None) -> None:
+        """Keep a pending episode's leading run, and drop a weak lead from it."""
+        if line is None or ep.clock != "steps":
+            return
+        ep.run.append((step, score - line, dict(evidence or {})))
+        dropped = _weak_lead(ep.run)
+        if dropped:
+            ep.run = ep.run[dropped:]
+            ep.count -= dropped  # the noise helped no confirmation: the fault confirms alone
+            ep.start_step, ep.evidence = ep.run[0][0], ep.run[0][2]
 
     @staticmethod
     def _announce(ep: Episode, step: int) -> Episode:
@@ -132,3 +154,20 @@ class EpisodeTracker:
         """Close every open episode; the confirmed ones."""
         done, self.open = list(self.open.values()), {}
         return [ep for ep in done if ep.confirmed]
+
+
+WEAK_LEAD = 0.5
+"""A leading flag less than this share of its run's median excess over the line is noise that
+happened to come just before a fault, not its start (a busy host's one slow step, then the
+fault): dropped from the run, so the episode starts, and is confirmed, by the fault alone."""
+
+
+def _weak_lead(run: list[tuple[int, float, dict[str, Any]]]) -> int:
+    """How many leading flags of `run` are weak against the run (`WEAK_LEAD`)."""
+    if len(run) < 2:
+        return 0
+    bar = WEAK_LEAD * float(sorted(excess for _, excess, _ in run)[len(run) // 2])
+    dropped = 0
+    while dropped < len(run) - 1 and run[dropped][1] < bar:
+        dropped += 1
+    return dropped

@@ -61,6 +61,9 @@ class Flag:
     about: int | None = None
     """The earlier step this flag is about, when a rule held its verdict on it (None: the step
     being judged); it is announced at the step being judged."""
+    line: float | None = None
+    """The score above which the rule flags, where it has one: a weak flag just before a fault
+    is then told from the fault (`episodes.WEAK_LEAD`)."""
 
 
 @dataclass
@@ -258,6 +261,7 @@ class StragglerRule(StepRule):
                     ranks=[row.ranks[i] for i in slow],
                     confirm=3,
                     evidence=self._evidence(row, ratio=round(ratio, 2)),
+                    line=self.detector.line(slow),
                 )
             ]
         return self._persistent(row)

@@ -200,6 +200,24 @@ def test_a_noisy_flag_before_a_fault_is_not_the_faults_start():
     assert [(e.start_step, e.end_step) for e in tracker.close_all()] == [(40, 45)]
 
 
+@pytest.mark.parametrize(
+    "scores, start, announced",
+    [
+        ({39: 1.9, 40: 3.1, 41: 3.0, 42: 3.2}, 40, 42),  # a weak flag right before: not the start
+        ({39: 2.9, 40: 3.1, 41: 3.0, 42: 3.2}, 39, 41),  # as strong as the fault: part of it
+        ({39: 1.9, 40: 2.0, 41: 1.8, 42: 1.9}, 39, 41),  # a weak fault all along: all of it
+    ],
+)
+def test_a_weak_flag_right_before_a_fault_neither_starts_nor_confirms_it(scores, start, announced):
+    # No quiet step between the noise and the fault: the rule's line (1.5) tells them apart.
+    tracker, opened = EpisodeTracker(gap=3), []
+    for step, score in scores.items():
+        ep = tracker.flag(step, "straggler", score, ranks=[1], confirm=3, evidence={"at": step}, line=1.5)
+        opened += [ep] if ep else []
+    found = [(e.start_step, e.announced_step, e.evidence) for e in opened]
+    assert found == [(start, announced, {"at": start})]
+
+
 def _long_steps(df, steps, seconds, busy_rank=None):
     """Make `steps` longer by `seconds`: every rank waits in communication for it, or, with
     `busy_rank`, that rank computes through it while its peers wait."""
