@@ -284,7 +284,9 @@ def _steadiest_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, bool]:
     def misfit(fit: tuple[float, float]) -> float:
         return float(np.median(np.abs(fit[0] + fit[1] * x - y)))
 
-    return (*line, True) if misfit(line) <= misfit(fixed) else (*fixed, False)
+    # a tie (one run: both go through it) is the line's; rounding must not decide it
+    tie = 1e-9 * float(np.max(np.abs(y)))
+    return (*line, True) if misfit(line) <= misfit(fixed) + tie else (*fixed, False)
 
 
 def _alltoall(runs: list[MeasuredRun], cluster: ClusterSpec) -> dict[str, float]:
