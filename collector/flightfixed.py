@@ -33,10 +33,6 @@ class FixedRecord:
             named = self._named = (name, fit(name, 16), size)
         return self.log.append(*named, *self.fields)
 
-    def end(self, slot: int) -> None:
-        """It completed (DDP: every bucket reduced)."""
-        self.log.reduction_done(slot)
-
 
 class ReductionRecord(FixedRecord):
     """DDP's gradient all-reduce of one step as one flight-log record, while DDP keeps its C++
@@ -52,6 +48,10 @@ class ReductionRecord(FixedRecord):
         dtype = str(grads[0].dtype).removeprefix("torch.") if grads else ""
         site = f"DDP gradients ({len(grads)} tensors, C++ buckets)"
         super().__init__(log, getattr(ddp, "process_group", None), "all_reduce", dtype, str(numel), site)
+
+    def end(self, slot: int) -> None:
+        """Every bucket is reduced (a sum from `start_sum` completes through its Work)."""
+        self.log.reduction_done(slot)
 
 
 def start_sum(group: Any, tensor: torch.Tensor, site: str) -> Any:

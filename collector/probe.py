@@ -58,7 +58,10 @@ _statm: list[int] = []  # the open fd of /proc/self/statm (read every step; a fo
 
 
 def _forget_statm() -> None:
-    _statm.clear()  # the child's /proc/self is another file: open it again when asked
+    # the inherited fd reads the parent's statm: close it, and open the child's when asked
+    for fd in _statm:
+        os.close(fd)
+    _statm.clear()
 
 
 if hasattr(os, "register_at_fork"):
