@@ -1,23 +1,28 @@
-"""Monitor overhead: the same DDP MoE loop with the Monitor on and off, alternating in blocks.
+"""Monitor overhead: one DDP MoE loop with the Monitor switched on and off, alternating in blocks.
 
-Three models of the same architecture live in the same processes: one watched by the Monitor
-(phase marks, the wait after backward, expert counts, records to the store and /metrics
-families), two plain (DDP's built-in C++ all-reduce). Blocks of steps rotate through the three,
-so drift and noise hit all; fresh triples are built several times in rotating order, since two
-identical models differ by a few percent through memory layout alone.
+One model is built and stepped in blocks of three kinds, the order rotating block by block:
+watched by the Monitor (phase marks, the wait after backward, expert counts, records to the
+store and /metrics families), plain (DDP's built-in C++ all-reduce, no hook), and plain again.
+Between blocks the Monitor's forward hook is removed or put back and DDP's timing rate set
+(`Switch`): the watched and the plain steps run the same tensors, so the ratio holds no
+difference of memory layout (two identical models differ by a few percent through it alone).
+Several fresh models are built in turn.
 
 Printed per configuration:
-- `on/off`: watched step time over the first plain model's in the same block, the median over
-  blocks, with a 95 % bootstrap interval over blocks (target <= 1.01; the interval says
-  whether this many alternations resolve 1 %);
-- `control`: the second plain model over the first, likewise: the same code, so this is the
+- `on/off`: watched step time over the plain one in the same rotation, the median over blocks,
+  with a 95 % bootstrap interval over blocks (target <= 1.01; the interval says whether this
+  many alternations resolve 1 %);
+- `cpu on/off`: the same for the process's CPU time a step (every thread of a rank). Waiting
+  and the hypervisor's steal are out of it, so it resolves finer; what the Monitor costs
+  beyond its own entry points (caches it evicts, threads it wakes) is in it;
+- `control`: the second plain block over the first, likewise: the same code, so this is the
   noise floor of this machine, measured in the same invocation;
 - `cost`: CPU time the Monitor itself spent per step on rank 0 (its context managers, hooks,
   autograd callbacks, its store-writer thread and the flight log's responder thread over the
-  measured steps), and that cost over the plain step time: the overhead as an account rather
-  than a difference of two noisy numbers.
+  measured steps), and that cost over the plain step time: an account, entry by entry, of
+  where the overhead sits.
 
-    .venv/bin/python benchmarks/overhead.py [--ranks 2 --pairs 4 --blocks 6 --block-steps 8 --layers 2]
+    .venv/bin/python benchmarks/overhead.py [--ranks 2 --models 3 --blocks 40 --block-steps 8 --layers 2]
 """
 
 from __future__ import annotations
@@ -126,6 +131,48 @@ def empty_bodies() -> None:
     comm.BackwardWatch._on_reduced = lambda self: None
 
 
+DDP_SAMPLE_RATE = 100  # DDP's own rate of timed iterations (kDDPRuntimeLoggingSampleRate)
+
+
+class Switch:
+    """The Monitor on one DDP model, switched on and off between blocks: the watched and the
+    plain steps run the same model, so the ratio holds no difference of memory layout (two
+    identical models differ by a few percent through it alone)."""
+
+    def __init__(self, mon, ddp) -> None:
+        self.mon, self.ddp = mon, ddp
+        self.hooks: list = []  # (hook, handle) of every forward hook watch() registered
+        self.on = False
+
+    def turn(self, on: bool) -> None:
+        if on == self.on:
+            return
+        self.on = on
+        if on and not self.hooks:
+            self._watch()
+        elif on:
+            self.hooks = [(hook, self.ddp.register_forward_hook(hook)) for hook, _ in self.hooks]
+            self.ddp._set_ddp_runtime_logging_sample_rate(self.mon.config.comm_sample_every)
+        else:
+            for _, handle in self.hooks:
+                handle.remove()
+            self.ddp._set_ddp_runtime_logging_sample_rate(DDP_SAMPLE_RATE)
+
+    def _watch(self) -> None:
+        register = self.ddp.register_forward_hook
+
+        def kept(hook, *args, **kwargs):
+            handle = register(hook, *args, **kwargs)
+            self.hooks.append((hook, handle))
+            return handle
+
+        self.ddp.register_forward_hook = kept
+        try:
+            self.mon.watch(self.ddp)
+        finally:
+            del self.ddp.register_forward_hook
+
+
 def thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
@@ -133,7 +180,7 @@ def thread_cpu(thread) -> float:
 def bench(
     rank: int,
     world_size: int,
-    pairs: int,
+    models: int,
     blocks: int,
     block_steps: int,
     run_dir: str,
@@ -195,49 +242,55 @@ def bench(
 
     modes = ("on", "off", "control")
     times = {m: [] for m in modes}
-    block_medians = {m: [] for m in modes}  # one per (triple, block): what the interval pairs
+    block_medians = {m: [] for m in modes}  # one per (model, block): what the interval pairs
+    block_cpu = {m: [] for m in modes}  # the process's CPU time a step, every thread, per block
     time.sleep(0.5)  # the responder thread's start (an import, once a run) is not a cost per step
     writer_before = thread_cpu(mon.store._thread)
     responder_thread = mon.flight._responder if mon.flight is not None else None
     responder_before = thread_cpu(responder_thread) if responder_thread is not None else 0.0
-    for pair in range(pairs):
-        built = [make() for _ in modes]
-        order = modes[pair % 3 :] + modes[: pair % 3]  # construction order rotates
-        models = dict(zip(order, built))
-        mon.watch(models["on"][1])
-        for i in range(3):  # warm-up all
+    for _ in range(models):
+        model, ddp, opt = make()
+        watched = Switch(mon, ddp)
+        for i in range(3):  # warm-up both ways
             for m in modes:
-                (step_watched if m == "on" else step_plain)(*models[m], i)
+                watched.turn(m == "on")
+                (step_watched if m == "on" else step_plain)(model, ddp, opt, i)
         for b in range(blocks):
             for m in modes[b % 3 :] + modes[: b % 3]:
+                watched.turn(m == "on")
                 block = []
+                cpu = time.process_time()
                 for i in range(block_steps):
                     t0 = time.perf_counter()
-                    (step_watched if m == "on" else step_plain)(*models[m], i)
+                    (step_watched if m == "on" else step_plain)(model, ddp, opt, i)
                     block.append(time.perf_counter() - t0)
                 times[m].extend(block)
                 block_medians[m].append(statistics.median(block))
+                block_cpu[m].append((time.process_time() - cpu) / block_steps)
     writer = thread_cpu(mon.store._thread) - writer_before
     responder = thread_cpu(responder_thread) - responder_before if responder_thread is not None else 0.0
-    steps_on = len(times["on"]) + 3 * pairs
+    steps_on = len(times["on"]) + 3 * models
     mon.close()
     parts = {"in_step": cost.seconds, "store_writer": writer, "responder": responder}
     return {
         **times,
         "blocks": block_medians,
+        "cpu": block_cpu,
         "cost_per_step": sum(parts.values()) / steps_on,
         "parts": {k: v / steps_on for k, v in parts.items()},
         "entries": {k: (sec / steps_on, calls / steps_on) for k, (sec, calls) in cost.by_entry.items()},
     }
 
 
-def ratio_interval(results: list[dict], mode: str, draws: int = 4000) -> tuple[float, float, float]:
+def ratio_interval(
+    results: list[dict], mode: str, draws: int = 4000, figure: str = "blocks"
+) -> tuple[float, float, float]:
     """The median over blocks of `mode`'s step time over the plain model's in the same block
     (ranks averaged: they step in lockstep), with a 95 % bootstrap interval: whether the
     alternations resolve 1 %."""
     import numpy as np
 
-    ratios = np.mean([np.divide(r["blocks"][mode], r["blocks"]["off"]) for r in results], axis=0)
+    ratios = np.mean([np.divide(r[figure][mode], r[figure]["off"]) for r in results], axis=0)
     rng = np.random.default_rng(0)
     medians = np.median(rng.choice(ratios, size=(draws, ratios.size)), axis=1)
     low, high = np.percentile(medians, [2.5, 97.5])
@@ -247,8 +300,8 @@ def ratio_interval(results: list[dict], mode: str, draws: int = 4000) -> tuple[f
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--pairs", type=int, default=3, help="fresh model triples")
-    ap.add_argument("--blocks", type=int, default=6)
+    ap.add_argument("--models", type=int, default=3, help="fresh models, each switched on and off")
+    ap.add_argument("--blocks", type=int, default=40, help="block rotations per model")
     ap.add_argument("--block-steps", type=int, default=8)
     ap.add_argument(
         "--d-model",
@@ -274,7 +327,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"machine: {machine()}")
     print(
-        f"ranks={args.ranks} triples={args.pairs} blocks={args.blocks}x{args.block_steps} "
+        f"ranks={args.ranks} models={args.models} blocks={args.blocks}x{args.block_steps} "
         "steps per mode per rank"
     )
     for width, bucket_mb in itertools.product(args.d_model, args.bucket_mb):
@@ -282,7 +335,7 @@ def main() -> None:
             results = run_ranks(
                 bench,
                 args.ranks,
-                pairs=args.pairs,
+                models=args.models,
                 blocks=args.blocks,
                 block_steps=args.block_steps,
                 run_dir=d,
@@ -294,6 +347,7 @@ def main() -> None:
             )
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
         on, control = ratio_interval(results, "on"), ratio_interval(results, "control")
+        cpu_on, cpu_control = (ratio_interval(results, m, figure="cpu") for m in ("on", "control"))
         cost = results[0]["cost_per_step"]
         parts = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in results[0]["parts"].items())
         print(
@@ -301,6 +355,9 @@ def main() -> None:
             f"step on {med['on'] * 1e3:7.2f} ms  off {med['off'] * 1e3:7.2f} ms\n"
             f"    on/off {on[0]:.4f} [{on[1]:.4f}, {on[2]:.4f}]  control {control[0]:.4f} "
             f"[{control[1]:.4f}, {control[2]:.4f}]  (block medians, 95 % interval; target <= 1.01)\n"
+            f"    cpu on/off {cpu_on[0]:.4f} [{cpu_on[1]:.4f}, {cpu_on[2]:.4f}]  "
+            f"control {cpu_control[0]:.4f} [{cpu_control[1]:.4f}, {cpu_control[2]:.4f}]  "
+            "(CPU time a step, every thread of a rank)\n"
             f"    cost {cost * 1e6:6.0f} us/step = {cost / med['off']:.2%}; account, us/step: {parts}"
         )
         entries = sorted(results[0]["entries"].items(), key=lambda kv: -kv[1][0])
