@@ -152,11 +152,15 @@ class Switch:
             self._watch()
         elif on:
             self.hooks = [(hook, self.ddp.register_forward_hook(hook)) for hook, _ in self.hooks]
-            self.ddp._set_ddp_runtime_logging_sample_rate(self.mon.config.comm_sample_every)
+            self._rate(self.mon.config.comm_sample_every)
         else:
             for _, handle in self.hooks:
                 handle.remove()
-            self.ddp._set_ddp_runtime_logging_sample_rate(DDP_SAMPLE_RATE)
+            self._rate(DDP_SAMPLE_RATE)
+
+    def _rate(self, every: int) -> None:
+        if not self.mon.probe.asynchronous:  # on a device the Monitor leaves DDP's rate alone
+            self.ddp._set_ddp_runtime_logging_sample_rate(every)
 
     def _watch(self) -> None:
         register = self.ddp.register_forward_hook
