@@ -16,6 +16,10 @@ interleaved passes and keeps the least disturbed run of each (this shared VM mov
 step time by up to ±17 % between recordings).
 
     .venv/bin/python benchmarks/advisor.py [--steps N] [--repeats N] [--search-only] [--nodes] [--keep DIR]
+    .venv/bin/python benchmarks/advisor.py --ceiling DIR DIR ...   (several kept run sets)
+
+`--ceiling` scores the machine, not the model: each set's held-out runs predicted from the
+same layouts in the other sets, scaled to the set's speed.
 """
 
 from __future__ import annotations
@@ -176,6 +180,34 @@ def compare(cluster, runs: dict[str, tuple[Path, str]]) -> None:
         print("note:", note)
 
 
+def noise_ceiling(sets: list[Path], steps: int) -> None:
+    """`--ceiling`: the held-out error of a predictor that knows each layout's step time from
+    the other recorded sets, scaled to this set's speed (the mean ratio over its calibration
+    runs). No model of this machine can expect to do better: what it misses is how one
+    recording differs from another, the machine's own repeatability."""
+    times = []
+    for root in sets:
+        repeats = 1 + max((int(p.name.rsplit("-r", 1)[1]) for p in root.glob("*-r[0-9]*")), default=0)
+        times.append({name: measure_step_s(path) for name, path in recorded(root, steps, repeats).items()})
+    held = [n for n, spec in LAYOUTS.items() if spec[3] == "held"]
+    cal = [n for n, spec in LAYOUTS.items() if spec[3] == "cal"]
+    print("| run set | speed (cal runs against the others) | held-out median | worst |")
+    print("|---|---|---|---|")
+    for i, root in enumerate(sets):
+        others = {n: statistics.mean(t[n] for j, t in enumerate(times) if j != i) for n in LAYOUTS}
+        speed = statistics.mean(times[i][n] / others[n] for n in cal)
+        errors = {n: speed * others[n] / times[i][n] - 1 for n in held}
+        worst = max(errors, key=lambda n: abs(errors[n]))
+        median = statistics.median(abs(e) for e in errors.values())
+        print(f"| {root} | {speed:.2f} | {median:.1%} | {errors[worst]:+.1%} ({worst}) |")
+
+
+def measure_step_s(path: Path) -> float:
+    from meshscope.advisor.calibrate import measure
+
+    return measure(path).step_s
+
+
 # Across two emulated nodes, one rank each, the link limited to LINK: name -> (batch, role)
 LINK = "1gbit"
 NODE_LAYOUTS = {
@@ -217,8 +249,19 @@ def main() -> None:
         default=1,
         help="record each local layout N times; the least disturbed run counts",
     )
+    parser.add_argument(
+        "--ceiling",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="kept run sets (each a --keep DIR): the error of a predictor that knows every layout from "
+        "the other sets, this machine's own limit; nothing else runs",
+    )
     args = parser.parse_args()
     print(f"machine: {machine()}\n")
+    if args.ceiling:
+        noise_ceiling(args.ceiling, args.steps)
+        return
     search_time()
     if not args.search_only:
         print()
