@@ -145,6 +145,7 @@ class Switch:
         self.on = False
 
     def turn(self, on: bool) -> None:
+        """Watched (on) or plain (off) from the next step."""
         if on == self.on:
             return
         self.on = on
@@ -289,9 +290,9 @@ def bench(
 def ratio_interval(
     results: list[dict], mode: str, draws: int = 4000, figure: str = "blocks"
 ) -> tuple[float, float, float]:
-    """The median over blocks of `mode`'s step time over the plain model's in the same block
-    (ranks averaged: they step in lockstep), with a 95 % bootstrap interval: whether the
-    alternations resolve 1 %."""
+    """The median over blocks of `mode`'s figure over the plain block's in the same rotation
+    (`blocks`: the median step time; `cpu`: the CPU time a step; ranks averaged, they step in
+    lockstep), with a 95 % bootstrap interval: whether the alternations resolve 1 %."""
     import numpy as np
 
     ratios = np.mean([np.divide(r[figure][mode], r[figure]["off"]) for r in results], axis=0)
