@@ -258,6 +258,8 @@ def main() -> None:
         "the other sets, this machine's own limit; nothing else runs",
     )
     args = parser.parse_args()
+    if args.ceiling and len(args.ceiling) < 2:
+        parser.error("--ceiling: give two recorded sets or more (each is predicted from the others)")
     print(f"machine: {machine()}\n")
     if args.ceiling:
         noise_ceiling(args.ceiling, args.steps)
