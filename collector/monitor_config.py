@@ -34,7 +34,8 @@ class MonitorConfig:
     reports non-finite steps itself (with the module): one event per finding, not two."""
     flight_log: bool = True
     """Keep the collective flight log (`collector.flightlog`) in `<run_dir>/live/`, which the
-    hang watchdog reads; it gives DDP a Python all-reduce hook so every bucket is seen."""
+    hang watchdog reads. DDP keeps its C++ all-reduce: a step's reduction is one record
+    (`collector.flightfixed.ReductionRecord`); a Python comm hook's buckets are recorded one by one."""
     flight_capacity: int = 2048
     """Collectives the flight log keeps per rank (a ring)."""
 

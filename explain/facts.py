@@ -104,6 +104,11 @@ class Anomaly:
         )
 
 
+class UnknownAnomaly(KeyError):
+    """An anomaly id the run does not hold: the user's input, told apart from a KeyError that
+    is a bug (that one must surface as itself)."""
+
+
 @dataclass
 class RunFacts:
     """Everything explain reads about one run, loaded once."""
@@ -134,7 +139,8 @@ class RunFacts:
                 return a
         ids = [a.id for a in self.anomalies if a.id is not None]
         hint = "" if ids else f"; `meshscope detect --run {self.run_dir}` stores them"
-        raise KeyError(f"no anomaly {anomaly_id} in {self.run_dir} (anomaly ids: {ids or 'none'}{hint})")
+        known = f"anomaly ids: {ids or 'none'}{hint}"
+        raise UnknownAnomaly(f"no anomaly {anomaly_id} in {self.run_dir} ({known})")
 
 
 def replay_anomalies(

@@ -326,7 +326,7 @@ def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
         return _nonfinite_from_steps(facts, w)
     first = ev.sort_values(["step", "id"]).iloc[0]
     at_first = ev[ev["step"] == first["step"]]
-    with_module = at_first[[bool(d.get("module")) for d in at_first["detail"]]]
+    with_module = _rows(at_first, [bool(d.get("module")) for d in at_first["detail"]])
     row = with_module.iloc[0] if len(with_module) else first
     d, step = row["detail"], int(row["step"])
     ranks = sorted({int(r) for r in at_first["rank"].dropna()})
@@ -377,7 +377,7 @@ def _checkpoint(facts: RunFacts, w: Window) -> list[Cause]:
     """A checkpoint saved in (or just before) the window: meshscope's own pause, a known cause."""
     ev = facts.events
     saves = ev[(ev["kind"] == "checkpoint") & ev["step"].between(w.lo - 1, w.hi)] if not ev.empty else ev
-    saves = saves[["held_s" in d for d in saves["detail"]]] if not saves.empty else saves
+    saves = _rows(saves, ["held_s" in d for d in saves["detail"]]) if not saves.empty else saves
     if saves.empty:
         return []
     row = max(saves.itertuples(), key=lambda r: r.detail["held_s"])
@@ -400,7 +400,13 @@ def _checkpoint(facts: RunFacts, w: Window) -> list[Cause]:
 def _events_where(ev: pd.DataFrame, kind: str, key: str, value: Any) -> pd.DataFrame:
     """Events of `kind` whose detail has `key` == `value`."""
     rows = ev[ev["kind"] == kind]
-    return rows[[d.get(key) == value for d in rows["detail"]]]
+    return _rows(rows, [d.get(key) == value for d in rows["detail"]])
+
+
+def _rows(frame: pd.DataFrame, keep: list[bool]) -> pd.DataFrame:
+    """The rows of `frame` where `keep` holds. `frame[[]]` would select no columns, so an
+    empty selection would lose them all (and the next `["detail"]` fail)."""
+    return frame.loc[np.asarray(keep, dtype=bool)]
 
 
 def _deaths(ev: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -5,8 +5,9 @@ write, no reads. One watcher per node (local rank 0) reads its node's beats in o
 every half interval: a rank whose beat has not changed for 1.5 intervals (so within two
 intervals of its death) and left no exit mark is reported once; the watcher exports its own
 ranks' ages only and writes a node summary. With several nodes, one job watcher (rank 0)
-reads the summaries: a node whose summary stopped changing lost its watcher, and its ranks
-are reported. Per interval: N beats, one read and one write per node, one read for the job
+reads the summaries: a node whose summary stopped changing lost its watcher (it died, or its
+local rank 0 finished first), and its ranks that stopped beating without an exit mark are
+reported. Per interval: N beats, one read and one write per node, one read for the job
 (the old design, where every rank read every peer, made 4 N^2 store operations: 4 million a
 second at 1,024 ranks; see benchmarks/watchdog_scale.py).
 
@@ -243,8 +244,10 @@ class NodeWatch(_Watcher):
 
 class JobWatch(_Watcher):
     """One per job (global rank 0, with several nodes): reads every node's summary in one
-    `multi_get`; a node whose summary stopped changing lost its watcher (the node or its
-    local rank 0 died): its ranks are reported dead unless they left on purpose."""
+    `multi_get`. A node whose summary stopped changing lost its watcher: the node died, or its
+    local rank 0 finished first. Its ranks are then read one by one: one that left on purpose
+    or still beats is alive; one that has not beaten since its node's last summary, or stops
+    beating later, is reported dead."""
 
     def __init__(
         self,
@@ -259,9 +262,10 @@ class JobWatch(_Watcher):
         super().__init__(interval_s, clock, "meshscope-job-watch")
         self.store, self.attempt, self.nodes = store, attempt, nodes
         self.on_dead = on_dead
+        self.settled: set[int] = set()  # ranks of watcher-less nodes reported or gone on purpose
 
     def look(self) -> None:
-        """Read every node's summary once; report lost nodes."""
+        """Read every node's summary once; read the ranks of a node whose watcher is gone."""
         keys = [node_key(self.attempt, n) for n in self.nodes]
         if not _all_set(self.store, keys):
             return
@@ -269,10 +273,25 @@ class JobWatch(_Watcher):
             age = self.ages.age(node, value)
             if age <= 1.5 * self.interval or node in self.reported:
                 continue
-            self.reported.add(node)
-            for rank in ranks:
-                if not self.store.check([exit_key(self.attempt, rank)]):
-                    self.on_dead(rank, age, -1)
+            if self._look_at_ranks(ranks, float(value.decode().split()[0]), age):
+                self.reported.add(node)
+
+    def _look_at_ranks(self, ranks: list[int], summary_time: float, summary_age: float) -> bool:
+        """Report the ranks of a watcher-less node that died; True once each is settled. Beat
+        and summary times are both of that node's clock: a rank that has not beaten since the
+        summary stopped (1.5 intervals ago at least) is as silent as NodeWatch's dead."""
+        open_ranks = [r for r in ranks if r not in self.settled]
+        for rank in open_ranks:
+            if self.store.check([exit_key(self.attempt, rank)]):
+                self.settled.add(rank)
+                continue
+            beat = self.store.get(hb_key(self.attempt, rank))
+            age = self.ages.age(("rank", rank), beat)
+            beat_time, step = beat.decode().split()
+            if float(beat_time) <= summary_time or age > 1.5 * self.interval:
+                self.settled.add(rank)
+                self.on_dead(rank, max(age, summary_age), int(step))
+        return all(r in self.settled for r in ranks)
 
 
 def _all_set(store: dist.Store, keys: list[str]) -> bool:

@@ -15,7 +15,7 @@ from meshscope.collector.store import (
     load_steps,
     load_tensor_stats,
 )
-from meshscope.explain.facts import Cause, RunFacts
+from meshscope.explain.facts import Cause, RunFacts, UnknownAnomaly
 from meshscope.explain.ranking import explain
 from meshscope.view import data
 from meshscope.view.settings import ViewSettings
@@ -77,7 +77,7 @@ def causes(run_dir: str, version: float, anomaly_id: int | None, start: int, kin
     if anomaly_id is not None:
         try:
             return explain(f, anomaly_id)
-        except KeyError:
+        except UnknownAnomaly:
             pass  # a hang event: explained by its window below
     a = next((x for x in data.anomalies_with_hangs(f) if x.start_step == start and x.type == kind), None)
     return causes_for(f, a) if a is not None else []

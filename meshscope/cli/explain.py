@@ -22,12 +22,13 @@ def explain(
     """Probable causes of what went wrong in a run (or one anomaly), ranked, with evidence."""
     import json
 
+    from meshscope.explain.facts import UnknownAnomaly
     from meshscope.explain.ranking import explain as rank_causes
 
     _readable_store(run)
     try:
         causes = rank_causes(run, anomaly)
-    except KeyError as err:
+    except UnknownAnomaly as err:
         fail(str(err.args[0]))
     except store_errors() as err:
         fail(f"{describe_store(run)}: not a readable meshscope run store ({err})")

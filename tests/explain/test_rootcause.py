@@ -154,3 +154,20 @@ def test_a_rank_slow_from_the_experts_placed_on_it_is_told_from_a_slow_host(tmp_
     even = explain(_expert_parallel(tmp_path, "even", 1.0))  # the same slowness, the same load
     assert even[0].kind == "slow_host" and even[0].ranks == [1], [(c.kind, c.confidence) for c in even]
     assert not any(c.kind == "hot_experts" for c in even)
+
+
+def test_a_death_only_the_watchdog_saw_is_explained_not_a_crash_of_explain(tmp_path):
+    # no `fault` event (no next attempt reported it): an empty selection must stay a table
+    from meshscope.collector.schema import Event
+    from meshscope.collector.store import RunStore
+
+    run = tmp_path / "dead"
+    shutil.copytree(DATA / "clean-a", run)
+    store = RunStore(run)
+    store.add_event(
+        Event(kind="hang", run_id="r", rank=0, step=70, detail={"type": "dead", "culprit_ranks": [1]})
+    )
+    store.close()
+    causes = explain(run)
+    found = [(c.kind, c.ranks) for c in causes]
+    assert found and found[0] == ("crash", [1]), found

@@ -1,3 +1,5 @@
+import time
+
 import torch.distributed as dist
 
 from fixtures.ports import free_port_range
@@ -94,6 +96,33 @@ def test_a_node_whose_watcher_died_has_its_ranks_reported_by_the_job_watcher():
             watchers[1].look()
         job.look()
     assert dead == [2, 3]
+
+
+def test_a_node_whose_first_rank_finished_first_is_not_dead_while_its_others_beat():
+    # the end of a clean run: node 1's local rank 0 marks its exit and stops its watcher while
+    # rank 3 is still finishing (a checkpoint in flight); rank 3 dies later, without a mark
+    store = dist.HashStore()
+    clock, dead = Clock(), []
+    nodes = {0: [0, 1], 1: [2, 3]}
+    watchers = [NodeWatch(store, attempt=0, node=n, ranks=r, clock=clock) for n, r in nodes.items()]
+    beats = [Heartbeat(store, rank=rank, world_size=4, attempt=0) for rank in range(4)]
+    for b in beats:
+        b._beat()
+    job = JobWatch(store, attempt=0, nodes=nodes, clock=clock, on_dead=lambda r, age, step: dead.append(r))
+    watchers[1].look()  # node 1's last summary
+    beats[2].mark_exit("finished")
+    alive = [0, 1, 3]
+    for tick in range(0, 16):
+        clock.t = tick * 0.5
+        if tick == 8:
+            alive.remove(3)  # rank 3 dies at t=4
+        for rank in alive:
+            store.set(hb_key(0, rank), f"{time.time() + clock.t} {tick}")  # node-clock times
+        watchers[0].look()
+        job.look()
+        if tick < 8:
+            assert dead == [], (tick, dead)
+    assert dead == [3]
 
 
 def test_exit_marks_tell_the_culprit_of_the_previous_attempt():
