@@ -377,7 +377,7 @@ def _checkpoint(facts: RunFacts, w: Window) -> list[Cause]:
     """A checkpoint saved in (or just before) the window: meshscope's own pause, a known cause."""
     ev = facts.events
     saves = ev[(ev["kind"] == "checkpoint") & ev["step"].between(w.lo - 1, w.hi)] if not ev.empty else ev
-    saves = _rows(saves, ["held_s" in d for d in saves["detail"]]) if not saves.empty else saves
+    saves = _rows(saves, ["held_s" in d for d in saves["detail"]]) if "detail" in saves else saves
     if saves.empty:
         return []
     row = max(saves.itertuples(), key=lambda r: r.detail["held_s"])

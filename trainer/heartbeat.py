@@ -280,12 +280,13 @@ class JobWatch(_Watcher):
         """Report the ranks of a watcher-less node that died; True once each is settled. Beat
         and summary times are both of that node's clock: a rank that has not beaten since the
         summary stopped (1.5 intervals ago at least) is as silent as NodeWatch's dead."""
-        open_ranks = [r for r in ranks if r not in self.settled]
-        for rank in open_ranks:
-            if self.store.check([exit_key(self.attempt, rank)]):
+        for rank in ranks:
+            if rank not in self.settled and self.store.check([exit_key(self.attempt, rank)]):
                 self.settled.add(rank)
-                continue
-            beat = self.store.get(hb_key(self.attempt, rank))
+        unsettled = [r for r in ranks if r not in self.settled]
+        # every beat is there: a node writes its summary only once all its ranks have beaten
+        beats = self.store.multi_get([hb_key(self.attempt, r) for r in unsettled]) if unsettled else []
+        for rank, beat in zip(unsettled, beats):
             age = self.ages.age(("rank", rank), beat)
             beat_time, step = beat.decode().split()
             if float(beat_time) <= summary_time or age > 1.5 * self.interval:
