@@ -9,8 +9,10 @@ CUDA and Ascend's runtime cannot be used in a child forked after the parent init
   `torch.cuda` and `torch.npu`, records the first call site, and in strict mode raises, so a
   test fails the moment the warm-up touches a device;
 - `fork_hazard()` asks the runtimes themselves before every fork (`is_initialized()`);
-- `probe_fork()` forks a throw-away child and asks it whether it is in a "bad fork", which
-  catches what no Python wrapper sees (a C++ path that initialised the driver).
+- `probe_fork()` forks a throw-away child that starts each runtime with a device for real,
+  which catches what no Python wrapper sees: a C++ path that initialised the driver (the
+  autograd engine's first backward counts every device type's devices) marks no "bad fork",
+  yet the child's start fails with "initialization error" (seen on an H200, torch 2.11).
 
 Each returns a sentence naming the cause, or None when forking is safe.
 """
@@ -101,20 +103,29 @@ def fork_hazard(tripwire: AcceleratorTripwire | None = None) -> str | None:
 
 
 def in_bad_fork() -> str | None:
-    """In a forked child: which runtime refuses to start here, if any."""
+    """In a forked child: which runtime refuses to start here, if any (one with a device is
+    started: only that shows a driver the parent initialised below Python)."""
     for kind, module in _accelerator_modules():
         bad = getattr(module, "_is_in_bad_fork", None)
         if bad is not None and bad():
             return kind
+        try:
+            if module.device_count() > 0:  # NVML where the zygote asked for it: no init
+                module.init()
+        except Exception:  # noqa: BLE001  (the runtime's own error: this fork cannot use it)
+            return kind
     return None
 
 
-def probe_fork() -> str | None:
+def probe_fork(tripwire: AcceleratorTripwire | None = None) -> str | None:
     """Fork a throw-away child and ask whether its accelerator runtime would start.
 
-    Catches runtime initialisation that happened below Python (no tripwire sees it)."""
+    Catches runtime initialisation that happened below Python (no tripwire sees it). The
+    child lifts `tripwire`, as a worker does: starting its device is the test."""
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code only, never run cleanup handlers
+        if tripwire is not None:
+            tripwire.uninstall()
         os._exit(3 if in_bad_fork() else 0)
     _, status = os.waitpid(pid, 0)
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:

@@ -43,7 +43,10 @@ def warm_up() -> None:
 
     layer = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)  # as the trainer builds it
-    layer(torch.ones(1, 4)).sum().backward()
+    # Gradients set by hand, never by a backward: the autograd engine's first backward counts
+    # every device type's devices in C++, which initialises the CUDA driver (forks then fail).
+    for p in layer.parameters():
+        p.grad = torch.ones_like(p)
     opt.step()
 
 
@@ -80,7 +83,7 @@ def serve(path: Path, tripwire: AcceleratorTripwire) -> int:
 
     Returns UNSAFE_EXIT, without ever serving, when the warm-up made forking unsafe."""
     warm_up()
-    hazard = fork_hazard(tripwire) or probe_fork()
+    hazard = fork_hazard(tripwire) or probe_fork(tripwire)
     if hazard:
         print(f"meshscope zygote: not serving, forking is unsafe: {hazard}", file=sys.stderr)
         return UNSAFE_EXIT

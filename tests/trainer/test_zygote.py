@@ -111,6 +111,11 @@ def forbidden(name):
 for name in ("current_device", "get_device_properties", "get_device_capability", "set_device",
              "synchronize", "mem_get_info", "memory_allocated", "Stream", "Event"):
     setattr(torch.cuda, name, forbidden(name))
+# ...and so is a backward: the autograd engine's first one counts devices in C++ (cuInit),
+# which no Python wrapper sees and after which a forked worker's CUDA fails (H200, torch 2.11)
+def no_backward(*a, **k):
+    raise RuntimeError("warm-up ran a backward: the autograd engine initialises the driver")
+torch.autograd.backward = no_backward
 import meshscope.trainer.zygote
 meshscope.trainer.zygote.warm_up()
 {extra}
@@ -171,6 +176,30 @@ def test_a_zygote_that_touched_a_device_refuses_to_serve(tmp_path):
     assert done.returncode == UNSAFE_EXIT
     assert "forking is unsafe" in done.stderr and "torch.cuda.init was called" in done.stderr
     assert not sock.exists()
+
+
+def test_the_probe_starts_a_device_runtime_in_its_child_and_names_one_that_fails(monkeypatch):
+    # a driver initialised below Python marks no bad fork: only starting the runtime tells
+    from meshscope.trainer import forksafe
+
+    class PoisonedGpu:
+        @staticmethod
+        def device_count():
+            return 1
+
+        @staticmethod
+        def init():
+            raise RuntimeError("CUDA error: initialization error")
+
+    class NoDevice(PoisonedGpu):
+        @staticmethod
+        def device_count():
+            return 0
+
+    monkeypatch.setattr(forksafe, "_accelerator_modules", lambda: [("cuda", NoDevice)])
+    assert forksafe.probe_fork() is None
+    monkeypatch.setattr(forksafe, "_accelerator_modules", lambda: [("cuda", PoisonedGpu)])
+    assert "cannot use its accelerator" in forksafe.probe_fork()
 
 
 def test_fork_hazard_asks_every_runtime(monkeypatch):
