@@ -109,9 +109,12 @@ def in_bad_fork() -> str | None:
         bad = getattr(module, "_is_in_bad_fork", None)
         if bad is not None and bad():
             return kind
+        count, start = getattr(module, "device_count", None), getattr(module, "init", None)
+        if count is None or start is None:
+            continue
         try:
-            if module.device_count() > 0:  # NVML where the zygote asked for it: no init
-                module.init()
+            if count() > 0:  # through NVML where the zygote asked for it: no init
+                start()
         except Exception:  # noqa: BLE001  (the runtime's own error: this fork cannot use it)
             return kind
     return None
