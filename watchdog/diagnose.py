@@ -1,32 +1,35 @@
 """The diagnosis of a stall: a pure function of every rank's flight-log tail, liveness and
 stacks. `CHECKS` are asked in order; the first that recognises the picture gives the verdict:
 
-1. **mismatch**: ranks that issued the same collective (group, sequence number) with a
+1. **desync** by call site: on one group, number #s came from call site A on some ranks and
+   from B on the others, who issue A as #s+1: the first ranks skipped B and pair silently;
+2. **mismatch**: ranks that issued the same collective (group, sequence number) with a
    different op, shape or dtype than the others, or all-to-all split sizes that do not pair
    up (rank i sends rank j what j does not expect);
-2. **desync**: the same sequence number issued at different training steps: a rank skipped a
-   collective earlier and has been pairing with the wrong partner since;
-3. **error** / **dead**: a rank that raised while peers wait; ranks whose peers lost the
+3. **desync** by step: the same sequence number issued at different training steps;
+4. **error** / **dead**: a rank that raised while peers wait; ranks whose peers lost the
    connection to them and who left nothing to read (a node gone); a rank that vanished;
-4. **none** (a post-mortem without stacks): every collective completed and matched;
-5. **compute** (everywhere): no rank is in a collective and none progresses;
-6. **remote**: every rank seen here entered it; the ones behind are another node's (or left
-   no dump);
-7. **missing** / **compute**: ranks that never entered the collective the others wait in,
-   and where they are instead (another collective, or compute per their stack);
-8. **stuck**: everyone entered it: the ranks whose device never started it (a Flight
+5. **none** (a post-mortem without stacks): every collective completed and matched;
+6. **compute** (everywhere): no rank is in a collective and none progresses;
+7. **remote** / **missing** / **compute**: the roots of the wait-for graph across every group
+   (`watchdog.waitgraph`): ranks that never entered the op others wait in, and where they are
+   instead (compute per their stack, another op, no log here); a rank that skipped an op and
+   waits elsewhere; every other stuck rank waits on one of them and is not named;
+8. **undetermined**: ranks wait on each other in a cycle and nothing says who began it;
+9. **stuck**: everyone entered it: the ranks whose device never started it (a Flight
    Recorder's "scheduled" beside "started") when the dump says so, else the transport or a
    device, no rank's code.
 
-Mismatch and desync read only the records (`watchdog.signatures`). `diagnose_groups` adds
-every process group that is stuck on its own."""
+The signature checks (1–3) read only the records (`watchdog.signatures`); a second fault
+elsewhere, a root of the graph, is named beside theirs. `evidence["stuck_groups"]` lists every
+op ranks wait in, whom they wait on, and the culprits that wait leads to."""
 
 from __future__ import annotations
 
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from meshscope.collector.flightread import (
@@ -34,8 +37,10 @@ from meshscope.collector.flightread import (
     FlightTail,
 )
 from meshscope.collector.stacks import own_frame
-from meshscope.watchdog.signatures import desync, group_members, mismatch, ranks_text
+from meshscope.watchdog import waitgraph
+from meshscope.watchdog.signatures import desync, mismatch, ranks_text, shifted
 from meshscope.watchdog.verdicts import Diagnosis, Verdict
+from meshscope.watchdog.waitgraph import SEND_OPS, Root, Wait, WaitGraph, op_text
 
 # Errors a rank gets because a peer went away: it is a victim, not the culprit.
 PEER_LOST = (
@@ -65,6 +70,11 @@ def _where(tail: FlightTail | None, stack: list[str] | None) -> str:
         )
     if flying:
         return f"with {flying} in flight"
+    if tail is not None and tail.clock == "flight recorder":
+        return (
+            "in nothing its dump records: compute, or an op the backend does not record "
+            "(gloo records no send/recv)"
+        )
     return "somewhere unknown (no stack, no collective in flight)"
 
 
@@ -131,16 +141,7 @@ class Stall:
     alive: dict[int, bool]
     stacks: dict[int, list[str]]
     frontier: tuple[str, int, str, list[int]] | None  # the collective the waiting ranks are in
-    group: str | None = None  # judging one stuck group of several (`diagnose_groups`)
-
-    def judged_tails(self) -> dict[int, FlightTail]:
-        """The tails the signature checks compare: one group's records when judging one."""
-        if self.group is None:
-            return self.tails
-        return {
-            r: replace(t, records=[x for x in t.records if x.group == self.group])
-            for r, t in self.tails.items()
-        }
+    graph: WaitGraph  # who waits on whom, across every group
 
     @property
     def waiting(self) -> list[int]:
@@ -153,12 +154,16 @@ class Stall:
         return {"op": op, "seq": seq, "group": group}
 
 
+def _check_shifted(s: Stall) -> Diagnosis | None:
+    return shifted(s.tails, s.world)
+
+
 def _check_mismatch(s: Stall) -> Diagnosis | None:
-    return mismatch(s.judged_tails(), s.world)
+    return mismatch(s.tails, s.world)
 
 
 def _check_desync(s: Stall) -> Diagnosis | None:
-    return desync(s.judged_tails(), s.world)
+    return desync(s.tails, s.world)
 
 
 def _check_error(s: Stall) -> Diagnosis | None:
@@ -280,50 +285,127 @@ def _check_no_collective(s: Stall) -> Diagnosis | None:
     )
 
 
-def _members_behind(s: Stall) -> tuple[list[int], list[int]]:
-    """Members of the frontier's group: (unseen here, seen but never entered it)."""
-    group, seq, _, _ = s.frontier
-    members = group_members(s.tails, group, s.world)
-    unseen = [r for r in members if r not in s.tails]  # another node's, not shared with us
-    absent = [r for r in members if r in s.tails and s.tails[r].last_seq(group) < seq]
-    return unseen, absent
-
-
-def _check_remote(s: Stall) -> Diagnosis | None:
-    """Everyone seen here entered it: one of the ranks this node cannot see is behind."""
-    unseen, absent = _members_behind(s)
-    if absent or not unseen:
-        return None
-    f = s.at_frontier()
-    return Diagnosis(
-        Verdict.REMOTE,
-        unseen,
-        s.waiting,
-        f"every rank seen here entered {f['op']} #{f['seq']} on group {f['group']}; {ranks_text(unseen)} "
-        "left nothing to read here (another node's ranks, or no dump): one of them is behind",
-        **f,
-        evidence={"unseen_ranks": unseen},
+def _waiters_in(s: Stall, wait: Wait) -> list[int]:
+    """The ranks waiting in the same op as `wait` (a collective: its group and number)."""
+    r = wait.record
+    return sorted(
+        w.rank
+        for w in s.graph.waits.values()
+        if w.record.group == r.group and w.record.op == r.op and (r.p2p or w.record.seq == r.seq)
     )
 
 
-def _check_absent(s: Stall) -> Diagnosis | None:
-    """Ranks that never entered the collective the others wait in, and where they are."""
-    _, absent = _members_behind(s)
-    if not absent:
+def _never_entered(rank: int, w: Wait, waiters: list[int]) -> str:
+    """ "rank 5 never entered all_reduce #7 on group 3 that rank 4 waits in", or for a send or
+    receive "rank 9 waits in recv from rank 5 on group 18; rank 5 never posted the send"."""
+    verb = "waits" if len(waiters) == 1 else "wait"
+    if w.record.p2p:
+        pair = "receive" if w.record.op in SEND_OPS else "send"
+        return f"{ranks_text(waiters)} {verb} in {w.what}; rank {rank} never posted the matching {pair}"
+    return f"rank {rank} never entered {w.what} that {ranks_text(waiters)} {verb} in"
+
+
+def _idle_text(s: Stall, rank: int) -> str:
+    tail = s.tails[rank]
+    last = max(tail.records, key=lambda r: r.t_issue)
+    return (
+        f"rank {rank} has nothing in flight while the others wait (its last op, {op_text(last)} at "
+        f"{last.site}, completed): it stopped outside any collective or send/receive, in compute"
+    )
+
+
+def _root_text(s: Stall, root: Root) -> str:
+    """One culprit, said as a person would check it: what it never entered, who waits there,
+    where it is instead, and who waits on it through other groups."""
+    w = root.waited_in
+    if w is None:
+        return _idle_text(s, root.rank)
+    waiters = [r for r in _waiters_in(s, w) if root.rank in s.graph.waits[r].on]
+    verb = "waits" if len(waiters) == 1 else "wait"
+    if root.stray is not None:
+        skipped = root.stray
+        text = (
+            f"rank {root.rank} skipped {op_text(skipped, numbered=False)} (its program always issues it "
+            f"at {skipped.site} at this point) and went on to {w.what}, where it waits"
+        )
+    elif root.cycle or root.skipped:
+        own = s.graph.waits[root.rank]
+        text = (
+            f"{_never_entered(root.rank, w, waiters)}: it went on to {own.what} (at {own.record.site}) "
+            "and waits there for ranks that are still in the op it skipped"
+        )
+    elif root.unseen:
+        text = (
+            f"{ranks_text(waiters)} {verb} in {w.what} for rank {root.rank}, which left nothing to read "
+            "here (another node's rank, or no dump)"
+        )
+    else:
+        where = _where(s.tails.get(root.rank), s.stacks.get(root.rank))
+        text = f"{_never_entered(root.rank, w, waiters)} (rank {root.rank} is {where})"
+    also = [
+        w for w in s.graph.waits.values()
+        if root.rank in w.on and w.rank not in waiters and w.rank not in s.graph.culprits
+    ]  # fmt: skip
+    if also:
+        text += "; " + "; ".join(f"rank {w.rank} waits for it too, in {w.what}" for w in also[:3])
+        text += f" and {len(also) - 3} more" if len(also) > 3 else ""
+    direct = {w.rank for w in also} | set(waiters)
+    through = [
+        r
+        for r in s.graph.waiting()
+        if r not in direct and r not in s.graph.culprits and root.rank in s.graph.leads_to.get(r, [])
+    ]
+    if through:
+        shown = "; ".join(f"rank {r} in {s.graph.waits[r].what}" for r in through[:3])
+        more = f" and {len(through) - 3} more" if len(through) > 3 else ""
+        verb = "waits" if len(through) == 1 else "wait"
+        text += f"; {ranks_text(through)} {verb} on it through other ops ({shown}{more})"
+    return text
+
+
+def _check_roots(s: Stall) -> Diagnosis | None:
+    """The ranks at the roots of the wait-for graph: each never entered the op others wait in
+    (in compute, elsewhere, without a log, or skipped it in a cycle), and every other stuck
+    rank waits on one of them (`watchdog.waitgraph`)."""
+    roots = s.graph.roots
+    if not roots:
         return None
-    # compute: its stack shows it outside any collective; without a stack (a post-mortem)
-    # or with a collective in flight elsewhere it is only known to be missing
+    culprits = s.graph.culprits
     tails, stacks = s.tails, s.stacks
-    in_compute = all(stacks.get(r) and not (tails.get(r) and tails[r].open_records()) for r in absent)
-    places = "; ".join(f"rank {r} is {_where(tails.get(r), stacks.get(r))}" for r in absent)
-    f = s.at_frontier()
+    if all(root.unseen for root in roots):
+        kind = Verdict.REMOTE
+    elif all(
+        not root.cycle and not root.skipped and stacks.get(root.rank) and not tails[root.rank].open_records()
+        for root in roots
+    ):
+        kind = Verdict.COMPUTE
+    else:
+        kind = Verdict.MISSING
+    first = next((r.waited_in.record for r in roots if r.waited_in is not None), None)
     return Diagnosis(
-        Verdict.COMPUTE if in_compute else Verdict.MISSING,
-        absent,
-        s.waiting,
-        f"{ranks_text(absent)} never entered {f['op']} #{f['seq']} on group {f['group']} that "
-        f"{ranks_text(s.waiting)} {'waits' if len(s.waiting) == 1 else 'wait'} in ({places})",
-        **f,
+        kind,
+        culprits,
+        [r for r in s.graph.waiting() if r not in culprits],
+        "; ".join(_root_text(s, root) for root in roots),
+        op=first.op,
+        seq=first.seq,
+        group=first.group,
+        evidence={"unseen_ranks": sorted(r.rank for r in roots if r.unseen)}
+        if kind == Verdict.REMOTE
+        else {},
+    )
+
+
+def _check_undetermined(s: Stall) -> Diagnosis | None:
+    """Ranks wait on each other in a cycle that nothing orders: no rank is named."""
+    if not s.graph.undetermined:
+        return None
+    return Diagnosis(
+        Verdict.UNDETERMINED,
+        [],
+        s.graph.waiting() or sorted(s.graph.waits),
+        f"undetermined: {s.graph.undetermined}",
+        **s.at_frontier(),
     )
 
 
@@ -364,6 +446,7 @@ def _check_stuck(s: Stall) -> Diagnosis | None:
 # Asked in order; the first verdict wins (the last always answers).
 CHECKS: list[Callable[[Stall], Diagnosis | None]] = [
     _check_clean_end,
+    _check_shifted,
     _check_mismatch,
     _check_desync,
     _check_error,
@@ -371,8 +454,8 @@ CHECKS: list[Callable[[Stall], Diagnosis | None]] = [
     _check_dead,
     _check_all_done,
     _check_no_collective,
-    _check_remote,
-    _check_absent,
+    _check_roots,
+    _check_undetermined,
     _check_not_started,
     _check_stuck,
 ]
@@ -386,58 +469,57 @@ def diagnose(
     stacks: dict[int, list[str]] | None = None,
 ) -> Diagnosis:
     """Explain a stall from every rank's flight-log tail, liveness and stacks (module doc)."""
-    stall = Stall(tails, world, alive or {}, stacks or {}, _frontier(tails))
-    return _judge(stall)
-
-
-def _judge(stall: Stall) -> Diagnosis:
+    frontier = _frontier(tails)
+    steps = [r.step for t in tails.values() for r in t.open_records() if r.step >= 0]
+    reference = _reference_order(tails, min(steps)) if steps else []
+    graph = waitgraph.build(tails, world, reference, post_mortem=not stacks and not alive)
+    stall = Stall(tails, world, alive or {}, stacks or {}, frontier, graph)
     diag = next(d for check in CHECKS if (d := check(stall)) is not None)
+    if diag.kind in (Verdict.DESYNC, Verdict.MISMATCH):
+        _add_other_roots(stall, diag)
     diag.stacks = dict(stall.stacks)
     # what said "completed": the host, device events, or the backend's own Flight Recorder
     diag.evidence.setdefault("source", ", ".join(sorted({t.clock for t in stall.tails.values()})))
+    stuck = _stuck_groups(graph)
+    if len(stuck) > 1:
+        diag.evidence["stuck_groups"] = stuck
     return diag
 
 
-def diagnose_groups(
-    tails: dict[int, FlightTail],
-    world: int,
-    *,
-    alive: dict[int, bool] | None = None,
-    stacks: dict[int, list[str]] | None = None,
-) -> Diagnosis:
-    """`diagnose`, and every process group that is stuck on its own: a large job (data and
-    expert parallel groups) can hang in several groups at once with different culprits. A
-    group is stuck *because of another* when all of its culprits wait in that other group's
-    collective; the independent ones are reported, each with all its culprits, in the
-    `stuck_groups` evidence, and their culprits together are the verdict's."""
-    overall = diagnose(tails, world, alive=alive, stacks=stacks)
-    groups = sorted({r.group for t in tails.values() for r in t.open_records() if r.op not in ASYNC_P2P_OPS})
-    if len(groups) < 2:
-        return overall
-    per_group = {
-        g: _judge(Stall(tails, world, alive or {}, stacks or {}, _frontier(tails, g), group=g))
-        for g in groups
-    }
-    waiting_in = {g: set(d.waiting_ranks) for g, d in per_group.items()}
-    independent = [
-        g
-        for g, d in per_group.items()
-        if not d.culprit_ranks or not any(set(d.culprit_ranks) <= waiting_in[h] for h in groups if h != g)
-    ] or groups
-    overall.evidence["stuck_groups"] = [
-        {
-            "group": g,
-            "type": d.kind.value,
-            "op": d.op,
-            "seq": d.seq,
-            "culprit_ranks": d.culprit_ranks,
-            "waiting_ranks": d.waiting_ranks,
-            "independent": g in independent,
-            "why": d.why,
-        }
-        for g, d in per_group.items()
+def _add_other_roots(s: Stall, diag: Diagnosis) -> None:
+    """A signature verdict names the ranks whose records disagree; a second fault elsewhere
+    (a rank in compute, one that skipped an op others wait in) is a root of the wait-for graph
+    and named beside it. A cycle ordered by time alone is not added: a desync makes cycles."""
+    others = [
+        root
+        for root in s.graph.roots
+        if root.rank not in diag.culprit_ranks and not (root.cycle and not root.skipped)
     ]
-    if len(independent) > 1:
-        overall.culprit_ranks = sorted({r for g in independent for r in per_group[g].culprit_ranks})
-        overall.why = "; ".join(f"group {g}: {per_group[g].why}" for g in independent)
-    return overall
+    if not others:
+        return
+    diag.culprit_ranks = sorted({*diag.culprit_ranks, *(root.rank for root in others)})
+    diag.waiting_ranks = [r for r in diag.waiting_ranks if r not in diag.culprit_ranks]
+    diag.why += "; also " + "; ".join(_root_text(s, root) for root in others)
+
+
+def _stuck_groups(graph: WaitGraph) -> list[dict[str, Any]]:
+    """Every op ranks wait in, with whom they wait on and the culprits that wait leads to:
+    `independent` marks the ones a culprit holds directly, the rest wait through them."""
+    ops: dict[tuple, dict[str, Any]] = {}
+    culprits = set(graph.culprits)
+    for w in graph.waits.values():
+        r = w.record
+        key = (r.group, r.op, -1 if r.p2p else r.seq)
+        op = ops.setdefault(
+            key,
+            {"group": r.group, "op": r.op, "seq": None if r.p2p else r.seq, "waiting_ranks": [],
+             "waiting_on": set(), "culprit_ranks": set(), "independent": False},
+        )  # fmt: skip
+        op["waiting_ranks"].append(w.rank)
+        op["waiting_on"].update(w.on)
+        op["culprit_ranks"].update(graph.leads_to.get(w.rank, []))
+        op["independent"] = op["independent"] or bool(culprits & set(w.on))
+    return [
+        {**op, "waiting_on": sorted(op["waiting_on"]), "culprit_ranks": sorted(op["culprit_ranks"])}
+        for op in ops.values()
+    ]

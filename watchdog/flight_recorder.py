@@ -4,11 +4,14 @@ A job that never ran meshscope can still be explained after the fact: PyTorch's 
 Recorder (`TORCH_FR_BUFFER_SIZE`, or `TORCH_NCCL_TRACE_BUFFER_SIZE` on older NCCL builds;
 torch_npu's `TORCH_HCCL_TRACE_BUFFER_SIZE`, files `hccl_trace_rank_<R>`) dumps each rank's
 ring of collectives to `<prefix><rank>` (pickle) or JSON. Each entry becomes a `FlightRecord`
-(sequence number per process group, op, sizes, dtypes, device state, call site) and
-`watchdog.diagnose.diagnose_groups` judges them: every stuck group with its culprits, ranks
-that never entered the collective the others wait in, ranks whose device never started it,
-op/shape/dtype mismatches (inside a coalesced block too), all-to-all split sizes when the dump
-lists per-peer tensors, ranks that left no dump, and dumps that show no hang at all.
+(sequence number per process group, op, sizes, dtypes, device state, call site, a send's or
+receive's peer as a global rank) and `watchdog.diagnose.diagnose` judges them on one wait-for
+graph across every group: the ranks at its roots (never entered the op others wait in, skipped
+it, or left no dump), every other stuck group as waiting on them, ranks whose device never
+started the op, collectives paired across call sites, op/shape/dtype mismatches (inside a
+coalesced block too), all-to-all split sizes when the dump lists per-peer tensors, and dumps
+that show no hang at all. Gloo's recorder (torch 2.13) lists no send/recv and no group
+members: a rank waiting in a receive looks idle there, and the verdict says so.
 
 The op comes from `profiling_name` ("nccl:all_reduce"); HCCL dumps may leave it empty, and then
 it is read from the Python frames (the `torch.distributed` function that issued it), else
@@ -30,11 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from meshscope.collector.flightread import FlightRecord, FlightTail
-from meshscope.watchdog.diagnose import diagnose_groups
+from meshscope.watchdog.diagnose import diagnose
 from meshscope.watchdog.verdicts import Diagnosis
 
 _RANK = re.compile(r"^(.*?)(\d+)(\.json)?$")
-_TORCH = ("/torch/distributed/", "/torch/nn/parallel/", "c10d_logger.py", "/torch_npu/")
+_TORCH = ("/torch/distributed/", "/torch/nn/parallel/", "c10d_logger.py", "/torch_npu/", "/contextlib.py")
+# a point-to-point entry's peers, in group ranks: "send 1->2" (from 1 to 2), "recv 3<-0" (3 from 0)
+_P2P_NAME = re.compile(r"(?:send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)")
 # Backend op names (profiling_name after "nccl:"/"hccl:", c10d's Python names) -> meshscope's.
 OP_NAMES = {
     "allreduce": "all_reduce",
@@ -171,9 +176,27 @@ def to_record(entry: dict[str, Any]) -> FlightRecord:
         shapes=";".join("x".join(map(str, s)) or "scalar" for s in sizes_in),
         splits=splits,
         site=_site(entry.get("frames")),
-        peer=-1,
+        peer=_local_peer(entry) if p2p else -1,  # a group rank until `_global_peers`
         group_size=0,
     )
+
+
+def _local_peer(entry: dict[str, Any]) -> int:
+    """The peer's group rank a send/recv names in its profiling name (-1: not named)."""
+    match = _P2P_NAME.search(str(entry.get("profiling_name") or ""))
+    return int(match.group(3)) if match else -1
+
+
+def _global_peers(records: list[FlightRecord], groups: dict[str, list[int]]) -> list[FlightRecord]:
+    """Peers as global ranks: a group rank is the place in the group's sorted ranks (as
+    PyTorch's analyzer reads them); the default group's ranks are global already."""
+    out = []
+    for r in records:
+        if r.p2p and r.peer >= 0 and r.group != "0":
+            members = sorted(groups.get(r.group) or [])
+            r = replace(r, peer=members[r.peer] if r.peer < len(members) else -1)
+        out.append(r)
+    return out
 
 
 def _coalesced(records: list[FlightRecord]) -> list[FlightRecord]:
@@ -209,16 +232,20 @@ def _groups(dump: dict[str, Any]) -> dict[str, list[int]]:
     for name, cfg in (dump.get("pg_config") or {}).items():
         try:
             ranks = cfg["ranks"]
-            out[str(name)] = json.loads(ranks) if isinstance(ranks, str) else list(ranks)
+            listed = json.loads(ranks) if isinstance(ranks, str) else list(ranks)
         except (KeyError, TypeError, ValueError):
             continue
+        if listed:  # gloo groups dump one nameless entry with no ranks
+            out[str(name)] = [int(r) for r in listed]
     return out
 
 
 def dump_tail(path: Path, rank: int) -> FlightTail:
     """One rank's dump as a flight-log tail (DumpError when it is not one)."""
     dump = load_dump(path)
+    groups = _groups(dump)
     records = _coalesced([to_record(e) for e in dump["entries"] if isinstance(e, dict)])
+    records = _global_peers(records, groups)
     return FlightTail(
         Path(path),
         rank,
@@ -233,7 +260,7 @@ def dump_tail(path: Path, rank: int) -> FlightTail:
         0,
         clock="flight recorder",
         records=records,
-        groups=_groups(dump),
+        groups=groups,
     )
 
 
@@ -261,7 +288,7 @@ def recorder_verdict(paths: dict[int, Path], world: int) -> Diagnosis | None:
             tails[rank] = dump_tail(path, rank)
         except (DumpError, OSError):
             continue
-    return diagnose_groups(tails, world) if tails else None
+    return diagnose(tails, world) if tails else None
 
 
 def _world(tails: dict[int, FlightTail]) -> int:
@@ -275,7 +302,7 @@ def diagnose_dumps(folder: Path, prefix: str | None = None) -> Diagnosis:
     """The hang diagnosis of a job from its Flight Recorder dumps."""
     tails = read_dumps(folder, prefix)
     world = _world(tails)
-    diag = diagnose_groups(tails, world)
+    diag = diagnose(tails, world)
     missing = sorted(set(range(world)) - set(tails))
     if missing:
         diag.evidence["ranks_without_dump"] = missing

@@ -214,3 +214,74 @@ def desync(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
         group=group,
         evidence={"desync_since_step": since},
     )
+
+
+def _sites(tail: FlightTail, group: str) -> dict[int, str]:
+    """Collective number -> call site, on one group, where the site is known."""
+    return {r.seq: r.site for r in tail.records if r.group == group and not r.p2p and r.site not in ("", "?")}
+
+
+def _shifted_in(sites: dict[int, dict[int, str]]) -> tuple[int, list[int], list[int]] | None:
+    """In one group: the first number where ranks issued it from different call sites and some
+    ranks' site is the others' next one: (seq, ranks one ahead, the others)."""
+    seqs = sorted({s for by_seq in sites.values() for s in by_seq})
+    for seq in seqs:
+        here = {r: by_seq[seq] for r, by_seq in sites.items() if seq in by_seq}
+        if len(set(here.values())) < 2:
+            continue
+        for site in set(here.values()):
+            ahead = sorted(r for r, x in here.items() if x == site)
+            rest = [r for r in here if r not in ahead]
+            # the rest issue `site` one number later, and the ahead ranks never issued theirs
+            later = all(sites[r].get(seq + 1) == site for r in rest if seq + 1 in sites[r])
+            reached = any(seq + 1 in sites[r] for r in rest)
+            theirs = {here[r] for r in rest}
+            never = all(sites[a].get(seq - 1) not in theirs for a in ahead)
+            if later and reached and never and len(ahead) < len(here):
+                return seq, ahead, sorted(rest)
+        return None
+    return None
+
+
+def shifted(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
+    """Ranks that skipped a collective and paired the next one with their peers' skipped one:
+    on one group, number #s was issued from call site A by the ranks one ahead and from B by
+    the others, who issue A as #s+1. Their op, shape and dtype may match (the wire pairs them
+    silently), so only the call sites tell. Read from any log with call sites (a Flight
+    Recorder dump's frames, meshscope's records), without steps."""
+    groups = {r.group for t in tails.values() for r in t.records if not r.p2p}
+    found = []
+    for group in sorted(groups):
+        sites = {rank: by_seq for rank, t in tails.items() if (by_seq := _sites(t, group))}
+        hit = _shifted_in(sites) if len(sites) > 1 else None
+        if hit is not None:
+            seq, ahead, rest = hit
+            t = min(r.t_issue for rank in (*ahead, *rest) if (r := tails[rank].record(group, seq)))
+            found.append((t, group, seq, ahead, rest))
+    if not found:
+        return None
+    parts = [_shift_text(tails, group, seq, ahead, rest) for _, group, seq, ahead, rest in sorted(found)]
+    _, group, seq, ahead, rest = min(found)
+    culprits = sorted({r for *_, a, _ in found for r in a})
+    theirs = tails[rest[0]].record(group, seq)
+    return Diagnosis(
+        Verdict.DESYNC,
+        culprits,
+        sorted({r for *_, rs in found for r in rs} - set(culprits)),
+        "; ".join(parts),
+        op=theirs.op,
+        seq=seq,
+        group=group,
+        evidence={"skipped_site": theirs.site},
+    )
+
+
+def _shift_text(tails: dict[int, FlightTail], group: str, seq: int, ahead: list[int], rest: list[int]) -> str:
+    mine, theirs = tails[ahead[0]].record(group, seq), tails[rest[0]].record(group, seq)
+    one = len(ahead) == 1
+    return (
+        f"{ranks_text(ahead)} issued {mine.op} #{seq} on group {group} from {mine.site}, which "
+        f"{ranks_text(rest)} issue{'s' if len(rest) == 1 else ''} as #{seq + 1}; {ranks_text(rest)} "
+        f"issued #{seq} from {theirs.site}: {'it' if one else 'they'} skipped the collective at "
+        f"{theirs.site} and {'has' if one else 'have'} paired with the wrong partner since"
+    )

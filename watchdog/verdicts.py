@@ -20,6 +20,7 @@ class Verdict(str, Enum):
     COMPUTE = "compute"  # ...and their stacks show them computing (or nobody is in a collective)
     STUCK = "stuck"  # everyone entered it and it does not complete: transport or device
     REMOTE = "remote"  # the ranks behind are another node's, not seen here
+    UNDETERMINED = "undetermined"  # ranks wait on each other and nothing says who began it
     NONE = "none"  # a post-mortem whose collectives all completed and matched: no hang there
 
 

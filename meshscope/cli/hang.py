@@ -68,9 +68,14 @@ def _print_hang(detail: dict, source: str, as_json: bool = False) -> None:
         if detail.get(key) is not None:
             table.add_row(key, str(detail[key]))
     console.print(table)
-    for group in detail.get("stuck_groups") or []:
-        mark = "" if group["independent"] else " (stuck because of another group)"
-        console.print(f"  group {group['group']}{mark}: {group['type']}, culprits {group['culprit_ranks']}")
+    for op in detail.get("stuck_groups") or []:  # every op ranks wait in: who for, and the root
+        what = f"{op['op']} #{op['seq']}" if op.get("seq") is not None else op["op"]
+        how = "" if op["independent"] else f", through other waits to {op['culprit_ranks']}"
+        console.print(
+            f"  group {op['group']}, {what}: ranks {op['waiting_ranks']} wait on {op['waiting_on']}{how}",
+            markup=False,
+            highlight=False,
+        )
     for rank, stack in sorted((detail.get("stacks") or {}).items()):
         console.print(f"[bold]rank {rank}[/] (innermost last)")
         for line in stack[-8:]:

@@ -94,8 +94,10 @@ def test_a_rank_whose_device_never_started_the_collective_is_the_culprit(tmp_pat
 def test_a_group_stuck_only_because_of_another_is_not_a_second_culprit(tmp_path, dependent):
     diag = diagnose_dumps(_moe_two_stuck_groups(tmp_path, dependent=dependent))
     groups = {g["group"]: g for g in diag.evidence["stuck_groups"]}
-    assert groups["2"]["culprit_ranks"] == [5] and not groups["2"]["independent"], groups
-    assert 5 not in diag.culprit_ranks, diag.why
+    # group 2 waits on rank 5, which waits in group 1 for rank 2: the root is rank 2 alone
+    assert groups["2"]["waiting_on"] == [5] and not groups["2"]["independent"], groups
+    assert groups["2"]["culprit_ranks"] == [2], groups
+    assert diag.culprit_ranks == [2], diag.why
 
 
 def test_hang_report_json_is_for_machines(tmp_path):
