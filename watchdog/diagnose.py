@@ -36,11 +36,11 @@ from meshscope.collector.flightread import (
     ASYNC_P2P_OPS,
     FlightTail,
 )
-from meshscope.collector.stacks import own_frame
 from meshscope.watchdog import waitgraph
+from meshscope.watchdog.roots import root_text, stuck_groups, where
 from meshscope.watchdog.signatures import desync, mismatch, ranks_text, shifted
 from meshscope.watchdog.verdicts import Diagnosis, Verdict
-from meshscope.watchdog.waitgraph import SEND_OPS, Root, Wait, WaitGraph, op_text
+from meshscope.watchdog.waitgraph import WaitGraph
 
 # Errors a rank gets because a peer went away: it is a victim, not the culprit.
 PEER_LOST = (
@@ -57,25 +57,6 @@ PEER_LOST = (
 def _lost_a_peer(tail: FlightTail) -> bool:
     """Its error says a peer went away: a victim of that peer, not a culprit."""
     return any(p in tail.last_error for p in PEER_LOST)
-
-
-def _where(tail: FlightTail | None, stack: list[str] | None) -> str:
-    """Where a rank is: the innermost frame of its main thread, and the collectives it has in
-    flight (an async one in flight is not necessarily where it blocks)."""
-    opened = tail.open_records() if tail is not None else []
-    flying = ", ".join(f"{r.op} #{r.seq} on group {r.group} from {r.site}" for r in opened[-2:])
-    if stack:  # the innermost frame of its own code: the library frames under it say only how
-        return f"at {own_frame(stack)}" + (
-            f" with {flying} in flight" if flying else " (no collective in flight)"
-        )
-    if flying:
-        return f"with {flying} in flight"
-    if tail is not None and tail.clock == "flight recorder":
-        return (
-            "in nothing its dump records: compute, or an op the backend does not record "
-            "(gloo records no send/recv)"
-        )
-    return "somewhere unknown (no stack, no collective in flight)"
 
 
 def _reference_order(tails: dict[int, FlightTail], before: int) -> list[str]:
@@ -276,91 +257,13 @@ def _check_no_collective(s: Stall) -> Diagnosis | None:
     """Nobody is in a collective and nobody progresses: compute or input everywhere."""
     if s.frontier is not None:
         return None
-    places = "; ".join(f"rank {r} {_where(None, s.stacks.get(r))}" for r in sorted(s.tails))
+    places = "; ".join(f"rank {r} {where(None, s.stacks.get(r))}" for r in sorted(s.tails))
     return Diagnosis(
         Verdict.COMPUTE,
         sorted(s.tails),
         [],
         f"no rank is in a collective and none progresses: all are stuck in compute or input ({places})",
     )
-
-
-def _waiters_in(s: Stall, wait: Wait) -> list[int]:
-    """The ranks waiting in the same op as `wait` (a collective: its group and number)."""
-    r = wait.record
-    return sorted(
-        w.rank
-        for w in s.graph.waits.values()
-        if w.record.group == r.group and w.record.op == r.op and (r.p2p or w.record.seq == r.seq)
-    )
-
-
-def _never_entered(rank: int, w: Wait, waiters: list[int]) -> str:
-    """ "rank 5 never entered all_reduce #7 on group 3 that rank 4 waits in", or for a send or
-    receive "rank 9 waits in recv from rank 5 on group 18; rank 5 never posted the send"."""
-    verb = "waits" if len(waiters) == 1 else "wait"
-    if w.record.p2p:
-        pair = "receive" if w.record.op in SEND_OPS else "send"
-        return f"{ranks_text(waiters)} {verb} in {w.what}; rank {rank} never posted the matching {pair}"
-    return f"rank {rank} never entered {w.what} that {ranks_text(waiters)} {verb} in"
-
-
-def _idle_text(s: Stall, rank: int) -> str:
-    tail = s.tails[rank]
-    last = max(tail.records, key=lambda r: r.t_issue)
-    return (
-        f"rank {rank} has nothing in flight while the others wait (its last op, {op_text(last)} at "
-        f"{last.site}, completed): it stopped outside any collective or send/receive, in compute"
-    )
-
-
-def _root_text(s: Stall, root: Root) -> str:
-    """One culprit, said as a person would check it: what it never entered, who waits there,
-    where it is instead, and who waits on it through other groups."""
-    w = root.waited_in
-    if w is None:
-        return _idle_text(s, root.rank)
-    waiters = [r for r in _waiters_in(s, w) if root.rank in s.graph.waits[r].on]
-    verb = "waits" if len(waiters) == 1 else "wait"
-    if root.stray is not None:
-        skipped = root.stray
-        text = (
-            f"rank {root.rank} skipped {op_text(skipped, numbered=False)} (its program always issues it "
-            f"at {skipped.site} at this point) and went on to {w.what}, where it waits"
-        )
-    elif root.cycle or root.skipped:
-        own = s.graph.waits[root.rank]
-        text = (
-            f"{_never_entered(root.rank, w, waiters)}: it went on to {own.what} (at {own.record.site}) "
-            "and waits there for ranks that are still in the op it skipped"
-        )
-    elif root.unseen:
-        text = (
-            f"{ranks_text(waiters)} {verb} in {w.what} for rank {root.rank}, which left nothing to read "
-            "here (another node's rank, or no dump)"
-        )
-    else:
-        where = _where(s.tails.get(root.rank), s.stacks.get(root.rank))
-        text = f"{_never_entered(root.rank, w, waiters)} (rank {root.rank} is {where})"
-    also = [
-        w for w in s.graph.waits.values()
-        if root.rank in w.on and w.rank not in waiters and w.rank not in s.graph.culprits
-    ]  # fmt: skip
-    if also:
-        text += "; " + "; ".join(f"rank {w.rank} waits for it too, in {w.what}" for w in also[:3])
-        text += f" and {len(also) - 3} more" if len(also) > 3 else ""
-    direct = {w.rank for w in also} | set(waiters)
-    through = [
-        r
-        for r in s.graph.waiting()
-        if r not in direct and r not in s.graph.culprits and root.rank in s.graph.leads_to.get(r, [])
-    ]
-    if through:
-        shown = "; ".join(f"rank {r} in {s.graph.waits[r].what}" for r in through[:3])
-        more = f" and {len(through) - 3} more" if len(through) > 3 else ""
-        verb = "waits" if len(through) == 1 else "wait"
-        text += f"; {ranks_text(through)} {verb} on it through other ops ({shown}{more})"
-    return text
 
 
 def _check_roots(s: Stall) -> Diagnosis | None:
@@ -386,7 +289,7 @@ def _check_roots(s: Stall) -> Diagnosis | None:
         kind,
         culprits,
         [r for r in s.graph.waiting() if r not in culprits],
-        "; ".join(_root_text(s, root) for root in roots),
+        "; ".join(root_text(s.graph, s.tails, s.stacks, root) for root in roots),
         op=first.op,
         seq=first.seq,
         group=first.group,
@@ -480,7 +383,7 @@ def diagnose(
     diag.stacks = dict(stall.stacks)
     # what said "completed": the host, device events, or the backend's own Flight Recorder
     diag.evidence.setdefault("source", ", ".join(sorted({t.clock for t in stall.tails.values()})))
-    stuck = _stuck_groups(graph)
+    stuck = stuck_groups(graph)
     if len(stuck) > 1:
         diag.evidence["stuck_groups"] = stuck
     return diag
@@ -499,27 +402,4 @@ def _add_other_roots(s: Stall, diag: Diagnosis) -> None:
         return
     diag.culprit_ranks = sorted({*diag.culprit_ranks, *(root.rank for root in others)})
     diag.waiting_ranks = [r for r in diag.waiting_ranks if r not in diag.culprit_ranks]
-    diag.why += "; also " + "; ".join(_root_text(s, root) for root in others)
-
-
-def _stuck_groups(graph: WaitGraph) -> list[dict[str, Any]]:
-    """Every op ranks wait in, with whom they wait on and the culprits that wait leads to:
-    `independent` marks the ones a culprit holds directly, the rest wait through them."""
-    ops: dict[tuple, dict[str, Any]] = {}
-    culprits = set(graph.culprits)
-    for w in graph.waits.values():
-        r = w.record
-        key = (r.group, r.op, -1 if r.p2p else r.seq)
-        op = ops.setdefault(
-            key,
-            {"group": r.group, "op": r.op, "seq": None if r.p2p else r.seq, "waiting_ranks": [],
-             "waiting_on": set(), "culprit_ranks": set(), "independent": False},
-        )  # fmt: skip
-        op["waiting_ranks"].append(w.rank)
-        op["waiting_on"].update(w.on)
-        op["culprit_ranks"].update(graph.leads_to.get(w.rank, []))
-        op["independent"] = op["independent"] or bool(culprits & set(w.on))
-    return [
-        {**op, "waiting_on": sorted(op["waiting_on"]), "culprit_ranks": sorted(op["culprit_ranks"])}
-        for op in ops.values()
-    ]
+    diag.why += "; also " + "; ".join(root_text(s.graph, s.tails, s.stacks, root) for root in others)

@@ -255,6 +255,35 @@ def _skipped_in(cycle: list[Wait], reference: list[str]) -> tuple[Wait | None, s
     )
 
 
+def _terminal_roots(
+    graph: WaitGraph, dag: nx.DiGraph, node: int, skippers: dict[int, Wait], reference: list[str]
+) -> list[int]:
+    """The culprits of one strongly connected part of the graph with no way out (none for the
+    others): a rank that waits on nobody, or the rank of a cycle that skipped an op another
+    waits in, else the cycle's earliest wait's ranks; its roots go to `graph.roots`."""
+    if dag.out_degree(node):
+        return []
+    waits = graph.waits
+    ranks = sorted(dag.nodes[node]["members"])
+    if len(ranks) == 1 and ranks[0] not in waits:  # waits on nobody: a root
+        direct = sorted((w for w in waits.values() if ranks[0] in w.on), key=lambda w: w.record.t_issue)
+        graph.roots.append(Root(ranks[0], direct[0]))
+        return ranks
+    if len(ranks) == 1:  # everyone entered its op: no rank's doing (see watchdog.diagnose)
+        return []
+    in_cycle = [r for r in ranks if r in skippers]
+    if in_cycle:  # a rank of it skipped the op another waits for it in
+        graph.roots.extend(Root(r, skippers[r], tuple(ranks), skipped=True) for r in in_cycle)
+        return in_cycle
+    skipped, why = _skipped_in([waits[r] for r in ranks], reference)
+    if skipped is None:
+        graph.undetermined = "; ".join(filter(None, (graph.undetermined, why)))
+        return []
+    blamed = [r for r in skipped.on if r in ranks]
+    graph.roots.extend(Root(r, skipped, tuple(ranks)) for r in blamed)
+    return blamed
+
+
 def build(
     tails: dict[int, FlightTail], world: int, reference: list[str] | None = None, *, post_mortem: bool = False
 ) -> WaitGraph:
@@ -271,30 +300,7 @@ def build(
     graph.stuck = [w for w in waits.values() if not w.on]
     dag = nx.condensation(g)
     skippers = _skipped(tails, waits)
-    culprits_of: dict[int, list[int]] = {}  # condensed node -> culprit ranks
-    for node in dag.nodes:
-        if dag.out_degree(node):
-            continue
-        ranks = sorted(dag.nodes[node]["members"])
-        if len(ranks) == 1 and ranks[0] not in waits:  # waits on nobody: a root
-            direct = sorted((w for w in waits.values() if ranks[0] in w.on), key=lambda w: w.record.t_issue)
-            graph.roots.append(Root(ranks[0], direct[0]))
-            culprits_of[node] = ranks
-        elif len(ranks) > 1:  # a cycle with no way out
-            in_cycle = [r for r in ranks if r in skippers]
-            if in_cycle:  # a rank of it skipped the op another waits for it in
-                graph.roots.extend(Root(r, skippers[r], tuple(ranks), skipped=True) for r in in_cycle)
-                culprits_of[node] = in_cycle
-                continue
-            cycle = [waits[r] for r in ranks]
-            skipped, why = _skipped_in(cycle, reference or [])
-            if skipped is None:
-                graph.undetermined = "; ".join(filter(None, (graph.undetermined, why)))
-                culprits_of[node] = []
-                continue
-            blamed = [r for r in skipped.on if r in ranks]
-            graph.roots.extend(Root(r, skipped, tuple(ranks)) for r in blamed)
-            culprits_of[node] = blamed
+    culprits_of = {node: _terminal_roots(graph, dag, node, skippers, reference or []) for node in dag.nodes}
     mapping = dag.graph["mapping"]
     for rank, wait in skippers.items():  # skipped, then went on to wait behind another fault
         node = mapping[rank]
