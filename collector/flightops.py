@@ -68,17 +68,33 @@ def split_sizes(args: tuple, kwargs: dict) -> str:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OURS = (__file__, os.path.join(os.path.dirname(__file__), "flightlog.py"))  # the wrappers' frames
+# the wrappers' frames, by the end of their path: a .pyc compiled elsewhere (an installed
+# copy, a zygote's) names its file by another prefix
+_OURS = (os.path.join("collector", "flightops.py"), os.path.join("collector", "flightlog.py"))
 
 
-def call_site(frame: Any) -> str:
-    """The first frame outside torch and the flight log: the line that asked for the collective."""
-    while frame is not None and (
-        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename in _OURS
-    ):
-        frame = frame.f_back
+def call_site(frame: Any, callers: int = 2) -> str:
+    """The line that asked for the collective (the first frame outside torch and the flight log)
+    and, after " < ", the lines that called it (`callers` of them, file:line): a helper that
+    issues every collective of a kind (an expert exchange, a framework's `_reduce`) is one line,
+    and only its callers tell a dispatch from a combine."""
+    frame = _outside(frame)
     if frame is None:
         return "?"
     path = frame.f_code.co_filename
-    short = "/".join(path.rsplit("/", 2)[-2:])
-    return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
+    site = f"{'/'.join(path.rsplit('/', 2)[-2:])}:{frame.f_lineno} {frame.f_code.co_name}"
+    for _ in range(callers):
+        frame = _outside(frame.f_back)
+        if frame is None:
+            break
+        site += f" < {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return site
+
+
+def _outside(frame: Any) -> Any:
+    """The frame itself or its first caller outside torch and the flight log's wrappers."""
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename.endswith(_OURS)
+    ):
+        frame = frame.f_back
+    return frame

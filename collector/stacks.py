@@ -68,10 +68,11 @@ def frame_text(filename: str, line: Any, name: str = "") -> str:
 
 
 def own_frame(stack: list[str]) -> str:
-    """The innermost frame of the user's or meshscope's code: where a rank was, in the code it
-    runs (the library frames under it say only how the call went down)."""
+    """The innermost frame of the code a rank runs (the user's, or meshscope's trainer): where
+    it was. Library frames say only how the call went down, and the collector's (the flight
+    log's wrappers, the control plane, the Monitor) only that meshscope watched it."""
     for line in reversed(stack):
-        if not line.startswith(LIBRARY) and line.split("/", 1)[0] not in _TORCH_PARTS:
+        if not line.startswith(LIBRARY) and line.split("/", 1)[0] not in (*_TORCH_PARTS, "collector"):
             return line
     return stack[-1] if stack else ""
 

@@ -53,6 +53,7 @@ class ExpertMesh:
     timer: Callable[[], Any] | None = None  # a context manager timing one exchange (the Monitor's)
     count: Callable[[int], None] | None = None  # the bytes one exchange sent (the Monitor's)
     miscount: Callable[[list[int]], list[int]] | None = None  # fault injection: a router's wrong splits
+    skip: Callable[[], bool] | None = None  # fault injection: this rank leaves this exchange out
 
     @property
     def world(self) -> int:
@@ -104,6 +105,8 @@ def exchange(
         row = x[0].numel() * x.element_size() if x.shape[0] else 0
         own = (send[mesh.ep_rank] if send is not None else x.shape[0] // mesh.ep) * row
         mesh.count(x.numel() * x.element_size() - own)  # what leaves this rank
+    if mesh.skip is not None and mesh.skip():  # a wrong branch: its own rows stay, peers wait
+        return out.copy_(x) if out.shape == x.shape else out.zero_()
     timer = mesh.timer() if mesh.timer is not None else contextlib.nullcontext()
     with timer:
         dist.all_to_all_single(out, x, recv, send, group=mesh.ep_group)

@@ -5,8 +5,9 @@ where=forward|backward: one module's parameter turns Inf in forward, or its inpu
 NaN in backward; PATH.INDEX names one expert inside stacked experts, its slice alone; without
 module= the loss turns NaN), expert_collapse (layer=, expert=,
 logit=: 20 collapses routing onto the expert, a few units make it hog, negative starves it),
-memory_leak (mb_per_step=), skip_collective (the rank skips its gradient all-reduces of that
-step, as a rank taking a wrong branch would), collective_mismatch (what=shape|op|dtype|split:
+memory_leak (mb_per_step=), skip_collective (of=gradients: the rank skips its gradient
+all-reduces of that step, as a rank taking a wrong branch would; of=experts: its first expert
+all-to-all of that step, and pairs its next one with its peers' skipped one), collective_mismatch (what=shape|op|dtype|split:
 the rank's first gradient collective of that step disagrees with its peers'; `split` makes
 every rank exchange tokens with all_to_all_single, the rank with wrong split sizes),
 stream_hang (the rank's device stream stops: every kernel from then on, its collectives
@@ -43,12 +44,16 @@ KINDS = {
     "nan": {"module": "", "where": "forward"},
     "expert_collapse": {"layer": 0.0, "expert": 0.0, "logit": 20.0},
     "memory_leak": {"mb_per_step": 16.0},
-    "skip_collective": {},
+    "skip_collective": {"of": "gradients"},
     "collective_mismatch": {"what": "shape"},
     "stream_hang": {},
 }
 # Parameters that take a word, not a number, and the words they take; free text.
-CHOICES = {"what": ("shape", "op", "dtype", "split"), "where": ("forward", "backward")}
+CHOICES = {
+    "what": ("shape", "op", "dtype", "split"),
+    "where": ("forward", "backward"),
+    "of": ("gradients", "experts"),
+}
 TEXT = {"module"}
 
 
@@ -215,6 +220,7 @@ class Injector:
             i for i in injections if i.kind == "collective_mismatch" and i.param("what") == "split"
         ]
         self._broken_step = -1
+        self._skipped_exchange = -1  # the step whose expert all-to-all a skip left out
         self.rank = rank
         self._report, self._flush = report, flush
         self._fired = set(already_fired or ())
@@ -260,6 +266,10 @@ class Injector:
             if inj.kind == "stream_hang":
                 self._flush()  # the ground truth must reach the store before the stream stops
                 sim.stream().hang()
+            if inj.kind in ("skip_collective", "collective_mismatch"):
+                # a broken exchange can make gloo end the process at once (std::terminate): the
+                # fired mark must be stored, or the restart replays the fault and fails again
+                self._flush()
         self._route(step, model)
         self._poison_parameter(step, model)
         leak = self._active("memory_leak", step)
@@ -295,9 +305,12 @@ class Injector:
         """Hooks for module-level NaN injections (InjectionError when the module is unknown),
         and wrong splits in the expert dispatch itself where it has uneven ones."""
         meshes = [getattr(layer, "expert_mesh", None) for layer in getattr(model, "moe_layers", list)()]
+        skips_experts = any(i.kind == "skip_collective" and i.param("of") == "experts" for i in self.mine)
         for mesh in meshes:
             if mesh is not None and mesh.dropless and self.exchanges:
                 mesh.miscount = self.miscount
+            if mesh is not None and skips_experts:
+                mesh.skip = self.skip_exchange
         for inj in self.mine:
             path = inj.param("module") if inj.kind == "nan" else ""
             if not path:
@@ -373,7 +386,8 @@ class Injector:
     def touches_collectives(self) -> bool:
         """Whether the gradient hook must be wrapped by `collective_fault_hook`."""
         return bool(self.exchanges) or any(
-            i.kind in ("skip_collective", "collective_mismatch") for i in self.mine
+            (i.kind == "skip_collective" and i.param("of") == "gradients") or i.kind == "collective_mismatch"
+            for i in self.mine
         )
 
     def miscount(self, send: list[int]) -> list[int]:
@@ -396,11 +410,21 @@ class Injector:
         out[(src + 1) % len(out)] += 1
         return out
 
+    def skip_exchange(self) -> bool:
+        """Whether this expert all-to-all is the one a skip_collective(of=experts) skips: the
+        step's first, once."""
+        skip = self._active("skip_collective", self._step)
+        if skip is None or skip.param("of") != "experts" or self._skipped_exchange == self._step:
+            return False
+        self._skipped_exchange = self._step
+        return True
+
     def collective_fault(self) -> tuple[str, Injection] | None:
         """What this bucket's collective must do wrong: ("skip" | shape | op | dtype | split)."""
         step = self._step
-        if self._active("skip_collective", step) is not None:
-            return "skip", self._active("skip_collective", step)
+        skip = self._active("skip_collective", step)
+        if skip is not None and skip.param("of") == "gradients":
+            return "skip", skip
         if self._broken_step == step:
             return None  # one wrong collective per step: after it the group is broken anyway
         exchange = next(

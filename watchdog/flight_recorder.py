@@ -117,12 +117,22 @@ def load_dump(path: Path) -> dict[str, Any]:
     return data
 
 
-def _site(frames: Any) -> str:
-    for frame in frames if isinstance(frames, list) else []:
-        filename = str(frame.get("filename", ""))
-        if not any(part in filename for part in _TORCH):
-            return f"{'/'.join(filename.rsplit('/', 2)[-2:])}:{frame.get('line')} {frame.get('name')}"
-    return "?"
+def _site(frames: Any, callers: int = 2) -> str:
+    """The first frame outside torch and, after " < ", its callers (file:line), as meshscope's
+    flight log names a call site (`collector.flightops.call_site`)."""
+    own = [
+        f
+        for f in (frames if isinstance(frames, list) else [])
+        if isinstance(f, dict) and not any(part in str(f.get("filename", "")) for part in _TORCH)
+    ]
+    if not own:
+        return "?"
+    first = own[0]
+    filename = str(first.get("filename", ""))
+    site = f"{'/'.join(filename.rsplit('/', 2)[-2:])}:{first.get('line')} {first.get('name')}"
+    for f in own[1 : 1 + callers]:
+        site += f" < {str(f.get('filename', '')).rsplit('/', 1)[-1]}:{f.get('line')}"
+    return site
 
 
 def _numel(size: Any) -> int:

@@ -155,6 +155,23 @@ def _signature_text(r: FlightRecord) -> str:
     return ", ".join(parts)
 
 
+def _broke_habit(seqs: dict[int, dict[int, FlightRecord]], steps: dict[int, int]) -> list[int]:
+    """The ranks that issued more or fewer of the group's collectives than they usually do a
+    step, between the steps the first unpaired collective was issued at: the one that skipped
+    (or added) one, when there is no majority to tell. [] when both or neither did."""
+    lo, hi = min(steps.values()), max(steps.values())
+    broke = []
+    for rank in steps:
+        count = Counter(recs[rank].step for recs in seqs.values() if rank in recs)
+        inner = sorted(count)[1:-1]  # the ring may cut the first and the last step short
+        if not inner:
+            continue
+        habit = Counter(count[s] for s in inner).most_common(1)[0][0]
+        if any(count.get(s, 0) != habit for s in range(lo, hi + 1)):
+            broke.append(rank)
+    return sorted(broke) if 0 < len(broke) < len(steps) else []
+
+
 def _desync_in(seqs: dict[int, dict[int, FlightRecord]]) -> tuple | None:
     """In one group: the first collective whose ranks pair records of different steps, when
     the group was in step before and stays out of step the same way over two later steps."""
@@ -164,6 +181,10 @@ def _desync_in(seqs: dict[int, dict[int, FlightRecord]]) -> tuple | None:
         records = seqs[seq]
         steps = {rank: r.step for rank, r in records.items()}
         usual, odd = _majority(steps)
+        by_habit = not odd and len(set(steps.values())) > 1
+        if by_habit:  # no majority (two ranks): the rank that broke its own habit
+            odd = _broke_habit(seqs, steps)
+            usual = next((steps[r] for r in steps if r not in odd), usual)
         if not odd:
             agreed = agreed or len(records) > 1
             continue
@@ -178,7 +199,10 @@ def _desync_in(seqs: dict[int, dict[int, FlightRecord]]) -> tuple | None:
             for recs in later
             for r in odd
         )
-        return (min(r.t_issue for r in records.values()), seq, records, steps, odd) if persistent else None
+        # a broken habit is itself the evidence that lasts: a group issued every step, one rank
+        # issued one more or fewer than it always does
+        found = persistent or by_habit
+        return (min(r.t_issue for r in records.values()), seq, records, steps, odd) if found else None
     return None
 
 
@@ -201,18 +225,21 @@ def desync(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
     first = min(steps[r] for r in others)
     since = min(first, steps[odd[0]])
     one = len(odd) == 1
-    what = "skipped a collective" if any(steps[r] > first for r in odd) else "issued an extra collective"
+    skipped = any(steps[r] > first for r in odd)
+    what = "skipped a collective" if skipped else "issued an extra collective"
+    site = records[others[0]].site if skipped else records[odd[0]].site
     return Diagnosis(
         Verdict.DESYNC,
         odd,
         others,
         f"{ranks_text(odd)} issued {records[odd[0]].op} #{seq} on group {group} at step "
         f"{steps[odd[0]]} while {ranks_text(others)} did at step {first}: {'it' if one else 'they'} "
-        f"{what} around step {since} and {'has' if one else 'have'} paired with the wrong partner since",
+        f"{what} around step {since} ({site}) and {'has' if one else 'have'} paired with the wrong "
+        "partner since",
         op=records[odd[0]].op,
         seq=seq,
         group=group,
-        evidence={"desync_since_step": since},
+        evidence={"desync_since_step": since, "skipped_site" if skipped else "extra_site": site},
     )
 
 

@@ -70,7 +70,11 @@ def _print_hang(detail: dict, source: str, as_json: bool = False) -> None:
     console.print(table)
     for op in detail.get("stuck_groups") or []:  # every op ranks wait in: who for, and the root
         what = f"{op['op']} #{op['seq']}" if op.get("seq") is not None else op["op"]
-        how = "" if op["independent"] else f", through other waits to {op['culprit_ranks']}"
+        how = (
+            ""
+            if op["independent"] or not op["culprit_ranks"]
+            else f", through other waits to {op['culprit_ranks']}"
+        )
         console.print(
             f"  group {op['group']}, {what}: ranks {op['waiting_ranks']} wait on {op['waiting_on']}{how}",
             markup=False,

@@ -15,9 +15,19 @@ from meshscope.collector.store import load_events
         (3, "skip_collective@step=5,rank=2", "desync", ("all_reduce", "0"), ()),
         (3, "collective_mismatch@step=5,rank=2,what=op", "mismatch", ("broadcast", "0"), ()),
         (3, "hang@step=5,rank=2,seconds=600", "compute", ("all_reduce", "0"), ()),
-        # two ranks: no majority to outvote the culprit; the program order of a step both ran
-        # alike says which collective was skipped
-        (2, "skip_collective@step=5,rank=1", "missing", ("all_reduce", "0"), ()),
+        # two ranks: no majority to outvote the culprit. It skips the gradient all-reduce and
+        # runs on into the control plane's collectives; its own habit (one reduction a step)
+        # says which rank broke step, not the rank that waits longest
+        (2, "skip_collective@step=5,rank=1", "desync", ("all_reduce", "0"), ()),
+        # a desync inside the expert all-to-all: the skipper's combine pairs with its peer's
+        # dispatch, and only the call sites (dispatch vs combine) tell
+        (
+            2,
+            "skip_collective@step=5,rank=1,of=experts",
+            "desync",
+            ("all_to_all_single", None),
+            ("--set", "parallel.ep=2"),
+        ),
         # expert parallelism: the peer waits in the expert all-to-all of the first MoE layer
         (
             2,
@@ -39,7 +49,8 @@ from meshscope.collector.store import load_events
         "desync",
         "mismatch",
         "compute",
-        "missing-of-two",
+        "desync-of-two",
+        "desync-in-expert-all-to-all",
         "compute-in-expert-all-to-all",
         "wrong-expert-splits",
     ],
@@ -75,8 +86,10 @@ def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, ki
     op, group = collective
     assert detail["op"] == op and group in (None, detail["group"]), detail  # EP: a group of its own
     assert detail["action"] == "abort"
-    # wrong splits break gloo's exchange at once: both ranks end with its error, no stack to take
-    assert set(detail["stacks"]) >= {"0", "1"} or "split sizes" in detail["why"], detail
+    # wrong splits (and a combine paired with a dispatch) break gloo's exchange at once: both
+    # ranks end with its error, no stack to take
+    crashes = "split sizes" in detail["why"] or "of=experts" in inject
+    assert set(detail["stacks"]) >= {"0", "1"} or crashes, detail
     assert detail["detected_at"] - detail["stalled_since"] < 10
     # restarted from a checkpoint, finished. The verdict itself may land after the restart: wrong
     # splits crash gloo at once, the agent restarts, and the post-mortem of the logs ends later
@@ -84,6 +97,10 @@ def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, ki
     assert "resume" in kinds and kinds[-1] == "run_end", kinds
     report = meshscope("hang-report", "--run", str(tmp_path / "h"))
     assert report.returncode == 0 and f"[{culprit}]" in report.stdout
+    if kind == "desync":  # the verdict reaches root cause as the watchdog said it
+        causes = meshscope("explain", "--run", str(tmp_path / "h"))
+        first = next(line for line in causes.stdout.splitlines() if line.startswith("1. "))
+        assert f"rank {culprit}: desync" in first, causes.stdout
 
 
 def test_a_stuck_transport_on_a_device_is_a_hang_with_its_metric(tmp_path):
