@@ -7,9 +7,10 @@ module= the loss turns NaN), expert_collapse (layer=, expert=,
 logit=: 20 collapses routing onto the expert, a few units make it hog, negative starves it),
 memory_leak (mb_per_step=), skip_collective (of=gradients: the rank skips its gradient
 all-reduces of that step, as a rank taking a wrong branch would; of=experts: its first expert
-all-to-all of that step, and pairs its next one with its peers' skipped one), collective_mismatch (what=shape|op|dtype|split:
-the rank's first gradient collective of that step disagrees with its peers'; `split` makes
-every rank exchange tokens with all_to_all_single, the rank with wrong split sizes),
+all-to-all of that step, and pairs its next one with its peers' skipped one),
+collective_mismatch (what=shape|op|dtype|split: the rank's first gradient collective of that
+step disagrees with its peers'; `split` makes every rank exchange tokens with
+all_to_all_single, the rank with wrong split sizes),
 stream_hang (the rank's device stream stops: every kernel from then on, its collectives
 included, never finishes, while its host runs on: a stuck transport or device; `--device sim`
 only, the one device whose stream can be stopped on purpose). An expert
