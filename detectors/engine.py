@@ -105,9 +105,17 @@ class DetectionEngine:
         self.featurizer = StepFeaturizer()
         self._warm: list[_Row] = []
         self._ranks: list[int] = []
+        self.paused: set[int] = set()  # steps meshscope itself slowed (see `pause`)
 
     def _score(self, name: str, score: float) -> None:
         self.on_score(name, score)
+
+    def pause(self, steps: set[int]) -> None:
+        """Steps meshscope itself slowed (`detectors.pauses.known_pauses`: a checkpoint, a
+        resume, an expert move): the job-wide rules neither judge them (a stall there is
+        meshscope's, not a fault) nor learn from them; per-rank rules (a straggler, a NaN) still
+        judge them, so a fault inside a checkpoint's steps is still seen."""
+        self.paused |= set(steps)
 
     def judge_against(self, host: HostShare) -> None:
         """The host the ranks share: on an oversubscribed one, stragglers are judged against it."""
@@ -194,9 +202,10 @@ class DetectionEngine:
                 self._fit()
             self._judge(view.step, row, [r for r in self.rules if r.during_warmup])
             return
-        normal = self._judge(view.step, row, self.rules)
+        paused = view.step in self.paused
+        normal = self._judge(view.step, row, [r for r in self.rules if not (paused and r.job_wide)])
         for rule in self.rules:
-            rule.update(row, normal)
+            rule.update(row, normal and not (paused and rule.job_wide))
         self._close_quiet(view.step)
 
     def _fit(self) -> None:

@@ -22,6 +22,7 @@ from meshscope.collector.schema import Event, anomaly_key
 from meshscope.collector.store import RunStore, load_events, load_expert_load, load_grad_stats, load_steps
 from meshscope.detectors.engine import DetectionEngine, EngineConfig
 from meshscope.detectors.episodes import Episode
+from meshscope.detectors.pauses import known_pauses
 
 log = logging.getLogger("meshscope.detect")
 
@@ -76,6 +77,8 @@ class LiveDetection:
             return
         try:
             self._learn_host()
+            # before the steps: a checkpoint's event is stored before the step it slows
+            self.engine.pause(known_pauses(load_events(self.run_dir)))
             steps = load_steps(self.run_dir, since_step=self.engine.last_step)
             experts = load_expert_load(self.run_dir, since_step=self.engine.last_expert_step)
             grads = load_grad_stats(self.run_dir, since_step=self.engine.last_grad_step)

@@ -90,6 +90,9 @@ class StepRule:
     name: str
     types: tuple[str, ...]  # the anomaly types its flags carry
     during_warmup: bool = False  # judges before the warm-up ends (a NaN needs no baseline)
+    # judges the whole job's step time: a step meshscope itself paused (a checkpoint, a resume)
+    # is not its to judge, nor to learn from (`DetectionEngine.pause`)
+    job_wide: bool = False
 
     def learn(self, warm: Any) -> None:
         """Fit on the warm-up rows (one row per step)."""
@@ -158,6 +161,7 @@ class StallRule(StepRule):
     stall at once."""
 
     name, during_warmup = "stall", False
+    job_wide = True
     types = ("stall", "comm")
 
     def __init__(self, factor: float) -> None:
@@ -324,6 +328,7 @@ class CommRule(StepRule):
     rank (a straggler's peers wait in communication too, so a straggler step is not judged)."""
 
     name, during_warmup = "comm", False
+    job_wide = True
     types = ("comm",)
 
     def __init__(self, threshold: float, slowdown: float) -> None:
@@ -426,6 +431,7 @@ class MultivariateRule(StepRule):
     steps every other rule found normal, once it has enough rows to trust its scales."""
 
     name, during_warmup = "multivariate", False
+    job_wide = True
     types = ("multivariate",)
 
     def __init__(self, on_score: Any) -> None:

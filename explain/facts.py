@@ -14,6 +14,7 @@ from meshscope.collector.report import busiest_host
 from meshscope.collector.rundir import run_info
 from meshscope.collector.store import load_events, load_expert_load, load_expert_work, load_steps
 from meshscope.detectors.engine import DetectionEngine
+from meshscope.detectors.pauses import known_pauses
 
 # What each cause means, for people and for the view's legend.
 CAUSE_KINDS = {
@@ -129,7 +130,7 @@ class RunFacts:
         if len(stored):
             anomalies = [Anomaly.from_event(row) for _, row in stored.iterrows()]
         else:
-            anomalies = replay_anomalies(run_dir, steps, experts, busiest_host(events))
+            anomalies = replay_anomalies(run_dir, steps, experts, busiest_host(events), known_pauses(events))
         return cls(run_dir, steps, events, experts, anomalies, load_expert_work(run_dir))
 
     def anomaly(self, anomaly_id: int) -> Anomaly:
@@ -144,10 +145,14 @@ class RunFacts:
 
 
 def replay_anomalies(
-    run_dir: Path, steps: pd.DataFrame, experts: pd.DataFrame, host: HostShare | None = None
+    run_dir: Path,
+    steps: pd.DataFrame,
+    experts: pd.DataFrame,
+    host: HostShare | None = None,
+    pauses: set[int] | None = None,
 ) -> list[Anomaly]:
     """The detectors' episodes over a recorded run (ids are None: they are not in the store),
-    judged against the host its ranks shared, as live."""
+    judged against the host its ranks shared and apart from meshscope's own pauses, as live."""
     if steps.empty:
         return []
     found: list[Anomaly] = []
@@ -170,6 +175,7 @@ def replay_anomalies(
     )
     if host is not None:
         engine.judge_against(host)
+    engine.pause(pauses or set())
     engine.process(steps, experts)
     engine.finish()
     return found

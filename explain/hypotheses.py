@@ -16,6 +16,7 @@ from meshscope.collector.figures import STALL_FLOOR_S, balancedness, stall_thres
 from meshscope.collector.report import busiest_host
 from meshscope.collector.schema import nonfinite_mask
 from meshscope.collector.stacks import own_frame
+from meshscope.detectors.pauses import PAUSES
 from meshscope.explain.experts import hot_experts
 from meshscope.explain.facts import (
     BASELINE_STEPS,
@@ -374,27 +375,55 @@ def _nonfinite_from_steps(facts: RunFacts, w: Window) -> list[Cause]:
 
 
 def _checkpoint(facts: RunFacts, w: Window) -> list[Cause]:
-    """A checkpoint saved in (or just before) the window: meshscope's own pause, a known cause."""
+    """Checkpoints saved in (or just before) the window: meshscope's own pause, a known cause,
+    as sure as the share of the window's extra time it accounts for (the steps a save slows,
+    `detectors.pauses`). A straggler whose window holds a save stays a straggler."""
     ev = facts.events
     saves = ev[(ev["kind"] == "checkpoint") & ev["step"].between(w.lo - 1, w.hi)] if not ev.empty else ev
     saves = _rows(saves, ["held_s" in d for d in saves["detail"]]) if "detail" in saves else saves
     if saves.empty:
         return []
+    share = checkpoint_share(facts, w, {int(s) + d for s in saves["step"] for d in PAUSES["checkpoint"]})
     row = max(saves.itertuples(), key=lambda r: r.detail["held_s"])
     held, step = float(row.detail["held_s"]), int(row.step)
-    mode = "in the background (staging only)" if row.detail.get("async") else "in the foreground"
+    background = all(d.get("async") for d in saves["detail"])
+    mode = "in the background (staging only)" if background else "in the foreground"
+    action = "expected, not a fault" + (
+        "; saving already runs in the background: a larger elastic.checkpoint_every saves less often"
+        if background
+        else "; if it is too long: --set elastic.async_checkpoint=true, or a larger elastic.checkpoint_every"
+    )
     return [
         Cause(
             "checkpoint",
-            f"the checkpoint of step {step} held the job {held:.2f} s",
-            0.9,
+            f"the checkpoint of step {step}: {share:.0%} of the extra time in {_span(w.lo, w.hi)}",
+            0.9 * share,
             [],
             step,
-            [f"meshscope saved a checkpoint at step {step} {mode}; every rank waits at its barrier"],
-            "expected, not a fault; if it is too long: --set elastic.async_checkpoint=true, or a "
-            "larger elastic.checkpoint_every",
+            [
+                f"meshscope saved a checkpoint at step {step} {mode}; it held the job {held:.2f} s "
+                "and slows the step after it"
+            ],
+            action,
         )
     ]
+
+
+def checkpoint_share(facts: RunFacts, w: Window, slowed: set[int]) -> float:
+    """The share of the window's extra job time (its slowest rank's step over the median step
+    before it) that the checkpoint's steps add: what they took beyond the window's other steps
+    (a straggler's steps are slow with or without a save in them)."""
+    job = facts.steps.groupby("step")["step_s"].max()
+    before = job[(job.index < w.lo) & (job.index >= w.lo - BASELINE_STEPS)]
+    base = float(before.median()) if not before.empty else float(job.median())
+    window = job[(job.index >= w.lo) & (job.index <= w.hi)]
+    total = float((window - base).clip(lower=0).sum())
+    if total <= 0:
+        return 0.0
+    rest = window[~window.index.isin(slowed)]
+    usual = max(base, float(rest.median())) if not rest.empty else base
+    added = float((window[window.index.isin(slowed)] - usual).clip(lower=0).sum())
+    return min(1.0, added / total)
 
 
 def _events_where(ev: pd.DataFrame, kind: str, key: str, value: Any) -> pd.DataFrame:

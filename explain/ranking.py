@@ -33,11 +33,14 @@ def _rank_causes(causes: list[Cause]) -> list[Cause]:
             c.evidence.append(
                 "its experts received more tokens (see hot_experts): activations grow with them"
             )
-    if any(c.kind == "checkpoint" for c in causes):  # meshscope's own pause explains the stall
+    # meshscope's own pause explains as much of the window as its share of the extra time: a
+    # rank slow outside the checkpoint's steps is still slow
+    share = max((c.confidence / 0.9 for c in causes if c.kind == "checkpoint"), default=0.0)
+    if share >= 0.05:
         for c in causes:
             if c.kind in ("slow_host", "slow_link", "stall", "host_oversubscribed"):
-                c.confidence = round(c.confidence * 0.5, 3)
-                c.evidence.append("a checkpoint was saved in the same steps (see checkpoint)")
+                c.confidence = round(c.confidence * (1 - share), 3)
+                c.evidence.append(f"a checkpoint accounts for {share:.0%} of the window's extra time")
     merged: dict[tuple, Cause] = {}
     for c in causes:
         key = (c.kind, tuple(c.ranks))

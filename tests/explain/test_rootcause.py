@@ -171,3 +171,45 @@ def test_a_death_only_the_watchdog_saw_is_explained_not_a_crash_of_explain(tmp_p
     causes = explain(run)
     found = [(c.kind, c.ranks) for c in causes]
     assert found and found[0] == ("crash", [1]), found
+
+
+def _with_checkpoints(tmp_path: Path, name: str, steps: list[int], held_s: float = 0.02) -> Path:
+    """A recorded run with meshscope's checkpoint events added (in the background, as the
+    trainer saves by default)."""
+    from meshscope.collector.schema import Event
+    from meshscope.collector.store import RunStore
+
+    run = tmp_path / name
+    shutil.copytree(DATA / name, run)
+    store = RunStore(run)
+    for step in steps:
+        detail = {"saved_step": step, "held_s": held_s, "async": True}
+        store.add_event(Event(kind="checkpoint", run_id="r", rank=0, step=step, detail=detail))
+    store.close()
+    return run
+
+
+def test_a_straggler_with_checkpoints_inside_its_window_is_still_named(tmp_path):
+    # slow: rank 1 computes 3x from step 80 for 10 steps; saves every 5 steps, two inside
+    run = _with_checkpoints(tmp_path, "slow", list(range(5, 150, 5)))
+    causes = explain(run)
+    assert causes[0].kind == "slow_host" and causes[0].ranks == [1], [(c.kind, c.title) for c in causes]
+    assert all(c.kind != "checkpoint" or c.confidence < 0.5 for c in causes)
+    # saving runs in the background already: no advice to turn it on
+    assert not any("async_checkpoint=true" in c.action for c in causes)
+
+
+def test_a_clean_run_with_checkpoints_and_their_slow_steps_raises_nothing(tmp_path):
+    run = _with_checkpoints(tmp_path, "clean-a", [40, 80, 120])
+    with sqlite3.connect(run / "store.sqlite") as db:  # each save slows the next step: 0.5 s
+        db.execute("UPDATE steps SET step_s = step_s + 0.5 WHERE step IN (41, 81, 121)")
+    assert explain(run) == []
+    out = meshscope("detect", "--run", str(run))
+    assert out.returncode == 0 and "0 anomaly episode(s)" in out.stdout, out.stdout
+    # the same slow steps without the saves are a fault (the check can fail)
+    bare = tmp_path / "bare"
+    shutil.copytree(DATA / "clean-a", bare)
+    with sqlite3.connect(bare / "store.sqlite") as db:
+        db.execute("UPDATE steps SET step_s = step_s + 0.5 WHERE step IN (41, 81, 121)")
+    out = meshscope("detect", "--run", str(bare))
+    assert out.returncode == 0 and "0 anomaly episode(s)" not in out.stdout, out.stdout
