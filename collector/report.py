@@ -70,6 +70,22 @@ def expert_exchange(steps: pd.DataFrame) -> dict[str, float]:
     }
 
 
+ABORT_WITHIN_S = 60.0  # a rank gone this long after the watchdog aborted the workers: the abort's
+
+
+def watchdog_aborts(events: pd.DataFrame) -> list[float]:
+    """When the hang watchdog aborted the workers on purpose (its hang events that say so)."""
+    if events.empty:
+        return []
+    hangs = events[events["kind"] == "hang"]
+    return [float(t) for t, d in zip(hangs["time"], hangs["detail"]) if d.get("action") == "abort"]
+
+
+def after_abort(last_seen: float | None, aborts: list[float]) -> bool:
+    """A rank last seen when the watchdog aborted the workers died of the abort, not a fault."""
+    return last_seen is not None and any(t - 1.0 <= float(last_seen) <= t + ABORT_WITHIN_S for t in aborts)
+
+
 def busiest_host(events: pd.DataFrame) -> HostShare | None:
     """The most shared node, from the `host` events each node writes as it starts (None: no
     such event, a store from before them)."""

@@ -17,7 +17,8 @@ import torch
 
 from meshscope.collector import DistEnv, Monitor
 from meshscope.collector.control import ControlPlane, LateFlag
-from meshscope.collector.store import load_steps
+from meshscope.collector.report import after_abort, watchdog_aborts
+from meshscope.collector.store import load_events, load_steps
 from meshscope.trainer.checkpoint import CheckpointManager
 from meshscope.trainer.config import TrainerConfig
 from meshscope.trainer.heartbeat import (
@@ -133,7 +134,10 @@ class ElasticRun:
             self.mon.event(
                 "restart", severity="warning", detail={"attempt": attempt, "world_size": self.env.world_size}
             )
+            aborts = self._watchdog_aborts()
             for f in failures:
+                if after_abort(f.last_seen, aborts):  # the watchdog's own abort: its hang event says so
+                    continue
                 self.mon.metrics.faults.labels(kind="dead_rank").inc()
                 self.mon.event(
                     "fault",
@@ -148,6 +152,13 @@ class ElasticRun:
                         "how": "no exit mark: the process died without being stopped",
                     },
                 )
+
+    def _watchdog_aborts(self) -> list[float]:
+        """When the hang watchdog aborted this run's workers (none when the store says nothing)."""
+        try:
+            return watchdog_aborts(load_events(self.cfg.run_dir, kind="hang"))
+        except Exception:  # no store yet, or one that does not answer: every death is a fault
+            return []
 
     def _watchers(self, interval: float) -> list[Any]:
         """The node's watcher on local rank 0, the job's on rank 0 when there are several

@@ -19,6 +19,7 @@ import pandas as pd
 
 from meshscope.collector.figures import balancedness as balancedness_of
 from meshscope.collector.figures import tokens_per_second, with_compute
+from meshscope.collector.report import after_abort, watchdog_aborts
 from meshscope.collector.rundir import STORE_LOCATOR
 from meshscope.collector.schema import anomaly_link
 from meshscope.collector.store import (
@@ -115,25 +116,15 @@ def timeline(events: pd.DataFrame) -> pd.DataFrame:
     # a fault is about the rank it names, not the rank that noticed it
     about = [d.get("rank") if k == "fault" else None for k, d in zip(out["kind"], out["detail"])]
     out["rank"] = [r if a is None else a for r, a in zip(out["rank"], about)]
-    aborted = _watchdog_aborts(events)
+    aborted = watchdog_aborts(events)
     for i, (kind, d) in enumerate(zip(out["kind"], out["detail"])):
-        if kind == "fault" and d.get("type") == "dead_rank" and _after_abort(d, aborted):
+        seen = d.get("last_seen") or d.get("detected_at")
+        if kind == "fault" and d.get("type") == "dead_rank" and after_abort(seen, aborted):
             out.iloc[i, out.columns.get_loc("severity")] = "info"  # meshscope's own doing
             out.iloc[i, out.columns.get_loc("summary")] = (
                 "stopped by the hang watchdog on purpose (see the hang)"
             )
     return out[["id", "step", "kind", "severity", "rank", "summary"]]
-
-
-def _watchdog_aborts(events: pd.DataFrame) -> list[float]:
-    """When the hang watchdog aborted the workers (its hang events that say so)."""
-    hangs = events[events["kind"] == "hang"]
-    return [float(t) for t, d in zip(hangs["time"], hangs["detail"]) if d.get("action") == "abort"]
-
-
-def _after_abort(fault: dict[str, Any], aborts: list[float], within_s: float = 60.0) -> bool:
-    seen = fault.get("last_seen") or fault.get("detected_at")
-    return seen is not None and any(t - 1.0 <= float(seen) <= t + within_s for t in aborts)
 
 
 def _when(value: Any) -> str:
