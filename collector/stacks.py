@@ -67,14 +67,24 @@ def frame_text(filename: str, line: Any, name: str = "") -> str:
     return f"{'/'.join(filename.rsplit('/', 2)[-2:])}:{line} {name}".rstrip()
 
 
+# meshscope's own watching code as stacks name it: a frame here says only that it watched
+_COLLECTOR = tuple(
+    f"collector/{name}:"
+    for name in sorted(os.listdir(os.path.dirname(os.path.abspath(__file__))))
+    if name.endswith(".py")
+)
+
+
 def own_frame(stack: list[str]) -> str:
     """The innermost frame of the code a rank runs (the user's, or meshscope's trainer): where
     it was. Library frames say only how the call went down, and the collector's (the flight
-    log's wrappers, the control plane, the Monitor) only that meshscope watched it."""
-    for line in reversed(stack):
-        if not line.startswith(LIBRARY) and line.split("/", 1)[0] not in (*_TORCH_PARTS, "collector"):
-            return line
-    return stack[-1] if stack else ""
+    log's wrappers, the control plane, the Monitor) only that meshscope watched it; a stack of
+    nothing else names the collector's innermost frame."""
+    ours = [
+        line for line in stack if not line.startswith(LIBRARY) and line.split("/", 1)[0] not in _TORCH_PARTS
+    ]
+    theirs = [line for line in ours if not line.startswith(_COLLECTOR)]
+    return (theirs or ours or stack or [""])[-1]
 
 
 def _frame_text(frame: traceback.FrameSummary) -> str:

@@ -185,7 +185,7 @@ class StallRule(StepRule):
             return before  # a held step alone: a stall
         if not self._waited(row, step_s):
             self.waiting = False
-            return before + [self._stall(step_s, usual, row.ranks)]
+            return before + [self._stall(step_s, usual, self._busy_ranks(row, step_s))]
         if held_step is None and not self.waiting:
             self.held = (step, replace(self._stall(step_s, usual, row.ranks), confirm=2))
             return [self.held[1]]
@@ -204,6 +204,17 @@ class StallRule(StepRule):
     def _stall(step_s: float, usual: float, ranks: list[int]) -> Flag:
         evidence = {"stall_s": round(step_s, 3), "usual_step_s": round(usual, 4)}
         return Flag("stall", step_s / usual, ranks=ranks, final=True, evidence=evidence)
+
+    @staticmethod
+    def _busy_ranks(row: Any, step_s: float) -> list[int]:
+        """The ranks that spent the stall busy while others waited on them in communication (a
+        rank sleeping or stuck in its own code): the stall's ranks. All, when all were busy."""
+        if row.busy is None:
+            return row.ranks
+        busy = np.asarray(row.busy).reshape(-1)
+        hold = [r for r, b in zip(row.ranks, busy) if b >= 0.5 * step_s]
+        waited = [r for r, b in zip(row.ranks, busy) if b < 0.25 * step_s]
+        return hold if hold and waited else row.ranks
 
     @staticmethod
     def _waited(row: Any, step_s: float) -> bool:

@@ -11,9 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from meshscope.collector.env import HostShare
 from meshscope.collector.figures import STALL_FLOOR_S, balancedness, stall_threshold_s, with_compute
-from meshscope.collector.report import busiest_host
 from meshscope.collector.schema import nonfinite_mask
 from meshscope.collector.stacks import own_frame
 from meshscope.detectors.pauses import PAUSES
@@ -32,6 +30,7 @@ from meshscope.explain.facts import (
     _top_k,
     _who,
 )
+from meshscope.explain.slow import slow_host
 
 
 def _hang_events(facts: RunFacts, w: Window) -> list[Cause]:
@@ -111,64 +110,6 @@ def _stall(facts: RunFacts, w: Window) -> list[Cause]:
             )
         )
     return out[:1]
-
-
-def _slow_host(facts: RunFacts, w: Window) -> list[Cause]:
-    """A rank whose own compute is slower than its peers' while they wait in communication."""
-    steps = with_compute(w.of(facts.steps))
-    if steps.empty or steps["rank"].nunique() < 2:
-        return []
-    compute = _pivot(steps, "compute_s")
-    med = compute.median()
-    best = med.idxmax()
-    others = med.drop(best)
-    ratio = float(med[best] / max(float(others.median()), 1e-9))
-    if ratio < SLOW_RATIO:
-        return []
-    host = busiest_host(facts.events)
-    if host is not None and host.oversubscribed and ratio < SLOW_RATIO * host.factor:
-        return [_oversubscribed(host, ratio, w)]
-    rank = int(best)
-    phases = {
-        p: steps[steps["rank"] == rank][p].median() / max(steps[steps["rank"] != rank][p].median(), 1e-9)
-        for p in ("forward_s", "backward_s", "optimizer_s", "data_s")
-    }
-    phase = max(phases, key=phases.get).removesuffix("_s")
-    waited = float(_pivot(steps, "comm_exposed_s").drop(columns=best).median().median())
-    return [
-        Cause(
-            "slow_host",
-            f"rank {rank} computes {ratio:.1f}× slower than its peers",
-            min(0.92, 0.55 + 0.1 * ratio),
-            [rank],
-            w.lo,
-            [
-                f"rank {rank}'s compute {med[best]:.3f} s per step vs its peers' {others.median():.3f} s "
-                f"over {_span(w.lo, w.hi)} (mostly in {phase}, {phases[phase + '_s']:.1f}× theirs)",
-                f"its peers waited {waited:.3f} s per step in communication for it",
-            ],
-            f"check rank {rank}'s host and device: other processes, clocks and thermal throttling "
-            "(nvidia-smi -q -d PERFORMANCE / npu-smi info), its data-loader workers; if it stays "
-            "slow, cordon the node and let the job shrink around it",
-        )
-    ]
-
-
-def _oversubscribed(host: HostShare, ratio: float, w: Window) -> Cause:
-    """Ranks unequal only as far as sharing too few cores makes them: the host, not a rank."""
-    return Cause(
-        "host_oversubscribed",
-        f"the host is oversubscribed ({host.factor:.1f} busy threads per core): no rank is slow",
-        0.7,
-        [],
-        w.lo,
-        [
-            f"{host.ranks} rank(s) x {host.threads} thread(s) share {host.cores} core(s)",
-            f"the slowest rank computes {ratio:.1f}x its peers over {_span(w.lo, w.hi)}, within what "
-            f"taking turns on the cores explains (up to {SLOW_RATIO * host.factor:.1f}x)",
-        ],
-        "run fewer ranks per node (--nproc), fewer threads per rank (OMP_NUM_THREADS), or on more cores",
-    )
 
 
 def _slow_link(facts: RunFacts, w: Window) -> list[Cause]:
@@ -491,7 +432,7 @@ def _crash(facts: RunFacts, w: Window) -> list[Cause]:
 HYPOTHESES: list[Callable[[RunFacts, Window], list[Cause]]] = [
     _hang_events,
     _stall,
-    _slow_host,
+    slow_host,
     _slow_link,
     hot_experts,
     _routing,

@@ -29,9 +29,10 @@ from meshscope.trainer.hierarchy import (
     inter_node_bytes,
     node_groups,
 )
-from meshscope.trainer.inject import Injector, collective_fault_hook, delayed_hook
+from meshscope.trainer.inject import Injector
 from meshscope.trainer.model import MoELM
 from meshscope.trainer.onebit_adam import OneBitAdam
+from meshscope.trainer.wirefaults import collective_fault_hook, delayed_hook
 
 # Devices whose AdamW has fused kernels that honour `found_inf`. Ascend is left out until
 # torch_npu's fused AdamW is checked on hardware; it reads the norm instead (a sync point).

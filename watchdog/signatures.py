@@ -163,10 +163,14 @@ def _broke_habit(seqs: dict[int, dict[int, FlightRecord]], steps: dict[int, int]
     broke = []
     for rank in steps:
         count = Counter(recs[rank].step for recs in seqs.values() if rank in recs)
-        inner = sorted(count)[1:-1]  # the ring may cut the first and the last step short
-        if not inner:
-            continue
-        habit = Counter(count[s] for s in inner).most_common(1)[0][0]
+        # the ring may cut the first and the last step short; the steps between them must all
+        # use the group (a training-loop group, not a checkpoint's barriers every N steps)
+        inner = [s for s in range(min(count) + 1, max(count)) if not lo <= s <= hi]
+        if len(inner) < 3 or any(count.get(s, 0) == 0 for s in inner):
+            return []
+        habit, seen = Counter(count[s] for s in inner).most_common(1)[0]
+        if seen < 0.8 * len(inner):
+            return []  # no habit to break
         if any(count.get(s, 0) != habit for s in range(lo, hi + 1)):
             broke.append(rank)
     return sorted(broke) if 0 < len(broke) < len(steps) else []
@@ -248,9 +252,16 @@ def _sites(tail: FlightTail, group: str) -> dict[int, str]:
     return {r.seq: r.site for r in tail.records if r.group == group and not r.p2p and r.site not in ("", "?")}
 
 
+def _follows(by_seq: dict[int, str], first: str, then: str) -> bool:
+    """This rank's own history on the group issued `then` right after `first`."""
+    return any(site == first and by_seq.get(seq + 1) == then for seq, site in by_seq.items())
+
+
 def _shifted_in(sites: dict[int, dict[int, str]]) -> tuple[int, list[int], list[int]] | None:
     """In one group: the first number where ranks issued it from different call sites and some
-    ranks' site is the others' next one: (seq, ranks one ahead, the others)."""
+    ranks' site is the others' next one: (seq, ranks one ahead, the others). "Next" is what the
+    others issue as #s+1, or, before they get there (a rank that crashed on the pairing), what
+    their own history always issued right after their #s's site."""
     seqs = sorted({s for by_seq in sites.values() for s in by_seq})
     for seq in seqs:
         here = {r: by_seq[seq] for r, by_seq in sites.items() if seq in by_seq}
@@ -259,12 +270,14 @@ def _shifted_in(sites: dict[int, dict[int, str]]) -> tuple[int, list[int], list[
         for site in set(here.values()):
             ahead = sorted(r for r, x in here.items() if x == site)
             rest = [r for r in here if r not in ahead]
-            # the rest issue `site` one number later, and the ahead ranks never issued theirs
-            later = all(sites[r].get(seq + 1) == site for r in rest if seq + 1 in sites[r])
-            reached = any(seq + 1 in sites[r] for r in rest)
             theirs = {here[r] for r in rest}
             never = all(sites[a].get(seq - 1) not in theirs for a in ahead)
-            if later and reached and never and len(ahead) < len(here):
+            nxt = [sites[r][seq + 1] == site for r in rest if seq + 1 in sites[r]]
+            if nxt:
+                later = all(nxt)
+            else:  # nobody got to #s+1: their history says what comes after their #s
+                later = all(_follows(sites[r], here[r], site) for r in rest)
+            if later and never and len(ahead) < len(here):
                 return seq, ahead, sorted(rest)
         return None
     return None

@@ -58,7 +58,7 @@ def test_comm_delay_lands_after_backward_even_when_the_collective_is_already_don
     the comm side (a completed future's callback runs inline, inside backward)."""
     import torch
 
-    from meshscope.trainer.inject import delayed_hook
+    from meshscope.trainer.wirefaults import delayed_hook
 
     inj = Injector([parse_injection("comm_delay@step=0,rank=0,ms=200")], rank=0, report=lambda i, s: None)
     inj.before_step(0, torch.nn.Linear(1, 1))

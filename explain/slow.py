@@ -1,0 +1,90 @@
+"""A slow rank as root cause sees it: a rank whose own compute is slower than its peers' while
+they wait for it in communication, where its time went (the phase that grew on it), or a host
+too shared for any rank to be called slow."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from meshscope.collector.env import HostShare
+from meshscope.collector.figures import with_compute
+from meshscope.collector.report import busiest_host
+from meshscope.explain.facts import SLOW_RATIO, Cause, RunFacts, Window, _pivot, _span
+
+
+def slow_host(facts: RunFacts, w: Window) -> list[Cause]:
+    """A rank whose own compute is slower than its peers' while they wait in communication."""
+    steps = with_compute(w.of(facts.steps))
+    if steps.empty or steps["rank"].nunique() < 2:
+        return []
+    compute = _pivot(steps, "compute_s")
+    med = compute.median()
+    best = med.idxmax()
+    others = med.drop(best)
+    ratio = float(med[best] / max(float(others.median()), 1e-9))
+    if ratio < SLOW_RATIO:
+        return []
+    host = busiest_host(facts.events)
+    if host is not None and host.oversubscribed and ratio < SLOW_RATIO * host.factor:
+        return [_oversubscribed(host, ratio, w)]
+    rank = int(best)
+    phase, times = _grown_phase(facts, w, rank, steps)
+    waited = float(_pivot(steps, "comm_exposed_s").drop(columns=best).median().median())
+    return [
+        Cause(
+            "slow_host",
+            f"rank {rank} computes {ratio:.1f}× slower than its peers",
+            min(0.92, 0.55 + 0.1 * ratio),
+            [rank],
+            w.lo,
+            [
+                f"rank {rank}'s compute {med[best]:.3f} s per step vs its peers' {others.median():.3f} s "
+                f"over {_span(w.lo, w.hi)} (mostly in {phase}, {times:.1f}× {_phase_reference(facts, w)})",
+                f"its peers waited {waited:.3f} s per step in communication for it",
+            ],
+            f"check rank {rank}'s host and device: other processes, clocks and thermal throttling "
+            "(nvidia-smi -q -d PERFORMANCE / npu-smi info), its data-loader workers; if it stays "
+            "slow, cordon the node and let the job shrink around it",
+        )
+    ]
+
+
+PHASES = ("forward_s", "backward_s", "optimizer_s", "data_s")
+
+
+def _grown_phase(facts: RunFacts, w: Window, rank: int, steps: pd.DataFrame) -> tuple[str, float]:
+    """Where the slow rank's time went: the phase that grew most on it since before the window
+    (its peers' phases grow too: under DDP they wait in backward), as (phase, times its usual);
+    without steps before the window, the phase furthest above its peers'."""
+    mine = steps[steps["rank"] == rank]
+    base = w.before(facts.steps)
+    base = base[base["rank"] == rank]
+    if not base.empty:
+        grew = {p: float(mine[p].median() - base[p].median()) for p in PHASES if p in mine}
+        phase = max(grew, key=grew.get)
+        return phase.removesuffix("_s"), float(mine[phase].median() / max(base[phase].median(), 1e-9))
+    peers = steps[steps["rank"] != rank]
+    ratio = {p: float(mine[p].median() / max(peers[p].median(), 1e-9)) for p in PHASES if p in mine}
+    phase = max(ratio, key=ratio.get)
+    return phase.removesuffix("_s"), ratio[phase]
+
+
+def _phase_reference(facts: RunFacts, w: Window) -> str:
+    return "its own before" if not w.before(facts.steps).empty else "its peers'"
+
+
+def _oversubscribed(host: HostShare, ratio: float, w: Window) -> Cause:
+    """Ranks unequal only as far as sharing too few cores makes them: the host, not a rank."""
+    return Cause(
+        "host_oversubscribed",
+        f"the host is oversubscribed ({host.factor:.1f} busy threads per core): no rank is slow",
+        0.7,
+        [],
+        w.lo,
+        [
+            f"{host.ranks} rank(s) x {host.threads} thread(s) share {host.cores} core(s)",
+            f"the slowest rank computes {ratio:.1f}x its peers over {_span(w.lo, w.hi)}, within what "
+            f"taking turns on the cores explains (up to {SLOW_RATIO * host.factor:.1f}x)",
+        ],
+        "run fewer ranks per node (--nproc), fewer threads per rank (OMP_NUM_THREADS), or on more cores",
+    )
