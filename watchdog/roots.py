@@ -23,6 +23,8 @@ def where(tail: FlightTail | None, stack: list[str] | None) -> str:
         )
     if flying:
         return f"with {flying} in flight"
+    if tail is not None and tail.clock == "flight recorder" and any(r.p2p for r in tail.records):
+        return "in nothing its dump records, though it records sends and receives: in compute"
     if tail is not None and tail.clock == "flight recorder":
         return (
             "in nothing its dump records: compute, or an op the backend does not record "
