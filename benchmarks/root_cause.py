@@ -149,6 +149,28 @@ FRESH = {
     "hang": ((1.5,), "hang@step={step},rank={rank},seconds={s}"),
 }
 FRESH_STEPS = 100
+# Cells as a user meets them beyond one fault on two ranks: name -> (kind scored, spec, flags).
+# A checkpoint every 10 steps inside a straggler's window; more ranks; a skipped collective
+# the watchdog aborts (the verdict must name the skipper); a clean run with checkpoints.
+SETTINGS = {
+    "slow+checkpoints": (
+        "slow",
+        "slow@step={step},rank={rank},steps=20,factor=3",
+        ("--checkpoint-every", "10"),
+    ),
+    "slow, 3 ranks": ("slow", "slow@step={step},rank={rank},steps=10,factor=3", ("--nproc", "3")),
+    "skip, 2 ranks": (
+        "skip_collective",
+        "skip_collective@step={step},rank={rank}",
+        ("--checkpoint-every", "10", "--max-restarts", "1", "--on-hang", "abort"),
+    ),
+    "skip, 3 ranks": (
+        "skip_collective",
+        "skip_collective@step={step},rank={rank}",
+        ("--nproc", "3", "--checkpoint-every", "10", "--max-restarts", "1", "--on-hang", "abort"),
+    ),
+    "clean+checkpoints": ("clean", "", ("--checkpoint-every", "10")),
+}
 
 
 def fresh(repeats: int) -> None:
@@ -181,6 +203,29 @@ def fresh(repeats: int) -> None:
                 first = f"{top.kind} | {top.ranks} | {top.confidence:.2f}" if top else "- | - | -"
                 print(f"| {kind} | {s} | {step} | {rank} | {first} | {'yes' if hit else 'NO'} |")
     quiet = []
+    for name, (kind, spec, flags) in SETTINGS.items():
+        for i in range(repeats):
+            step, rank = 45 + 11 * i, 1 + i % 2 if "3 ranks" in name else i % 2
+            run = _run(
+                config,
+                Path(tempfile.mkdtemp()),
+                f"s{i}",
+                FRESH_STEPS,
+                [spec.format(step=step, rank=rank)] if spec else [],
+                flags,
+            )
+            causes = explain(run)
+            top = causes[0] if causes else None
+            if kind == "clean":
+                hit = top is None
+                shown += [(c.confidence, False) for c in causes]
+            else:
+                want, rank_known = EXPECTED[kind]
+                hit = top is not None and _right(top, want, rank_known, rank)
+                shown += [(c.confidence, _right(c, want, rank_known, rank)) for c in causes]
+            (quiet if kind == "clean" else per_kind.setdefault(name, [])).append(hit)
+            first = f"{top.kind} | {top.ranks} | {top.confidence:.2f}" if top else "nothing | - | -"
+            print(f"| {name} | - | {step} | {rank} | {first} | {'yes' if hit else 'NO'} |")
     for i in range(repeats):
         causes = explain(_run(config, Path(tempfile.mkdtemp()), f"clean-{i}", FRESH_STEPS, []))
         quiet.append(not causes)
