@@ -13,7 +13,10 @@ on runs recorded now instead (held out: nothing was tuned on them): every kind a
 strengths, N runs per cell (onset step and rank vary), plus N clean runs, each a fresh
 `meshscope run` of 2 CPU ranks judged by its own live engine, as a user meets it. A hit is the
 injected cause ranked first, on the injected rank where the cause names one; the rate per
-kind comes with a Wilson 95 % interval; a clean run should have nothing to explain.
+kind comes with a Wilson 95 % interval; a clean run should have nothing to explain. Beside
+them (`SETTINGS`): a straggler with checkpoints saved inside its window, three ranks, a
+skipped collective the watchdog aborts (the skipper must be named), a clean run with
+checkpoints.
 
 Both modes end with a reliability table: every cause shown (the first and any after it), by
 its confidence, against how often it was right (a cause on a clean run is wrong by definition),
