@@ -2,7 +2,7 @@
 rank and no healthy one?
 
 Two sources, neither written for the reader:
-  * real dumps of an 8-rank pipeline × data × tensor job on gloo (tests/data/fr_gloo, made by
+  * real dumps of an 8-rank pipeline × data × tensor job on gloo (fixtures/fr_gloo, made by
     `fixtures.fr_jobs`; `--fresh` makes them again with this torch);
   * NCCL-format dumps of a 16-rank Megatron-style MoE job (`fixtures.fr_sim`: pipeline
     send/recv on their own groups and on the default group, coalesced blocks), N jobs with two
@@ -23,12 +23,12 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from _common import REPO, machine
+from _common import machine
 
 from fixtures import fr_jobs, fr_sim
 from meshscope.watchdog.flight_recorder import diagnose_dumps
 
-GLOO = REPO / "tests" / "data" / "fr_gloo"
+GLOO = fr_jobs.DUMPS
 
 
 def gloo_cases(fresh: bool) -> None:

@@ -89,11 +89,12 @@ def run_facts(run_dir: Path) -> RunFacts:
 
 
 def pick_run() -> Path | None:
-    """The run in the URL (?run=ID), else a picker over the runs folder; kept in the URL so
-    every state is a link."""
+    """The run in the URL (?run=ID), else the one this session chose last, else a picker over
+    the runs folder; kept in the URL so every state is a link."""
     root = settings().runs_dir
     names = [p.name for p in data.run_dirs(root)]
-    wanted = st.query_params.get("run")
+    # the sidebar's page links drop the URL's parameters: the session remembers the run
+    wanted = st.query_params.get("run") or st.session_state.get("run")
     if wanted and not data.exists(root / wanted):
         st.error(f"run {wanted!r} is not in {root} (runs there: {', '.join(names[:10]) or 'none'})")
         wanted = None
@@ -103,6 +104,7 @@ def pick_run() -> Path | None:
     choice = st.sidebar.selectbox("run", names, index=names.index(wanted) if wanted in names else 0)
     if st.query_params.get("run") != choice:
         st.query_params["run"] = choice
+    st.session_state["run"] = choice
     return root / choice
 
 

@@ -257,19 +257,34 @@ def _follows(by_seq: dict[int, str], first: str, then: str) -> bool:
     return any(site == first and by_seq.get(seq + 1) == then for seq, site in by_seq.items())
 
 
+def _agreement(sites: dict[int, dict[int, str]], ahead: list[int], rest: list[int], seq: int) -> int:
+    """How many numbers from #seq on the ranks `ahead` issued from the site the others issued
+    one number later, before the first that contradicts it or the records end."""
+    n = 0
+    while True:
+        pairs = [(sites[a].get(seq + n), sites[r].get(seq + n + 1)) for a in ahead for r in rest]
+        known = [(mine, theirs) for mine, theirs in pairs if mine is not None and theirs is not None]
+        if not known or any(mine != theirs for mine, theirs in known):
+            return n
+        n += 1
+
+
 def _shifted_in(sites: dict[int, dict[int, str]]) -> tuple[int, list[int], list[int]] | None:
     """In one group: the first number where ranks issued it from different call sites and some
     ranks' site is the others' next one: (seq, ranks one ahead, the others). "Next" is what the
     others issue as #s+1, or, before they get there (a rank that crashed on the pairing), what
-    their own history always issued right after their #s's site."""
+    their own history always issued right after their #s's site. A loop that alternates two
+    sites (an all-to-all out and back) fits a shift either way at first: the shift that the
+    later records keep fitting longer is the one; a tie is no verdict."""
     seqs = sorted({s for by_seq in sites.values() for s in by_seq})
     for seq in seqs:
         here = {r: by_seq[seq] for r, by_seq in sites.items() if seq in by_seq}
         if len(set(here.values())) < 2:
             continue
-        for site in set(here.values()):
+        fits = []
+        for site in sorted(set(here.values())):
             ahead = sorted(r for r, x in here.items() if x == site)
-            rest = [r for r in here if r not in ahead]
+            rest = sorted(r for r in here if r not in ahead)
             theirs = {here[r] for r in rest}
             never = all(sites[a].get(seq - 1) not in theirs for a in ahead)
             nxt = [sites[r][seq + 1] == site for r in rest if seq + 1 in sites[r]]
@@ -278,8 +293,11 @@ def _shifted_in(sites: dict[int, dict[int, str]]) -> tuple[int, list[int], list[
             else:  # nobody got to #s+1: their history says what comes after their #s
                 later = all(_follows(sites[r], here[r], site) for r in rest)
             if later and never and len(ahead) < len(here):
-                return seq, ahead, sorted(rest)
-        return None
+                fits.append((_agreement(sites, ahead, rest, seq), ahead, rest))
+        fits.sort(key=lambda f: -f[0])
+        if not fits or (len(fits) > 1 and fits[0][0] == fits[1][0]):
+            return None
+        return seq, fits[0][1], fits[0][2]
     return None
 
 

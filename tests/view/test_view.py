@@ -245,3 +245,14 @@ def test_evidence_reads_as_rows_not_json(runs, monkeypatch):
     assert not at.json, "evidence is a table now"
     shown = next(d.value for d in at.dataframe if "what" in d.value.columns)
     assert "compute s, rank 1" in shown["what"].tolist()
+
+
+def test_the_selected_run_survives_a_change_of_page_in_the_sidebar(runs, monkeypatch):
+    # a deep link to one run, then the sidebar's page links (which drop the URL's parameters):
+    # every page stays on the linked run, not the newest one
+    at = app(runs, monkeypatch, run="nan")
+    for page in ("experts", "debug", "run"):
+        at.query_params.clear()  # what a sidebar link leaves in the URL
+        at.switch_page(f"screens/{page}.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert at.sidebar.selectbox[0].value == "nan", (page, at.sidebar.selectbox[0].value)

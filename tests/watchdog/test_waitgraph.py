@@ -1,20 +1,20 @@
 """The post-mortem finds the root, not the crowd: real Flight Recorder dumps of an 8-rank
-pipeline × data × tensor job on gloo (tests/data/fr_gloo, made by `fixtures.fr_jobs`, one case
+pipeline × data × tensor job on gloo (fixtures/fr_gloo, made by `fixtures.fr_jobs`, one case
 made afresh here), and NCCL-format dumps of a 16-rank Megatron-style MoE job with pipeline
 send/recv on their own groups and on the default group (`fixtures.fr_sim`), faults on two ranks."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from fixtures import fr_jobs, fr_sim
 from fixtures.ports import free_port_range
+from meshscope.watchdog import signatures
 from meshscope.watchdog.flight_recorder import diagnose_dumps
 
-GLOO = Path(__file__).parents[1] / "data" / "fr_gloo"
+GLOO = fr_jobs.DUMPS
 
 
 @pytest.mark.parametrize(
@@ -105,3 +105,35 @@ def test_a_sweep_of_two_fault_jobs_never_names_a_healthy_rank(tmp_path):
         found += len(truth & set(diag.culprit_ranks))
         total += len(truth)
     assert found >= 0.95 * total, (found, total)
+
+
+def _loop(sites: list[str], skip_at: int | None = None, steps: int = 4) -> dict[int, str]:
+    """Collective number -> call site of a rank that runs `sites` every step, skipping number
+    `skip_at` of the whole sequence once."""
+    calls = [s for _ in range(steps) for s in sites]
+    if skip_at is not None:
+        del calls[skip_at]
+    return dict(enumerate(calls))
+
+
+def test_a_skip_in_a_loop_of_two_alternating_sites_is_told_by_what_follows():
+    """An all-to-all out and back (dispatch, combine) in two layers, then the backward's own
+    sites: at the skip, a shift either way fits the first numbers; only the later ones tell."""
+    step = ["dispatch", "combine", "dispatch", "combine", "back", "back", "back", "back"]
+    skipper = _loop(step, skip_at=8)
+    for sites in ({0: _loop(step), 1: skipper}, {0: skipper, 1: _loop(step)}):
+        seq, ahead, rest = signatures._shifted_in(sites)
+        assert seq == 8 and ahead == [next(r for r in sites if sites[r] is skipper)]
+
+
+def test_a_shift_that_nothing_after_it_tells_apart_is_no_verdict():
+    """The records end before the later numbers tell which rank is one ahead: naming either is
+    a guess. The same records kept longer name the skipper."""
+    step = ["loss", "dispatch", "combine", "dispatch", "combine"]
+    normal, skipper = _loop(step), _loop(step, skip_at=6)
+
+    def cut(sites: dict[int, str], n: int) -> dict[int, str]:
+        return {k: v for k, v in sites.items() if k < n}
+
+    assert signatures._shifted_in({0: cut(normal, 9), 1: cut(skipper, 9)}) is None
+    assert signatures._shifted_in({0: normal, 1: skipper}) == (6, [1], [0])
