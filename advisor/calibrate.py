@@ -50,6 +50,7 @@ class MeasuredRun:
     expert_skew: float  # max/mean tokens per expert, median over layers and windows (1 when unknown)
     steps: int
     ranks_per_node: int = 1
+    left_out: str = ""  # the steps a fault or an anomaly disturbed, said as a user reads it
 
 
 def _section(config: dict, name: str) -> dict:
@@ -121,6 +122,9 @@ def measure(run: Path) -> MeasuredRun:
     )  # a node's store holds its own ranks
     model, layout = run_model(config, world, _expert_skew(run))
     steps = steps[steps.step >= steps.step.min() + WARMUP * (steps.step.max() - steps.step.min())]
+    disturbed, left_out = _disturbed_steps(run)
+    if disturbed and not steps.step.isin(disturbed).all():
+        steps = steps[~steps.step.isin(disturbed)]
     a2a = steps.comm_a2a_s.fillna(0.0) if "comm_a2a_s" in steps else steps.step_s * 0
     steps = steps.assign(
         busy_s=steps.compute_s - steps.optimizer_s,
@@ -144,7 +148,29 @@ def measure(run: Path) -> MeasuredRun:
         expert_skew=model.expert_skew,
         steps=int(steps.step.nunique()),
         ranks_per_node=int(config.get("nproc", world)),
+        left_out=left_out,
     )
+
+
+def _disturbed_steps(run: Path) -> tuple[set[int], str]:
+    """The steps a fault was injected into or an anomaly covered, and how to say so: a 3×
+    straggler is no efficiency of the machine, and the cost model must not learn it as one."""
+    try:
+        events = load_events(run)
+    except (FileNotFoundError, pd.errors.DatabaseError, OSError):
+        return set(), ""
+    out: set[int] = set()
+    said = []
+    for _, e in events[events["kind"].isin(("injected", "anomaly"))].iterrows():
+        d = e["detail"]
+        lo = d.get("start_step", e["step"])
+        if lo is None or pd.isna(lo):
+            continue
+        hi = d.get("end_step", int(lo) + int(d.get("steps", 1)) - 1)
+        out |= set(range(int(lo), int(hi) + 1))
+        what = f"injected {d.get('kind')}" if e["kind"] == "injected" else f"anomaly {d.get('type')}"
+        said.append(f"{what} (steps {int(lo)}–{int(hi)})")
+    return out, ("left out " + ", ".join(dict.fromkeys(said))) if said else ""
 
 
 def _ideal(run: MeasuredRun, cluster: ClusterSpec, latency: float = 1.0) -> pd.Series:
@@ -383,7 +409,7 @@ def calibrate(paths: list[Path], cluster: ClusterSpec) -> Calibration:
         "its communication is used, not its compute"
         for r in kept
         if r not in busy
-    ]
+    ] + [f"{r.path.name}: {r.left_out}" for r in kept if r.left_out]
     errors = _held_out_errors(busy, cluster) if len(busy) >= HOLD_OUT_RUNS else []
     if errors:
         factors.rel_error = max(float(np.quantile(np.abs(errors), 0.9)), MIN_REL_ERROR)

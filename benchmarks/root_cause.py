@@ -16,7 +16,9 @@ injected cause ranked first, on the injected rank where the cause names one; the
 kind comes with a Wilson 95 % interval; a clean run should have nothing to explain. Beside
 them (`SETTINGS`): a straggler with checkpoints saved inside its window, three ranks, a
 skipped collective the watchdog aborts (the skipper must be named), a clean run with
-checkpoints.
+checkpoints, a clean run on a host whose cores a hog keeps busy (nothing to explain), and the
+README's own-loop script under torchrun with one rank sleeping in backward (a slow host, its
+phase backward).
 
 Both modes end with a reliability table: every cause shown (the first and any after it), by
 its confidence, against how often it was right (a cause on a clean run is wrong by definition),
@@ -28,6 +30,9 @@ and the Brier score. A confidence means something when each bin's rate is at or 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -173,7 +178,42 @@ SETTINGS = {
         ("--nproc", "3", "--checkpoint-every", "10", "--max-restarts", "1", "--on-hang", "abort"),
     ),
     "clean+checkpoints": ("clean", "", ("--checkpoint-every", "10")),
+    "clean, busy host": ("clean", "", ()),
+    "SDK loop, sleep in backward": ("slow", "", ()),  # see sdk_run
 }
+
+
+@contextlib.contextmanager
+def busy_host():
+    """Every core spun by another process for the run's length, as a shared node has it."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+SDK_STEPS, SDK_SLEEP_S = 300, 0.01
+
+
+def sdk_run(root: Path, onset: int, rank: int) -> Path:
+    """The README's own loop under torchrun (2 ranks), `rank` sleeping SDK_SLEEP_S in backward
+    for 30 steps from `onset`: the straggler a user's loop has, seen through the SDK alone."""
+    text = (REPO / "README.md").read_text()
+    script = re.search(r"```python\n(.*?)```", text[text.index("## Your own training loop") :], re.S).group(1)
+    slow = (
+        f"loss.backward()\n            if dist.get_rank() == {rank} and {onset} <= step < {onset} + 30:\n"
+        f"                __import__('time').sleep({SDK_SLEEP_S})"
+    )
+    assert "loss.backward()" in script
+    (root / "train.py").write_text(script.replace("loss.backward()", slow, 1))
+    run = root / "sdk"
+    env = dict(os.environ, RUN_DIR=str(run), METRICS_PORT="9870", STEPS=str(SDK_STEPS), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"]
+    subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    return run
 
 
 def fresh(repeats: int) -> None:
@@ -209,14 +249,14 @@ def fresh(repeats: int) -> None:
     for name, (kind, spec, flags) in SETTINGS.items():
         for i in range(repeats):
             step, rank = 45 + 11 * i, 1 + i % 2 if "3 ranks" in name else i % 2
-            run = _run(
-                config,
-                Path(tempfile.mkdtemp()),
-                f"s{i}",
-                FRESH_STEPS,
-                [spec.format(step=step, rank=rank)] if spec else [],
-                flags,
-            )
+            root = Path(tempfile.mkdtemp())
+            if name == "SDK loop, sleep in backward":
+                step = 150 + 11 * i
+                run = sdk_run(root, step, rank)
+            else:
+                with busy_host() if "busy host" in name else contextlib.nullcontext():
+                    specs = [spec.format(step=step, rank=rank)] if spec else []
+                    run = _run(config, root, f"s{i}", FRESH_STEPS, specs, flags)
             causes = explain(run)
             top = causes[0] if causes else None
             if kind == "clean":

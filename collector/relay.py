@@ -7,6 +7,10 @@ is shipped exactly once even if the relay is killed mid-round, a server that is 
 warning and a backlog on the node's disk (lost only with the disk), and the job store holds one
 connection per node rather than one per rank.
 
+After a connection error the positions are read back from the server, which committed them
+with the rows (a commit whose reply was lost is not shipped again); unkeyed rows (events)
+carry a natural key there besides, so even a second shipper of one file adds nothing.
+
 Rows are found by SQLite rowid. A keyed row written again (a step after a restart) is deleted
 and reinserted with a new rowid, at worst the one last shipped: the relay ships from that rowid
 inclusive, and the job store replaces on the same key, so a rewrite is never missed.
@@ -133,6 +137,8 @@ class StoreRelay:
                 self._release(conn)
         except (psycopg.OperationalError, psycopg.InterfaceError) as err:
             self._reset()
+            # a commit whose reply was lost did land: the server's positions say how far
+            self._positions = None
             first_line = str(err).strip().splitlines()[0]
             raise StoreUnavailable(f"job store {self.target.url}: {first_line}") from None
         self._positions = positions  # only once committed
@@ -162,6 +168,7 @@ class StoreRelay:
                 if not rows:
                     continue
                 statement = pg_sql(insert_sql("postgresql", table, columns, replace=keyed))
+                statement += "" if keyed else " ON CONFLICT DO NOTHING"  # events: their natural key
                 cur.executemany(statement, [r[1:] for r in rows])  # pipelined: one round trip
                 positions[table] = rows[-1][0]
                 moved += sum(1 for r in rows if r[0] > start)  # the boundary row again is not news

@@ -77,7 +77,19 @@ CREATE TABLE IF NOT EXISTS grad_stats (
 # 2: steps gained comm_intra_s, comm_inter_s and bytes_inter (added by `_add_step_columns`)
 # 3: steps gained attempt (steps_retried keeps the rows a restart's attempt redid), comm_a2a_s
 #    and bytes_a2a (expert parallelism's all-to-all); expert_work (tokens per rank and layer)
-SCHEMA_VERSION = 3
+# 4: (job store) events gained a natural key, so a relay round replayed stores nothing twice
+SCHEMA_VERSION = 4
+# Two events alike in time (to the microsecond), kind, run, rank, step and detail are one event
+# shipped twice: what a replayed relay round or a second shipper would add.
+EVENTS_NATURAL_KEY = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS events_natural ON events "
+    "(time, kind, run_id, COALESCE(rank, -1), COALESCE(step, -1), md5(detail))"
+)
+_EVENTS_DEDUPE = (
+    "DELETE FROM events a USING events b WHERE a.id > b.id AND a.time = b.time AND a.kind = b.kind "
+    "AND a.run_id = b.run_id AND a.rank IS NOT DISTINCT FROM b.rank "
+    "AND a.step IS NOT DISTINCT FROM b.step AND a.detail = b.detail"
+)
 # The job store only: how far each node's relay has shipped its store (collector/relay.py).
 RELAY_POSITIONS = """CREATE TABLE IF NOT EXISTS relay_positions (
   source TEXT NOT NULL, tbl TEXT NOT NULL, position BIGINT NOT NULL, PRIMARY KEY (source, tbl)
@@ -184,8 +196,16 @@ def check_url(url: str) -> str:
     return url
 
 
+class NodeDir(type(Path())):  # type: ignore[misc]
+    """A run directory read through this node's SQLite file, whatever its `store.json` names:
+    what a training process reads, so that it never waits on, or dies with, the job store."""
+
+
 def locate(run_dir: str | Path) -> StoreTarget:
-    """The store of a run directory: what its `store.json` names, else SQLite there."""
+    """The store of a run directory: what its `store.json` names, else SQLite there (always
+    SQLite for a NodeDir)."""
+    if isinstance(run_dir, NodeDir):
+        return StoreTarget()
     path = Path(run_dir) / LOCATOR
     try:
         data = json.loads(path.read_text())
@@ -299,7 +319,7 @@ def _pg_migrate(conn: Any, schema: str) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
         row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
         if (row[0] or 0) < SCHEMA_VERSION:
-            for statement in [*ddl("postgresql"), RELAY_POSITIONS]:
+            for statement in [*ddl("postgresql"), RELAY_POSITIONS, _EVENTS_DEDUPE, EVENTS_NATURAL_KEY]:
                 conn.execute(statement)
             _add_step_columns(conn, "postgresql")
             conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))

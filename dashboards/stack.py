@@ -55,6 +55,8 @@ class StackConfig:
     victoria_port: int = 8428
     store: bool = False  # a PostgreSQL job store
     store_port: int = 5433
+    store_listen: tuple[str, ...] = ("127.0.0.1",)  # the first is the address runs are given
+    store_allow: tuple[str, ...] = ()  # networks (CIDR) whose nodes log in with the password
 
     def __post_init__(self) -> None:
         checked(self.routing)  # a bad relay or a missing secret fails before anything starts
@@ -241,7 +243,7 @@ def _start_store(cfg: StackConfig) -> Component:
         return running
     _ensure_free("store", cfg.store_port)
     try:
-        server = postgres.start(home, cfg.store_port)
+        server = postgres.start(home, cfg.store_port, listen=cfg.store_listen, allow=cfg.store_allow)
     except postgres.PostgresError as err:
         raise StackError(f"job store: {err}") from None
     pid = int((server.data / "postmaster.pid").read_text().split()[0])

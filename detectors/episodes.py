@@ -31,6 +31,8 @@ class Episode:
     run: list[tuple[int, float, dict[str, Any]]] = field(default_factory=list)
     """While pending: the unbroken run of flags it starts with, (step, excess over the rule's
     line, evidence), when the rule says where its line is."""
+    turns: list[tuple[str, int, float | None]] = field(default_factory=list)
+    """The kinds its flags took in order (kind, first step, share): see `_note_turn`."""
 
     @property
     def confirmed(self) -> bool:
@@ -117,6 +119,7 @@ class EpisodeTracker:
             ep.start_step, ep.score, ep.evidence = step, score, dict(evidence or {})
             ep.run = []
         ep.end_step, ep.score, ep.count = max(ep.end_step, step), max(ep.score, score), ep.count + 1
+        self._note_turn(ep, step, evidence)
         if not ep.confirmed or ep.count == ep.confirm:
             self._note_run(ep, step, score, evidence, line)
         return self._announce(ep, now) if ep.count == ep.confirm else None
@@ -132,6 +135,22 @@ class EpisodeTracker:
             ep.run = ep.run[dropped:]
             ep.count -= dropped  # the noise helped no confirmation: the fault confirms alone
             ep.start_step, ep.evidence = ep.run[0][0], ep.run[0][2]
+
+    @staticmethod
+    def _note_turn(ep: Episode, step: int, evidence: dict | None) -> None:
+        """An episode whose flags change kind (an expert that hogged its layer, then starved)
+        tells it in order: `story` says each kind, the step it began and the share then."""
+        kind = (evidence or {}).get("kind")
+        if kind is None or "kind" not in ep.evidence:
+            return
+        if not ep.turns:
+            ep.turns = [(ep.evidence["kind"], ep.start_step, ep.evidence.get("share"))]
+        if ep.turns[-1][0] != kind:
+            ep.turns.append((kind, step, evidence.get("share")))
+            ep.evidence["story"] = ", then ".join(
+                f"{k} from step {at}" + (f" (share {share:.0%})" if share is not None else "")
+                for k, at, share in ep.turns
+            )
 
     @staticmethod
     def _announce(ep: Episode, step: int) -> Episode:

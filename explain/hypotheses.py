@@ -196,12 +196,15 @@ def _routing(facts: RunFacts, w: Window) -> list[Cause]:
         starving = [int(e) for e, s in share.items() if s < 0.25 / n]
         if starving:
             evidence.append(f"starving: expert(s) {', '.join(map(str, starving))}")
+        if turned := _starved_after(by_step, hog, worst_step, 0.25 / n):
+            evidence.append(f"then expert {hog} starved: {turned[1]:.0%} of its tokens from step {turned[0]}")
         slow = _step_time_rise(facts, w)
         if slow >= 1.2:
             evidence.append(f"step time rose {slow:.1f}× over the same steps")
         cause = Cause(
             "routing",
-            f"layer {layer}'s router sends {share[hog]:.0%} of tokens to expert {hog}",
+            f"layer {layer}'s router sends {share[hog]:.0%} of tokens to expert {hog}"
+            + (f", then starves it from step {turned[0]}" if turned else ""),
             confidence,
             [],
             int(worst_step),
@@ -214,6 +217,17 @@ def _routing(facts: RunFacts, w: Window) -> list[Cause]:
         if best is None or cause.confidence > best.confidence:
             best = cause
     return [best] if best else []
+
+
+def _starved_after(by_step: pd.DataFrame, expert: int, after: int, floor: float) -> tuple[int, float] | None:
+    """(first step, least share) where `expert`, after hogging at step `after`, got under
+    `floor` of its layer's tokens: a collapse that turns (the router overcorrects)."""
+    later = by_step.loc[by_step.index > after]
+    if later.empty or expert not in later:
+        return None
+    share = later[expert] / later.sum(axis=1).clip(lower=1e-9)
+    under = share[share < floor]
+    return (int(under.index[0]), float(share.min())) if not under.empty else None
 
 
 def _leak(facts: RunFacts, w: Window) -> list[Cause]:

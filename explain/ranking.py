@@ -13,6 +13,11 @@ from meshscope.explain.facts import Anomaly, Cause, RunFacts, Window
 from meshscope.explain.hypotheses import HYPOTHESES, _crash, _hang_events, _nonfinite
 
 MIN_CONFIDENCE = 0.5  # below it a reading is a guess: shown nowhere, not as a trailing cause
+# What can move an expert's share of the tokens: the router, the load it gives a rank's
+# experts, or a non-finite value that reached the router first. Any other cause in the window
+# is another fault at the same time, not this anomaly's explanation.
+EXPERT_CAUSES = {"routing", "hot_experts"}
+UNRELATED = 0.5  # what a cause that cannot explain the anomaly keeps of its confidence
 
 
 def _rank_causes(causes: list[Cause]) -> list[Cause]:
@@ -62,7 +67,17 @@ def causes_for(facts: RunFacts, anomaly: Anomaly) -> list[Cause]:
     causes = [c for h in HYPOTHESES for c in h(facts, w)]
     for c in causes:
         c.anomaly_ids = [anomaly.id] if anomaly.id is not None else []
+        if anomaly.type == "expert_imbalance" and not _moves_expert_load(c, w):
+            c.confidence = round(c.confidence * UNRELATED, 3)
+            c.evidence.append("another fault in the same window: it moves no expert's share of tokens")
     return _rank_causes(causes)
+
+
+def _moves_expert_load(cause: Cause, w: Window) -> bool:
+    """Can `cause` explain an expert's load changing in `w` (EXPERT_CAUSES)?"""
+    if cause.kind in EXPERT_CAUSES:
+        return True
+    return cause.kind == "nonfinite" and cause.step is not None and cause.step <= w.lo
 
 
 def explain(run: str | Path | RunFacts, anomaly_id: int | None = None) -> list[Cause]:

@@ -54,6 +54,12 @@ def resolve_run(cfg: RunConfig) -> RunConfig:
     check_placement(device.kind, device.backend, cfg.nproc)
     # Workers and the summary see what was chosen, not "auto".
     cfg = cfg.model_copy(update={"device": device.kind, "backend": device.backend})
+    if cfg.multi_node and not cfg.elastic.rdzv_endpoint:
+        raise ValueError(
+            f"elastic.nnodes {cfg.elastic.nnodes}: the agents of several nodes meet at one rendezvous: "
+            "--rdzv-endpoint HOST:PORT, the same on every node (one node's address, or a "
+            "`meshscope rendezvous` server's)"
+        )
     if cfg.multi_node and not (cfg.run_id or cfg.elastic.rdzv_id):
         raise ValueError(
             "a run on several nodes needs one id shared by its agents: --run-id ID, the same on "
@@ -67,10 +73,11 @@ def resolve_run(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"runs_root": cfg.runs_root.resolve()})
 
 
-def store_warning(cfg: RunConfig) -> str | None:
+def store_warning(cfg: RunConfig, *, create: bool = True) -> str | None:
     """Why this run's store will not show the whole job, or is not there yet (None: fine).
-    The job store is created here, once, before any rank writes; a server that does not answer
-    is a warning, not an error: the node's rows wait on its disk until it does."""
+    The job store is created here, once, before any rank writes (`create`; `run --check` only
+    logs in); a server that does not answer is a warning, not an error: the node's rows wait on
+    its disk until it does."""
     if not cfg.store:
         if cfg.multi_node:
             return (
@@ -80,7 +87,7 @@ def store_warning(cfg: RunConfig) -> str | None:
             )
         return None
     try:
-        pg_connect(cfg.store_target, create=True).close()
+        pg_connect(cfg.store_target, create=create).close()
     except StoreUnavailable as err:
         return f"{err}: this node's rows wait in its run folder until it answers"
     return None
@@ -296,12 +303,22 @@ def tail_log(cfg: RunConfig, lines: int = 30) -> str:
 
 
 def host_rendezvous(host: str, port: int) -> None:
-    """Serve a TCPStore for torchrun's c10d rendezvous until interrupted."""
+    """Serve a TCPStore for torchrun's c10d rendezvous until interrupted, listening on `host`
+    only: the store is unauthenticated (heartbeats, verdicts, stacks), and TCPStore alone
+    listens on every interface, so it is handed a socket bound where the user said."""
+    import socket
+
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(1024)
+    fd = listener.fileno()
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
     print(
-        f"rendezvous store on {host}:{port}; agents: --rdzv-endpoint {host}:{port} --rdzv-external",
+        f"rendezvous store listening on {host}:{port}; agents: --rdzv-endpoint {host}:{port} --rdzv-external",
         flush=True,
     )
     try:
@@ -310,3 +327,4 @@ def host_rendezvous(host: str, port: int) -> None:
     except KeyboardInterrupt:
         pass
     del store
+    listener.close()

@@ -328,6 +328,20 @@ class TrainerConfig(_Strict):
                 raise ValueError(f"inject: {err}") from None
         return self
 
+    @field_validator("store_password_file")
+    @classmethod
+    def _password_file(cls, value: str) -> str:
+        """An absolute path to a file this process can read: the workers start elsewhere (and
+        a relative path printed on one node means nothing on another)."""
+        if not value:
+            return value
+        path = Path(value).expanduser().resolve()
+        try:
+            path.read_bytes()
+        except OSError as err:
+            raise ValueError(f"{value} is not a readable file ({err.strerror})") from None
+        return str(path)
+
     @model_validator(mode="after")
     def _job_store(self) -> TrainerConfig:
         if self.store:
@@ -338,8 +352,6 @@ class TrainerConfig(_Strict):
         if self.store_password_file:
             if not self.store:
                 raise ValueError("store_password_file: names a password for no store (set store too)")
-            if not Path(self.store_password_file).is_file():
-                raise ValueError(f"store_password_file: {self.store_password_file} is not a readable file")
         return self
 
     @property

@@ -7,6 +7,11 @@ again and applies it before the next step, so all ranks change at the same step.
 the change in the store and writes a `suggestion_applied` event with the step, the old and the
 new values. A change outside the bounds is refused, on every rank alike, and logged.
 
+Only rank 0 talks to the store (at start too: the changes applied before a restart go to the
+other ranks over the control plane), and a job store that does not answer never stops a step:
+changes wait (one warning per outage), a settle that could not be written is retried at the
+next poll, and a change applied here is never applied twice while its settle waits.
+
 The aux-loss-free bias update (DeepSeek-V3: b_e += γ·sign(mean load − load_e)) runs on every
 rank from the expert load the Monitor already sums over ranks, on the device: no extra
 collective, no readback, and identical biases everywhere.
@@ -14,6 +19,7 @@ collective, no readback, and identical biases everywhere.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,9 @@ from meshscope.collector import controls
 from meshscope.collector.control import ControlPlane
 from meshscope.collector.controls import BOUNDS, KIND_CODES, ControlChange
 from meshscope.collector.monitor import Monitor
+from meshscope.collector.storedb import StoreUnavailable
+
+log = logging.getLogger("meshscope.controls")
 
 _KINDS = {code: kind for kind, code in KIND_CODES.items()}
 _HEADER = 4  # id, kind code, layer, number of values
@@ -49,32 +58,65 @@ class ControlApplier:
         self.expert_every = expert_every
         self.layers = list(getattr(model, "moe_layers", lambda: [])())
         mon.expert_load_listeners.append(self._update_biases)
+        self._unsettled: dict[int, dict[str, Any]] = {}  # applied here, settle not yet stored
+        self._store_down = False  # warned for this outage
 
     # --- changes --------------------------------------------------------------------------
     def replay_applied(self) -> None:
-        """Re-apply, on this rank alone, the changes applied before a restart (the store is
-        the record; every rank reads the same rows, so all end up alike)."""
-        rows = controls.load_controls(self.run_dir)
-        for _, row in rows[rows["status"] == "applied"].iterrows():
+        """Re-apply the changes applied before a restart, on every rank alike: rank 0 reads
+        them (one connection per job, not one per rank) and the control plane hands them on."""
+        rows = self._applied_before() if self.rank == 0 else []
+        count = self.plane.broadcast_int(len(rows)) if self.plane is not None else len(rows)
+        for i in range(count):
+            header = torch.zeros(_HEADER, dtype=torch.float64)
+            if self.rank == 0:
+                header[:] = _header(*rows[i])
+            values = self._agree(header, rows[i][1].values if self.rank == 0 else []) or []
             try:
                 change = ControlChange.parse(
-                    {"kind": row["kind"], "layer": int(row["layer"]), "values": row["payload"]}
+                    {"kind": _KINDS.get(int(header[1]), "?"), "layer": int(header[2]), "values": values}
                 )
                 self._set(change, self._targets(change.layer))
             except (controls.ControlError, ValueError):
                 continue
 
+    def _applied_before(self) -> list[tuple[int, ControlChange]]:
+        try:
+            rows = controls.load_controls(self.run_dir)
+        except StoreUnavailable as err:
+            log.warning("job store down (%s): the changes applied before the restart are not re-applied", err)
+            return []
+        out = []
+        for _, row in rows[rows["status"] == "applied"].iterrows():
+            fields = {"kind": row["kind"], "layer": int(row["layer"]), "values": row["payload"]}
+            try:
+                out.append((int(row["id"]), ControlChange.parse(fields)))
+            except (controls.ControlError, ValueError):
+                continue
+        return out
+
+    def _pending(self) -> list[tuple[int, ControlChange]]:
+        """Rank 0's pending changes, less those applied here whose settle waits; none while the
+        job store does not answer (the step goes on)."""
+        try:
+            self._settle_waiting()
+            found = controls.pending(self.run_dir)
+        except StoreUnavailable as err:
+            if not self._store_down:
+                log.warning("job store down (%s): approved changes wait; training goes on", err)
+            self._store_down = True
+            return []
+        self._store_down = False
+        return [(cid, change) for cid, change in found if cid not in self._unsettled]
+
     def at_boundary(self, step: int) -> None:
         """Called by every rank after step `step`; collective on the poll steps."""
         if (step + 1) % self.every:
             return
-        found = controls.pending(self.run_dir)[:1] if self.rank == 0 else []
+        found = self._pending()[:1] if self.rank == 0 else []
         header = torch.zeros(_HEADER, dtype=torch.float64)
         if found:
-            cid, change = found[0]
-            header[:] = torch.tensor(
-                [cid, KIND_CODES.get(change.kind, 0), change.layer, len(change.values)], dtype=torch.float64
-            )
+            header[:] = _header(*found[0])
         values = self._agree(header, found[0][1].values if found else [])
         if values is None:
             return
@@ -155,13 +197,23 @@ class ControlApplier:
     def _settle(self, cid: int, status: str, step: int, old: Any, new: Any, note: str) -> None:
         if self.rank != 0:
             return
-        controls.settle(self.run_dir, cid, status=status, step=step, old=old, new=new, note=note)
+        self._unsettled[cid] = {"status": status, "step": step, "old": old, "new": new, "note": note}
+        try:
+            self._settle_waiting()
+        except StoreUnavailable:
+            pass  # retried at the next poll; the event below reaches the store through the node's
         self.mon.event(
             "suggestion_applied",
             severity="info" if status == "applied" else "warning",
             step=step,
             detail={"control": cid, "status": status, "old": old, "new": new, "note": note},
         )
+
+    def _settle_waiting(self) -> None:
+        """Store the fate of the changes applied here whose settle could not be written yet."""
+        for cid, fate in list(self._unsettled.items()):
+            controls.settle(self.run_dir, cid, **fate)
+            del self._unsettled[cid]
 
     # --- aux-loss-free bias ---------------------------------------------------------------
     def _update_biases(self, step: int, load: torch.Tensor) -> None:
@@ -173,3 +225,9 @@ class ControlApplier:
             counts = load[i].to(router.routing_bias.device, torch.float32)
             push = torch.sign(counts.mean() - counts) * (router.bias_rate * self.expert_every)
             router.routing_bias = (router.routing_bias + push).clamp(-BOUNDS.bias_max, BOUNDS.bias_max)
+
+
+def _header(cid: int, change: ControlChange) -> torch.Tensor:
+    """The control plane's header of a change: [id, kind code, layer, number of values]."""
+    fields = [cid, KIND_CODES.get(change.kind, 0), change.layer, len(change.values)]
+    return torch.tensor(fields, dtype=torch.float64)

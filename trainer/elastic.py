@@ -19,6 +19,7 @@ from meshscope.collector import DistEnv, Monitor
 from meshscope.collector.control import ControlPlane, LateFlag
 from meshscope.collector.report import after_abort, watchdog_aborts
 from meshscope.collector.store import load_events, load_steps
+from meshscope.collector.storedb import NodeDir
 from meshscope.trainer.checkpoint import CheckpointManager
 from meshscope.trainer.config import TrainerConfig
 from meshscope.trainer.heartbeat import (
@@ -278,7 +279,7 @@ class ElasticRun:
 
     def _last_recorded_step(self) -> int:
         try:
-            steps = load_steps(self.cfg.run_dir)
+            steps = load_steps(NodeDir(self.cfg.run_dir))  # its own rows: no wait on the job store
         except FileNotFoundError:
             return -1
         return int(steps["step"].max()) if not steps.empty else -1

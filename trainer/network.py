@@ -12,6 +12,7 @@ environment (`GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`, `HCCL_SOCKET_IFNAME`,
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -33,19 +34,29 @@ def route_to(host: str, port: int = 29400) -> Route:
     """The route to `host` (its interface and our source address on it), from the kernel.
 
     `ip route get` names both; without iproute2 a UDP socket "connected" to the host gives the
-    source address (no packet is sent) and the interface is the one holding that address."""
+    source address (no packet is sent) and the interface is the one holding that address.
+    On the node that hosts the rendezvous the route to its own address is local (`dev lo`):
+    the other nodes reach it on the interface that holds the address, which is the one used."""
     address = socket.gethostbyname(host)
     try:
         out = subprocess.run(
             ["ip", "-o", "route", "get", address], capture_output=True, text=True, timeout=5, check=True
         ).stdout.split()
-        return Route(out[out.index("dev") + 1], out[out.index("src") + 1])
+        return _reachable(Route(out[out.index("dev") + 1], out[out.index("src") + 1]))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         pass
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((address, port))
         source = s.getsockname()[0]
-    return Route(_interface_with(source), source)
+    return _reachable(Route(_interface_with(source), source))
+
+
+def _reachable(route: Route) -> Route:
+    """A route through loopback to a non-loopback address (this node's own) becomes the
+    interface that holds the address: what the other nodes dial."""
+    if route.interface != LOOPBACK or route.address.startswith("127."):
+        return route
+    return Route(_interface_with(route.address) or route.interface, route.address)
 
 
 def _interface_with(address: str) -> str:
@@ -79,3 +90,21 @@ def network_environment(route: Route, user: dict[str, str]) -> dict[str, str]:
     """What the workers need to talk on `route`, less what the user already set."""
     wanted = {"GLOO_SOCKET_IFNAME": route.interface, "OMP_NUM_THREADS": "1"}
     return {k: v for k, v in wanted.items() if v and k not in user}
+
+
+def node_network() -> tuple[str, str]:
+    """This node's address on its default route and that interface's network (CIDR): what a
+    server the other nodes use listens on and admits. ("127.0.0.1", "") without such a route."""
+    try:
+        out = subprocess.run(
+            ["ip", "-o", "route", "get", "1.1.1.1"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.split()  # the kernel's answer: no packet is sent
+        address = out[out.index("src") + 1]
+        shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return "127.0.0.1", ""
+    for line in shown.stdout.splitlines():
+        parts = line.split()
+        if len(parts) > 3 and parts[3].split("/")[0] == address:
+            return address, str(ipaddress.ip_interface(parts[3]).network)
+    return address, f"{address}/32"

@@ -24,6 +24,7 @@ from meshscope.collector import DistEnv, Monitor, MonitorConfig  # noqa: E402
 from meshscope.collector.control import ControlPlane  # noqa: E402
 from meshscope.collector.flightlog import FlightLog  # noqa: E402
 from meshscope.collector.store import load_events  # noqa: E402
+from meshscope.collector.storedb import NodeDir  # noqa: E402
 from meshscope.collector.syncaudit import SyncAudit  # noqa: E402
 from meshscope.trainer.config import TrainerConfig, load_config  # noqa: E402
 from meshscope.trainer.controls import ControlApplier  # noqa: E402
@@ -61,9 +62,10 @@ def init_process_group(env: DistEnv, backend: str, kind: str = "cpu") -> None:
 
 
 def fired_injections(cfg: TrainerConfig) -> set[str]:
-    """Injections earlier attempts already fired (a resumed run is not killed twice)."""
+    """Injections earlier attempts already fired (a resumed run is not killed twice), from this
+    node's own store: where its ranks recorded them, readable when the job store is not."""
     try:
-        events = load_events(cfg.run_dir, kind="injected")
+        events = load_events(NodeDir(cfg.run_dir), kind="injected")
     except FileNotFoundError:
         return set()
     return {d["key"] for d in events["detail"]}

@@ -1,7 +1,9 @@
 """meshscope view: `streamlit run view/app.py` (or `meshscope view`).
 
 Pages through st.navigation. A deep link (`?run=ID&anomaly=EVENT_ID`, or an alert's
-`?run=ID&alert=NAME&rank=R`) opens on the page that answers it, even at the site's root.
+`?run=ID&alert=NAME&rank=R`) opens on the page that answers it, at the site's root or at the
+page's own path (`/anomalies?...`). The Runs page stays the default: a default page is served
+at the root only, so a path-style link to it would first say "Page not found".
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ titles = {
     "feedback": "Feedback",
     "advisor": "Advisor",
 }
-pages = [
-    st.Page(str(Path(__file__).parent / path), title=titles[name], url_path=name, default=(name == landing))
+here = Path(__file__).parent
+pages = {
+    name: st.Page(str(here / path), title=titles[name], url_path=name, default=(name == "runs"))
     for name, path in PAGES.items()
-]
-st.navigation(pages).run()
+}
+current = st.navigation(list(pages.values()))
+if current.url_path in ("", "runs") and landing != "runs":  # the root with a deep link
+    st.switch_page(pages[landing], query_params=params.to_dict())
+current.run()

@@ -28,7 +28,7 @@ from meshscope.collector.store import (
     load_retried_steps,
     load_steps,
     store_path,
-    store_version,
+    store_version,  # noqa: F401  (the screens key their caches on it)
 )
 from meshscope.explain.facts import Anomaly, RunFacts
 
@@ -68,10 +68,14 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
         return {**row, "status": f"unreadable ({err})"}
     kinds = events["kind"].value_counts().to_dict() if len(events) else {}
     ended = bool(kinds.get("run_end"))
-    fresh = time.time() - store_version(run_dir) < LIVE_WITHIN_S
+    updated = _last_activity(run_dir, steps, events)
+    # the store's version is a cache key (a sum of counters on a job store), not a time
+    fresh = pd.notna(updated) and time.time() - updated.timestamp() < LIVE_WITHIN_S
     status = "finished" if ended else "running" if fresh else "stopped"
     if not ended and (kinds.get("hang") or kinds.get("fault")):
         status = "failed" if not fresh else "recovering"
+    if ended and steps.empty:
+        status = "ended before its first step"
     row.update(
         status=status,
         ranks=int(steps["rank"].nunique()) if len(steps) else 0,
@@ -84,9 +88,17 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
         nans=int(kinds.get("nan", 0)),
         faults=int(kinds.get("fault", 0)),
         restarts=int(kinds.get("restart", 0)),
-        updated=pd.Timestamp(store_version(run_dir), unit="s"),
+        updated=updated,
     )
     return row
+
+
+def _last_activity(run_dir: Path, steps: pd.DataFrame, events: pd.DataFrame) -> pd.Timestamp:
+    """When the run last wrote a step or an event (the store file's time where it has none;
+    NaT, shown blank, rather than 1970 when there is nothing)."""
+    times = [t["time"].max() for t in (steps, events) if len(t) and "time" in t]
+    last = max((float(t) for t in times if pd.notna(t)), default=_last_written(run_dir) or math.nan)
+    return pd.Timestamp(last, unit="s") if not math.isnan(last) else pd.NaT
 
 
 def redone_steps(run_dir: Path, steps: pd.DataFrame) -> pd.DataFrame:

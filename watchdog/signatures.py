@@ -6,6 +6,7 @@ stall and a post-mortem alike."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from meshscope.collector.flightread import FlightRecord, FlightTail
@@ -269,13 +270,17 @@ def _agreement(sites: dict[int, dict[int, str]], ahead: list[int], rest: list[in
         n += 1
 
 
-def _shifted_in(sites: dict[int, dict[int, str]]) -> tuple[int, list[int], list[int]] | None:
+def _shifted_in(
+    sites: dict[int, dict[int, str]], changed_at: Callable[[int], set[int]] = lambda seq: set()
+) -> tuple[int, list[int], list[int]] | None:
     """In one group: the first number where ranks issued it from different call sites and some
     ranks' site is the others' next one: (seq, ranks one ahead, the others). "Next" is what the
     others issue as #s+1, or, before they get there (a rank that crashed on the pairing), what
     their own history always issued right after their #s's site. A loop that alternates two
     sites (an all-to-all out and back) fits a shift either way at first: the shift that the
-    later records keep fitting longer is the one; a tie is no verdict."""
+    later records keep fitting longer is the one; on a tie, the ranks whose #s left their own
+    habit (`changed_at`: another site than at the same place of the step before) are the ones
+    ahead; else no verdict."""
     seqs = sorted({s for by_seq in sites.values() for s in by_seq})
     for seq in seqs:
         here = {r: by_seq[seq] for r, by_seq in sites.items() if seq in by_seq}
@@ -295,9 +300,13 @@ def _shifted_in(sites: dict[int, dict[int, str]]) -> tuple[int, list[int], list[
             if later and never and len(ahead) < len(here):
                 fits.append((_agreement(sites, ahead, rest, seq), ahead, rest))
         fits.sort(key=lambda f: -f[0])
-        if not fits or (len(fits) > 1 and fits[0][0] == fits[1][0]):
+        if not fits:
             return None
-        return seq, fits[0][1], fits[0][2]
+        tied = [f for f in fits if f[0] == fits[0][0]]
+        if len(tied) > 1:
+            changed = changed_at(seq)
+            tied = [f for f in tied if set(f[1]) <= changed and not set(f[2]) & changed]
+        return (seq, tied[0][1], tied[0][2]) if len(tied) == 1 else None
     return None
 
 
@@ -311,7 +320,7 @@ def shifted(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
     found = []
     for group in sorted(groups):
         sites = {rank: by_seq for rank, t in tails.items() if (by_seq := _sites(t, group))}
-        hit = _shifted_in(sites) if len(sites) > 1 else None
+        hit = _shifted_in(sites, _habit_breakers(tails, group)) if len(sites) > 1 else None
         if hit is not None:
             seq, ahead, rest = hit
             t = min(r.t_issue for rank in (*ahead, *rest) if (r := tails[rank].record(group, seq)))
@@ -332,6 +341,22 @@ def shifted(tails: dict[int, FlightTail], world: int) -> Diagnosis | None:
         group=group,
         evidence={"skipped_site": theirs.site},
     )
+
+
+def _habit_breakers(tails: dict[int, FlightTail], group: str) -> Callable[[int], set[int]]:
+    """seq -> the ranks whose #seq on `group` came from another call site than the collective
+    at the same place of their previous step (records with steps only)."""
+
+    def at(seq: int) -> set[int]:
+        out = set()
+        for rank, tail in tails.items():
+            rec = tail.record(group, seq)
+            before = _same_place_before(tail, rec) if rec is not None and rec.step is not None else None
+            if before is not None and before.site not in ("", "?") and before.site != rec.site:
+                out.add(rank)
+        return out
+
+    return at
 
 
 def _shift_text(tails: dict[int, FlightTail], group: str, seq: int, ahead: list[int], rest: list[int]) -> str:

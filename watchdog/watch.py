@@ -179,7 +179,7 @@ class HangWatch:
         diag.evidence["detected_at"] = self.clock()
         diag.evidence["stalled_since"] = max((h.progress_t for h in heads.values()), default=0.0)
         diag.evidence["pids"] = {str(r): h.pid for r, h in heads.items()}
-        diag.evidence["step"] = max((t.current_step for t in tails.values()), default=-1)
+        diag.evidence["step"] = fault_step(diag, tails)
         diag.evidence["host_step"] = max((t.step for t in tails.values()), default=-1)
         if self.exchange is not None and len(tails) > len(heads):
             try:
@@ -322,3 +322,17 @@ def diagnose_folder(live_dir: Path) -> Diagnosis | None:
     world = max(h.world_size for h in heads.values())
     alive = {r: pid_alive(h.pid) for r, h in heads.items()}
     return diagnose(tails, world, alive=alive, stacks=stacks)
+
+
+def fault_step(diag: Diagnosis, tails: dict[int, FlightTail]) -> int:
+    """The step the stall began at, as the verdict's header shows it: where a desync started,
+    else the step of the collective the verdict names (the earliest rank's), else the step the
+    furthest rank is in (a rank that skipped runs on for steps: its step is not the fault's)."""
+    since = diag.evidence.get("desync_since_step")
+    if since is not None:
+        return int(since)
+    if diag.group is not None and diag.seq is not None:
+        steps = [r.step for t in tails.values() if (r := t.record(diag.group, diag.seq)) and r.step >= 0]
+        if steps:
+            return min(steps)
+    return max((t.current_step for t in tails.values()), default=-1)

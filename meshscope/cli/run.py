@@ -62,6 +62,8 @@ def run(
             f"ok: {cfg.nproc} ranks on {cfg.device} ({cfg.backend}), {cfg.train.steps} steps, "
             f"{len(cfg.inject)} injection(s); nothing started"
         )
+        if warning := launcher.store_warning(cfg, create=False):
+            err_console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
         return
     zygote, sidecar = _start_beside(cfg, alerts)
     stop = StopSignal().install()

@@ -21,6 +21,14 @@ app.add_typer(stack_app, name="stack")
 
 
 HOME_HELP = "folder for the stack's configs, data, logs and pid files"
+STORE_HOST_HELP = (
+    "address the job store listens on and runs are given (with --store; default: this node's "
+    "address on its default route, which the other nodes reach; 127.0.0.1 keeps it here)"
+)
+STORE_ALLOW_HELP = (
+    "networks (CIDR, comma-separated) whose nodes may log in with the password (with --store; "
+    "default: the network of the default route's interface)"
+)
 
 
 @stack_app.command("up")
@@ -39,22 +47,17 @@ def stack_up(
     smtp_tls: bool = typer.Option(True, "--smtp-tls/--no-smtp-tls", help="require STARTTLS"),
     view_url: str = typer.Option("http://127.0.0.1:8501", help="drill-down view linked from alerts"),
     fast: bool = typer.Option(False, help="1 s alert grouping waits, fresh samples at once (tests)"),
-    remote_write: bool = typer.Option(
-        False,
-        "--remote-write/--no-remote-write",
-        help="also VictoriaMetrics, fed by remote_write",
-    ),
+    remote_write: bool = typer.Option(False, "--remote-write/--no-remote-write", help="also VictoriaMetrics"),
     victoria_port: int = typer.Option(8428, help="VictoriaMetrics port (with --remote-write)"),
-    store: bool = typer.Option(
-        False,
-        "--store/--no-store",
-        help="also a PostgreSQL job store (meshscope run --store)",
-    ),
+    store: bool = typer.Option(False, "--store/--no-store", help="also a PostgreSQL job store (run --store)"),
     store_port: int = typer.Option(5433, help="PostgreSQL port (with --store)"),
+    store_host: str = typer.Option("", help=STORE_HOST_HELP),
+    store_allow: str = typer.Option("", help=STORE_ALLOW_HELP),
 ) -> None:
     """Start Prometheus (rules, file_sd over the runs) and Alertmanager (Slack, email)."""
     from meshscope.dashboards.stack import StackConfig, StackError, up
 
+    listen, allow = _store_network(store_host, store_allow)
     try:
         routing = AlertRouting(
             slack_webhook_file=slack_webhook_file,
@@ -79,6 +82,8 @@ def stack_up(
                 victoria_port=victoria_port,
                 store=store,
                 store_port=store_port,
+                store_listen=listen,
+                store_allow=allow,
             )
         )
     except (ValueError, StackError) as err:
@@ -86,12 +91,32 @@ def stack_up(
     _print_components(comps, home, routing)
 
 
+def _store_network(host: str, allow: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where the job store listens (the address given to runs first, loopback too) and which
+    networks may log in: another node must reach it, or `run --store` there is refused."""
+    import ipaddress
+
+    from meshscope.trainer.network import node_network
+
+    address, network = node_network() if not host else (host, "")
+    try:
+        wanted = [n.strip() for n in allow.split(",") if n.strip()]
+        nets = tuple(str(ipaddress.ip_network(n, strict=False)) for n in wanted)
+        ipaddress.ip_address(address)
+    except ValueError as err:
+        fail(f"--store-host/--store-allow: {err}")
+    if address.startswith("127."):
+        err_console.print("note: the job store listens on this machine only (--store-host ADDR for others)")
+        return (address,), nets
+    return (address, "127.0.0.1"), nets or ((network,) if network else (f"{address}/32",))
+
+
 def _print_components(comps: list, home: Path, routing: Any) -> None:
     """What runs where, the flags a run needs to write to the job store, where alerts go."""
     for c in comps:
         console.print(f"{c.name:16} {c.url}  pid {c.pid}  log {c.log}", soft_wrap=True)
         if c.name == "postgres":  # one line a user (or a script) copies as it is
-            password = home / "postgres" / "password"
+            password = home.resolve() / "postgres" / "password"  # pasted on another node as it is
             flags = f"--store {c.url} --store-password-file {password}"
             console.print(f"  runs write to it with: {flags}", soft_wrap=True, markup=False, highlight=False)
     if routing.slack_webhook_file is None and not routing.email_to:

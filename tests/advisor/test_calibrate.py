@@ -4,15 +4,18 @@ factors (so a fit that is wrong in any part fails), and a measured run's descrip
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from meshscope.advisor.calibrate import MeasuredRun, fit, run_model
+from fixtures.recorded import STORES
+from meshscope.advisor.calibrate import MeasuredRun, fit, measure, run_model
 from meshscope.advisor.cost import Factors
 from meshscope.advisor.layouts import Layout
 from meshscope.advisor.specs import ClusterSpec
+from meshscope.collector.store import load_steps
 
 CPU = ClusterSpec(
     backend="gloo",
@@ -191,3 +194,16 @@ def test_expert_parallel_runs_carry_their_own_fixed_cost_and_data_parallel_ones_
     assert max(abs(prediction_error(r, CPU, got)) for r in held) < 0.01
     # without a data-parallel run there is nothing to tell the classes apart by
     assert _fitted(runs[4:], CPU).source("ep_step_overhead_s") == "default"
+
+
+def test_a_run_with_an_injected_straggler_is_measured_on_its_undisturbed_steps(tmp_path):
+    """A 3× straggler is no efficiency of the machine: its steps are left out, and said so."""
+    run = tmp_path / "slow"
+    shutil.copytree(STORES / "slow", run)
+    config = {"model": {"d_model": 64, "experts": 4, "top_k": 1}, "train": {"batch_size": 8}, "nproc": 2}
+    (run / "config.json").write_text(json.dumps(config))
+    measured = measure(run)
+    assert "injected slow (steps 80–89)" in measured.left_out, measured.left_out
+    steps = load_steps(run)
+    slow = steps[steps.step.between(80, 89)].groupby("step").step_s.max().median()
+    assert measured.step_s < 0.6 * slow  # the straggler's steps did not set the figure

@@ -33,7 +33,7 @@ from meshscope.collector.store import (
     store_path,
     store_version,
 )
-from meshscope.collector.storedb import locate, pg_connect, write_locator
+from meshscope.collector.storedb import StoreUnavailable, locate, pg_connect, write_locator
 from meshscope.dashboards import postgres
 
 pytestmark = pytest.mark.e2e
@@ -121,7 +121,7 @@ def test_jobs_on_one_server_do_not_see_each_other(tmp_path, server):
 
 def test_ids_controls_and_the_version_key_work_on_the_job_store(tmp_path, server):
     run = _node(tmp_path, server, "n", "job-ids")
-    first, second = insert_events(run, [Event(kind="info", run_id="j", detail={})] * 2)
+    first, second = insert_events(run, [Event(kind="info", run_id="j", detail={"n": n}) for n in (1, 2)])
     assert second == first + 1
     before = store_version(run)
     change = controls.ControlChange(kind="aux_loss_coef", values=[0.02])
@@ -220,3 +220,73 @@ def test_on_one_node_the_job_is_judged_by_the_directory_lock_this_process_holds(
     assert directory.held()
     assert job_leader(tmp_path, directory).held()  # the same lock: not refused by our own flock
     assert not job_leader(tmp_path).held()  # a second flock of the file is (another agent)
+
+
+def test_training_goes_on_through_a_job_store_outage_and_every_row_arrives_once(tmp_path):
+    """The server stops mid-run for longer than several control polls and relay rounds: the
+    ranks never wait on it or die with it (they read their node's file), and once it is back
+    every step and event is in the job store once."""
+    from fixtures.runs import start_run
+
+    with job_store(tmp_path) as server:
+        target = store_target(server, "outage")
+        proc = start_run(
+            tmp_path,
+            "outage",
+            None,
+            *("--nproc", "2", "--steps", "400", "--set", "control_every=2"),
+            *("--store", target.url, "--store-password-file", target.password_file),
+        )
+        run = tmp_path / "outage"
+        try:
+            wait = time.monotonic() + 120
+            while not (run / "store.json").exists() or latest_step(run) < 5:
+                assert proc.poll() is None and time.monotonic() < wait, proc.stdout.read()[-3000:]
+                time.sleep(0.2)
+            postgres.stop(server.home)
+            time.sleep(6)  # polls every 2 steps: dozens of them against a server that is down
+            assert proc.poll() is None, "training stopped with the job store: " + proc.stdout.read()[-3000:]
+            postgres.start(server.home, server.port)
+            postgres.wait_ready(server)
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        steps = load_steps(run)
+        every = list(range(400))
+        assert steps.groupby("rank")["step"].apply(list).to_dict() == {0: every, 1: every}
+        events = load_events(run)
+        keys = list(zip(events["kind"], events["rank"], events["step"], events["time"], strict=True))
+        assert len(keys) == len(set(keys)), "an event stored twice"
+
+
+def test_a_round_whose_commit_landed_but_whose_reply_was_lost_is_not_stored_twice(tmp_path, server):
+    """The server committed the rows and the positions; the relay saw an error. The next round
+    reads the positions back and ships nothing again (reproduced in the relay's own round)."""
+    import psycopg
+
+    run = _node(tmp_path, server, "n", "job-lost-reply")
+    writer = RunStore(run, flush_interval_s=0.05)
+    for step in range(5):
+        writer.add_step(_step(0, step))
+        writer.add_event(Event(kind="info", run_id="j", step=step, detail={"n": step}))
+    writer.close()
+    relay = _relay(run)
+    lost = {"once": True}
+
+    def reply_lost(conn):  # after the commit: as if the connection broke before the reply
+        if lost.pop("once", False):
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    relay._release = reply_lost
+    with pytest.raises(StoreUnavailable):
+        relay.ship_once()
+    assert relay.drain()
+    assert load_events(run, kind="info")["step"].tolist() == list(range(5))
+    # a second shipper of the same file (another name for it) adds nothing either
+    other = _relay(run)
+    other.source = "another-name-for-the-same-file"
+    assert other.drain()
+    assert load_events(run, kind="info")["step"].tolist() == list(range(5))
+    assert load_steps(run)["step"].tolist() == list(range(5))

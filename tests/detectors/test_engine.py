@@ -218,6 +218,22 @@ def test_a_weak_flag_right_before_a_fault_neither_starts_nor_confirms_it(scores,
     assert found == [(start, announced, {"at": start})]
 
 
+def test_an_expert_that_hogs_then_starves_is_told_in_that_order():
+    """One episode (same layer and expert), two kinds in turn: the story says both, in order."""
+    tracker = EpisodeTracker(gap=3)
+    for step, kind, share in [
+        (80, "hog", 0.5),
+        (84, "hog", 0.6),
+        (104, "starve", 0.01),
+        (108, "starve", 0.0),
+    ]:
+        tracker.flag(
+            step, "expert_imbalance", 1.0, layer=1, expert=2, evidence={"kind": kind, "share": share}, gap=40
+        )
+    (ep,) = tracker.close_all()
+    assert ep.evidence["story"] == "hog from step 80 (share 50%), then starve from step 104 (share 1%)"
+
+
 def _long_steps(df, steps, seconds, busy_rank=None):
     """Make `steps` longer by `seconds`: every rank waits in communication for it, or, with
     `busy_rank`, that rank computes through it while its peers wait."""

@@ -126,3 +126,25 @@ def test_a_deep_link_on_a_fresh_server_shows_the_page_in_its_layout(recorded, br
     # the pages by their titles, never the files they live in ("app", "anomalies", ...)
     assert entries == ["Runs", "Run", "Anomalies", "Experts", "Debug", "Feedback", "Advisor"], entries
     assert wide > 900, wide  # the wide layout, not Streamlit's narrow default
+
+
+def test_a_path_style_deep_link_then_the_sidebar_keeps_the_run(view, browser):
+    """/anomalies?run=... opens the page itself (never "Page not found" first), and a page
+    chosen in the sidebar after it shows the same run, not the newest one."""
+    url, _ = view
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    seen: list[str] = []
+    page.on("console", lambda msg: seen.append(msg.text))
+    page.goto(f"{url}/anomalies?run=skip_collective", timeout=60_000)
+    page.get_by_role("heading", name="skip_collective", exact=False).first.wait_for(timeout=60_000)
+    first = page.inner_text("body")
+    page.locator('[data-testid="stSidebarNav"]').get_by_text("Experts", exact=True).click()
+    page.wait_for_url("**/experts**", timeout=60_000)
+    page.get_by_role("heading").first.wait_for(timeout=60_000)
+    page.wait_for_timeout(1500)  # the page's script has run
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "view-sidebar-after-deep-link.png"), full_page=True)
+    after = page.inner_text("body")
+    page.close()
+    assert "Page not found" not in first + " ".join(seen), first[:500]
+    assert "skip_collective" in after and "Experts" in after, after[:500]

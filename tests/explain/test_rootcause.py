@@ -51,6 +51,23 @@ def test_one_anomaly_is_explained_by_its_window(tmp_path):
         explain(facts, 10**6)
 
 
+def test_a_nan_inside_an_expert_collapse_is_not_its_first_cause(tmp_path):
+    """Another fault in the window (a loss that went NaN later on one rank) moves no expert's
+    share: the routing explains the anomaly; the NaN is still the run's own cause."""
+    from meshscope.collector.schema import Event
+    from meshscope.collector.store import insert_events
+
+    run = _stored(tmp_path, "expert_collapse-2")
+    imbalance = next(a for a in RunFacts.load(run).anomalies if a.type == "expert_imbalance")
+    nan = {"what": "loss", "value": "nan"}
+    later = imbalance.start_step + 3
+    insert_events(run, [Event(kind="nan", run_id=run.name, rank=0, step=later, detail=nan)])
+    facts = RunFacts.load(run)
+    causes = explain(facts, imbalance.id)
+    assert causes[0].kind == "routing", [(c.kind, c.confidence) for c in causes]
+    assert "nonfinite" in {c.kind for c in explain(facts)}
+
+
 def test_the_cli_prints_the_ranked_causes_and_refuses_what_is_not_a_run(tmp_path):
     run = _stored(tmp_path, "slow")
     out = meshscope("explain", "--run", str(run), "--json")

@@ -110,6 +110,25 @@ def _both_nodes_trained(run_dir, steps_together):
     return set(together.index) == {0, 1} and together.min() >= steps_together
 
 
+def test_the_rendezvous_store_listens_only_where_it_is_told():
+    """It holds heartbeats, verdicts and stacks, unauthenticated: `--host 127.0.0.1` must not
+    listen on every interface (TCPStore alone would)."""
+    port = free_port_range(1)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "meshscope", "rendezvous", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert f"listening on 127.0.0.1:{port}" in store.stdout.readline()
+        listening = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
+    assert [line.split()[3] for line in listening.splitlines()] == [f"127.0.0.1:{port}"], listening
+
+
 def test_shrink_when_an_agent_dies_for_good(tmp_path):
     rdzv = free_port_range(1)
     store = subprocess.Popen(

@@ -91,6 +91,8 @@ def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, ki
     crashes = "split sizes" in detail["why"] or "of=experts" in inject
     assert set(detail["stacks"]) >= {"0", "1"} or crashes, detail
     assert detail["detected_at"] - detail["stalled_since"] < 10
+    # the header's step is where the fault happened, not how far a rank that skipped ran on
+    assert hangs.iloc[0]["step"] == int(inject.split("step=")[1].split(",")[0]), detail["why"]
     # restarted from a checkpoint, finished. The verdict itself may land after the restart: wrong
     # splits crash gloo at once, the agent restarts, and the post-mortem of the logs ends later
     kinds = [k for k in events["kind"] if k != "hang"]

@@ -31,17 +31,26 @@ def test_what_the_user_set_wins(monkeypatch):
     assert {k: env[k] for k in user} == user
 
 
+def _route_seen_from(node, host: str) -> list[str]:
+    """route_to(host) as `node` sees it: [interface, address]."""
+    probe = f"from meshscope.trainer.network import route_to as r; print(*r({host!r}).__dict__.values())"
+    out = subprocess.run(
+        node.command(sys.executable, "-c", probe), capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
 def test_a_node_among_others_uses_the_route_to_the_rendezvous_host():
     with nodes(2) as (first, second):
-        probe = (
-            "from meshscope.trainer.network import route_to;"
-            f"r = route_to('{first.address}'); print(r.interface, r.address)"
-        )
-        out = subprocess.run(
-            second.command(sys.executable, "-c", probe), capture_output=True, text=True, cwd=REPO, timeout=60
-        )
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.split() == [second.veth, second.address]
+        assert _route_seen_from(second, first.address) == [second.veth, second.address]
+
+
+def test_the_node_that_hosts_the_rendezvous_uses_the_interface_that_holds_its_address():
+    """Its route to its own address is `local ... dev lo`: binding lo would advertise 127.0.0.1,
+    which the other nodes cannot dial."""
+    with nodes(2) as (first, _):
+        assert _route_seen_from(first, first.address) == [first.veth, first.address]
 
 
 def test_several_agents_advertise_the_address_on_their_route():

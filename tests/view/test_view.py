@@ -256,3 +256,16 @@ def test_the_selected_run_survives_a_change_of_page_in_the_sidebar(runs, monkeyp
         at.switch_page(f"screens/{page}.py").run()
         assert not at.exception, [e.value for e in at.exception]
         assert at.sidebar.selectbox[0].value == "nan", (page, at.sidebar.selectbox[0].value)
+
+
+def test_a_job_that_ended_before_its_first_step_says_so_with_its_real_time(tmp_path):
+    """Not "finished, 0 ranks, updated 1970": the row says it never trained, and when."""
+    from meshscope.collector.schema import Event
+    from meshscope.collector.store import insert_events
+
+    run = tmp_path / "never"
+    run.mkdir()
+    insert_events(run, [Event(kind="run_end", run_id="never", time=1_790_000_000.0)])
+    row = data.run_summary(run)
+    assert row["status"] == "ended before its first step" and row["steps"] == 0
+    assert row["updated"].timestamp() == 1_790_000_000.0

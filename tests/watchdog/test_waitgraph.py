@@ -137,3 +137,14 @@ def test_a_shift_that_nothing_after_it_tells_apart_is_no_verdict():
 
     assert signatures._shifted_in({0: cut(normal, 9), 1: cut(skipper, 9)}) is None
     assert signatures._shifted_in({0: normal, 1: skipper}) == (6, [1], [0])
+
+
+def test_a_tie_is_broken_by_the_rank_that_left_its_own_habit():
+    """Both crashed on the pairing (no later records): the rank whose #s came from another
+    site than at the same place of its previous step is the one that skipped."""
+    step = ["loss", "dispatch", "combine", "dispatch", "combine"]
+    normal, skipper = _loop(step), _loop(step, skip_at=6)
+    cut = {0: {k: v for k, v in normal.items() if k < 7}, 1: {k: v for k, v in skipper.items() if k < 7}}
+    assert signatures._shifted_in(cut) is None
+    assert signatures._shifted_in(cut, lambda seq: {1}) == (6, [1], [0])
+    assert signatures._shifted_in(cut, lambda seq: {0, 1}) is None  # both changed: no verdict

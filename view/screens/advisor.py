@@ -36,6 +36,8 @@ use_run = (
     and run.backend in ("", cluster.backend)
 )
 fitted = calibrate([run_dir], cluster) if use_run else None
+if fitted is not None and fitted.runs and fitted.runs[0].left_out:
+    st.caption(f"Calibrated on this run's undisturbed steps: {fitted.runs[0].left_out}.")
 factors = fitted.factors if fitted else Factors()
 if run is not None and run.backend not in ("", cluster.backend):
     st.caption(

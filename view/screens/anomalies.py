@@ -55,8 +55,15 @@ for k, v in [kv.split("=", 1) for kv in wanted.split("&")]:
     if current.get(k) != v:
         st.query_params[k] = v
 
-st.header(f"{a.type} · ranks {a.ranks or '—'} · steps {a.start_step}–{a.end_step}")
+where = "".join(f" · {k} {v}" for k, v in (("layer", a.layer), ("expert", a.expert)) if v is not None)
+st.header(f"{a.type} · ranks {a.ranks or '—'} · steps {a.start_step}–{a.end_step}{where}")
 st.markdown(f"Link to this view: `?{wanted}`")
+if a.layer is not None and a.type == "expert_imbalance":
+    st.page_link(
+        "screens/experts.py",
+        label=f"layer {a.layer}'s load heatmap",
+        query_params={"run": run_dir.name, "layer": str(a.layer)},
+    )
 win = data.window(facts.steps, a)
 if not win.empty:
     fig = px.line(
