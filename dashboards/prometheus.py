@@ -73,7 +73,25 @@ def write_prometheus_config(path: Path, runs_root: Path, **kwargs: Any) -> Path:
     return path
 
 
-if __name__ == "__main__":  # python -m dashboards.prometheus --write-rules
+def prometheus_rule(thresholds: Thresholds | None = None) -> str:
+    """The same rules as a Prometheus operator's PrometheusRule (deploy/kubernetes/), picked by
+    the Prometheus of monitoring.yaml through its label."""
+    import yaml
+
+    rule = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "meshscope", "labels": {"meshscope.io/rules": "true"}},
+        "spec": {"groups": yaml.safe_load(render_rules(thresholds))["groups"]},
+    }
+    header = "# GENERATED from rules.template.yml: python -m meshscope.dashboards.prometheus --write-rules\n"
+    return header + yaml.safe_dump(rule, sort_keys=False, width=200)
+
+
+if __name__ == "__main__":  # python -m meshscope.dashboards.prometheus --write-rules
     if sys.argv[1:] != ["--write-rules"]:
-        sys.exit("usage: python -m dashboards.prometheus --write-rules")
+        sys.exit("usage: python -m meshscope.dashboards.prometheus --write-rules")
     print(write_rules(RULES))
+    in_repo = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "prometheusrule.yaml"
+    in_repo.write_text(prometheus_rule())  # a source checkout's manifests
+    print(in_repo)

@@ -1,6 +1,8 @@
-"""The README's Kubernetes manifests hold together with the code: every flag exists, every port
-the code opens is declared and scraped, the selectors meet, the job store is the Service, and
-the series a PodMonitor scrapes carry the labels the rules and boards group by."""
+"""The Kubernetes manifests (deploy/kubernetes/) hold together with the code and with each
+other, offline: every flag and setting exists, the run's TOML loads, every port the code opens
+is declared and scraped, the selectors meet, every ConfigMap, Secret and Service a pod names is
+defined, the job store is the Service, the PrometheusRule is the rules `stack up` uses, and the
+series a PodMonitor scrapes carry the labels the rules and boards group by."""
 
 from __future__ import annotations
 
@@ -17,16 +19,58 @@ from fixtures.ports import free_port_range
 from meshscope.cli.flags import RUN_FLAGS, field_at
 from meshscope.collector.exporter import RANK_JOB, port_for, serve_metrics
 from meshscope.collector.storedb import check_url
-from meshscope.config import RunConfig
+from meshscope.config import RunConfig, load_config
+from meshscope.dashboards.prometheus import prometheus_rule, render_rules
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 
 
 @pytest.fixture(scope="module")
 def manifests() -> dict[str, dict]:
-    section = README.read_text().split("### Kubernetes", 1)[1]
-    block = re.search(r"```yaml\n(.*?)```", section, re.S)[1]
-    return {f"{d['kind']}/{d['metadata']['name']}": d for d in yaml.safe_load_all(block)}
+    docs = [d for path in sorted(DEPLOY.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs if d["kind"] != "Kustomization"}
+
+
+def test_the_kustomization_applies_every_manifest():
+    listed = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def test_every_config_map_secret_and_service_a_pod_names_is_defined(manifests):
+    pod = _pod(manifests)["spec"]
+    for volume in pod["volumes"]:
+        if "configMap" in volume:
+            data = manifests[f"ConfigMap/{volume['configMap']['name']}"]["data"]
+            assert {i["key"] for i in volume["configMap"]["items"]} <= set(data)
+        if "secret" in volume:
+            data = manifests[f"Secret/{volume['secret']['secretName']}"]["stringData"]
+            assert {i["key"] for i in volume["secret"]["items"]} <= set(data)
+    server = manifests["StatefulSet/meshscope-store"]["spec"]
+    assert manifests[f"Service/{server['serviceName']}"]["spec"]["clusterIP"] == "None"  # headless
+    for env in server["template"]["spec"]["containers"][0]["env"]:
+        if "valueFrom" in env:
+            ref = env["valueFrom"]["secretKeyRef"]
+            assert ref["key"] in manifests[f"Secret/{ref['name']}"]["stringData"]
+
+
+def test_the_run_reads_the_toml_of_its_config_map(manifests, tmp_path):
+    container = _pod(manifests)["spec"]["containers"][0]
+    config = Path(_flags(container["command"])["config"][0])
+    mount = next(m for m in container["volumeMounts"] if Path(m["mountPath"]) == config.parent)
+    volume = next(v for v in _pod(manifests)["spec"]["volumes"] if v["name"] == mount["name"])
+    item = next(i for i in volume["configMap"]["items"] if i["path"] == config.name)
+    toml = tmp_path / config.name
+    toml.write_text(manifests[f"ConfigMap/{volume['configMap']['name']}"]["data"][item["key"]])
+    assert load_config(toml, {}).train.steps > 0  # ConfigError names the field otherwise
+
+
+def test_the_prometheus_rule_is_the_rules_the_stack_loads(manifests):
+    rule = manifests["PrometheusRule/meshscope"]
+    regenerate = "python -m meshscope.dashboards.prometheus --write-rules"
+    assert yaml.safe_load(prometheus_rule()) == rule, regenerate
+    assert rule["spec"]["groups"] == yaml.safe_load(render_rules())["groups"]
+    selector = manifests["Prometheus/meshscope"]["spec"]["ruleSelector"]["matchLabels"]
+    assert selector.items() <= rule["metadata"]["labels"].items()
 
 
 def _flags(command: list[str]) -> dict[str, list[str]]:
