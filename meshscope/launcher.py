@@ -12,6 +12,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from meshscope import waiting
 from meshscope.collector.exporter import ensure_ports_free
 from meshscope.collector.flightread import latest_logs
 from meshscope.collector.store import StoreUnavailable, latest_step, load_steps
@@ -264,11 +265,16 @@ def launch(cfg: RunConfig, zygote: subprocess.Popen | None = None) -> Launch:
 
 
 def follow(
-    cfg: RunConfig, proc: Launch, on_progress: Callable[[int, dict], None], poll_s: float = 0.5
+    cfg: RunConfig,
+    proc: Launch,
+    on_progress: Callable[[int, dict], None],
+    poll_s: float = 0.5,
+    on_wait: Callable[[str], None] | None = None,
 ) -> int:
     """Poll the store until the workers exit; report (steps done, the last record of this
-    node's first rank)."""
-    seen = -1
+    node's first rank), and, on several nodes, what the agent waits for while no step comes
+    (`on_wait`, every `waiting.SAY_EVERY_S`)."""
+    seen, moved, said = -1, time.monotonic(), time.monotonic()
     while True:
         done = proc.poll() is not None
         try:
@@ -279,9 +285,13 @@ def follow(
         if rows is not None:
             last = rows[rows["rank"] == rows["rank"].min()].iloc[-1].to_dict() if not rows.empty else {}
             on_progress(step + 1, last)
-            seen = step
+            seen, moved = step, time.monotonic()
         if done:
             return proc.returncode
+        now = time.monotonic()
+        if on_wait is not None and cfg.multi_node and min(now - moved, now - said) >= waiting.SAY_EVERY_S:
+            on_wait(waiting.waiting_line(cfg, now - moved, started=seen >= 0))
+            said = now
         time.sleep(poll_s)
 
 

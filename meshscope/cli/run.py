@@ -203,7 +203,7 @@ def _train_with_progress(cfg: RunConfig, stop: StopSignal, zygote: Any = None) -
         stop.launch = launcher.launch(cfg, zygote)
         if stop.signum is not None:  # a signal before torchrun existed
             stop.launch.torchrun.send_signal(signal.SIGTERM)
-        return launcher.follow(cfg, stop.launch, on_progress)
+        return launcher.follow(cfg, stop.launch, on_progress, on_wait=progress.console.print)
 
 
 def _compression_cell(s: dict[str, float]) -> str:
