@@ -164,6 +164,8 @@ def worker_environment(cfg: RunConfig) -> dict[str, str]:
     """The workers' environment: the user's, plus what the device and meshscope need."""
     device = resolve_device(cfg.device, backend=cfg.backend)
     env = dict(os.environ)
+    if env.pop("MESHSCOPE_QUIETED_TORCH_CPP_LOG", None):  # the CLI's own, not the user's (cli.main)
+        env.pop("TORCH_CPP_LOG_LEVEL", None)
     env.update(network_environment(route(cfg), os.environ))  # what the user set wins
     for key, value in backend_environment(device.kind, device.backend).items():
         env.setdefault(key, value)

@@ -37,10 +37,15 @@ def hang_exchange(cfg: Any) -> NodeExchange | None:
     import torch.distributed as dist
 
     host, port = parse_host_port(cfg.elastic.rdzv_endpoint, "--rdzv-endpoint")
-    return NodeExchange(
-        lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5)),
-        prefix=f"job/{cfg.job_id}/hang",  # scoped like every key of the job
-    )
+
+    def connect() -> Any:
+        # TCPStore's client retries a store that is not up yet for its whole timeout and logs
+        # each failure with C++ frames: a plain connect says "not yet" at once, and quietly
+        with socket.create_connection((host, port), timeout=2):
+            pass
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+
+    return NodeExchange(connect, prefix=f"job/{cfg.job_id}/hang")  # scoped like every key of the job
 
 
 def view_link(view_url: str | None, run_id: str, **params: Any) -> str:
