@@ -248,6 +248,7 @@ class DetectionEngine:
             clock=flag.clock,
             now=step,
             line=flag.line,
+            cost=flag.cost,
         )
         if opened is not None:
             self.on_open(opened)

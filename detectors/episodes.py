@@ -31,13 +31,15 @@ class Episode:
     run: list[tuple[int, float, dict[str, Any]]] = field(default_factory=list)
     """While pending: the unbroken run of flags it starts with, (step, excess over the rule's
     line, evidence), when the rule says where its line is."""
+    cost: float | None = None
+    """Seconds its flags cost the job together, where they say (`MIN_COST_S`)."""
     turns: list[tuple[str, int, float | None]] = field(default_factory=list)
     """The kinds its flags took in order (kind, first step, share): see `_note_turn`."""
 
     @property
     def confirmed(self) -> bool:
-        """Flagged often enough to be reported."""
-        return self.count >= self.confirm
+        """Flagged often enough, and costing enough, to be reported."""
+        return self.count >= self.confirm and (self.cost is None or self.cost >= MIN_COST_S)
 
     def detail(self) -> dict[str, Any]:
         """The `anomaly` event's detail (`AnomalyDetail`)."""
@@ -84,12 +86,13 @@ class EpisodeTracker:
         clock: str = "steps",
         now: int | None = None,
         line: float | None = None,
+        cost: float | None = None,
     ) -> Episode | None:
         """Record a flagged step; returns the episode when this step confirms it (after
         `confirm` flagged steps: one noisy step is not an anomaly). `now`: the step being
         judged, when the flag is about an earlier one (a held verdict); it announces. `line`:
         the score the rule flags above, which lets a weak flag just before a fault be told
-        from the fault (`WEAK_LEAD`)."""
+        from the fault (`WEAK_LEAD`). `cost`: the seconds this step lost to it (`MIN_COST_S`)."""
         now = step if now is None else now
         key = (type, tuple(ranks or ()), layer, expert, module)
         ep = self.open.get(key)
@@ -108,9 +111,13 @@ class EpisodeTracker:
                 confirm,
                 module=module,
                 clock=clock,
+                cost=cost,
             )
             self._note_run(ep, step, score, evidence, line)
             return self._announce(ep, now) if ep.confirmed else None
+        was = ep.confirmed
+        if cost is not None:
+            ep.cost = (ep.cost or 0.0) + cost
         # only the steps' clock advances by one: a window table's next row is several steps on
         if not ep.confirmed and ep.clock == "steps" and step - ep.end_step > 1:
             # Pending, after a quiet step: the flags still count (a weak fault flags on and
@@ -120,9 +127,9 @@ class EpisodeTracker:
             ep.run = []
         ep.end_step, ep.score, ep.count = max(ep.end_step, step), max(ep.score, score), ep.count + 1
         self._note_turn(ep, step, evidence)
-        if not ep.confirmed or ep.count == ep.confirm:
+        if not was:
             self._note_run(ep, step, score, evidence, line)
-        return self._announce(ep, now) if ep.count == ep.confirm else None
+        return self._announce(ep, now) if ep.confirmed and not was else None
 
     @staticmethod
     def _note_run(ep: Episode, step: int, score: float, evidence: dict | None, line: float | None) -> None:
@@ -174,6 +181,11 @@ class EpisodeTracker:
         done, self.open = list(self.open.values()), {}
         return [ep for ep in done if ep.confirmed]
 
+
+MIN_COST_S = 0.02
+"""An episode whose flags say what they cost is reported once they cost the job this much
+together: a one-step blip of a millisecond on a 2 ms step is no anomaly, while a rank 2×
+slower on those steps is one within a few dozen steps."""
 
 WEAK_LEAD = 0.5
 """A leading flag less than this share of its run's median excess over the line is noise that

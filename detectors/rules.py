@@ -64,6 +64,9 @@ class Flag:
     line: float | None = None
     """The score above which the rule flags, where it has one: a weak flag just before a fault
     is then told from the fault (`episodes.WEAK_LEAD`)."""
+    cost: float | None = None
+    """Seconds of the job's time this step lost to it, where the rule can say: an episode
+    whose flags cost less than `episodes.MIN_COST_S` together is no anomaly."""
 
 
 @dataclass
@@ -277,6 +280,7 @@ class StragglerRule(StepRule):
                     confirm=3,
                     evidence=self._evidence(row, ratio=round(ratio, 2)),
                     line=self.detector.line(slow),
+                    cost=_time_lost(row.compute[0], slow),
                 )
             ]
         return self._persistent(row)
@@ -312,6 +316,7 @@ class StragglerRule(StepRule):
                 1 + excess,
                 ranks=[row.ranks[i]],
                 gap=2 * shortest.span,
+                cost=_time_lost(row.compute[0], [i]),
                 evidence=self._evidence(
                     row,
                     ratio=round(1 + excess, 3),
@@ -332,6 +337,14 @@ class StragglerRule(StepRule):
             self.detector.partial_fit(row.compute)
             for p in self.persistent:
                 p.partial_fit(row.compute)
+
+
+def _time_lost(compute: np.ndarray, slow: list[int]) -> float:
+    """What the slowest of `slow` held its peers this step: its compute beyond theirs."""
+    others = np.delete(compute, slow)
+    if not len(others):
+        return float("inf")
+    return max(0.0, float(np.max(compute[slow]) - np.median(others)))
 
 
 class CommRule(StepRule):

@@ -405,14 +405,17 @@ def _crash(facts: RunFacts, w: Window) -> list[Cause]:
     faults, seen = _deaths(ev)
     if faults.empty and seen.empty:
         return []
-    restarts = int((ev["kind"] == "restart").sum())
+    # restarts: the attempts after the first, as torchrun restarted them or the job resumed
+    restarts = max(int((ev["kind"] == "restart").sum()), int((ev["kind"] == "resume").sum()))
     dead = sorted(
         {int(d["rank"]) for d in faults["detail"] if "rank" in d}
         | {int(r) for d in seen["detail"] for r in d.get("culprit_ranks") or []}
     )
     finished = bool((ev["kind"] == "run_end").any())
     deaths = max(len(faults), len(seen))
-    at = pd.concat([faults["step"], seen["step"]]).dropna()
+    # one step per death: where the watchdog saw it happen, else where the next attempt says
+    # the rank last beat (the two differ by the step in flight: never both)
+    at = (seen if not seen.empty else faults)["step"].dropna()
     at = at[at >= 0]
     first = int(at.min()) if len(at) else None
     evidence = [

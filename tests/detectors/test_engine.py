@@ -269,3 +269,13 @@ def test_a_long_step_a_rank_spent_busy_is_a_stall_at_once():
 def test_a_long_wait_on_the_last_step_is_still_a_stall():
     _, closed = run(_long_steps(synthetic_run(steps=120), [119], 1.5))
     assert [(e.type, e.start_step, e.announced_step) for e in closed] == [("stall", 119, 119)]
+
+
+def test_a_blip_that_costs_the_job_a_few_milliseconds_is_no_anomaly():
+    """Flags that say what they cost open an episode once they cost MIN_COST_S together: three
+    flags of a millisecond on 2 ms steps are noise; three of 10 ms are a straggler."""
+    for each, opens in ((0.001, False), (0.01, True)):
+        tracker = EpisodeTracker(gap=3)
+        opened = [tracker.flag(s, "straggler", 2.5, ranks=[0], confirm=3, cost=each) for s in (56, 57, 58)]
+        assert any(opened) == opens, each
+        assert bool(tracker.close_all()) == opens

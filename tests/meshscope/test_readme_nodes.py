@@ -1,7 +1,7 @@
 """The README's several-machines lines, run as they are: two network namespaces as two machines
 (each its own folder, its own ports, a default route), the job store from `stack up --store`
-on node A, the same `meshscope run` line on both nodes, then `explain` on node A naming a slow
-rank that runs on node B. What is replaced: `nodeA` by node A's address and the two `--store`
+on node A, the same `meshscope run` line on both nodes, then `explain` on each node naming a
+slow rank that runs on node B. What is replaced: `nodeA` by node A's address and the two `--store`
 flags by the ones `stack up` printed; what is appended: a tiny model, fewer steps, 2 ranks a
 node and the slow rank's injection."""
 
@@ -83,9 +83,10 @@ def test_the_readme_several_machines_lines_train_one_job_and_explain_names_a_ran
                 assert agent.returncode == 0, out[-3000:]
                 at = max(out.find("Traceback"), out.find("frame #0"))
                 assert at < 0, out[max(0, at - 2500) : at + 500]  # no Python or C++ traceback
-            said = _shell(a, explain, homes[0])
-            assert said.returncode == 0, said.stdout + said.stderr
-            first = said.stdout.split("\n2. ")[0]
-            assert "rank 3" in first and "slow" in first, said.stdout[-2000:]
+            for node, home in zip((a, b), homes, strict=True):  # either node reads the whole job
+                said = _shell(node, explain, home)
+                assert said.returncode == 0, said.stdout + said.stderr
+                first = said.stdout.split("\n2. ")[0]
+                assert "rank 3" in first and "slow" in first, f"{node.name}: {said.stdout[-2000:]}"
         finally:
             _shell(a, "meshscope stack down", homes[0], timeout=60)
