@@ -24,8 +24,8 @@ from meshscope.collector.storedb import (
     StoreUnavailable,
     insert_sql,
     locate,
-    pg_connect,
     pg_frame,
+    pg_session,
     pg_sql,
     pg_tables,
     retire_sql,
@@ -250,7 +250,7 @@ def _sqlite_columns(path: Path) -> dict[str, set[str]]:
 
 
 def _pg_columns(target: StoreTarget) -> dict[str, set[str]]:
-    with pg_connect(target) as conn:
+    with pg_session(target) as conn:
         tables = pg_tables(conn)
     if not tables:
         raise FileNotFoundError(f"no run store in {target.describe('')} yet")
@@ -262,7 +262,7 @@ def execute(run_dir: str | Path, sql: str, params: tuple = ()) -> list[tuple]:
     rows it returns (`RETURNING id` gives the new ids)."""
     target = locate(run_dir)
     if target.is_postgres:
-        with pg_connect(target, create=True) as conn:
+        with pg_session(target, create=True) as conn:
             cur = conn.execute(pg_sql(sql), params)
             return cur.fetchall() if cur.description else []
     conn = open_store(run_dir)
@@ -279,7 +279,7 @@ def fetch(run_dir: str | Path, sql: str, params: tuple = ()) -> list[tuple]:
     if target.is_postgres:
         import psycopg
 
-        with pg_connect(target) as conn:
+        with pg_session(target) as conn:
             try:
                 return conn.execute(pg_sql(sql), params).fetchall()
             except psycopg.errors.UndefinedTable:
@@ -311,7 +311,7 @@ def read_frame(run_dir: str | Path, sql: str, params: tuple = ()) -> pd.DataFram
     if target.is_postgres:
         import psycopg
 
-        with pg_connect(target) as conn:
+        with pg_session(target) as conn:
             try:
                 return pg_frame(conn, sql, params)
             except psycopg.errors.UndefinedTable:

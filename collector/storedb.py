@@ -10,11 +10,13 @@ side turns them into psycopg's `%s`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -287,6 +289,19 @@ def _add_step_columns(conn: Any, dialect: str) -> None:
 # --- PostgreSQL -------------------------------------------------------------------------------
 
 _READY: set[tuple[str, str]] = set()  # (url, schema) this process has migrated
+
+
+@contextlib.contextmanager
+def pg_session(target: StoreTarget, *, create: bool = False) -> Iterator[Any]:
+    """A connection for one read or write: a server that stops answering mid-query (shut down,
+    restarted, unreachable) is StoreUnavailable, as one that refuses the login is."""
+    import psycopg
+
+    try:
+        with pg_connect(target, create=create) as conn:
+            yield conn
+    except psycopg.OperationalError as err:
+        raise StoreUnavailable(f"job store {target.url}: {str(err).strip().splitlines()[0]}") from None
 
 
 def pg_connect(target: StoreTarget, *, create: bool = False, timeout_s: float = 5.0) -> Any:
