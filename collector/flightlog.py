@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from meshscope.collector.devicetruth import DeviceTruth
 from meshscope.collector.flightops import OPS, Op, arg_of, call_site, split_sizes, tensors_of
@@ -87,6 +88,9 @@ from meshscope.collector.stacks import (
     write_recorder_dump,
     write_stacks,
 )
+
+# Compared by identity inside torch (P2POp, batch_isend_irecv): wrapped in its own module too.
+IDENTITY_CHECKED = ("isend", "irecv")
 
 # --- the log ----------------------------------------------------------------------------
 
@@ -142,6 +146,7 @@ class FlightLog:
         self._groups: dict[int, tuple[str, int]] = {}
         self._host_groups: set[str] = set()
         self._host_slots: set[int] = set()  # records of host groups awaiting `enqueued`
+        self._polled: list[tuple[int, Any]] = []  # works with no future (`settle_polled`)
         self._group_ranks: dict[str, list[int]] = {}
         self._buckets: dict[tuple[int, int, int], tuple] = {}  # (group, index, numel) -> packed
         self.fixed: dict[tuple, Any] = {}  # `flightfixed.start_sum`'s records, packed once
@@ -294,7 +299,27 @@ class FlightLog:
         elif result is None or not hasattr(result, "get_future"):
             self.finish(slot)
         else:  # async: completed when its future is (gloo: the data arrived)
-            result.get_future().add_done_callback(functools.partial(_done, self, slot))
+            try:
+                future = result.get_future()
+            except RuntimeError:  # gloo's send/recv work has none: asked at the next call
+                self._polled.append((slot, result))
+                return
+            future.add_done_callback(functools.partial(_done, self, slot))
+
+    def settle_polled(self) -> None:
+        """Works without a future (gloo's isend/irecv) are finished once they say they
+        completed: asked at every call this log records and at every step's end."""
+        waiting, self._polled = self._polled, []
+        for slot, work in waiting:
+            try:
+                done = work.is_completed()
+            except RuntimeError as err:  # it failed
+                self.finish(slot, err)
+                continue
+            if done:
+                self.finish(slot)
+            else:
+                self._polled.append((slot, work))
 
     def note_error(self, error: BaseException) -> None:
         """Keep the first error this rank met (a failed collective, or what ended the worker)."""
@@ -317,6 +342,8 @@ class FlightLog:
     def step_end(self, mark: Any = None) -> None:
         """A step ended on the host: progress, and the typical step time the watchdog scales
         by. On a device, `mark` (the step's end event) says when the device ended it."""
+        if self._polled:
+            self.settle_polled()
         if self._device is not None and mark is not None:
             self._device.step_ended(self._step, mark)
             return
@@ -334,14 +361,20 @@ class FlightLog:
 
     # --- wrapping torch.distributed ---------------------------------------------------------
     def install(self) -> FlightLog:
-        """Make this the process's flight log and wrap torch.distributed's collectives once."""
+        """Make this the process's flight log and wrap torch.distributed's collectives once.
+        The functions PyTorch compares by identity (`P2POp` checks `op in [isend, irecv]`,
+        `batch_isend_irecv` tests `op.op is isend`, in distributed_c10d's own namespace) are
+        replaced there too, so the function a user passes is the one torch checks against."""
         FlightLog._active = self
         for name, spec in OPS.items():
             if name in FlightLog._originals or not hasattr(dist, name):
                 continue
             original = getattr(dist, name)
             FlightLog._originals[name] = original
-            setattr(dist, name, _logged(name, spec, original))
+            wrapped = _logged(name, spec, original)
+            setattr(dist, name, wrapped)
+            if name in IDENTITY_CHECKED and getattr(c10d, name, None) is original:
+                setattr(c10d, name, wrapped)
         return self
 
     @classmethod
@@ -349,6 +382,8 @@ class FlightLog:
         """Put torch.distributed's functions back (tests)."""
         for name, original in cls._originals.items():
             setattr(dist, name, original)
+            if name in IDENTITY_CHECKED:
+                setattr(c10d, name, original)
         cls._originals = {}
         cls._active = None
 
@@ -383,6 +418,7 @@ class FlightLog:
 
     def close(self) -> None:
         """A clean exit: the watchdog must not take this rank for dead."""
+        self.settle_polled()
         self._stop.set()
         if self._device is not None:
             self._device.stop()
@@ -404,6 +440,8 @@ def _logged(name: str, spec: Op, original: Callable[..., Any]) -> Callable[..., 
         log = FlightLog._active
         if log is None:
             return original(*args, **kwargs)
+        if log._polled:
+            log.settle_polled()
         slot = log.issue(name, spec, args, kwargs, sys._getframe(1))
         try:
             result = original(*args, **kwargs)

@@ -74,3 +74,58 @@ def test_the_expert_load_sum_is_one_record_a_window_on_the_control_plane(tmp_pat
     load = results[0]["load"].sort_values(["step", "expert"])
     # two forwards a window on two ranks: [3, 1, 0, rank] summed
     assert load[load["step"] == 1]["tokens"].tolist() == [12, 4, 0, 2]
+
+
+def _p2p_patterns(rank: int, world_size: int, run_dir: str, monitored: bool) -> dict:
+    """PyTorch's own point-to-point usage (its docs' ring with P2POp and batch_isend_irecv,
+    a pipeline's isend/irecv pair), with or without a Monitor's flight log installed."""
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from prometheus_client import CollectorRegistry
+
+    from meshscope.collector.env import DistEnv
+    from meshscope.collector.flightlog import FlightLog
+    from meshscope.collector.flightread import latest_logs, read_flight
+    from meshscope.collector.monitor import Monitor
+    from meshscope.collector.monitor_config import MonitorConfig
+
+    mon = None
+    if monitored:
+        env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+        config = MonitorConfig(run_dir=Path(run_dir) / str(rank), metrics_port=None)
+        mon = Monitor(config, env=env, registry=CollectorRegistry())
+    send = torch.arange(2, dtype=torch.float32) + 2 * rank
+    recv = torch.empty(2)
+    ring = [
+        dist.P2POp(dist.isend, send, (rank + 1) % world_size),
+        dist.P2POp(dist.irecv, recv, (rank - 1 + world_size) % world_size),
+    ]
+    for req in dist.batch_isend_irecv(ring):
+        req.wait()
+    stage = torch.full((3,), float(rank))
+    work = dist.isend(stage, 1) if rank == 0 else dist.irecv(stage, 0)
+    work.wait()
+    ops = []
+    if mon is not None:
+        mon.close()
+        (head,) = latest_logs(Path(run_dir) / str(rank) / "live").values()
+        ops = [(r.op, r.state) for r in read_flight(head.path).records if r.p2p]
+        FlightLog.uninstall()
+    return {"ring": recv.tolist(), "stage": stage.tolist(), "ops": ops}
+
+
+def test_pytorchs_own_point_to_point_patterns_work_the_same_under_the_flight_log(tmp_path):
+    """P2POp checks its op against torch's own isend/irecv by identity: the flight log must
+    not turn them into functions torch refuses (or sends as receives)."""
+    plain = run_ranks(_p2p_patterns, 2, run_dir=str(tmp_path / "plain"), monitored=False)
+    logged = run_ranks(_p2p_patterns, 2, run_dir=str(tmp_path / "logged"), monitored=True)
+    assert [{k: r[k] for k in ("ring", "stage")} for r in logged] == [
+        {k: r[k] for k in ("ring", "stage")} for r in plain
+    ]
+    assert plain[1]["ring"] == [0.0, 1.0] and plain[1]["stage"] == [0.0, 0.0, 0.0]
+    for rank, result in enumerate(logged):  # recorded: the ring's two ops and the stage's one
+        assert [op for op, _ in result["ops"]] == ["isend", "irecv", "isend" if rank == 0 else "irecv"], (
+            result
+        )
