@@ -1,6 +1,8 @@
 """The flight log sees DDP's C++ all-reduce as one record a step: issued as backward starts,
 completed once every bucket is reduced, nothing under no_sync(); DDP keeps its C++ path. The
-Monitor's own expert-load sum is one record a window, on the control plane's group."""
+Monitor's own expert-load sum is one record a window, on the control plane's group. PyTorch's
+own point-to-point usage (P2POp, batch_isend_irecv, torch.distributed.pipelining) works and
+computes the same with the flight log installed, and is recorded."""
 
 from __future__ import annotations
 
@@ -76,26 +78,42 @@ def test_the_expert_load_sum_is_one_record_a_window_on_the_control_plane(tmp_pat
     assert load[load["step"] == 1]["tokens"].tolist() == [12, 4, 0, 2]
 
 
-def _p2p_patterns(rank: int, world_size: int, run_dir: str, monitored: bool) -> dict:
-    """PyTorch's own point-to-point usage (its docs' ring with P2POp and batch_isend_irecv,
-    a pipeline's isend/irecv pair), with or without a Monitor's flight log installed."""
+def _monitor(rank: int, world_size: int, run_dir: str):
+    """A Monitor on this rank (its flight log installed), as a user's loop builds it."""
     from pathlib import Path
 
-    import torch
-    import torch.distributed as dist
     from prometheus_client import CollectorRegistry
 
     from meshscope.collector.env import DistEnv
-    from meshscope.collector.flightlog import FlightLog
-    from meshscope.collector.flightread import latest_logs, read_flight
     from meshscope.collector.monitor import Monitor
     from meshscope.collector.monitor_config import MonitorConfig
 
-    mon = None
-    if monitored:
-        env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
-        config = MonitorConfig(run_dir=Path(run_dir) / str(rank), metrics_port=None)
-        mon = Monitor(config, env=env, registry=CollectorRegistry())
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    config = MonitorConfig(run_dir=Path(run_dir) / str(rank), metrics_port=None)
+    return Monitor(config, env=env, registry=CollectorRegistry())
+
+
+def _p2p_records(mon, rank: int, run_dir: str) -> list[tuple[str, str]]:
+    """Close the Monitor; its flight log's point-to-point records (op, state); torch's own
+    functions back for the next test in this process."""
+    from pathlib import Path
+
+    from meshscope.collector.flightlog import FlightLog
+    from meshscope.collector.flightread import latest_logs, read_flight
+
+    mon.close()
+    (head,) = latest_logs(Path(run_dir) / str(rank) / "live").values()
+    FlightLog.uninstall()
+    return [(r.op, r.state) for r in read_flight(head.path).records if r.p2p]
+
+
+def _p2p_patterns(rank: int, world_size: int, run_dir: str, monitored: bool) -> dict:
+    """PyTorch's own point-to-point usage (its docs' ring with P2POp and batch_isend_irecv,
+    a pipeline's isend/irecv pair), with or without a Monitor's flight log installed."""
+    import torch
+    import torch.distributed as dist
+
+    mon = _monitor(rank, world_size, run_dir) if monitored else None
     send = torch.arange(2, dtype=torch.float32) + 2 * rank
     recv = torch.empty(2)
     ring = [
@@ -107,12 +125,7 @@ def _p2p_patterns(rank: int, world_size: int, run_dir: str, monitored: bool) -> 
     stage = torch.full((3,), float(rank))
     work = dist.isend(stage, 1) if rank == 0 else dist.irecv(stage, 0)
     work.wait()
-    ops = []
-    if mon is not None:
-        mon.close()
-        (head,) = latest_logs(Path(run_dir) / str(rank) / "live").values()
-        ops = [(r.op, r.state) for r in read_flight(head.path).records if r.p2p]
-        FlightLog.uninstall()
+    ops = _p2p_records(mon, rank, run_dir) if mon is not None else []
     return {"ring": recv.tolist(), "stage": stage.tolist(), "ops": ops}
 
 
@@ -121,11 +134,38 @@ def test_pytorchs_own_point_to_point_patterns_work_the_same_under_the_flight_log
     not turn them into functions torch refuses (or sends as receives)."""
     plain = run_ranks(_p2p_patterns, 2, run_dir=str(tmp_path / "plain"), monitored=False)
     logged = run_ranks(_p2p_patterns, 2, run_dir=str(tmp_path / "logged"), monitored=True)
-    assert [{k: r[k] for k in ("ring", "stage")} for r in logged] == [
-        {k: r[k] for k in ("ring", "stage")} for r in plain
-    ]
+    same = [{k: r[k] for k in ("ring", "stage")} for r in logged]
+    assert same == [{k: r[k] for k in ("ring", "stage")} for r in plain]
     assert plain[1]["ring"] == [0.0, 1.0] and plain[1]["stage"] == [0.0, 0.0, 0.0]
     for rank, result in enumerate(logged):  # recorded: the ring's two ops and the stage's one
-        assert [op for op, _ in result["ops"]] == ["isend", "irecv", "isend" if rank == 0 else "irecv"], (
-            result
-        )
+        stage = "isend" if rank == 0 else "irecv"
+        assert [op for op, _ in result["ops"]] == ["isend", "irecv", stage], result
+        assert {state for _, state in result["ops"]} == {"completed"}, result  # gloo: no future
+
+
+def _pipeline(rank: int, world_size: int, run_dir: str, monitored: bool) -> dict:
+    """torch.distributed.pipelining: two stages of a Linear, GPipe over two micro-batches,
+    two steps; the last stage's losses and each stage's gradient, with or without a Monitor."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mon = _monitor(rank, world_size, run_dir) if monitored else None
+    torch.manual_seed(rank)
+    layer = torch.nn.Linear(8, 8)
+    stage = PipelineStage(layer, stage_index=rank, num_stages=world_size, device=torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, y: (out - y).pow(2).mean())
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    losses: list = []
+    for _ in range(2):
+        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+    ops = sorted({op for op, _ in _p2p_records(mon, rank, run_dir)}) if mon is not None else []
+    return {"losses": [round(float(v), 6) for v in losses], "grad": layer.weight.grad.tolist(), "ops": ops}
+
+
+def test_a_two_stage_pipeline_trains_the_same_under_the_monitor_and_its_sends_are_recorded(tmp_path):
+    plain = run_ranks(_pipeline, 2, run_dir=str(tmp_path / "plain"), monitored=False)
+    logged = run_ranks(_pipeline, 2, run_dir=str(tmp_path / "logged"), monitored=True)
+    assert [(r["losses"], r["grad"]) for r in logged] == [(r["losses"], r["grad"]) for r in plain]
+    assert len(plain[1]["losses"]) == 2  # the last step's two micro-batches
+    assert all({"isend", "irecv"} <= set(r["ops"]) for r in logged), [r["ops"] for r in logged]
