@@ -151,9 +151,7 @@ class FlightLog:
         self._buckets: dict[tuple[int, int, int], tuple] = {}  # (group, index, numel) -> packed
         self.fixed: dict[tuple, Any] = {}  # `flightfixed.start_sum`'s records, packed once
         self._lock = threading.Lock()
-        self._step = -1
-        self._step_started = 0.0
-        self._step_s = 0.0
+        self._step, self._step_started, self._step_s = -1, 0.0, 0.0
         self._crash_file = None
         self._responder: threading.Thread | None = None
         self._recorder: Callable[[], bytes] | None = None

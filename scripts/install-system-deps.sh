@@ -11,6 +11,7 @@ command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null || need+=(postgresql)
 command -v victoria-metrics >/dev/null || need+=(victoria-metrics)  # remote-write, long retention
 command -v chromium >/dev/null || need+=(chromium)  # the view's browser test (playwright drives it)
+command -v openssl >/dev/null || need+=(openssl)  # a certificate for the job store's TLS test
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 echo "installing Debian packages: ${need[*]}"
