@@ -33,11 +33,19 @@ class LocalPostgres:
     home: Path
     port: int
     host: str = "127.0.0.1"  # the first address it listens on
+    tls: bool = False  # serves TLS with the certificate in `certificate`
 
     @property
     def url(self) -> str:
-        """The job store URL (`--store`); the password is in `password_file`."""
-        return f"postgresql://{PG_USER}@{self.host}:{self.port}/{PG_DATABASE}"
+        """The job store URL (`--store`); the password is in `password_file`. With TLS the
+        client verifies the server against its certificate (self-signed or a CA's)."""
+        url = f"postgresql://{PG_USER}@{self.host}:{self.port}/{PG_DATABASE}"
+        return url + (f"?sslmode=verify-ca&sslrootcert={self.certificate}" if self.tls else "")
+
+    @property
+    def certificate(self) -> Path:
+        """The server's TLS certificate (what clients verify it by)."""
+        return self.home / "server.crt"
 
     @property
     def password_file(self) -> Path:
@@ -105,10 +113,12 @@ def _initdb(server: LocalPostgres) -> None:
 
 
 def _allow(server: LocalPostgres, networks: tuple[str, ...]) -> None:
-    """Let the nodes' networks log in (with the password): initdb allows loopback only."""
+    """Let the nodes' networks log in (with the password; over TLS only when it serves TLS):
+    initdb allows loopback only."""
     hba = server.data / "pg_hba.conf"
     lines = hba.read_text().splitlines()
-    wanted = [f"host all {PG_USER} {net} scram-sha-256" for net in networks]
+    kind = "hostssl" if server.tls else "host"
+    wanted = [f"{kind} all {PG_USER} {net} scram-sha-256" for net in networks]
     missing = [line for line in wanted if line not in lines]
     if missing:
         hba.write_text("\n".join([*lines, *missing]) + "\n")
@@ -120,15 +130,19 @@ def start(
     *,
     listen: tuple[str, ...] = ("127.0.0.1",),
     allow: tuple[str, ...] = (),
+    tls: tuple[Path, Path] | None = None,
     timeout_s: float = 60.0,
 ) -> LocalPostgres:
     """Start (initialising on first use) a server on `listen`:port that logs in loopback and
-    the `allow` networks (CIDRs: the nodes of a job); returns once it accepts."""
-    server = LocalPostgres(Path(home).resolve(), port, listen[0])
+    the `allow` networks (CIDRs: the nodes of a job); with `tls` (certificate, key) it serves
+    TLS and those networks log in over it only. Returns once it accepts."""
+    server = LocalPostgres(Path(home).resolve(), port, listen[0], tls=tls is not None)
     if not (server.data / "PG_VERSION").exists():
         _initdb(server)
     _allow(server, allow)
     options = f"-c listen_addresses={','.join(listen)} -p {port} -k {server.data}"
+    if tls is not None:
+        options += " " + _serve_tls(server, *tls)
     log = server.home / "postgres.log"
     log.touch()
     _own(log)
@@ -140,6 +154,18 @@ def start(
         tail = log.read_text()[-800:] if log.exists() else ""
         raise PostgresError(f"postgres did not start on 127.0.0.1:{port}: {result.stderr.strip()} {tail}")
     return server
+
+
+def _serve_tls(server: LocalPostgres, certificate: Path, key: Path) -> str:
+    """The certificate and key where the server reads them (the key private to its user, as
+    PostgreSQL demands); the options that turn TLS on."""
+    shutil.copyfile(certificate, server.certificate)
+    server.certificate.chmod(0o644)
+    key_copy = server.home / "server.key"
+    shutil.copyfile(key, key_copy)
+    key_copy.chmod(0o600)
+    _own(key_copy)
+    return f"-c ssl=on -c ssl_cert_file={server.certificate} -c ssl_key_file={key_copy}"
 
 
 def stop(home: Path, timeout_s: float = 30.0) -> bool:

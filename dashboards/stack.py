@@ -57,6 +57,7 @@ class StackConfig:
     store_port: int = 5433
     store_listen: tuple[str, ...] = ("127.0.0.1",)  # the first is the address runs are given
     store_allow: tuple[str, ...] = ()  # networks (CIDR) whose nodes log in with the password
+    store_tls: tuple[Path, Path] | None = None  # (certificate, key): the job store serves TLS
 
     def __post_init__(self) -> None:
         checked(self.routing)  # a bad relay or a missing secret fails before anything starts
@@ -243,7 +244,9 @@ def _start_store(cfg: StackConfig) -> Component:
         return running
     _ensure_free("store", cfg.store_port)
     try:
-        server = postgres.start(home, cfg.store_port, listen=cfg.store_listen, allow=cfg.store_allow)
+        server = postgres.start(
+            home, cfg.store_port, listen=cfg.store_listen, allow=cfg.store_allow, tls=cfg.store_tls
+        )
     except postgres.PostgresError as err:
         raise StackError(f"job store: {err}") from None
     pid = int((server.data / "postmaster.pid").read_text().split()[0])

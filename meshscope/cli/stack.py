@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ STORE_HOST_HELP = (
     "address the job store listens on and runs are given (with --store; default: this node's "
     "address on its default route, which the other nodes reach; 127.0.0.1 keeps it here)"
 )
+STORE_TLS_HELP = "CERT,KEY: the job store serves TLS with them; other nodes log in over TLS only"
 STORE_ALLOW_HELP = (
     "networks (CIDR, comma-separated) whose nodes may log in with the password (with --store; "
     "default: the network of the default route's interface)"
@@ -53,6 +55,7 @@ def stack_up(
     store_port: int = typer.Option(5433, help="PostgreSQL port (with --store)"),
     store_host: str = typer.Option("", help=STORE_HOST_HELP),
     store_allow: str = typer.Option("", help=STORE_ALLOW_HELP),
+    store_tls: str = typer.Option("", help=STORE_TLS_HELP),
 ) -> None:
     """Start Prometheus (rules, file_sd over the runs) and Alertmanager (Slack, email)."""
     from meshscope.dashboards.stack import StackConfig, StackError, up
@@ -84,11 +87,27 @@ def stack_up(
                 store_port=store_port,
                 store_listen=listen,
                 store_allow=allow,
+                store_tls=_tls_files(store_tls),
             )
         )
     except (ValueError, StackError) as err:
         fail(str(err))
     _print_components(comps, home, routing)
+
+
+def _tls_files(value: str) -> tuple[Path, Path] | None:
+    """--store-tls CERT,KEY as two readable files (None without it)."""
+    if not value:
+        return None
+    parts = [Path(p.strip()).expanduser().resolve() for p in value.split(",")]
+    if len(parts) != 2:
+        fail(f"--store-tls {value!r}: give CERT,KEY (two files)")
+    for path in parts:
+        try:
+            path.read_bytes()
+        except OSError as err:
+            fail(f"--store-tls: {path} is not a readable file ({err.strerror})")
+    return parts[0], parts[1]
 
 
 def _store_network(host: str, allow: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -117,7 +136,7 @@ def _print_components(comps: list, home: Path, routing: Any) -> None:
         console.print(f"{c.name:16} {c.url}  pid {c.pid}  log {c.log}", soft_wrap=True)
         if c.name == "postgres":  # one line a user (or a script) copies as it is
             password = home.resolve() / "postgres" / "password"  # pasted on another node as it is
-            flags = f"--store {c.url} --store-password-file {password}"
+            flags = f"--store {shlex.quote(c.url)} --store-password-file {shlex.quote(str(password))}"
             console.print(f"  runs write to it with: {flags}", soft_wrap=True, markup=False, highlight=False)
     if routing.slack_webhook_file is None and not routing.email_to:
         err_console.print(

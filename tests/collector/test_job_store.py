@@ -35,6 +35,7 @@ from meshscope.collector.store import (
 )
 from meshscope.collector.storedb import StoreUnavailable, locate, pg_connect, write_locator
 from meshscope.dashboards import postgres
+from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e
 
@@ -292,3 +293,22 @@ def test_a_round_whose_commit_landed_but_whose_reply_was_lost_is_not_stored_twic
     assert other.drain()
     assert load_events(run, kind="info")["step"].tolist() == list(range(5))
     assert load_steps(run)["step"].tolist() == list(range(5))
+
+
+def test_a_job_store_serving_tls_is_reached_over_it_and_its_url_says_how(tmp_path):
+    """`stack up --store-tls CERT,KEY`: the server serves TLS, the URL it gives runs verifies
+    the server by that certificate, and every reader and the relay talk over TLS."""
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    subj = ["-subj", "/CN=meshscope-store", "-days", "1", "-nodes"]
+    openssl = [require_binary("openssl"), "req", "-x509", "-newkey", "rsa:2048", *subj]
+    subprocess.run([*openssl, "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with job_store(tmp_path, tls=(cert, key)) as server:
+        assert "sslmode=verify-ca" in server.url and str(server.certificate) in server.url
+        run = _node(tmp_path, server, "n", "job-tls")
+        writer = RunStore(run)
+        writer.add_step(_step(0, 0))
+        writer.close()
+        assert _relay(run).drain()
+        assert load_steps(run)["step"].tolist() == [0]
+        with pg_connect(locate(run)) as conn:
+            assert conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone()[0]
