@@ -28,11 +28,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _last_fault(run_dir: Path) -> str:
-    """The newest fault or hang this node recorded, as a user reads it ("" when none)."""
+def _node_events(run_dir: Path):
+    """This node's events (None while its store is not there or is being written)."""
     try:
-        events = load_events(NodeDir(run_dir))
+        return load_events(NodeDir(run_dir))
     except Exception:  # no store yet, or one being written: nothing to say
+        return None
+
+
+def _finished(events) -> bool:
+    """The job recorded its end after its last start: training is over here."""
+    if events is None or events.empty:
+        return False
+    kinds = events["kind"].tolist()
+    ends = [i for i, k in enumerate(kinds) if k == "run_end"]
+    starts = [i for i, k in enumerate(kinds) if k == "run_start"]
+    return bool(ends) and (not starts or ends[-1] > starts[-1])
+
+
+def _last_fault(events) -> str:
+    """The newest fault or hang this node recorded, as a user reads it ("" when none)."""
+    if events is None:
         return ""
     bad = events[events["kind"].isin(("fault", "hang"))]
     if bad.empty:
@@ -63,6 +79,12 @@ def waiting_line(cfg: RunConfig, idle_s: float, started: bool) -> str:
     live = cfg.run_dir / "live"
     heads = latest_logs(live) if live.is_dir() else {}
     up = sorted(r for r, h in heads.items() if not h.left and _alive(h.pid))
+    events = _node_events(cfg.run_dir)
+    if not up and _finished(events):
+        return (
+            f"training ended {idle_s:.0f} s ago; torchrun waits for the other nodes' agents to "
+            "leave too (its exit barrier, up to 5 minutes: a node lost after its last step)"
+        )
     if up and not started:
         what = f"{len(up)} worker(s) up on this node, before their first step"
     elif up:
@@ -72,7 +94,7 @@ def waiting_line(cfg: RunConfig, idle_s: float, started: bool) -> str:
         least = nnodes.split(":")[0]
         what = f"no worker up here: waiting at {where} until {least} node(s) join (--nnodes {nnodes})"
     parts = [f"no step for {idle_s:.0f} s; {what}"]
-    if fault := _last_fault(cfg.run_dir):
+    if fault := _last_fault(events):
         parts.append(fault)
     step = _newest_checkpoint(cfg.run_dir)
     parts.append("no checkpoint yet" if step is None else f"it resumes from the checkpoint of step {step}")

@@ -43,3 +43,10 @@ def test_follow_says_it_again_while_no_step_comes(tmp_path, monkeypatch):
     said: list[str] = []
     assert launcher.follow(_job(tmp_path), _Running(), lambda *a: None, poll_s=0.05, on_wait=said.append) == 0
     assert len(said) >= 2 and all("waiting at 10.0.0.1:29400" in s for s in said), said
+
+
+def test_a_node_whose_job_ended_says_torchrun_waits_for_the_others_to_leave(tmp_path):
+    cfg = _job(tmp_path)
+    insert_events(cfg.run_dir, [Event(kind="run_end", run_id="job", step=59)])
+    line = waiting.waiting_line(cfg, 20.0, started=True)
+    assert "training ended 20 s ago" in line and "exit barrier" in line, line
