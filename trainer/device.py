@@ -226,6 +226,13 @@ def process_group_timeout_s(kind: str, timeout_s: int = COLLECTIVE_TIMEOUT_S) ->
     return timeout_s + PG_TIMEOUT_MARGIN_S if kind == "npu" else timeout_s
 
 
+FLIGHT_RECORDER_ENV = {
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_ENABLE_TIMING": "1",
+}
+
+
 def backend_environment(
     kind: str, backend: str = "", *, timeout_s: int = COLLECTIVE_TIMEOUT_S
 ) -> dict[str, str]:
@@ -238,4 +245,8 @@ def backend_environment(
         env["HCCL_EXEC_TIMEOUT"] = str(hccl_exec_timeout_s(timeout_s))
     elif kind == "cuda":
         env["TORCH_NCCL_BLOCKING_WAIT"] = "0"
+        # NCCL's own Flight Recorder, with timing: without a ring nothing is kept, and without
+        # timing no entry is ever "started", so a stuck collective's culprit cannot be read
+        # from the dumps (both names of the ring's size: PyTorch renamed it in 2.6)
+        env.update(FLIGHT_RECORDER_ENV)
     return env

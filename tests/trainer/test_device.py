@@ -2,9 +2,11 @@
 
 import pytest
 
+from meshscope import launcher
 from meshscope.collector.probe import HostProbe
+from meshscope.config import RunConfig
 from meshscope.trainer import device as devmod
-from meshscope.trainer.device import DeviceUnavailable, backend_environment, resolve_device
+from meshscope.trainer.device import Device, DeviceUnavailable, backend_environment, resolve_device
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +46,17 @@ def test_npu_is_preferred_when_present(monkeypatch):
     monkeypatch.setattr(devmod, "_torch_npu", lambda: object())
     d = resolve_device("auto", local_rank=11)
     assert (d.kind, d.backend, d.index) == ("npu", "hccl", 3)
+
+
+def test_nccl_workers_keep_the_flight_recorder_with_timing_unless_the_user_said_otherwise(monkeypatch):
+    """Without a ring nothing is recorded; without timing no entry is ever "started"."""
+    env = backend_environment("cuda")
+    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env["TORCH_NCCL_ENABLE_TIMING"] == "1"
+    assert "TORCH_NCCL_ENABLE_TIMING" not in backend_environment("cpu")
+    monkeypatch.setattr(launcher, "resolve_device", lambda *a, **k: Device("cuda", backend="nccl"))
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # the user turned it off: it stays off
+    assert launcher.worker_environment(RunConfig(device="cpu"))["TORCH_FR_BUFFER_SIZE"] == "0"
 
 
 def test_backend_environment_is_the_librarys_not_the_networks():
