@@ -6,26 +6,18 @@ checkpoint folder): the job store or the other nodes may be what is gone."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
+
+import pandas as pd
 
 from meshscope.collector.flightread import latest_logs
 from meshscope.collector.store import load_events
 from meshscope.collector.storedb import NodeDir
 from meshscope.config import RunConfig
+from meshscope.watchdog.watch import pid_alive
 
 SAY_EVERY_S = 10.0  # no step for this long: say what the agent waits for, and again as often
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _node_events(run_dir: Path):
@@ -57,7 +49,7 @@ def _last_fault(events) -> str:
     d = row["detail"]
     ranks = d.get("culprit_ranks") or ([d["rank"]] if d.get("rank") is not None else [])
     who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else "a rank"
-    at = f" at step {int(row['step'])}" if row["step"] is not None and row["step"] == row["step"] else ""
+    at = f" at step {int(row['step'])}" if pd.notna(row["step"]) else ""
     age = time.time() - float(row["time"])
     return f"last fault: {who} {d.get('type', row['kind'])}{at}, {age:.0f} s ago"
 
@@ -78,7 +70,7 @@ def waiting_line(cfg: RunConfig, idle_s: float, started: bool) -> str:
     `started`: some step was done (else the workers may just be starting)."""
     live = cfg.run_dir / "live"
     heads = latest_logs(live) if live.is_dir() else {}
-    up = sorted(r for r, h in heads.items() if not h.left and _alive(h.pid))
+    up = sorted(r for r, h in heads.items() if not h.left and pid_alive(h.pid))
     events = _node_events(cfg.run_dir)
     if not up and _finished(events):
         return (

@@ -63,15 +63,21 @@ def _interface_with(address: str) -> str:
     """The interface that holds `address` (loopback for 127.x; "" when unknown)."""
     if address.startswith("127."):
         return LOOPBACK
+    held = _holder(address)
+    return held[0] if held else ""
+
+
+def _holder(address: str) -> tuple[str, str] | None:
+    """(interface, address/prefix) of the interface that holds `address`, from the kernel."""
     try:
         out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return None
     for line in out.stdout.splitlines():
         parts = line.split()
         if len(parts) > 3 and parts[3].split("/")[0] == address:
-            return parts[1]
-    return ""
+            return parts[1], parts[3]
+    return None
 
 
 def rendezvous_host(endpoint: str) -> str:
@@ -100,11 +106,7 @@ def node_network() -> tuple[str, str]:
             ["ip", "-o", "route", "get", "1.1.1.1"], capture_output=True, text=True, timeout=5, check=True
         ).stdout.split()  # the kernel's answer: no packet is sent
         address = out[out.index("src") + 1]
-        shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return "127.0.0.1", ""
-    for line in shown.stdout.splitlines():
-        parts = line.split()
-        if len(parts) > 3 and parts[3].split("/")[0] == address:
-            return address, str(ipaddress.ip_interface(parts[3]).network)
-    return address, f"{address}/32"
+    held = _holder(address)
+    return address, str(ipaddress.ip_interface(held[1]).network) if held else f"{address}/32"
