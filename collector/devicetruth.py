@@ -14,6 +14,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+from torch._C._distributed_c10d import WorkResult
+
 
 class DeviceTruth:
     """The flight log's device thread: completion and progress from the device (module doc).
@@ -57,6 +60,9 @@ class DeviceTruth:
             self._steps.append((step, mark))
 
     def _run(self) -> None:
+        bind = getattr(self.probe, "bind", None)
+        if bind is not None:
+            bind()  # before the first query: this thread would start on device 0
         while not self._stop.wait(self.poll_s):
             try:
                 self.poll()
@@ -88,16 +94,49 @@ class DeviceTruth:
 
 
 def _work_error(work: Any) -> BaseException | None:
-    """The error a finished Work met, where it says (None: success, or unknown). Its future
-    holds a host backend's error; `Work.exception()` is deprecated in c10d, so it is not
-    asked; the simulated stream keeps its own (`stream_error`)."""
+    """The error a finished Work met (None: success, or not known yet), asked the way each
+    backend answers without waiting:
+
+    - NCCL: `isCompleted()` is `exception() || finishedGPUExecutionInternal()`, so a failed
+      collective is "completed" too; `checkAndSetException()` then marks the work's result
+      future `WorkResult::COMM_ERROR` (`TIMEOUT` from `checkTimeout`), and the watchdog marks
+      it `SUCCESS` later (ProcessGroupNCCL.cpp). `isSuccess()` throws ("deprecated"), so it
+      is never asked; `exception()` warns once, so it is asked only for a failure's text.
+    - gloo and other host backends have no result future ("Work::getFutureResult not
+      implemented"): their future holds the collective's error.
+    """
     if work is None:
         return None
-    own = getattr(work, "stream_error", None)
-    if callable(own):
-        return own()
-    future = work.get_future() if hasattr(work, "get_future") else None
-    if future is None or not future.done():
+    try:
+        outcome = work.get_future_result()
+    except (AttributeError, RuntimeError):  # a host backend: its future says
+        return _future_error(work)
+    if not outcome.done():
+        return None
+    code = int(outcome.value())
+    if code == int(WorkResult.SUCCESS):
+        return None
+    return _failure(work, code)
+
+
+def _failure(work: Any, code: int) -> BaseException:
+    """The backend's own error where it keeps one, else the result's name."""
+    names = {int(v): k for k, v in WorkResult.__members__.items()}
+    try:
+        error = work.exception()
+    except Exception:  # noqa: BLE001  (a backend without it: the result code says enough)
+        error = None
+    if isinstance(error, BaseException):
+        return error
+    return dist.DistBackendError(f"collective ended {names.get(code, code)}")
+
+
+def _future_error(work: Any) -> BaseException | None:
+    try:
+        future = work.get_future()
+    except (AttributeError, RuntimeError):  # gloo's send/recv work has none
+        return None
+    if not future.done():
         return None
     try:
         future.value()

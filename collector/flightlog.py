@@ -40,7 +40,6 @@ import mmap
 import os
 import re
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,8 +48,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
+from meshscope.collector import flightwrap
 from meshscope.collector.devicetruth import DeviceTruth
 from meshscope.collector.flightops import OPS, Op, arg_of, call_site, split_sizes, tensors_of
 from meshscope.collector.flightread import (
@@ -88,9 +87,6 @@ from meshscope.collector.stacks import (
     write_recorder_dump,
     write_stacks,
 )
-
-# Compared by identity inside torch (P2POp, batch_isend_irecv): wrapped in its own module too.
-IDENTITY_CHECKED = ("isend", "irecv")
 
 # --- the log ----------------------------------------------------------------------------
 
@@ -147,6 +143,7 @@ class FlightLog:
         self._host_groups: set[str] = set()
         self._host_slots: set[int] = set()  # records of host groups awaiting `enqueued`
         self._polled: list[tuple[int, Any]] = []  # works with no future (`settle_polled`)
+        self.block: flightwrap.Block | None = None  # an open coalescing block (`flightwrap`)
         self._group_ranks: dict[str, list[int]] = {}
         self._buckets: dict[tuple[int, int, int], tuple] = {}  # (group, index, numel) -> packed
         self.fixed: dict[tuple, Any] = {}  # `flightfixed.start_sum`'s records, packed once
@@ -289,7 +286,11 @@ class FlightLog:
 
     def enqueued(self, slot: int, result: Any) -> None:
         """The call returned: on the host that is completion (or its future's); on a device the
-        device thread decides (see the module doc)."""
+        device thread decides (see the module doc). Inside a coalescing block the call is
+        not the collective: the op waits for the block (`flightwrap`)."""
+        if self.block is not None and self.block.holds():
+            self.block.slots.append(slot)
+            return
         host = slot in self._host_slots
         self._host_slots.discard(slot)
         if self._device is not None and not (host and result is None):
@@ -359,30 +360,22 @@ class FlightLog:
 
     # --- wrapping torch.distributed ---------------------------------------------------------
     def install(self) -> FlightLog:
-        """Make this the process's flight log and wrap torch.distributed's collectives once.
-        The functions PyTorch compares by identity (`P2POp` checks `op in [isend, irecv]`,
-        `batch_isend_irecv` tests `op.op is isend`, in distributed_c10d's own namespace) are
-        replaced there too, so the function a user passes is the one torch checks against."""
+        """Make this the process's flight log and wrap torch.distributed's collectives once
+        (`collector.flightwrap`: what PyTorch compares by identity keeps passing its checks,
+        and a coalescing block's ops complete with the block)."""
         FlightLog._active = self
-        for name, spec in OPS.items():
-            if name in FlightLog._originals or not hasattr(dist, name):
-                continue
-            original = getattr(dist, name)
-            FlightLog._originals[name] = original
-            wrapped = _logged(name, spec, original)
-            setattr(dist, name, wrapped)
-            if name in IDENTITY_CHECKED and getattr(c10d, name, None) is original:
-                setattr(c10d, name, wrapped)
+        flightwrap.wrap(OPS, FlightLog.active, FlightLog._originals)
         return self
+
+    @classmethod
+    def active(cls) -> FlightLog | None:
+        """The process's flight log, if one is installed."""
+        return cls._active
 
     @classmethod
     def uninstall(cls) -> None:
         """Put torch.distributed's functions back (tests)."""
-        for name, original in cls._originals.items():
-            setattr(dist, name, original)
-            if name in IDENTITY_CHECKED:
-                setattr(c10d, name, original)
-        cls._originals = {}
+        flightwrap.unwrap(cls._originals)
         cls._active = None
 
     # --- the watchdog's side -----------------------------------------------------------------
@@ -430,26 +423,6 @@ class FlightLog:
             self._crash_file.close()
             self._crash_file = None
         self._map.flush()
-
-
-def _logged(name: str, spec: Op, original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def logged(*args: Any, **kwargs: Any) -> Any:
-        log = FlightLog._active
-        if log is None:
-            return original(*args, **kwargs)
-        if log._polled:
-            log.settle_polled()
-        slot = log.issue(name, spec, args, kwargs, sys._getframe(1))
-        try:
-            result = original(*args, **kwargs)
-        except BaseException as err:
-            log.finish(slot, err)
-            raise
-        log.enqueued(slot, result)
-        return result
-
-    return logged
 
 
 def _done(log: FlightLog, slot: int, fut: Any) -> None:

@@ -9,6 +9,11 @@ the device and read back without blocking (`collector.readback`).
 The numbers go to the run store (`grad_stats`) and to /metrics; judging them is the detection
 engine's (`detectors.rules.GradientRule`: `gradient_exploding` / `gradient_vanishing`
 anomalies). DDP all-reduces gradients, so every rank sees the same numbers: rank 0 measures.
+
+Under expert parallelism a rank holds 1/ep of each MoE layer's experts, and their gradients are
+reduced over the replicas apart from DDP: the trainer calls `before_clip` once they are, and the
+experts rank 0 holds are their own layer, named for the shard (`blocks.1.experts[ep 1/2]`), so
+the layer's replicated part (`blocks.1`) is the same number it is without expert parallelism.
 """
 
 from __future__ import annotations
@@ -33,6 +38,21 @@ def layer_names(model: torch.nn.Module) -> dict[str, str]:
     for name, _ in model.named_parameters():
         parts = name.split(".")
         out[name] = ".".join(parts[:2]) if parts[0] in containers and len(parts) > 2 else parts[0]
+    return out
+
+
+def expert_shards(model: torch.nn.Module) -> dict[str, str]:
+    """Parameter name -> the layer of the expert shard it belongs to, for every MoE layer split
+    over an expert-parallel group (a module with an `expert_mesh` whose `ep` > 1, and `experts`)."""
+    names = layer_names(model)
+    out = {}
+    for prefix, module in model.named_modules():
+        mesh = getattr(module, "expert_mesh", None)
+        if mesh is None or getattr(mesh, "ep", 1) <= 1 or not hasattr(module, "experts"):
+            continue
+        for name, _ in module.experts.named_parameters():
+            full = f"{prefix}.experts.{name}" if prefix else f"experts.{name}"
+            out[full] = f"{names[full]}.experts[ep {mesh.ep_rank + 1}/{mesh.ep}]"
     return out
 
 
@@ -61,7 +81,7 @@ class GradientInspector:
     ) -> None:
         self.config = config or InspectorConfig()
         self.sink, self.export = sink, export
-        names = layer_names(model)
+        names = layer_names(model) | expert_shards(model)
         self.params = [p for n, p in model.named_parameters() if p.requires_grad]
         layers = [names[n] for n, p in model.named_parameters() if p.requires_grad]
         self.layers = list(dict.fromkeys(layers))

@@ -118,6 +118,12 @@ class AcceleratorProbe:
         self._index = device.index
         self.kind = device.kind  # what an SDK run's run_start names
 
+    def bind(self) -> None:
+        """Make the calling thread's current device this rank's. The current device is per
+        thread and a new thread's is 0: the device-truth thread's first event query would
+        otherwise make a context on device 0 for every rank of the node (~0.5 GiB each)."""
+        self._module.set_device(self._index)
+
     def mark(self) -> Any:
         """Record an event on the current stream."""
         event = self._module.Event(enable_timing=True)

@@ -163,8 +163,9 @@ def dropless_dispatch(
     returned = _SplitExchange.apply(back, mesh, recv, send)  # in the sorted order sent
     unsorted = torch.empty_like(returned).index_copy(0, order, returned)
     out = (unsorted * weights.reshape(-1, 1)).view(tokens, k, d).sum(dim=1)
-    work = [sum(got[s * per + i] for s in range(mesh.ep)) for i in range(per)]
-    return out, torch.tensor(work, dtype=torch.float32)
+    # tokens each of my experts took, summed on the device (a tensor from the host's list
+    # would be a blocking host-to-device copy every step)
+    return out, received_counts.reshape(mesh.ep, per).sum(dim=0).to(torch.float32)
 
 
 def dispatch_and_combine(

@@ -162,6 +162,8 @@ def train_step(
             loss.backward()
         with s.phase("optimizer"):
             if state.inspector is not None:
+                if state.experts is not None:  # measured reduced, as clipping reads them
+                    state.experts.wait()
                 state.inspector.before_clip(state.step)
             grad_norm = clip_gradients(state, cfg.train.grad_clip)
             step_if_finite(state.optimizer, grad_norm)

@@ -125,7 +125,7 @@ class MoEFeedForward(nn.Module):
         if self.expert_mesh is not None and self.expert_mesh.dropless:
             slot_of = slot_order(self)[1][chosen]
             out, work = dropless_dispatch(flat, slot_of, weights, self.experts, self.expert_mesh, experts)
-            self.expert_work = work.to(flat.device)
+            self.expert_work = work
             return out.reshape(shape)
         queue_pos = ((assigned.cumsum(dim=0) - 1) * assigned).sum(dim=1)
         kept = queue_pos < cap

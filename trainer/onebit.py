@@ -9,6 +9,7 @@ The pure functions (`compress`, `decompress`, `pack_signs`, ...) carry the algor
 is the thin distributed shell around them.
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,19 +19,27 @@ import torch.distributed as dist
 from meshscope.collector.comm import allgather_sent_bytes, allreduce_sent_bytes, alltoall_sent_bytes
 from meshscope.trainer.serial import serial_hook
 
-_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 _SCALE_BYTES = 4
+
+
+@functools.cache
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """128, 64, ..., 1, made on the device itself: a copy from host memory would block the host."""
+    return torch.bitwise_left_shift(
+        torch.ones(8, dtype=torch.uint8, device=device),
+        torch.arange(7, -1, -1, dtype=torch.uint8, device=device),
+    )
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """1 bit per element (1 = non-negative); x.numel() must be a multiple of 8."""
     bits = (x >= 0).to(torch.uint8).reshape(-1, 8)
-    return (bits * _BIT_WEIGHTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+    return (bits * _bit_weights(x.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of pack_signs: +1 / -1 per element."""
-    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)).ne(0)
+    bits = packed.unsqueeze(1).bitwise_and(_bit_weights(packed.device)).ne(0)
     return bits.reshape(-1).to(dtype) * 2 - 1
 
 

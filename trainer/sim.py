@@ -18,6 +18,15 @@ on gloo alone can take enqueue for completion. The sim gives a CPU run those sem
   a `Work` whose future is already complete. `Work.wait()` makes the "current stream" wait for
   it: here the host is the compute stream, so the host waits. `Work.is_completed()` says
   whether the stream has run it, without waiting (NCCL queries its end event the same way).
+  Errors follow `WorkNCCL` too: a failed collective is *completed*, its `get_future_result()`
+  says `COMM_ERROR`, and `is_success()` is refused (`SimWork` cites the source).
+- Coalescing (`_coalescing_manager(group, device)`): the block's ops launch together at its
+  end with one end event; each op's own Work queries as complete at once, as NCCL's does
+  (its end event is never recorded). `batch_isend_irecv` coalesces only a group whose type is
+  exactly `ProcessGroup` and a Python backend cannot be one, so on the sim it issues its ops
+  one by one; a two-way exchange of two ranks there waits on itself (use the manager).
+- The current device is per thread, and a thread's first device call makes a "context" on
+  it (`SimAccelerator.contexts`), as CUDA does on a new thread's device 0.
 
 The sim's device is the host, so it cannot tell a host tensor from a device one: its device
 type is "cpu". What it proves is ordering and completion, not placement (the refusal of host
@@ -41,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import WorkResult
 
 from meshscope.collector.probe import host_rss_bytes
 
@@ -115,10 +125,13 @@ class SimEvent:
         def reached() -> None:
             self._at = time.perf_counter()
 
+        SIM.touch()
         self._done = stream().enqueue(reached)
 
     def query(self) -> bool:
-        """Whether the stream has passed it (never blocks; an unrecorded event is complete)."""
+        """Whether the stream has passed it (never blocks; an unrecorded event is complete,
+        as cudaEventQuery says of one)."""
+        SIM.touch()
         return self._done is None or self._done.is_set()
 
     def synchronize(self) -> None:
@@ -144,8 +157,15 @@ class SimAccelerator:
 
     def __init__(self, count: int = 1) -> None:
         self._count = count
-        self._current = 0
+        self._local = threading.local()  # the current device is per thread, as CUDA's
         self._base = host_rss_bytes()
+        # Devices this process made a context on: CUDA makes one (~0.5 GiB) on a thread's
+        # current device at its first call there, and a new thread's current device is 0.
+        self.contexts: set[int] = set()
+
+    def touch(self) -> None:
+        """A call that needs a context on the calling thread's current device."""
+        self.contexts.add(self.current_device())
 
     def is_available(self) -> bool:
         """A sim device is always there."""
@@ -164,14 +184,16 @@ class SimAccelerator:
         index = device.index if isinstance(device, torch.device) else int(device)
         if not 0 <= (index or 0) < self._count:
             raise RuntimeError(f"set_device: invalid device ordinal {index} (have {self._count})")
-        self._current = index or 0
+        self._local.index = index or 0
+        self.contexts.add(self._local.index)
 
     def current_device(self) -> int:
-        """The bound device index."""
-        return self._current
+        """The calling thread's device (0 on a thread that never set one)."""
+        return getattr(self._local, "index", 0)
 
     def synchronize(self, device: Any = None) -> None:
         """Block the host until the stream is empty."""
+        self.touch()
         stream().synchronize()
 
     def memory_allocated(self, device: Any = None) -> int:
@@ -184,20 +206,29 @@ class SimAccelerator:
 
 
 SIM = SimAccelerator(count=64)  # as many sim devices as ranks on a test host
+_PASSED = threading.Event()  # what an unrecorded CUDA event is: passed
+_PASSED.set()
 
 
 # --- the process groups -------------------------------------------------------------------------
 
 
 class SimWork(dist.Work):
-    """A collective on the sim stream: its future is complete at once (enqueued), the data
-    arrives when `is_completed()` turns True."""
+    """A collective on the sim stream, answering as `WorkNCCL` does (ProcessGroupNCCL.cpp):
+    its future is complete at once (it says "enqueued"); `is_completed()` is
+    `exception() || finishedGPUExecutionInternal()`, so a failed collective is completed too;
+    `get_future_result()` turns `COMM_ERROR` when it failed (`checkAndSetException`) and
+    `SUCCESS` once it ran (the watchdog's mark); `isSuccess()` throws ("deprecated")."""
 
     def __init__(
-        self, done: threading.Event, result: list[torch.Tensor], errors: list[BaseException]
+        self,
+        done: threading.Event,
+        result: list[torch.Tensor],
+        errors: list[BaseException],
+        outcome: torch.futures.Future,
     ) -> None:
         super().__init__()
-        self._done, self._errors = done, errors
+        self._done, self._errors, self._outcome = done, errors, outcome
         self._future: torch.futures.Future = torch.futures.Future()
         self._future.set_result(result)
 
@@ -214,20 +245,23 @@ class SimWork(dist.Work):
         """Complete already: it says the collective was enqueued, not that it ran."""
         return self._future
 
+    def get_future_result(self) -> torch.futures.Future:
+        """The `WorkResult` once known (an int, as NCCL's future holds it)."""
+        return self._outcome
+
     def is_completed(self) -> bool:
-        """Whether the stream has run it (never blocks)."""
+        """Whether the stream has run it, or it failed (never blocks; a query of its end
+        event, a call on the calling thread's device)."""
+        SIM.touch()
         return self._done.is_set()
 
-    def is_success(self) -> bool:
-        """Ran without error."""
-        return self._done.is_set() and not self._errors
-
-    def stream_error(self) -> BaseException | None:
-        """The error the collective met on the stream, if any (c10d's `exception()` is
-        deprecated)."""
+    def exception(self) -> BaseException | None:
+        """The error it met (c10d's `Work::exception`, which NCCL keeps)."""
         return self._errors[0] if self._errors else None
 
-    exception = stream_error
+    def is_success(self) -> bool:
+        """NCCL refuses the question; so does the sim."""
+        raise NotImplementedError("WorkNCCL::isSuccess() is deprecated")
 
 
 class SimProcessGroup(dist.ProcessGroup):
@@ -238,6 +272,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self.flavour = flavour
         self.device_type = "cpu"
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{flavour}/", store), rank, size, timeout)
+        self._block: list[Callable[[], Any]] | None = None  # ops of an open coalescing block
 
     def getBackendName(self) -> str:  # noqa: N802  (c10d's name)
         """The backend's name, as c10d asks for it."""
@@ -255,15 +290,36 @@ class SimProcessGroup(dist.ProcessGroup):
                 )
 
     def _launch(self, run: Callable[[], Any], result: list[torch.Tensor]) -> SimWork:
+        if self._block is not None:  # launched with the block (`_end_coalescing`)
+            self._block.append(run)
+            # NCCL does not record a coalesced op's end event, and an unrecorded event
+            # queries as complete: the op's own Work says "completed" before it launched.
+            return SimWork(_PASSED, result, [], torch.futures.Future())
+        return self._enqueue([run], result)
+
+    def _enqueue(self, runs: list[Callable[[], Any]], result: list[torch.Tensor]) -> SimWork:
         errors: list[BaseException] = []
+        outcome: torch.futures.Future = torch.futures.Future()
 
         def on_stream() -> None:
             try:
-                run().wait()
+                for work in [run() for run in runs]:  # a block's ops start together
+                    work.wait()
             except BaseException as err:  # noqa: BLE001  (the Work reports it)
                 errors.append(err)
+            outcome.set_result(int(WorkResult.COMM_ERROR if errors else WorkResult.SUCCESS))
 
-        return SimWork(stream().enqueue(on_stream), result, errors)
+        return SimWork(stream().enqueue(on_stream), result, errors, outcome)
+
+    # --- coalescing (`_coalescing_manager(group, device)`): one launch, one end event ----------
+    def _start_coalescing(self, device: Any) -> None:
+        """Ops from here to `_end_coalescing` launch together (ncclGroupStart)."""
+        self._block = []
+
+    def _end_coalescing(self, device: Any) -> SimWork:
+        """Launch the block; its Work completes when every op in it ran (ncclGroupEnd)."""
+        runs, self._block = self._block or [], None
+        return self._enqueue(runs, [])
 
     # --- collectives (c10d's signatures) ------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:

@@ -136,7 +136,8 @@ def start_audit(cfg: TrainerConfig, device: Any) -> SyncAudit | None:
         log = FlightLog._active
         return log.step if log is not None else -1
 
-    return SyncAudit(step).install(None if device.kind == "cpu" else accelerator_module(device.kind))
+    audit = SyncAudit(step, host_is_device=device.kind == "sim")
+    return audit.install(None if device.kind == "cpu" else accelerator_module(device.kind))
 
 
 def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from fixtures.runs import start_run
@@ -28,13 +29,40 @@ def test_the_audit_counts_an_unmarked_read_and_honours_marks():
     assert torch.Tensor.item.__name__ == "item" and not hasattr(torch.Tensor.item, "__wrapped__")
 
 
-def test_a_two_rank_sim_run_has_no_unmarked_sync_per_step(tmp_path):
+def test_the_audit_counts_a_blocking_copy_to_the_device_and_not_a_non_blocking_one():
+    """On the sim the host is the device: `.to(device)` is the host-to-device copy that a real
+    accelerator makes the host wait for, unless it is non-blocking (from pinned memory)."""
+    audit = SyncAudit(lambda: 0, host_is_device=True).install()
+    try:
+        t = torch.ones(4)
+        t.to("cpu")
+        t.to(torch.device("cpu"), torch.float64)
+        t.to(t)
+        t.to("cpu", non_blocking=True)
+        t.to(torch.float16)  # a dtype change stays on its device
+        torch.zeros(4).copy_(t)  # same device: not a transfer
+    finally:
+        audit.uninstall()
+    assert sum(audit.unmarked.values()) == 3, audit.unmarked
+    assert all(key.startswith("Tensor.to at ") for key in audit.unmarked), audit.unmarked
+    assert torch.Tensor.to.__name__ == "to" and not hasattr(torch.Tensor.to, "__wrapped__")
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        ("--compression", "powersgd", "--trace", "nonfinite"),
+        # the blocking copies once in the step: 1-bit's bit weights, dropless's expert work
+        ("--compression", "onebit", "--set", "parallel.ep=2", "--set", "parallel.dispatch=dropless"),
+    ],
+    ids=["powersgd-tracer", "onebit-dropless"],
+)
+def test_a_two_rank_sim_run_has_no_unmarked_sync_per_step(tmp_path, setup):
     proc = start_run(
         tmp_path,
         "a",
         None,
-        *("--device", "sim", "--nproc", "2", "--steps", "12", "--compression", "powersgd"),
-        *("--trace", "nonfinite", "--set", "audit_syncs=true"),
+        *("--device", "sim", "--nproc", "2", "--steps", "12", *setup, "--set", "audit_syncs=true"),
     )
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]

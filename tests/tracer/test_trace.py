@@ -281,3 +281,22 @@ def test_an_expert_index_past_the_last_is_refused_before_launch():
         load_config(
             None, {"model": {"experts": 4}, "inject": ["nan@step=1,rank=0,module=blocks.0.moe.experts.9"]}
         )
+
+
+def test_under_expert_parallelism_the_expert_shard_is_a_layer_of_its_own():
+    """A rank holds 1/ep of each MoE layer's experts: their norm is named for the shard, so
+    the layer's replicated part keeps the number it has without expert parallelism."""
+    from types import SimpleNamespace
+
+    from meshscope.tracer.gradients import GradientInspector, expert_shards
+
+    model = MoELM(CFG)
+    moe = [m for _, m in model.named_modules() if hasattr(m, "expert_mesh")]
+    assert expert_shards(model) == {}  # no expert parallelism: nothing renamed
+    for m in moe:
+        m.expert_mesh = SimpleNamespace(ep=2, ep_rank=1)
+    shards = expert_shards(model)
+    assert shards and all(".experts." in name for name in shards), shards
+    layers = GradientInspector(model).layers
+    assert {"blocks.0", "blocks.0.experts[ep 2/2]"} <= set(layers), layers
+    assert not any(name.startswith("blocks.0.") and "[ep" not in name for name in layers), layers
