@@ -87,3 +87,47 @@ class StepContext:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if exc_type is None:  # a step that raised is not a step
             self.mon._end(self.scope, self.tokens, self.wall, self.start)
+
+
+class OpenStep:
+    """A step whose bounds and phases are separate calls rather than `with` blocks: a
+    framework's callbacks (`collector.hf`, `collector.lightning`) see only hook boundaries.
+    `phase(name)` ends the running phase and starts `name`; `end()` ends the step."""
+
+    def __init__(self, mon: Any, step: int | None = None) -> None:
+        self._context = StepContext(mon, 0, step)
+        self.scope = self._context.__enter__()
+        self._phase: tuple[str, Any] | None = None
+
+    def phase(self, name: str) -> None:
+        """The running phase ends here and `name` starts."""
+        now = self.scope._probe.mark()
+        self._close_phase(now)
+        self._phase = (name, now)
+
+    def _close_phase(self, now: Any) -> None:
+        if self._phase is not None:
+            self.scope.phases[self._phase[0]] = (self._phase[1], now)
+
+    def end(self, tokens: int = 0) -> None:
+        """The step is over: its running phase ends with it."""
+        self._close_phase(self.scope._probe.mark())
+        self._context.tokens = tokens
+        self._context.__exit__(None, None, None)
+
+
+def batch_tokens(batch: Any) -> int:
+    """Tokens in a batch, read from its shapes (no sync): the first integer tensor's elements
+    (token ids), else the first tensor's rows; 0 when it holds no tensor."""
+    tensors = _tensors(batch)
+    ids = next((t for t in tensors if not t.is_floating_point() and t.dim() >= 1), None)
+    if ids is not None:
+        return ids.numel()
+    return tensors[0].shape[0] if tensors and tensors[0].dim() else 0
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    return [t for v in values for t in _tensors(v)]

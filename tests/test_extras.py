@@ -56,10 +56,12 @@ MODULES = {
         "meshscope.dashboards.postgres",
     ],
     "jobstore": ["meshscope.collector.storedb", "psycopg"],
+    "hf": ["meshscope.collector.hf", "transformers", "accelerate"],
+    "lightning": ["meshscope.collector.lightning", "lightning"],
 }
 
 CHECK = textwrap.dedent("""
-    import importlib, importlib.metadata as md, json, re, sys
+    import importlib, importlib.metadata as md, importlib.util, json, re, sys
     from packaging.requirements import Requirement
 
     extra, modules, project_reqs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
@@ -99,6 +101,19 @@ CHECK = textwrap.dedent("""
             return None
 
     sys.meta_path.insert(0, Hide())
+    # a probe for an optional package (its spec, or its installed version, as torchmetrics
+    # asks for scipy) must see it absent, not installed but broken
+    real_find_spec, real_distribution = importlib.util.find_spec, md.distribution
+    importlib.util.find_spec = lambda name, package=None: (
+        None if name.split(".")[0] in hidden else real_find_spec(name, package))
+    hidden_dists = {norm(d) for dists in owners.values() for d in dists} - allowed - {"meshscope"}
+
+    def distribution(name):
+        if norm(name) in hidden_dists:
+            raise md.PackageNotFoundError(name)
+        return real_distribution(name)
+
+    md.distribution = distribution
     for module in modules:
         importlib.import_module(module)
     print("ok", len(allowed), "distributions")

@@ -1,0 +1,34 @@
+"""A tiny GPT-2 trained by a Hugging Face Trainer on CPU ranks, with meshscope's callback when
+WITH_MESHSCOPE=1: prints rank 0's final weights' sum, to compare runs with and without it."""
+
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+torch.manual_seed(0)
+config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
+model = GPT2LMHeadModel(config)
+g = torch.Generator().manual_seed(1)
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 16), generator=g)]
+args = TrainingArguments(
+    output_dir=os.environ["OUT_DIR"],
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    max_steps=int(os.environ.get("STEPS", "6")),
+    learning_rate=1e-3,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    use_cpu=True,
+    dataloader_num_workers=0,
+    seed=0,
+)
+trainer = Trainer(model=model, args=args, train_dataset=data)
+if os.environ.get("WITH_MESHSCOPE") == "1":
+    from meshscope.collector.hf import MeshscopeCallback
+
+    trainer.add_callback(MeshscopeCallback(trainer, run_dir=os.environ["RUN_DIR"], metrics_port=None))
+trainer.train()
+if trainer.args.process_index == 0:
+    print("WEIGHTS", float(sum(p.detach().double().sum() for p in model.parameters())))
