@@ -23,9 +23,11 @@ has passed, and progress is the device's: the last step whose end event complete
 time it did. A rank whose host is blocked in a kernel launch behind a stuck stream thus still
 says where its device is. Nothing here synchronises the device.
 
-Collectives are seen by wrapping the `torch.distributed` functions once per process
-(`FlightLog.install`). Code that imported a function by name before that (`from
-torch.distributed import all_reduce`) is not seen. DDP's C++ all-reduce is seen as one record
+Collectives are seen by wrapping the `torch.distributed` functions and the functional
+collectives once per process (`FlightLog.install`, `collector.flightwrap`: a coalescing block's
+ops complete with the block, a functional collective when its result is waited for). Code
+that imported a function by name before that (`from torch.distributed import all_reduce`) is
+not seen. DDP's C++ all-reduce is seen as one record
 per step (`flightfixed.ReductionRecord`: issued as backward starts, completed once every bucket
 is reduced), so DDP keeps its C++ path; a Python comm hook (compression, injected faults) records
 each bucket (`allreduce_hook`, `issue_bucket`).
@@ -51,7 +53,7 @@ import torch.distributed as dist
 
 from meshscope.collector import flightwrap
 from meshscope.collector.devicetruth import DeviceTruth
-from meshscope.collector.flightops import OPS, Op, arg_of, call_site, split_sizes, tensors_of
+from meshscope.collector.flightops import OPS, RECORDED_AS, Op, arg_of, call_site, split_sizes, tensors_of
 from meshscope.collector.flightread import (
     CLOCK_DEVICE,
     CLOCK_HOST,
@@ -364,7 +366,7 @@ class FlightLog:
         (`collector.flightwrap`: what PyTorch compares by identity keeps passing its checks,
         and a coalescing block's ops complete with the block)."""
         FlightLog._active = self
-        flightwrap.wrap(OPS, FlightLog.active, FlightLog._originals)
+        flightwrap.wrap(OPS, FlightLog.active, FlightLog._originals, RECORDED_AS)
         return self
 
     @classmethod

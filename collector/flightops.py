@@ -54,6 +54,16 @@ OPS: dict[str, Op] = {
     "recv": Op(((0, "tensor"),), (2, "group"), peer=(1, "src"), p2p=True),
     "isend": Op(((0, "tensor"),), (2, "group"), peer=(1, "dst"), p2p=True),
     "irecv": Op(((0, "tensor"),), (2, "group"), peer=(1, "src"), p2p=True),
+    # the names torch 2.13 prefers (FSDP2 calls them); the older ones above call these inside
+    # distributed_c10d, which is not wrapped, so a call is recorded once
+    "all_gather_single": Op(((1, "input_tensor"),), (2, "group")),
+    "reduce_scatter_single": Op(((1, "input"),), (3, "group")),
+}
+# One op, one name in the log, whichever function was called (the Flight Recorder's reader
+# maps its own names to the same ones: `watchdog.flight_recorder`).
+RECORDED_AS = {
+    "all_gather_single": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
 }
 
 

@@ -60,7 +60,9 @@ class MeshscopeCallback(Callback):
         if self._step is not None:
             self._step.phase("optimizer")
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """The batch is over: the Monitor records it with its loss."""
         if self._step is None:
             return

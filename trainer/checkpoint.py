@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import threading
 import uuid
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 log = logging.getLogger("meshscope.checkpoint")
@@ -73,6 +75,48 @@ def verify(path: Path) -> dict[str, Any]:
         if _sha256(f) != digest:
             raise CheckpointError(f"checkpoint {path.name}: {name} fails its checksum (corrupt)")
     return manifest
+
+
+class MetadataOnly(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` (which `FileSystemReader` reads with plain `pickle.load`)
+    and nothing else: DCP's own classes, tensor sizes, dtypes and layouts, paths. Anything
+    else in the file, a function to call above all, is refused before it runs."""
+
+    PLAIN = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "Path"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if "." not in name else None
+        dcp_class = module.startswith("torch.distributed.checkpoint.") and isinstance(found, type)
+        dtype = module == "torch" and isinstance(found, torch.dtype)
+        if found is None or not (dcp_class or dtype or (module, name) in self.PLAIN):
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        return found
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader whose metadata cannot run code (`MetadataOnly`); the tensors it
+    reads are raw bytes, and its byte items go through `torch.load(weights_only=True)`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self._path = Path(path)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """The checkpoint's metadata, unpickled with `MetadataOnly` (else as DCP's own)."""
+        try:
+            with open(self._path / ".metadata", "rb") as f:
+                metadata = MetadataOnly(f).load()
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(f"{self._path}/.metadata: {err}; refusing to load it") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 @dataclass
@@ -251,8 +295,9 @@ class CheckpointManager:
         if path is None:
             return None, refused
         manifest = verify(path)
+        SafeReader(path).read_metadata()  # a crafted file is refused here, with our error
         state = self._state(model, optimizer)
-        dcp.load(state, checkpoint_id=str(path), process_group=self.save_group)
+        dcp.load(state, storage_reader=SafeReader(path), process_group=self.save_group)
         if self.sharded is not None:
             state = self.sharded.unwrap(state)
         else:  # every expert here: undo a re-placement the checkpoint's sharded run had made
@@ -265,18 +310,24 @@ class CheckpointManager:
         f = restored.path / f"local_rank{self.rank}.pt"
         if restored.world_size != self.world_size or not f.exists():
             return None
-        return torch.load(f, weights_only=False)
+        try:  # tensors and plain values only: a crafted file must not run code at resume
+            return torch.load(f, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(
+                f"{f} holds more than tensors and plain values; refusing to load it "
+                f"({str(err).splitlines()[0]})"
+            ) from None
 
 
 def _in_expert_order(path: Path, state: dict[str, Any], group: Any) -> None:
     """A checkpoint of expert-parallel layers holds each layer's experts in slot order (its
     `slot_expert` placement, identity until a live re-placement). Loaded by a run that holds every
     expert in expert order, the stacked expert weights and their moments are put back in order."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = SafeReader(path).read_metadata().state_dict_metadata
     for key in (k for k in saved if k.startswith("model.") and k.endswith(".slot_expert")):
         layer = key.removeprefix("model.").removesuffix(".slot_expert")
         slots = {"model": {f"{layer}.slot_expert": torch.empty(saved[key].size, dtype=torch.int64)}}
-        dcp.load(slots, checkpoint_id=str(path), process_group=group)
+        dcp.load(slots, storage_reader=SafeReader(path), process_group=group)
         where = torch.argsort(slots["model"][f"{layer}.slot_expert"])  # expert -> its slot
         for name, value in state["model"].items():
             if name.startswith(f"{layer}.experts."):

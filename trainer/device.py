@@ -237,6 +237,8 @@ FLIGHT_RECORDER_ENV = {
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
     "TORCH_NCCL_ENABLE_TIMING": "1",
 }
+# torch_npu's Flight Recorder for HCCL, under its own names (its tests set these two)
+HCCL_FLIGHT_RECORDER_ENV = {"TORCH_HCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_HCCL_ENABLE_TIMING": "1"}
 
 
 def backend_environment(
@@ -249,6 +251,7 @@ def backend_environment(
         env["HCCL_CONNECT_TIMEOUT"] = str(timeout_s)
         # a multiple of 68 s, so that every Atlas part applies the value written here
         env["HCCL_EXEC_TIMEOUT"] = str(hccl_exec_timeout_s(timeout_s))
+        env.update(HCCL_FLIGHT_RECORDER_ENV)  # as NCCL's below
     elif kind == "cuda":
         env["TORCH_NCCL_BLOCKING_WAIT"] = "0"
         # NCCL's own Flight Recorder, with timing: without a ring nothing is kept, and without

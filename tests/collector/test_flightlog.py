@@ -1,10 +1,13 @@
 """The flight log sees DDP's C++ all-reduce as one record a step: issued as backward starts,
 completed once every bucket is reduced, nothing under no_sync(); DDP keeps its C++ path. The
 Monitor's own expert-load sum is one record a window, on the control plane's group. PyTorch's
-own point-to-point usage (P2POp, batch_isend_irecv, torch.distributed.pipelining) works and
-computes the same with the flight log installed, and is recorded."""
+own point-to-point usage (P2POp, batch_isend_irecv, torch.distributed.pipelining), FSDP2 and
+DTensor's functional collectives work and compute the same with the flight log installed, and
+are recorded."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from fixtures.dist import run_ranks
 
@@ -169,3 +172,59 @@ def test_a_two_stage_pipeline_trains_the_same_under_the_monitor_and_its_sends_ar
     assert [(r["losses"], r["grad"]) for r in logged] == [(r["losses"], r["grad"]) for r in plain]
     assert len(plain[1]["losses"]) == 2  # the last step's two micro-batches
     assert all({"isend", "irecv"} <= set(r["ops"]) for r in logged), [r["ops"] for r in logged]
+
+
+def _sharded(rank: int, world_size: int, run_dir: str, monitored: bool) -> dict:
+    """FSDP2 (`fully_shard` on a DeviceMesh) trains two steps, then a DTensor is redistributed
+    from shards to a replica (a functional all-gather), with or without a Monitor."""
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from meshscope.collector.flightlog import FlightLog
+    from meshscope.collector.flightread import latest_logs, read_flight
+
+    mon = _monitor(rank, world_size, run_dir) if monitored else None
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(rank)
+    losses = []
+    for _ in range(2):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(round(loss.item(), 6))
+    shards = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    full = shards.redistribute(mesh, [Replicate()]).to_local().tolist()  # the funcol gather
+    records = []
+    if mon is not None:
+        mon.close()
+        (head,) = latest_logs(Path(run_dir) / str(rank) / "live").values()
+        FlightLog.uninstall()
+        records = [(r.op, r.state, r.site) for r in read_flight(head.path).records]
+    return {"losses": losses, "full": full, "records": records}
+
+
+def test_fsdp2_and_dtensor_run_the_same_under_the_monitor_and_their_collectives_are_recorded(tmp_path):
+    plain = run_ranks(_sharded, 2, run_dir=str(tmp_path / "plain"), monitored=False)
+    logged = run_ranks(_sharded, 2, run_dir=str(tmp_path / "logged"), monitored=True)
+    assert [(r["losses"], r["full"]) for r in logged] == [(r["losses"], r["full"]) for r in plain]
+    assert plain[0]["full"] == [float(i) for i in range(8)]
+    for result in logged:
+        records = result["records"]
+        ops = {op for op, _, _ in records}
+        assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= ops, records  # FSDP2's
+        assert {state for _, state, _ in records} == {"completed"}, records
+        # the functional all-gather of the redistribution, at the line that asked for it
+        line = next(
+            i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "funcol gather" in text
+        )
+        assert any(op == "all_gather_into_tensor" and f":{line} " in site for op, _, site in records), records

@@ -1,3 +1,5 @@
+import json
+import pickle
 import shutil
 import signal
 import subprocess
@@ -11,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fixtures.dist import run_ranks
-from meshscope.trainer.checkpoint import CheckpointError, CheckpointManager, verify
+from meshscope.trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, _sha256, verify
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -157,3 +159,44 @@ def test_a_worker_failing_with_a_checkpoint_in_flight_lets_it_land_first(tmp_pat
     # the restart would begin from the checkpoint before (here: none, step 0)
     held = run_ranks(_fail_with_a_checkpoint_in_flight, 2, root=str(tmp_path))
     assert held == [["step_00000004"]] * 2
+
+
+class _Planted:
+    """What a crafted checkpoint file would carry: a callable run on unpickling."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_crafted_local_state_file_is_refused_and_runs_nothing(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ckpt", rank=0, world_size=1, keep=2, async_save=False)
+    model, opt = small(0)
+    mgr.save(5, model, opt, {"rng": torch.get_rng_state(), "hook": {"iter": 3}, "step": 5})
+    restored, _ = mgr.restore(*small(1))
+    assert mgr.local_state(restored)["hook"] == {"iter": 3}  # what meshscope writes loads
+    marker = tmp_path / "ran"
+    torch.save({"rng": _Planted(marker)}, restored.path / "local_rank0.pt")
+    with pytest.raises(CheckpointError, match="refusing to load it"):
+        mgr.local_state(restored)
+    assert not marker.exists()
+
+
+def test_a_crafted_dcp_metadata_file_is_refused_and_runs_nothing(tmp_path):
+    """DCP reads `.metadata` with plain pickle: meshscope reads it through an unpickler that
+    knows a checkpoint's metadata and nothing more."""
+    mgr = CheckpointManager(tmp_path / "ckpt", rank=0, world_size=1, keep=2, async_save=False)
+    model, opt = small(0)
+    mgr.save(5, model, opt, {"step": 5})
+    newest = mgr.checkpoints()[-1]
+    marker = tmp_path / "ran"
+    (newest / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    manifest = json.loads((newest / MANIFEST).read_text())
+    # the attacker rewrites the checksums too: they are integrity, not trust
+    manifest["files"] = {name: _sha256(newest / name) for name in manifest["files"]}
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="not part of a checkpoint's metadata"):
+        mgr.restore(*small(1))
+    assert not marker.exists()

@@ -142,4 +142,6 @@ def test_hccl_timeouts_reach_the_workers_below_the_process_groups():
     assert env["HCCL_EXEC_TIMEOUT"] == "544"  # 600 s on Atlas training parts is 8 x 68 s
     assert process_group_timeout_s("npu", 600) > 600
     assert "HCCL_EXEC_TIMEOUT" not in backend_environment("npu", "gloo")  # gloo: no HCCL
+    # torch_npu's Flight Recorder keeps a ring with timing, as NCCL's does
+    assert env["TORCH_HCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_HCCL_ENABLE_TIMING"] == "1"
     assert [hccl_exec_timeout_s(s) for s in (1, 68, 135, 136, 10**6)] == [68, 68, 68, 136, 17340]
