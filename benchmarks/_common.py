@@ -71,3 +71,24 @@ def run_on_two_nodes(root: Path, name: str, link: str, steps: int, *settings: st
         for proc in procs:
             assert proc.wait(timeout=600) == 0, name
     return dirs
+
+
+def warm_trainer(cfg, device, warmup: int = 3):
+    """A Monitor (no exporter), the reference trainer's state on `device` at world 1, and a
+    no-op injector, after `warmup` watched steps (allocator, kernels): (mon, state, injector)."""
+    from prometheus_client import CollectorRegistry
+
+    from meshscope.collector import Monitor, MonitorConfig
+    from meshscope.trainer.inject import Injector
+    from meshscope.trainer.loop import build, train_step
+
+    mon = Monitor(
+        MonitorConfig(run_dir=cfg.run_dir, metrics_port=None),
+        probe=device.probe(),
+        registry=CollectorRegistry(),
+    )
+    state = build(cfg, device, mon, rank=0, world_size=1)
+    injector = Injector([], 0, lambda inj, step: None)
+    for _ in range(warmup):
+        train_step(state, mon, cfg, device, injector)
+    return mon, state, injector

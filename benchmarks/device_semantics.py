@@ -36,7 +36,7 @@ from typing import Any
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import REPO, machine
+from _common import REPO, machine, warm_trainer
 
 from meshscope.collector.flightlog import FlightLog  # noqa: E402
 from meshscope.collector.flightread import read_flight  # noqa: E402
@@ -208,25 +208,13 @@ def recorder(folder: Path) -> dict:
 def sync_debug(folder: Path) -> dict:
     if not CUDA:
         raise Skipped("needs CUDA's sync debug mode (on the sim: tests/meshscope/test_sync_audit.py)")
-    from prometheus_client import CollectorRegistry
-
-    from meshscope.collector import Monitor, MonitorConfig
     from meshscope.config import load_config
-    from meshscope.trainer.inject import Injector
-    from meshscope.trainer.loop import build, train_step
+    from meshscope.trainer.loop import train_step
     from meshscope.trainer.onebit import compress, decompress
 
     device = Device("cuda", 0)
     cfg = load_config(REPO / "configs/demo.toml", {"runs_root": str(folder), "run_id": "s", "nproc": 1})
-    mon = Monitor(
-        MonitorConfig(run_dir=cfg.run_dir, metrics_port=None),
-        probe=device.probe(),
-        registry=CollectorRegistry(),
-    )
-    state = build(cfg, device, mon, rank=0, world_size=1)
-    injector = Injector([], 0, lambda inj, step: None)
-    for _ in range(3):
-        train_step(state, mon, cfg, device, injector)  # warm-up: allocator, kernels
+    mon, state, injector = warm_trainer(cfg, device)
     found = {}
     for name, step in {
         "moe step + monitor": lambda: train_step(state, mon, cfg, device, injector),

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import REPO, machine
+from _common import REPO, machine, warm_trainer
 from prometheus_client import CollectorRegistry  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
@@ -57,8 +57,7 @@ from meshscope.config import load_config  # noqa: E402
 from meshscope.trainer.config import ModelConfig  # noqa: E402
 from meshscope.trainer.data import SyntheticTokens  # noqa: E402
 from meshscope.trainer.device import Device  # noqa: E402
-from meshscope.trainer.inject import Injector  # noqa: E402
-from meshscope.trainer.loop import build, train_step  # noqa: E402
+from meshscope.trainer.loop import train_step  # noqa: E402
 from meshscope.trainer.model import MoEFeedForward, MoELM  # noqa: E402
 
 RESULTS: dict[str, Any] = {}
@@ -115,15 +114,7 @@ def syncs_per_step(device: Device, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for watched in (False, True):
             cfg = tiny_run_config(Path(tmp), run_id=f"s{watched}")
-            mon = Monitor(
-                MonitorConfig(run_dir=cfg.run_dir, metrics_port=None),
-                probe=device.probe(),
-                registry=CollectorRegistry(),
-            )
-            state = build(cfg, device, mon, rank=0, world_size=1)
-            injector = Injector([], 0, lambda inj, step: None)
-            for _ in range(3):
-                train_step(state, mon, cfg, device, injector)  # warm-up: allocator, kernels
+            mon, state, injector = warm_trainer(cfg, device)
             with counted_syncs(device) as seen:
                 for _ in range(steps):
                     if watched:
