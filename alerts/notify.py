@@ -134,6 +134,8 @@ class Alert:
 
 
 class Channel(Protocol):
+    """Where an alert is delivered (Slack, email, a webhook): one `send` each."""
+
     name: str
 
     def send(self, alert: Alert) -> None:

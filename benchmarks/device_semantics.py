@@ -162,13 +162,13 @@ def aborted(folder: Path) -> dict:
 def own_device(folder: Path) -> dict:
     if not CUDA:  # the rank on sim device 3: no thread of its may touch device 0
         sim.SIM.set_device(3)
-        sim.SIM.contexts.clear()
+        sim.forget_contexts()
         log = fresh_log(folder / "own_device", index=3)
         dist.all_reduce(tensor(8), async_op=True)
         log.step_end(Device("sim", 3).probe().mark())
         time.sleep(0.2)
         log.close()
-        return {"ok": sim.SIM.contexts == {3}, "contexts": sorted(sim.SIM.contexts)}
+        return {"ok": sim.contexts() == {3}, "contexts": sorted(sim.contexts())}
     if torch.cuda.device_count() < 2:
         raise Skipped("needs 2 GPUs to show a context on a device the rank does not own")
     last = torch.cuda.device_count() - 1

@@ -20,6 +20,7 @@ EVENT_KINDS = frozenset(
         "placement_proposed",  # live expert re-placement: the change, expected balance before/after
         "suggestion",
         "suggestion_applied",
+        "approval",  # who approved a suggestion, and the control change it queued
         "outcome",
         "injected",
         "run_start",

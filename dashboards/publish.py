@@ -22,6 +22,8 @@ class PublishError(RuntimeError):
 
 @dataclass
 class Published:
+    """A board that reached Grafana: what to link to."""
+
     name: str
     uid: str
     url: str

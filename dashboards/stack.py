@@ -44,6 +44,8 @@ class StackError(RuntimeError):
 
 @dataclass(kw_only=True)
 class StackConfig:
+    """Ports, folders and options of one `meshscope stack` (its servers on 127.0.0.1)."""
+
     runs_root: Path
     home: Path
     prometheus_port: int = 9090
@@ -65,6 +67,8 @@ class StackConfig:
 
 @dataclass
 class Component:
+    """One server the stack started, to report and to stop."""
+
     name: str
     pid: int
     port: int

@@ -11,6 +11,8 @@ from typing import Any
 
 @dataclass
 class Episode:
+    """A run of flagged steps of one kind and key: what becomes one anomaly."""
+
     type: str
     key: tuple
     start_step: int

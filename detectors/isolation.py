@@ -70,6 +70,8 @@ class PackedForest:
 
 
 class OnlineIsolationForest(Detector):
+    """IsolationForest refit on a sliding window: scores each step's features as they arrive."""
+
     def __init__(
         self,
         n_estimators: int = 100,

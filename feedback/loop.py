@@ -75,10 +75,12 @@ def ingest(
     return FeedbackReport(serving.source, diagnoses, suggestions, ids)
 
 
-def approve(run_dir: Path, suggestion_id: int) -> int:
-    """A person approved suggestion `suggestion_id`: queue its bounded change; the control id."""
+def approve(run_dir: Path, suggestion_id: int, by: str = "") -> int:
+    """A person approved suggestion `suggestion_id`: queue its bounded change; the control id.
+    Who (`by`: the person, or where the approval came from) is kept as an `approval` event."""
     from meshscope.collector import controls
-    from meshscope.collector.store import load_events
+    from meshscope.collector.schema import Event
+    from meshscope.collector.store import insert_events, load_events
 
     events = load_events(run_dir, kind="suggestion")
     row = events[events["id"] == suggestion_id]
@@ -86,7 +88,10 @@ def approve(run_dir: Path, suggestion_id: int) -> int:
         raise FeedbackError(
             f"no suggestion {suggestion_id} in {run_dir} (ids: {events['id'].tolist()[-10:] or 'none'})"
         )
-    return controls.submit(run_dir, control_for(row.iloc[0]["detail"]), suggestion=suggestion_id)
+    control = controls.submit(run_dir, control_for(row.iloc[0]["detail"]), suggestion=suggestion_id)
+    detail = {"suggestion": suggestion_id, "control": control, "by": by or "unnamed"}
+    insert_events(run_dir, [Event(kind="approval", run_id=run_dir.name, detail=detail)])
+    return control
 
 
 def settle_outcomes(run_dir: Path, kb: KnowledgeBase, *, after: int) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from meshscope.collector.store import StoreUnavailable, latest_step, load_steps
 from meshscope.collector.storedb import pg_connect, write_locator
 from meshscope.config import RunConfig
 from meshscope.trainer.device import backend_environment, check_placement, resolve_device
+from meshscope.trainer.forksafe import die_with_parent
 from meshscope.trainer.network import Route, network_environment, node_route, rendezvous_host
 from meshscope.trainer.spawn import ZYGOTE_ENV, ZYGOTE_PID_ENV
 
@@ -193,6 +194,7 @@ def start_zygote(cfg: RunConfig, env: dict[str, str]) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=REPO_ROOT,
+        preexec_fn=die_with_parent,  # a killed CLI takes its standby with it
     )
 
 
@@ -222,8 +224,9 @@ class Launch:
             env[ZYGOTE_ENV], env[ZYGOTE_PID_ENV] = str(zygote_socket()), str(self.zygote.pid)
         log = open(cfg.run_dir / "logs" / f"launcher-{os.getpid()}.log", "wb")
         command = torchrun_command(cfg, warm=self.zygote is not None)
+        # a killed CLI (SIGKILL too) sends torchrun SIGTERM, and torchrun stops its workers
         self.torchrun = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, preexec_fn=die_with_parent
         )
 
     def poll(self) -> int | None:

@@ -121,6 +121,8 @@ class SafeReader(dcp.FileSystemReader):
 
 @dataclass
 class Restored:
+    """The checkpoint a run resumed from: its step, folder and world size."""
+
     step: int
     path: Path
     world_size: int

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -60,6 +61,33 @@ def powersgd_wire_bytes(state: powersgd.PowerSGDState, bucket: dist.GradBucket, 
     return allreduce_sent_bytes(payload, world_size)
 
 
+FRESH_Q_SEED = 20_260_604  # PowerSGD's Q where a NaN was: drawn alike on every rank
+
+
+def finite_memories(hook: Any) -> Any:
+    """PowerSGD whose memories never keep a non-finite value past its step. A NaN gradient
+    (skipped by every rank) leaves NaN in the bucket's error feedback and warm-started Q, and
+    torch's hook would add it to every later gradient: before each bucket, the error's
+    non-finite values become 0 and Q's are drawn afresh, from a generator seeded alike on
+    every rank (Q is the same on every rank). Device-side: no sync."""
+    draws: dict[Any, torch.Generator] = {}
+
+    def sane(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        index = bucket.index()
+        error = state.error_dict.get(index)
+        if error is not None:
+            torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
+        q = state.q_memory_dict.get(index)
+        if q is not None:
+            if q.device not in draws:  # the same seed everywhere: the same draws on every rank
+                draws[q.device] = torch.Generator(q.device).manual_seed(FRESH_Q_SEED)
+            fresh = torch.randn(q.shape, generator=draws[q.device], device=q.device, dtype=q.dtype)
+            q.copy_(torch.where(torch.isfinite(q), q, fresh))
+        return hook(state, bucket)
+
+    return sane
+
+
 def build_hook(
     name: str, *, process_group: Any = None, powersgd_rank: int = 4, seed: int = 0, warmup_steps: int = 0
 ) -> HookSpec:
@@ -78,7 +106,7 @@ def build_hook(
             warm_start=True,
             random_seed=seed,
         )
-        hook = serial_hook(wait_for(powersgd.powerSGD_hook), "powersgd")  # see trainer/serial.py
+        hook = serial_hook(wait_for(finite_memories(powersgd.powerSGD_hook)), "powersgd")  # trainer/serial.py
         return HookSpec(name, hook, state, powersgd_wire_bytes)
     if name == "onebit":
         state = OneBitState(process_group=process_group, warmup_steps=warmup_steps)

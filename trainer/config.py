@@ -43,15 +43,15 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """The MoE transformer language model."""
 
-    vocab_size: int = Field(128, gt=1, description="tokens in the vocabulary")
-    seq_len: int = Field(32, gt=1, description="tokens per sequence")
-    layers: int = Field(2, gt=0, description="transformer blocks, each with an MoE feed-forward")
-    d_model: int = Field(64, gt=0, description="hidden size")
-    heads: int = Field(4, gt=0, description="attention heads; must divide d_model")
-    experts: int = Field(4, gt=0, description="experts per MoE layer")
-    top_k: int = Field(2, gt=0, description="experts each token is routed to")
+    vocab_size: int = Field(128, gt=1, le=1 << 24, description="tokens in the vocabulary")
+    seq_len: int = Field(32, gt=1, le=1 << 20, description="tokens per sequence")
+    layers: int = Field(2, gt=0, le=1024, description="transformer blocks, each with an MoE feed-forward")
+    d_model: int = Field(64, gt=0, le=1 << 16, description="hidden size")
+    heads: int = Field(4, gt=0, le=1024, description="attention heads; must divide d_model")
+    experts: int = Field(4, gt=0, le=4096, description="experts per MoE layer")
+    top_k: int = Field(2, gt=0, le=64, description="experts each token is routed to")
     capacity_factor: float = Field(1.25, gt=0, description="expert capacity = factor x fair share")
-    ffn_mult: int = Field(2, gt=0, description="expert hidden size = ffn_mult x d_model")
+    ffn_mult: int = Field(2, gt=0, le=64, description="expert hidden size = ffn_mult x d_model")
     aux_loss_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss")
     router_skew: float = Field(
         0.0,
@@ -74,20 +74,21 @@ class ModelConfig(_Strict):
 class TrainConfig(_Strict):
     """The optimisation and its communication."""
 
-    steps: int = Field(50, gt=0, description="optimizer steps")
-    batch_size: int = Field(8, gt=0, description="sequences per rank per step")
+    steps: int = Field(50, gt=0, le=10**9, description="optimizer steps")
+    batch_size: int = Field(8, gt=0, le=1 << 20, description="sequences per rank per step")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
-    seed: int = Field(0, ge=0, description="seed of model init and data")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="seed of model init and data")
     compression: Compression = Field("none", description="gradient compression hook")
-    powersgd_rank: int = Field(4, gt=0, description="matrix approximation rank of PowerSGD")
+    powersgd_rank: int = Field(4, gt=0, le=1024, description="matrix approximation rank of PowerSGD")
     compression_warmup: int = Field(
         0,
         ge=0,
+        le=10**9,
         description="steps of plain all-reduce before powersgd/onebit compress; for onebit_adam "
         "the full-precision Adam warm-up that learns the variance (0: a tenth of steps)",
     )
     overlap: bool = Field(True, description="bucketed all-reduce overlapping backward")
-    bucket_cap_mb: float = Field(1.0, gt=0, description="DDP bucket size when overlapping")
+    bucket_cap_mb: float = Field(1.0, gt=0, le=65536, description="DDP bucket size when overlapping")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
     hierarchical: bool = Field(
         False,
@@ -126,7 +127,9 @@ class ParallelConfig(_Strict):
         description="live expert re-placement: when a rank's experts carry this many times the "
         "mean per-rank load, move experts to balance it (0 = never; e.g. 1.3)",
     )
-    replace_cooldown: int = Field(50, gt=0, description="steps between two re-placements of a layer")
+    replace_cooldown: int = Field(
+        50, gt=0, le=10**9, description="steps between two re-placements of a layer"
+    )
 
     @model_validator(mode="after")
     def _dropless_needs_experts_apart(self) -> ParallelConfig:
@@ -144,22 +147,23 @@ class ParallelConfig(_Strict):
 class ElasticConfig(_Strict):
     """Surviving failures: checkpoints, restarts, heartbeats, membership."""
 
-    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = never)")
-    keep: int = Field(3, gt=0, description="checkpoints kept")
+    checkpoint_every: int = Field(0, ge=0, le=10**9, description="checkpoint every N steps (0 = never)")
+    keep: int = Field(3, gt=0, le=10_000, description="checkpoints kept")
     async_checkpoint: bool = Field(True, description="write checkpoints in the background")
     settle_checkpoint_s: float = Field(
         10.0,
         ge=0,
+        le=3600,
         description="a worker failing with a background checkpoint in flight waits this long "
         "for it to become visible, so the restart does not lose those steps",
     )
-    max_restarts: int = Field(0, ge=0, description="torchrun restarts after a failure")
-    heartbeat_s: float = Field(1.0, gt=0, description="heartbeat interval")
+    max_restarts: int = Field(0, ge=0, le=10_000, description="torchrun restarts after a failure")
+    heartbeat_s: float = Field(1.0, gt=0, le=3600, description="heartbeat interval")
     nnodes: str = Field("1", pattern=r"^\d+(:\d+)?$", description="torchrun --nnodes, MIN[:MAX]")
     rdzv_endpoint: str = Field("", description="c10d rendezvous host:port for several agents")
     rdzv_id: str = Field("", description="rendezvous id shared by the agents (default: run id)")
     last_call_s: float = Field(
-        3.0, gt=0, description="after MIN agents joined, wait this long for more (rendezvous)"
+        3.0, gt=0, le=3600, description="after MIN agents joined, wait this long for more (rendezvous)"
     )
     warm_standby: bool = Field(
         True, description="fork workers from a pre-imported zygote: restarts skip ~4 s of imports"
@@ -206,7 +210,7 @@ class TrainerConfig(_Strict):
         description="collective backend: auto = the device's (hccl, nccl, gloo); "
         "gloo lets several ranks share one accelerator",
     )
-    nproc: int = Field(4, gt=0, description="worker processes on this node")
+    nproc: int = Field(4, gt=0, le=1024, description="worker processes on this node")
     metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
     metrics_host: str = Field(
         "",
@@ -229,21 +233,26 @@ class TrainerConfig(_Strict):
     expert_every: int = Field(
         MonitorConfig.expert_every,
         gt=0,
+        le=10**6,
         description="sum expert load over ranks every N steps (an expert "
         "alarm can come up to N-1 steps after the fault)",
     )
     control_every: int = Field(
         10,
         gt=0,
+        le=10**6,
         description="read approved changes (router bias, aux-loss coefficient, capacity) every N steps",
     )
     comm_sample_every: int = Field(
         MonitorConfig.comm_sample_every,
         gt=0,
+        le=10**6,
         description="time gradient buckets on one step in N (the wait for communication is "
         "measured every step)",
     )
-    linger_s: float = Field(0.0, ge=0, description="keep /metrics up this long after the last step")
+    linger_s: float = Field(
+        0.0, ge=0, le=86_400, description="keep /metrics up this long after the last step"
+    )
     audit_syncs: bool = Field(
         False,
         description="count every host read of a tensor value in the steps by call site "

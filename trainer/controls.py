@@ -60,27 +60,82 @@ class ControlApplier:
         mon.expert_load_listeners.append(self._update_biases)
         self._unsettled: dict[int, dict[str, Any]] = {}  # applied here, settle not yet stored
         self._store_down = False  # warned for this outage
+        self._scheduled: dict[int, list[ControlChange]] = {}  # step -> changes applied from it before
 
     # --- changes --------------------------------------------------------------------------
-    def replay_applied(self) -> None:
-        """Re-apply the changes applied before a restart, on every rank alike: rank 0 reads
-        them (one connection per job, not one per rank) and the control plane hands them on."""
+    def replay_applied(self, resumed_at: int | None = None, saved: dict[str, Any] | None = None) -> None:
+        """After a restart, the changes approved before are in force again, on every rank
+        alike: rank 0 reads them (one connection per job) and the control plane hands them on.
+        With the checkpoint's values (`saved`, from `state_dict`) the run is the interrupted
+        one: those values hold at the resume step, and each change applied after the
+        checkpoint lands again at the step it first did. Without them (a checkpoint of another
+        world size, or none) every applied change is set now."""
+        if saved is not None:
+            self.load_state_dict(saved)
         rows = self._applied_before() if self.rank == 0 else []
         count = self.plane.broadcast_int(len(rows)) if self.plane is not None else len(rows)
         for i in range(count):
             header = torch.zeros(_HEADER, dtype=torch.float64)
+            held_from = torch.zeros(1, dtype=torch.float64)  # the step it held from
             if self.rank == 0:
-                header[:] = _header(*rows[i])
+                header[:], held_from[0] = _header(*rows[i][:2]), rows[i][2]
+            if self.plane is not None:
+                self.plane.broadcast(held_from, src=0)
             values = self._agree(header, rows[i][1].values if self.rank == 0 else []) or []
             try:
                 change = ControlChange.parse(
                     {"kind": _KINDS.get(int(header[1]), "?"), "layer": int(header[2]), "values": values}
                 )
-                self._set(change, self._targets(change.layer))
             except (controls.ControlError, ValueError):
                 continue
+            since = int(held_from[0])  # host tensor: the control plane's
+            if saved is not None and resumed_at is not None and since <= resumed_at:
+                continue  # in the checkpoint's values already
+            if saved is not None and resumed_at is not None:
+                self._scheduled.setdefault(since, []).append(change)
+            else:
+                self._set_quietly(change)
 
-    def _applied_before(self) -> list[tuple[int, ControlChange]]:
+    def _set_quietly(self, change: ControlChange) -> None:
+        """Set a change recorded as applied before (nothing to settle)."""
+        try:
+            self._set(change, self._targets(change.layer))
+        except (controls.ControlError, ValueError):
+            pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """The values the approved changes (and the bias updates since) hold now, for a
+        checkpoint: plain lists and numbers (it is loaded with `weights_only=True`)."""
+        return {
+            "aux_loss_coef": getattr(self.model, "aux_loss_coef", None),
+            "layers": [
+                {
+                    "capacity_factor": layer.capacity_factor,
+                    "bias_rate": layer.router.bias_rate,
+                    # sync point: a checkpoint only
+                    "routing_bias": None
+                    if layer.router.routing_bias is None
+                    else layer.router.routing_bias.tolist(),
+                }
+                for layer in self.layers
+            ],
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Put back the values `state_dict` kept (a model of another shape keeps its own)."""
+        if saved.get("aux_loss_coef") is not None:
+            self.model.aux_loss_coef = saved["aux_loss_coef"]
+        if len(saved.get("layers", [])) != len(self.layers):
+            return
+        for layer, kept in zip(self.layers, saved["layers"]):
+            layer.capacity_factor, layer.router.bias_rate = kept["capacity_factor"], kept["bias_rate"]
+            bias = kept["routing_bias"]
+            device = layer.router.gate.weight.device
+            layer.router.routing_bias = (
+                None if bias is None else torch.tensor(bias, dtype=torch.float32, device=device)
+            )
+
+    def _applied_before(self) -> list[tuple[int, ControlChange, int]]:
         try:
             rows = controls.load_controls(self.run_dir)
         except StoreUnavailable as err:
@@ -89,8 +144,9 @@ class ControlApplier:
         out = []
         for _, row in rows[rows["status"] == "applied"].iterrows():
             fields = {"kind": row["kind"], "layer": int(row["layer"]), "values": row["payload"]}
+            since = int(row["step"]) if row["step"] == row["step"] else 0  # NaN: never recorded
             try:
-                out.append((int(row["id"]), ControlChange.parse(fields)))
+                out.append((int(row["id"]), ControlChange.parse(fields), since))
             except (controls.ControlError, ValueError):
                 continue
         return out
@@ -111,6 +167,8 @@ class ControlApplier:
 
     def at_boundary(self, step: int) -> None:
         """Called by every rank after step `step`; collective on the poll steps."""
+        for change in self._scheduled.pop(step + 1, []):  # a resumed run meets its own changes
+            self._set_quietly(change)
         if (step + 1) % self.every:
             return
         found = self._pending()[:1] if self.rank == 0 else []

@@ -95,6 +95,7 @@ class ElasticRun:
         self.group_ready_at = time.time()  # built after the process group
         self.started_at = started_at if started_at is not None else process_start_time()
         self._resumed_at: int | None = None
+        self.resumed_controls: dict | None = None  # the approved changes' values at the checkpoint
         self.round = 0
 
     # --- start --------------------------------------------------------------------------
@@ -235,6 +236,11 @@ class ElasticRun:
             time.sleep(min(0.1, left))
 
     # --- resume -------------------------------------------------------------------------
+    @property
+    def resumed_at(self) -> int | None:
+        """The step the run resumed at from a checkpoint (None: it started afresh)."""
+        return self._resumed_at
+
     def resume(self, state: Any) -> None:
         """Load the newest valid checkpoint into the train state (model, optimizer, step,
         RNG, compression error feedback) and say what was lost."""
@@ -251,6 +257,7 @@ class ElasticRun:
         if restored is None:
             return
         local = self.ckpt.local_state(restored)
+        self.resumed_controls = (local or {}).get("controls")  # for the ControlApplier, built next
         if local is not None:
             torch.set_rng_state(local["rng"])
             if local.get("hook") is not None and hasattr(state.hook_state, "load_state_dict"):
@@ -293,7 +300,8 @@ class ElasticRun:
     def checkpoint(self, state: Any) -> None:
         """Save model, optimizer, hook state and RNG (DCP, in the background when asked)."""
         hook = state.hook_state.state_dict() if hasattr(state.hook_state, "state_dict") else None
-        local = {"rng": torch.get_rng_state(), "hook": hook, "step": state.step}
+        controls = state.applier.state_dict() if getattr(state, "applier", None) is not None else None
+        local = {"rng": torch.get_rng_state(), "hook": hook, "step": state.step, "controls": controls}
         started = time.perf_counter()
         self.ckpt.save(state.step, state.model, state.optimizer, local)
         if self.env.rank == 0:  # on the timeline: a step it holds up is meshscope's, not a fault

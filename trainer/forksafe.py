@@ -19,7 +19,10 @@ Each returns a sentence naming the cause, or None when forking is safe.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -136,3 +139,15 @@ def probe_fork(tripwire: AcceleratorTripwire | None = None) -> str | None:
     return (
         "a forked child cannot use its accelerator (the parent initialised the device runtime below Python)"
     )
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel for `sig` when this process's parent dies, SIGKILL included: what
+    meshscope starts (torchrun, the warm standby, a forked worker) never outlives its starter
+    under PID 1. Call it in the child (a Popen `preexec_fn`, or right after a fork)."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)

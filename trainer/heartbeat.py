@@ -61,6 +61,8 @@ def _get(store: dist.Store, key: str) -> str | None:
 
 @dataclass
 class PeerFailure:
+    """A peer whose heartbeat stopped: who, when it was last seen, and at which step."""
+
     rank: int
     last_seen: float
     last_step: int

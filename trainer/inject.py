@@ -62,6 +62,8 @@ class InjectionError(ValueError):
 
 @dataclass(frozen=True)
 class Injection:
+    """One fault to inject: its kind, step, rank and parameters (parsed from `--inject`)."""
+
     kind: str
     step: int
     rank: int

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshscope.collector import Monitor
@@ -41,6 +42,8 @@ FUSED_DEVICES = ("cuda", "cpu", "sim")
 
 @dataclass
 class TrainState:
+    """Everything one rank's training loop carries from step to step."""
+
     model: torch.nn.Module
     ddp: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -50,6 +53,7 @@ class TrainState:
     tracer: Any = None  # tracer.TensorTracer when tracing is on
     inspector: Any = None  # tracer.GradientInspector, on rank 0
     experts: ExpertGradSync | None = None  # expert parallelism: expert gradients over replicas
+    applier: Any = None  # trainer.controls.ControlApplier: its values in force are checkpointed
 
 
 def gradient_hook(cfg: TrainerConfig, device: Device, mon: Monitor) -> HookSpec:
@@ -166,7 +170,7 @@ def train_step(
                     state.experts.wait()
                 state.inspector.before_clip(state.step)
             grad_norm = clip_gradients(state, cfg.train.grad_clip)
-            step_if_finite(state.optimizer, grad_norm)
+            step_if_finite(state.optimizer, grad_norm, agree=own_gradients(state.optimizer))
             if state.inspector is not None:
                 state.inspector.after_update()
             state.optimizer.zero_grad(set_to_none=False)
@@ -184,6 +188,13 @@ def train_step(
         state.tracer.step_end(loss=loss, grad_norm=grad_norm, rerun=rerun if state.experts is None else None)
     injector.step_took(state.step, time.perf_counter() - started)
     state.step += 1
+
+
+def own_gradients(optimizer: torch.optim.Optimizer) -> Any:
+    """The group over which ranks step on gradients of their own (1-bit Adam's), else None."""
+    if not isinstance(optimizer, OneBitAdam):
+        return None
+    return optimizer.onebit.process_group or dist.group.WORLD  # its None is the default group
 
 
 def clip_gradients(state: TrainState, max_norm: float) -> torch.Tensor:
@@ -204,16 +215,28 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: Device) 
     return torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0, fused=fused or None)
 
 
-def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, agree: Any = None) -> None:
     """Apply the update unless the gradients are not finite: one NaN must not poison weights.
 
     Fused AdamW reads `found_inf` on the device and leaves weights, moments and its step count
-    untouched when it is 1: no sync. Elsewhere the norm is read on the host."""
+    untouched when it is 1: no sync. Elsewhere the norm is read on the host. `agree`: the group
+    whose ranks must decide alike although their norms differ (1-bit Adam reduces no gradient,
+    and its step is a collective: a rank skipping alone would pair its peers' momentum
+    all-reduces across steps, then hang them)."""
+    if agree is not None:
+        grad_norm = agreed_norm(grad_norm, agree)
     if optimizer.defaults.get("fused"):
         optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
         optimizer.step()
     elif bool(torch.isfinite(grad_norm)):  # sync point: optimizers without device-side skipping
         optimizer.step()
+
+
+def agreed_norm(grad_norm: torch.Tensor, group: Any) -> torch.Tensor:
+    """The norm, NaN on every rank of `group` where it is not finite on any (on the device)."""
+    bad = (~torch.isfinite(grad_norm)).to(torch.float32).reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(bad[0] > 0, torch.full_like(grad_norm, float("nan")), grad_norm)
 
 
 def train(

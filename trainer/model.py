@@ -150,6 +150,8 @@ class MoEFeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """A transformer block: attention, then the MoE feed-forward."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)

@@ -138,7 +138,8 @@ def _keep_error(
     decoded: torch.Tensor,
 ) -> None:
     if state.error_feedback:
-        store[key] = corrected - decoded
+        # a non-finite gradient is skipped by every rank; its error must not outlive the step
+        store[key] = torch.nan_to_num(corrected - decoded, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def onebit_allreduce(state: OneBitState, grad: torch.Tensor, key: int) -> torch.Tensor:

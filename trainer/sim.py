@@ -26,7 +26,7 @@ on gloo alone can take enqueue for completion. The sim gives a CPU run those sem
   exactly `ProcessGroup` and a Python backend cannot be one, so on the sim it issues its ops
   one by one; a two-way exchange of two ranks there waits on itself (use the manager).
 - The current device is per thread, and a thread's first device call makes a "context" on
-  it (`SimAccelerator.contexts`), as CUDA does on a new thread's device 0.
+  it (`contexts()`), as CUDA does on a new thread's device 0.
 
 The sim's device is the host, so it cannot tell a host tensor from a device one: its device
 type is "cpu". What it proves is ordering and completion, not placement (the refusal of host
@@ -125,13 +125,13 @@ class SimEvent:
         def reached() -> None:
             self._at = time.perf_counter()
 
-        SIM.touch()
+        SIM._touch()
         self._done = stream().enqueue(reached)
 
     def query(self) -> bool:
         """Whether the stream has passed it (never blocks; an unrecorded event is complete,
         as cudaEventQuery says of one)."""
-        SIM.touch()
+        SIM._touch()
         return self._done is None or self._done.is_set()
 
     def synchronize(self) -> None:
@@ -161,11 +161,11 @@ class SimAccelerator:
         self._base = host_rss_bytes()
         # Devices this process made a context on: CUDA makes one (~0.5 GiB) on a thread's
         # current device at its first call there, and a new thread's current device is 0.
-        self.contexts: set[int] = set()
+        self._contexts: set[int] = set()
 
-    def touch(self) -> None:
+    def _touch(self) -> None:
         """A call that needs a context on the calling thread's current device."""
-        self.contexts.add(self.current_device())
+        self._contexts.add(self.current_device())
 
     def is_available(self) -> bool:
         """A sim device is always there."""
@@ -185,7 +185,7 @@ class SimAccelerator:
         if not 0 <= (index or 0) < self._count:
             raise RuntimeError(f"set_device: invalid device ordinal {index} (have {self._count})")
         self._local.index = index or 0
-        self.contexts.add(self._local.index)
+        self._contexts.add(self._local.index)
 
     def current_device(self) -> int:
         """The calling thread's device (0 on a thread that never set one)."""
@@ -193,7 +193,7 @@ class SimAccelerator:
 
     def synchronize(self, device: Any = None) -> None:
         """Block the host until the stream is empty."""
-        self.touch()
+        self._touch()
         stream().synchronize()
 
     def memory_allocated(self, device: Any = None) -> int:
@@ -206,6 +206,18 @@ class SimAccelerator:
 
 
 SIM = SimAccelerator(count=64)  # as many sim devices as ranks on a test host
+
+
+def contexts() -> set[int]:
+    """The sim devices this process made a context on (what CUDA would hold memory on)."""
+    return set(SIM._contexts)
+
+
+def forget_contexts() -> None:
+    """Start counting contexts afresh (a check that binds a device first)."""
+    SIM._contexts.clear()
+
+
 _PASSED = threading.Event()  # what an unrecorded CUDA event is: passed
 _PASSED.set()
 
@@ -252,7 +264,7 @@ class SimWork(dist.Work):
     def is_completed(self) -> bool:
         """Whether the stream has run it, or it failed (never blocks; a query of its end
         event, a call on the calling thread's device)."""
-        SIM.touch()
+        SIM._touch()
         return self._done.is_set()
 
     def exception(self) -> BaseException | None:

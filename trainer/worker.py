@@ -169,7 +169,8 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
             expert_every=cfg.expert_every,
             optimizer=state.optimizer,
         )
-        applier.replay_applied()  # a restarted worker keeps the changes approved before
+        state.applier = applier  # checkpointed; a resume replays what came after its checkpoint
+        applier.replay_applied(elastic.resumed_at, elastic.resumed_controls)
         try:
             reason = train(state, mon, cfg, device, elastic, injector, applier)
             if audit is not None:

@@ -26,7 +26,13 @@ import time
 import traceback
 from pathlib import Path
 
-from meshscope.trainer.forksafe import NVML_CHECK_ENV, AcceleratorTripwire, fork_hazard, probe_fork
+from meshscope.trainer.forksafe import (
+    NVML_CHECK_ENV,
+    AcceleratorTripwire,
+    die_with_parent,
+    fork_hazard,
+    probe_fork,
+)
 
 HEADER = struct.Struct("!I")
 REFUSED = 0  # sent instead of a pid: forking is unsafe, start a plain worker
@@ -52,6 +58,7 @@ def warm_up() -> None:
 
 def _run_child(request: dict, fds: list[int]) -> None:
     """In the forked child: become the worker torchrun asked for, then exit."""
+    die_with_parent()  # the standby is the parent: a worker never outlives it
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
     os.environ.clear()

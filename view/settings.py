@@ -21,6 +21,11 @@ class ViewSettings(BaseModel):
     port: int = Field(8501, gt=0, lt=65536, description="port the view listens on")
     grafana_url: str | None = Field(None, description="Grafana base URL for board links")
     prometheus_url: str | None = Field(None, description="Prometheus for live runs (optional)")
+    changes_token_file: Path | None = Field(
+        None,
+        description="with it, the Feedback page may queue changes to a live job, each approval "
+        "giving this file's token; without it the view only reads",
+    )
     outcome_after: int = Field(
         50, gt=0, description="steps after an applied change before its outcome is measured"
     )

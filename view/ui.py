@@ -3,6 +3,7 @@ links. Loading is cached per (run, store version): a live run refreshes as it wr
 
 from __future__ import annotations
 
+import hmac
 from pathlib import Path
 
 import pandas as pd
@@ -34,6 +35,15 @@ PAGES = {
 def page_file(name: str) -> str:
     """A page's script path, as st.switch_page and st.page_link take it."""
     return str(Path(__file__).parent / PAGES[name])
+
+
+def token_matches(path: Path, given: str) -> bool:
+    """Whether `given` is the token in `path` (compared in constant time)."""
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return bool(token) and hmac.compare_digest(token.encode(), given.strip().encode())
 
 
 def settings() -> ViewSettings:

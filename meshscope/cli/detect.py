@@ -40,6 +40,8 @@ def _detect_csv(
 
     try:
         cols = [c.strip() for c in value_columns.split(",")] if value_columns else None
+        if cols is not None and (len(set(cols)) < len(cols) or "" in cols):
+            fail(f"--value-columns {value_columns}: name each column once")
         frame = read_series(str(path), time_column, cols)  # the time column first
         scored = score_frame(frame, str(frame.columns[0]), sensitivity=sensitivity)
     except SeriesError as err:

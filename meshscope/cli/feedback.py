@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 from pathlib import Path
 
 import typer
@@ -77,7 +78,7 @@ def feedback_apply(
 
     run = _run_dir(run)
     try:
-        cid = approve(run, suggestion)
+        cid = approve(run, suggestion, by=f"{getpass.getuser()} (meshscope feedback apply)")
     except (FeedbackError, ControlError) as err:
         fail(str(err))
     console.print(

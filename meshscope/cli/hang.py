@@ -105,6 +105,10 @@ def hang_watch(
     if hang_after is not None:
         settings["min_stall_s"] = hang_after
     config = HangConfig(**settings)
+    if not run.is_dir() and not run.resolve().parent.is_dir():  # a typo, not a job yet to start
+        fail(f"--run {run}: neither it nor its parent folder {run.resolve().parent} exists")
+    if not run.is_dir():
+        console.print(f"{run} does not exist yet: waiting for the job to create it")
     console.print(f"watching {live_dir(run)} for hangs (Ctrl-C to stop)")
     watch = HangWatch(live_dir(run), config, on_hang=lambda diag: _on_hang(run, diag, config.on_hang)).start()
     try:

@@ -22,6 +22,8 @@ def replay(
     from meshscope.tracer.snapshot import SnapshotError, load_snapshot
     from meshscope.trainer.model import MoELM
 
+    if snapshot.suffix not in (".json", ".safetensors"):
+        fail(f"{snapshot}: not a snapshot (a run writes them as .json with .safetensors beside)")
     try:
         snap = load_snapshot(snapshot)
         cfg = load_config(config or _run_config_of(snapshot), own_sections=True)

@@ -6,6 +6,7 @@ flags and secret files, uploads, Flight Recorder dumps."""
 from __future__ import annotations
 
 import shutil
+import socket
 import sqlite3
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def test_corrupt_empty_or_foreign_run_stores(tmp_path, spec, command):
     content=st.one_of(
         st.binary(max_size=1024), st.text(max_size=600).map(lambda t: t.encode("utf-8", "replace"))
     ),
-    columns=st.sampled_from([None, "value", "a,b", "nope"]),
+    columns=st.sampled_from([None, "value", "a,b", "nope", "value,value", "a,,b"]),
 )
 def test_csv_series(tmp_path, content, columns):
     path = tmp_path / "series.csv"
@@ -340,3 +341,51 @@ def test_a_job_store_that_cannot_work_is_refused_before_anything_starts(tmp_path
     assert result.exit_code == 2 and says in result.output, result.output
     assert "hunter2" not in result.output  # a password given by mistake is never echoed
     assert not any(tmp_path.iterdir()), "nothing is written before the refusal"
+
+
+def _busy_port() -> tuple[socket.socket, int]:
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held, held.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("value-columns twice", "--value-columns value,value: name each column once"),
+        ("linger for ever", "linger_s"),
+        ("a batch no memory holds", "train.batch_size"),
+        ("hang-watch on a typo", "--run"),
+        ("replay a text file", "not a snapshot"),
+        ("view on a busy port", "--port"),
+    ],
+)
+def test_the_inputs_that_once_got_through_exit_2_naming_the_field(tmp_path, case, says):
+    """Each once ended in a traceback, a hang or a misleading message: now exit 2 before
+    anything starts, naming the flag or field."""
+    csv = tmp_path / "s.csv"
+    csv.write_text("t,value\n0,1\n1,2\n")
+    (tmp_path / "x.txt").write_text("hello")
+    held, port = _busy_port()
+    with held:
+        args = {
+            "value-columns twice": ["detect", str(csv), "--value-columns", "value,value"],
+            "linger for ever": [
+                "run",
+                "--run-dir",
+                str(tmp_path / "r"),
+                "--set",
+                "linger_s=99999999999999999999",
+            ],
+            "a batch no memory holds": [
+                *("run", "--run-dir", str(tmp_path / "r"), "--set", "train.batch_size=99999999999999999999"),
+            ],
+            "hang-watch on a typo": ["hang-watch", "--run", str(tmp_path / "no" / "such" / "run")],
+            "replay a text file": ["replay", str(tmp_path / "x.txt")],
+            "view on a busy port": ["view", "--runs", str(tmp_path), "--port", str(port)],
+        }[case]
+        result = invoke(*args)
+    assert result.exit_code == 2 and says in result.output, result.output[-800:]
+    assert "announce" not in result.output and "meshscope view on" not in result.output
+    assert not (tmp_path / "r").exists(), "nothing is written before the refusal"

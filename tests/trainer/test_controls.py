@@ -168,3 +168,59 @@ def test_bad_approvals_get_a_clear_error(controlled):
     ):
         out = _feedback("apply", "--run", run, *args)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_resume_is_the_interrupted_run_for_the_approved_changes(tmp_path):
+    """The checkpoint keeps the values in force (a bias that drifted included); a change applied
+    after the checkpoint lands again at its own step, not at the resume step."""
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from meshscope.collector import controls
+    from meshscope.collector.controls import ControlChange
+    from meshscope.collector.monitor import Monitor
+    from meshscope.collector.monitor_config import MonitorConfig
+    from meshscope.config import load_config
+    from meshscope.trainer.controls import ControlApplier
+    from meshscope.trainer.model import MoELM
+
+    cfg = load_config(TINY, {"runs_root": str(tmp_path), "run_id": "r"})
+    run = cfg.run_dir
+    mon = Monitor(
+        MonitorConfig(run_dir=run, metrics_port=None, flight_log=False), registry=CollectorRegistry()
+    )
+
+    def applier() -> ControlApplier:
+        model = MoELM(cfg.model)
+        return ControlApplier(model, mon, run, rank=0, every=5, plane=None, expert_every=5)
+
+    experts = cfg.model.experts
+    early = ControlChange(kind="router_bias", values=[0.01, *([0.0] * experts)])
+    late = ControlChange(kind="capacity_factor", values=[2.0])
+    first = applier()
+    for cid, change, step in (
+        (controls.submit(run, early), early, 10),
+        (controls.submit(run, late), late, 30),
+    ):
+        first._apply(cid, change.kind, change.layer, change.values, step)
+    drifted = [-0.2] + [0.2] * (experts - 1)
+    for layer in first.layers:  # the bias updates after the change moved it
+        layer.router.routing_bias = torch.tensor(drifted)
+        layer.capacity_factor = 1.25  # as it was at the checkpoint (step 20): before `late`
+    saved = first.state_dict()
+
+    resumed = applier()
+    resumed.replay_applied(resumed_at=20, saved=saved)
+    layer = resumed.layers[0]
+    assert layer.router.routing_bias.tolist() == pytest.approx(drifted)  # not the change's zeros
+    assert layer.capacity_factor == 1.25  # `late` held from step 30: not yet
+    resumed.at_boundary(28)
+    assert layer.capacity_factor == 1.25
+    resumed.at_boundary(29)  # the boundary before step 30
+    assert layer.capacity_factor == 2.0
+
+    restarted = applier()  # no checkpoint values (another world size): every change now
+    restarted.replay_applied()
+    assert restarted.layers[0].capacity_factor == 2.0
+    assert restarted.layers[0].router.routing_bias.tolist() == [0.0] * experts
+    mon.close()

@@ -121,9 +121,7 @@ def _coalesced(rank: int, world_size: int, folder: str) -> dict:
     }
     gate.set()
     block.wait()
-    seen.update(
-        recv=recv.tolist(), logged=_settled(log, ("isend", "irecv")), contexts=sorted(sim.SIM.contexts)
-    )
+    seen.update(recv=recv.tolist(), logged=_settled(log, ("isend", "irecv")), contexts=sorted(sim.contexts()))
     log.close()
     FlightLog.uninstall()
     return seen

@@ -128,14 +128,19 @@ def test_resolve_link_prefers_ids_then_type_and_step_then_alert_kind():
     assert data.resolve_link({}, found) is None
 
 
+SERVING_CSV = (
+    b"layer,expert,tokens,latency_ms\n0,0,900,9\n0,1,50,2\n0,2,25,2\n0,3,25,2\n"
+    b"1,0,250,2\n1,1,250,2\n1,2,250,2\n1,3,250,2\n"
+)
+
+
 def test_feedback_upload_suggests_and_approval_queues_a_bounded_change(tmp_path, monkeypatch):
     shutil.copytree(DATA / "expert_collapse-2", tmp_path / "run")
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    monkeypatch.setenv("MESHSCOPE_VIEW_CHANGES_TOKEN_FILE", str(token))
     at = app(tmp_path, monkeypatch, "feedback", run="run")
-    csv = (
-        b"layer,expert,tokens,latency_ms\n0,0,900,9\n0,1,50,2\n0,2,25,2\n0,3,25,2\n"
-        b"1,0,250,2\n1,1,250,2\n1,2,250,2\n1,3,250,2\n"
-    )
-    at.file_uploader[0].upload("serving.csv", csv, "text/csv").run()
+    at.file_uploader[0].upload("serving.csv", SERVING_CSV, "text/csv").run()
     at.button(key="ingest").click().run()
     assert not at.error, [e.value for e in at.error]
     diagnosis = next(d.value for d in at.dataframe if "hot experts" in d.value.columns)
@@ -144,11 +149,29 @@ def test_feedback_upload_suggests_and_approval_queues_a_bounded_change(tmp_path,
     assert "router_bias" in text(at) and "placement" in text(at)
     events = load_events(tmp_path / "run", kind="suggestion")
     bias = int(events[[d["action"] == "router_bias" for d in events["detail"]]].iloc[0]["id"])
+    at.text_input(key="approver").input("ana").run()
+    at.text_input(key="token").input("guess").run()
+    at.button(key=f"approve-{bias}").click().run()
+    assert any("token is wrong" in e.value for e in at.error) and load_controls(tmp_path / "run").empty
+    at.text_input(key="token").input("s3cret").run()
     at.button(key=f"approve-{bias}").click().run()
     assert at.success and "queued" in at.success[0].value
+    approval = load_events(tmp_path / "run", kind="approval").iloc[0]["detail"]
+    assert approval["by"] == "ana" and approval["suggestion"] == bias
     change = load_controls(tmp_path / "run").iloc[0]
     assert change["status"] == "pending" and change["kind"] == "router_bias"
     assert 1e-3 <= change["payload"][0] <= 0.05 and max(map(abs, change["payload"][1:])) <= 5
+
+
+def test_without_allow_changes_the_view_cannot_queue_a_change(tmp_path, monkeypatch):
+    shutil.copytree(DATA / "expert_collapse-2", tmp_path / "run")
+    monkeypatch.delenv("MESHSCOPE_VIEW_CHANGES_TOKEN_FILE", raising=False)
+    at = app(tmp_path, monkeypatch, "feedback", run="run")
+    at.file_uploader[0].upload("serving.csv", SERVING_CSV, "text/csv").run()
+    at.button(key="ingest").click().run()
+    assert not load_events(tmp_path / "run", kind="suggestion").empty  # there was a change to approve
+    assert not [b for b in at.button if str(b.key).startswith("approve-")]
+    assert "Read-only view" in text(at)
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,9 @@ if report is not None:
     )
 
 st.header("2. Suggestions")
+if settings.changes_token_file is not None:  # `--allow-changes`: approvals queue live changes
+    st.text_input("your name (kept with each approval)", key="approver")
+    st.text_input("token (from the view's --allow-changes file)", type="password", key="token")
 events = load_events(run_dir, kind="suggestion")
 changes = load_controls(run_dir)
 by_suggestion = {int(r["suggestion"]): r for _, r in changes.iterrows() if pd.notna(r["suggestion"])}
@@ -91,14 +94,19 @@ for _, row in events.sort_values("id").tail(12).iterrows():
                 + (f" at step {int(change['step'])}" if pd.notna(change["step"]) else "")
                 + (f" — {change['note']}" if change["note"] else "")
             )
+        elif d.get("control") and settings.changes_token_file is None:
+            st.caption("Read-only view: start it with `--allow-changes TOKEN_FILE` to approve changes.")
         elif d.get("control"):
             if st.button(f"approve #{sid}", key=f"approve-{sid}"):
-                try:
-                    cid = approve(run_dir, sid)
-                except (FeedbackError, ControlError) as err:
-                    st.error(str(err))
+                if not ui.token_matches(settings.changes_token_file, st.session_state.get("token", "")):
+                    st.error("the token is wrong: nothing was queued")
                 else:
-                    st.success(f"change #{cid} queued: the trainer applies it at its next control step")
+                    try:
+                        cid = approve(run_dir, sid, by=st.session_state.get("approver", ""))
+                    except (FeedbackError, ControlError) as err:
+                        st.error(str(err))
+                    else:
+                        st.success(f"change #{cid} queued: the trainer applies it at its next control step")
         elif d["action"] == "placement":
             path = export_placement(
                 [Suggestion(**{k: v for k, v in d.items() if k in Suggestion.__dataclass_fields__})],
