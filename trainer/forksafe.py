@@ -145,9 +145,11 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel for `sig` when this process's parent dies, SIGKILL included: what
-    meshscope starts (torchrun, the warm standby, a forked worker) never outlives its starter
-    under PID 1. Call it in the child (a Popen `preexec_fn`, or right after a fork)."""
+    meshscope starts (torchrun, the warm standby, workers) never outlives its starter under
+    PID 1. SIGKILL, not SIGTERM: a starter that died abruptly leaves nobody to stop in order,
+    and a graceful stop would tell the peers "departed" where the node is gone. Call it in the
+    child (a Popen `preexec_fn`, right after a fork, or first thing in a process)."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)

@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 
+from meshscope.trainer.forksafe import die_with_parent
 from meshscope.trainer.zygote import HEADER, REFUSED  # light: the zygote imports torch only to warm up
 
 ZYGOTE_ENV = "MESHSCOPE_ZYGOTE"  # the warm standby's socket
@@ -56,6 +57,7 @@ def _await_zygote(path: str) -> str | None:
 
 def main() -> None:
     """Ask the warm standby for a worker, or start a plain one."""
+    die_with_parent()  # torchrun gone, this slot goes (its forked worker follows it)
     argv = sys.argv[1:]
     path = os.environ.get(ZYGOTE_ENV, "")
     if why := _await_zygote(path):

@@ -30,6 +30,7 @@ from meshscope.trainer.config import TrainerConfig, load_config  # noqa: E402
 from meshscope.trainer.controls import ControlApplier  # noqa: E402
 from meshscope.trainer.device import accelerator_module, process_group_timeout_s, resolve_device  # noqa: E402
 from meshscope.trainer.elastic import ElasticRun, attempt_id  # noqa: E402
+from meshscope.trainer.forksafe import die_with_parent  # noqa: E402
 from meshscope.trainer.inject import Injection, Injector, parse_injection  # noqa: E402
 from meshscope.trainer.loop import build, train  # noqa: E402
 
@@ -143,6 +144,7 @@ def start_audit(cfg: TrainerConfig, device: Any) -> SyncAudit | None:
 def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | None = None) -> None:
     """One rank of the reference trainer; `make_tracer` (from the composition root) adds the
     tensor tracer, which this package does not import."""
+    die_with_parent()  # torchrun (or the warm standby) gone: this rank goes too
     device = resolve_device(cfg.device, env.local_rank, backend=cfg.backend)
     device.activate()
     audit = start_audit(cfg, device)
