@@ -260,13 +260,18 @@ def move_experts(layer: Any, optimizer: torch.optim.Optimizer, new: list[int]) -
     agreed = torch.tensor([int(ok)], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.rows_on_host)
     if not int(agreed):  # host tensor: a gloo group's
-        raise RuntimeError("expert placement: a moved expert failed its checksum; nothing was moved")
+        raise PlacementFailed("a moved expert failed its checksum; nothing was moved")
     for t, a in zip(tensors, arrived):
         t.copy_(a)
     layer.slot_expert.copy_(torch.tensor(new, device=layer.slot_expert.device))
     moved = [e for e in range(total) if old.index(e) // per != new.index(e) // per]
     bytes_moved = sum(t[0].numel() * t.element_size() for t in tensors) * len(moved)
     return {"moved": moved, "bytes": bytes_moved, "seconds": round(time.perf_counter() - started, 4)}
+
+
+class PlacementFailed(ValueError):
+    """A re-placement every rank of the EP row refused alike: every expert stayed where it was
+    (a ValueError, so the control that asked for it is refused, not the worker ended)."""
 
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -247,3 +247,41 @@ def test_a_live_re_placement_moves_experts_without_changing_the_model(tmp_path):
     for expert in range(4):
         w = moved[0]["held"].get(expert, moved[1]["held"].get(expert))
         assert torch.equal(whole[0][expert][0], w), expert
+
+
+def _corrupted_move(rank: int, world_size: int, run_dir: str) -> dict:
+    """A re-placement whose transfer arrives corrupted on rank 1: both ranks refuse it alike,
+    and every expert, weights and moments, stays where it was."""
+    import torch.distributed as dist
+
+    from meshscope.trainer.experts import PlacementFailed, move_experts
+    from meshscope.trainer.inject import Injector
+    from meshscope.trainer.loop import train_step
+
+    cfg, dev, mon, state, _ = _trainer(rank, world_size, 2, run_dir, "cpu", dispatch="dropless")
+    train_step(state, mon, cfg, dev, Injector([], rank, lambda inj, step: None))
+    moe = state.model.blocks[1].moe
+    before = [t.detach().clone() for t in (moe.experts.w1, moe.slot_expert)]
+    real = dist.all_gather_into_tensor
+
+    def corrupting(out, inp, group=None, async_op=False):
+        work = real(out, inp, group=group, async_op=async_op)
+        out.add_(1.0 if rank == 1 else 0.0)  # a bit flip on the wire, on one rank
+        return work
+
+    dist.all_gather_into_tensor = corrupting
+    try:
+        move_experts(moe, state.optimizer, [3, 2, 1, 0])
+        refused = ""
+    except PlacementFailed as err:
+        refused = str(err)
+    finally:
+        dist.all_gather_into_tensor = real
+    mon.close()
+    after = [moe.experts.w1.detach(), moe.slot_expert]
+    return {"refused": refused, "kept": all(torch.equal(a, b) for a, b in zip(before, after))}
+
+
+def test_a_re_placement_that_fails_its_checksum_moves_nothing_on_any_rank(tmp_path):
+    for result in run_ranks(_corrupted_move, world_size=2, run_dir=str(tmp_path)):
+        assert "nothing was moved" in result["refused"] and result["kept"], result
