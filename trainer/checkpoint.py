@@ -297,7 +297,12 @@ class CheckpointManager:
         if path is None:
             return None, refused
         manifest = verify(path)
-        SafeReader(path).read_metadata()  # a crafted file is refused here, with our error
+        saved = SafeReader(path).read_metadata().state_dict_metadata  # a crafted file: refused here
+        if self.sharded is not None and not any(key.endswith(".slot_expert") for key in saved):
+            raise CheckpointError(
+                f"checkpoint {path.name} was written without expert parallelism (no expert placement); "
+                "resume it with parallel.ep=1, or start the run afresh in another run directory"
+            )
         state = self._state(model, optimizer)
         dcp.load(state, storage_reader=SafeReader(path), process_group=self.save_group)
         if self.sharded is not None:

@@ -285,3 +285,23 @@ def _corrupted_move(rank: int, world_size: int, run_dir: str) -> dict:
 def test_a_re_placement_that_fails_its_checksum_moves_nothing_on_any_rank(tmp_path):
     for result in run_ranks(_corrupted_move, world_size=2, run_dir=str(tmp_path)):
         assert "nothing was moved" in result["refused"] and result["kept"], result
+
+
+def _restore_refused(rank: int, world_size: int, run_dir: str, root: str) -> str:
+    from meshscope.trainer.checkpoint import CheckpointError
+
+    _, _, mon, state, _ = _trainer(rank, world_size, 2, run_dir, "cpu")
+    try:
+        _checkpoints(root, rank, world_size, state).restore(state.model, state.optimizer)
+    except CheckpointError as err:
+        return str(err)
+    finally:
+        mon.close()
+    return ""
+
+
+def test_expert_parallelism_turned_on_at_a_resume_from_a_replicated_checkpoint_is_refused_clearly(tmp_path):
+    root = str(tmp_path / "ckpt")
+    run_ranks(_train, world_size=2, ep=1, run_dir=str(tmp_path / "dp"), device="cpu", save=root)
+    said = run_ranks(_restore_refused, world_size=2, run_dir=str(tmp_path / "ep"), root=root)
+    assert all("without expert parallelism" in s and "parallel.ep=1" in s for s in said), said
