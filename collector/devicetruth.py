@@ -15,7 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import WorkResult
+
+try:
+    from torch._C._distributed_c10d import WorkResult
+except ImportError:  # a torch before result futures: every backend answers through its future
+    WorkResult = None
 
 
 class DeviceTruth:
@@ -107,6 +111,8 @@ def _work_error(work: Any) -> BaseException | None:
     """
     if work is None:
         return None
+    if WorkResult is None:
+        return _future_error(work)
     try:
         outcome = work.get_future_result()
     except (AttributeError, RuntimeError):  # a host backend: its future says

@@ -265,7 +265,7 @@ class SimWork(dist.Work):
         """Whether the stream has run it, or it failed (never blocks; a query of its end
         event, a call on the calling thread's device)."""
         SIM._touch()
-        return self._done.is_set()
+        return self._done.is_set() or self._outcome.done()  # an outcome is known once it ran or failed
 
     def exception(self) -> BaseException | None:
         """The error it met (c10d's `Work::exception`, which NCCL keeps)."""
