@@ -303,6 +303,9 @@ class ElasticRun:
         controls = state.applier.state_dict() if getattr(state, "applier", None) is not None else None
         local = {"rng": torch.get_rng_state(), "hook": hook, "step": state.step, "controls": controls}
         started = time.perf_counter()
+        # every step before the checkpoint is in this rank's store first: a node lost right
+        # after it resumes there without a hole in its steps (its window was still in memory)
+        self.mon.flush()
         self.ckpt.save(state.step, state.model, state.optimizer, local)
         if self.env.rank == 0:  # on the timeline: a step it holds up is meshscope's, not a fault
             held = round(time.perf_counter() - started, 4)
