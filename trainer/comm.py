@@ -68,9 +68,9 @@ def finite_memories(hook: Any) -> Any:
     """PowerSGD whose memories never keep a non-finite value past its step. A NaN gradient
     (skipped by every rank) leaves NaN in the bucket's error feedback and warm-started Q, and
     torch's hook would add it to every later gradient: before each bucket, the error's
-    non-finite values become 0 and Q's are drawn afresh, from a generator seeded alike on
-    every rank (Q is the same on every rank). Device-side: no sync."""
-    draws: dict[Any, torch.Generator] = {}
+    non-finite values become 0 and Q's are taken from a spare drawn once per bucket with a seed
+    alike on every rank (Q is the same on every rank). Device-side: no sync, no draw per step."""
+    spares: dict[int, torch.Tensor] = {}  # bucket -> the Q it takes where its own is not finite
 
     def sane(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
         index = bucket.index()
@@ -79,10 +79,10 @@ def finite_memories(hook: Any) -> Any:
             torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
         q = state.q_memory_dict.get(index)
         if q is not None:
-            if q.device not in draws:  # the same seed everywhere: the same draws on every rank
-                draws[q.device] = torch.Generator(q.device).manual_seed(FRESH_Q_SEED)
-            fresh = torch.randn(q.shape, generator=draws[q.device], device=q.device, dtype=q.dtype)
-            q.copy_(torch.where(torch.isfinite(q), q, fresh))
+            if index not in spares or spares[index].shape != q.shape:  # drawn once per bucket
+                draw = torch.Generator(q.device).manual_seed(FRESH_Q_SEED + index)
+                spares[index] = torch.randn(q.shape, generator=draw, device=q.device, dtype=q.dtype)
+            q.copy_(torch.where(torch.isfinite(q), q, spares[index]))
         return hook(state, bucket)
 
     return sane

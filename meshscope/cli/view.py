@@ -11,14 +11,12 @@ from meshscope.cli.common import app, console, err_console, fail
 
 def _port_free(host: str, port: int) -> None:
     """Exit 2 before the view announces itself where Streamlit could not listen."""
-    import socket
+    from meshscope.collector.exporter import PortInUseError, ensure_ports_free
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Tornado binds
-        try:
-            probe.bind((host, port))
-        except OSError as err:
-            fail(f"--port {port} on {host}: {err.strerror}; choose another with --port (or --host)")
+    try:
+        ensure_ports_free(host, [port])
+    except PortInUseError:
+        fail(f"--port {port} on {host}: not free here; choose another with --port (or --host)")
 
 
 def _streamlit_flags(host: str, port: int) -> list[str]:
@@ -36,12 +34,12 @@ def _streamlit_flags(host: str, port: int) -> list[str]:
 
 def _readable_token(path: Path) -> None:
     """Exit 2 unless the token file can be read and holds a token."""
+    from meshscope.alerts.notify import AlertSettingError, read_secret
+
     try:
-        token = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as err:
-        fail(f"--allow-changes {path}: cannot read it ({getattr(err, 'strerror', None) or 'not text'})")
-    if not token:
-        fail(f"--allow-changes {path}: the file is empty")
+        read_secret(file=path, flag="--allow-changes")
+    except AlertSettingError as err:
+        fail(str(err))
 
 
 @app.command()
