@@ -91,6 +91,10 @@ class ControlPlane:
         self.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t[0])
 
+    def agree_all(self, ok: bool) -> bool:
+        """Whether every rank is `ok`, through a host tensor (a job-wide all-or-nothing)."""
+        return self.agree_max(0.0 if ok else 1.0) == 0.0
+
     def broadcast_int(self, value: int, src: int = 0) -> int:
         """Rank `src`'s integer on every rank, through a host tensor."""
         t = torch.tensor([int(value)], dtype=torch.int64)

@@ -7,7 +7,7 @@ expert load rank 0 stores every window, judges the per-rank load under the place
 (the last one applied, else experts in order), and, past `threshold` (max / mean per-rank
 load) and `cooldown` steps after the last placement, submits the EPLB packing of the recent
 load (no replicas: a training expert has one copy per EP group). The trainer applies it at
-one step boundary on every rank (`trainer.experts.move_experts`: weights and Adam's moments,
+one step boundary on every rank (`trainer.placement.move_experts`: weights and Adam's moments,
 checksummed) and the store records what moved, its cost, and the balance before and after.
 """
 

@@ -68,8 +68,13 @@ class ControlApplier:
         alike: rank 0 reads them (one connection per job) and the control plane hands them on.
         With the checkpoint's values (`saved`, from `state_dict`) the run is the interrupted
         one: those values hold at the resume step, and each change applied after the
-        checkpoint lands again at the step it first did. Without them (a checkpoint of another
-        world size, or none) every applied change is set now."""
+        checkpoint lands again at the step it first did. A run that starts again from step 0
+        (`resumed_at` None: no checkpoint yet) meets every change at its own step the same
+        way. Only a checkpoint without the values (of another world size) sets every applied
+        change now."""
+        fresh = resumed_at is None  # from the initial values, like the first attempt
+        if fresh:
+            resumed_at, saved = 0, {}
         if saved is not None:
             self.load_state_dict(saved)
         rows = self._applied_before() if self.rank == 0 else []
@@ -89,12 +94,10 @@ class ControlApplier:
             except (controls.ControlError, ValueError):
                 continue
             since = int(held_from[0])  # host tensor: the control plane's
-            if saved is not None and resumed_at is not None and since <= resumed_at:
-                continue  # in the checkpoint's values already
-            if saved is not None and resumed_at is not None:
-                self._scheduled.setdefault(since, []).append(change)
-            else:
+            if saved is None or (fresh and since <= 0):  # no values to start from, or no step
                 self._set_quietly(change)
+            elif since > resumed_at:  # else in the checkpoint's values already
+                self._scheduled.setdefault(since, []).append(change)
 
     def _set_quietly(self, change: ControlChange) -> None:
         """Set a change recorded as applied before (nothing to settle)."""
@@ -243,13 +246,14 @@ class ControlApplier:
 
     def _place(self, layer: int, slots: list[int]) -> tuple[Any, Any]:
         """Move one layer's experts to `slots` (collective over its EP group, every rank alike)."""
-        from meshscope.trainer.experts import move_experts
+        from meshscope.trainer.placement import move_experts
 
         moe = self.layers[layer]
         if getattr(moe, "expert_mesh", None) is None or self.optimizer is None:
             raise ValueError("expert_placement: this run holds every expert on every rank (parallel.ep=1)")
         old = moe.slot_expert.tolist()  # a change is rare: one readback
-        cost = move_experts(moe, self.optimizer, slots)
+        agree = self.plane.agree_all if self.plane is not None else bool
+        cost = move_experts(moe, self.optimizer, slots, agree)
         return {layer: {"placement": old}}, {layer: {"placement": slots, **cost}}
 
     def _settle(self, cid: int, status: str, step: int, old: Any, new: Any, note: str) -> None:

@@ -299,13 +299,15 @@ class ElasticRun:
 
     def checkpoint(self, state: Any) -> None:
         """Save model, optimizer, hook state and RNG (DCP, in the background when asked)."""
+        started = time.perf_counter()
+        # every step before the checkpoint is in this rank's store first: a node lost right
+        # after it resumes there without a hole in its steps (its window was still in memory).
+        # First, too: the flush hands the expert window to the routing-bias update, which the
+        # state below must already hold (else a resume misses the update the run made here)
+        self.mon.flush()
         hook = state.hook_state.state_dict() if hasattr(state.hook_state, "state_dict") else None
         controls = state.applier.state_dict() if getattr(state, "applier", None) is not None else None
         local = {"rng": torch.get_rng_state(), "hook": hook, "step": state.step, "controls": controls}
-        started = time.perf_counter()
-        # every step before the checkpoint is in this rank's store first: a node lost right
-        # after it resumes there without a hole in its steps (its window was still in memory)
-        self.mon.flush()
         self.ckpt.save(state.step, state.model, state.optimizer, local)
         if self.env.rank == 0:  # on the timeline: a step it holds up is meshscope's, not a fault
             held = round(time.perf_counter() - started, 4)

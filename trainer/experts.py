@@ -34,8 +34,6 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from meshscope.collector.moe import experts_on
-
 EXCHANGE_KIND = "expert_all_to_all"  # the meter's kind for the dispatch and combine exchanges
 
 
@@ -54,6 +52,7 @@ class ExpertMesh:
     count: Callable[[int], None] | None = None  # the bytes one exchange sent (the Monitor's)
     miscount: Callable[[list[int]], list[int]] | None = None  # fault injection: a router's wrong splits
     skip: Callable[[], bool] | None = None  # fault injection: this rank leaves this exchange out
+    mid_move: Callable[[], None] | None = None  # fault injection: inside a re-placement, before agreeing
 
     @property
     def world(self) -> int:
@@ -143,7 +142,7 @@ def dropless_dispatch(
     The splits depend on the routing, so the host reads them once per layer (the counts of an
     even all-to-all), as Megatron's all-to-all token dispatcher does; each expert then computes
     its own tokens only, so a rank whose experts get more tokens computes longer. `slot_of`:
-    [T, k] the slot (rank-major, see `move_experts`) of each token's chosen experts."""
+    [T, k] the slot (rank-major, see `placement.move_experts`) of each token's chosen experts."""
     tokens, d = flat.shape
     k, per = slot_of.shape[1], total // mesh.ep
     expert_of = slot_of.reshape(-1)
@@ -198,7 +197,7 @@ def shard_experts(model: nn.Module, mesh: ExpertMesh) -> list[str]:
             param.data = param.data[mine.start : mine.stop].clone()
             names.append(f"{layer_name}.experts.{pname}")
         # slot s (rank s // (E/ep), its local index s % (E/ep)) holds expert slot_expert[s]: the
-        # identity until a re-placement moves experts (`move_experts`); saved with checkpoints
+        # identity until a re-placement moves experts (`placement.move_experts`); saved with checkpoints
         device = layer.router.gate.weight.device
         layer.register_buffer("slot_expert", torch.arange(total, device=device))
         names.append(f"{layer_name}.slot_expert")  # agreed by every rank, never broadcast by DDP
@@ -216,62 +215,6 @@ def slot_order(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(slot -> expert, expert -> slot) of a sharded layer, on its device."""
     slots = layer.slot_expert
     return slots, torch.argsort(slots)
-
-
-def move_experts(layer: Any, optimizer: torch.optim.Optimizer, new: list[int]) -> dict[str, Any]:
-    """Re-place one layer's experts over its EP group at a step boundary (collective: every rank
-    of the group calls it with the same `new` slot -> expert list). Weights and Adam's moments go
-    with their expert; each arrival is checked against its sender's checksum, and a mismatch
-    leaves every rank where it was. Returns what moved and what it cost."""
-    import hashlib
-    import time
-
-    mesh: ExpertMesh = layer.expert_mesh
-    old = layer.slot_expert.tolist()  # sync point: a re-placement is rare
-    total, per = len(old), len(old) // mesh.ep
-    if sorted(new) != list(range(total)):
-        raise ValueError(f"values: a placement lists each of the {total} experts once, got {new}")
-    started = time.perf_counter()
-    params = list(layer.experts.parameters())
-    tensors = [p.data for p in params] + [
-        optimizer.state[p][k]
-        for p in params
-        for k in ("exp_avg", "exp_avg_sq")
-        if k in optimizer.state.get(p, {})
-    ]
-
-    def digest(i: int, among: list[torch.Tensor]) -> str:
-        h = hashlib.sha256()
-        for t in among:
-            h.update(t[i].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
-
-    sent = [digest(i, tensors) for i in range(per)]
-    sums: list[Any] = [None] * mesh.ep
-    dist.all_gather_object(sums, sent, group=mesh.rows_on_host)
-    wanted = experts_on(new, mesh.ep, mesh.ep_rank)
-    sources = [old.index(e) for e in wanted]
-    arrived = []
-    for t in tensors:
-        every = t.new_empty((mesh.ep * per, *t.shape[1:]))
-        dist.all_gather_into_tensor(every, t.contiguous(), group=mesh.ep_group)
-        arrived.append(every[sources])
-    ok = all(digest(i, arrived) == sums[s // per][s % per] for i, s in enumerate(sources))
-    agreed = torch.tensor([int(ok)], dtype=torch.int64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.rows_on_host)
-    if not int(agreed):  # host tensor: a gloo group's
-        raise PlacementFailed("a moved expert failed its checksum; nothing was moved")
-    for t, a in zip(tensors, arrived):
-        t.copy_(a)
-    layer.slot_expert.copy_(torch.tensor(new, device=layer.slot_expert.device))
-    moved = [e for e in range(total) if old.index(e) // per != new.index(e) // per]
-    bytes_moved = sum(t[0].numel() * t.element_size() for t in tensors) * len(moved)
-    return {"moved": moved, "bytes": bytes_moved, "seconds": round(time.perf_counter() - started, 4)}
-
-
-class PlacementFailed(ValueError):
-    """A re-placement every rank of the EP row refused alike: every expert stayed where it was
-    (a ValueError, so the control that asked for it is refused, not the worker ended)."""
 
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -36,7 +36,7 @@ from meshscope.collector.moe import experts_on, stacked_experts
 from meshscope.trainer import sim
 
 KINDS = {
-    "kill": {},
+    "kill": {"during": "step"},
     "hang": {"seconds": 3600.0},
     "slow": {"factor": 3.0},
     "comm_delay": {"ms": 50.0},
@@ -52,6 +52,7 @@ CHOICES = {
     "what": ("shape", "op", "dtype", "split"),
     "where": ("forward", "backward"),
     "of": ("gradients", "experts"),
+    "during": ("step", "move"),
 }
 TEXT = {"module"}
 
@@ -234,11 +235,24 @@ class Injector:
     def _starting(self, step: int) -> list[Injection]:
         out = []
         for inj in self.mine:
+            if inj.kind == "kill" and inj.param("during") == "move":
+                continue  # fires inside a re-placement (`_kill_mid_move`)
             if inj.active(step, self.rank) and inj.key not in self._fired:
                 self._fired.add(inj.key)
                 self._report(inj, step)
                 out.append(inj)
         return out
+
+    def _kill_mid_move(self) -> None:
+        """`kill@step=S,during=move`: die inside the first expert re-placement after step S
+        begins, its transfer done and its agreement not yet reached."""
+        for inj in self.mine:
+            if inj.kind == "kill" and inj.param("during") == "move" and self._step >= inj.step:
+                if inj.key not in self._fired:
+                    self._fired.add(inj.key)
+                    self._report(inj, self._step)
+                    self._flush()  # the ground truth must survive the kill
+                    os.kill(os.getpid(), signal.SIGKILL)
 
     def _active(self, kind: str, step: int) -> Injection | None:
         """The injection of `kind` acting now: started by this attempt (a resumed run replays
@@ -259,7 +273,7 @@ class Injector:
         """Start injections; kill and hang act here, the rest shape the step."""
         self._step = step
         for inj in self._starting(step):
-            if inj.kind == "kill":
+            if inj.kind == "kill" and inj.param("during") == "step":
                 self._flush()  # the ground truth must survive the kill
                 os.kill(os.getpid(), signal.SIGKILL)
             if inj.kind == "hang":
@@ -312,6 +326,8 @@ class Injector:
                 mesh.miscount = self.miscount
             if mesh is not None and skips_experts:
                 mesh.skip = self.skip_exchange
+            if mesh is not None and any(i.kind == "kill" and i.param("during") == "move" for i in self.mine):
+                mesh.mid_move = self._kill_mid_move
         for inj in self.mine:
             path = inj.param("module") if inj.kind == "nan" else ""
             if not path:

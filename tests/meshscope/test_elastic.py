@@ -70,6 +70,40 @@ def test_kill9_of_a_worker_resumes_and_ends_bit_identical(tmp_path, monkeypatch,
         assert torch.equal(a[key], b[key]), key
 
 
+def test_a_kill_inside_an_approved_re_placement_resumes_bit_identical(tmp_path):
+    """Expert parallelism with fp16 compression and three changes approved before the start
+    (a router bias, a re-placement, a capacity factor: one per control poll). Rank 1 dies
+    inside the re-placement, after the experts travelled and before the job agreed; the
+    restart resumes from the checkpoint before it, the re-placement lands again at its own
+    step, and every tensor of the final checkpoint and of each rank's local state (RNG, the
+    changes' values, the drifted router bias) equals the uninterrupted run's."""
+    from fixtures.resume import differences, final_checkpoint, queue_changes
+
+    changes = [
+        ("router_bias", 0, [0.01, 0.0, 0.0, 0.0, 0.0]),
+        ("expert_placement", 1, [2, 1, 0, 3]),  # experts 0 and 2 change rank
+        ("capacity_factor", -1, [2.0]),
+    ]
+    flags = ("--steps", "20", "--checkpoint-every", "5", "--max-restarts", "2", "--set", "control_every=5")
+    flags += ("--set", "parallel.ep=2", "--set", "train.compression=fp16")
+    runs = {}
+    for name, extra in (("clean", ()), ("killed", ("--inject", "kill@step=6,rank=1,during=move"))):
+        queue_changes(tmp_path / name, changes)
+        proc = meshscope_run(tmp_path, name, *flags, *extra)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-3000:]
+        runs[name] = load_events(tmp_path / name)
+    kinds = list(runs["killed"]["kind"])
+    assert {"injected", "restart", "resume"} <= set(kinds), kinds
+    for events in runs.values():  # each change applied once, at its poll (the move at step 10)
+        settled = events[events["kind"] == "suggestion_applied"]
+        fates = [(d["status"], int(s)) for s, d in zip(settled["step"], settled["detail"])]
+        assert fates == [("applied", 5), ("applied", 10), ("applied", 15)], fates
+    moved = settled["detail"].iloc[1]["new"]["1"]
+    assert moved["moved"] == [0, 2] and moved["placement"] == [2, 1, 0, 3], moved
+    assert not differences(final_checkpoint(tmp_path / "clean"), final_checkpoint(tmp_path / "killed"))
+
+
 def _the_first_attempt_is_kept(run_dir, steps, from_step, monkeypatch):
     """The steps the restart redid keep the killed attempt's rows beside the redo's, in the store
     and on the view's Run page."""

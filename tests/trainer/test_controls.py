@@ -172,7 +172,8 @@ def test_bad_approvals_get_a_clear_error(controlled):
 
 def test_a_resume_is_the_interrupted_run_for_the_approved_changes(tmp_path):
     """The checkpoint keeps the values in force (a bias that drifted included); a change applied
-    after the checkpoint lands again at its own step, not at the resume step."""
+    after the checkpoint lands again at its own step, not at the resume step; so does every
+    change of a run that starts again from step 0."""
     import torch
     from prometheus_client import CollectorRegistry
 
@@ -219,8 +220,16 @@ def test_a_resume_is_the_interrupted_run_for_the_approved_changes(tmp_path):
     resumed.at_boundary(29)  # the boundary before step 30
     assert layer.capacity_factor == 2.0
 
-    restarted = applier()  # no checkpoint values (another world size): every change now
-    restarted.replay_applied()
+    afresh = applier()  # restarted from step 0 (no checkpoint yet): each change at its own step
+    afresh.replay_applied()
+    assert afresh.layers[0].router.routing_bias is None and afresh.layers[0].capacity_factor == 1.25
+    afresh.at_boundary(9)
+    assert afresh.layers[0].router.routing_bias.tolist() == [0.0] * experts
+    afresh.at_boundary(29)
+    assert afresh.layers[0].capacity_factor == 2.0
+
+    restarted = applier()  # a checkpoint without the values (another world size): every change now
+    restarted.replay_applied(resumed_at=20)
     assert restarted.layers[0].capacity_factor == 2.0
     assert restarted.layers[0].router.routing_bias.tolist() == [0.0] * experts
     mon.close()

@@ -193,98 +193,147 @@ def test_dropless_dispatch_trains_the_model_that_drops_nothing(tmp_path):
     assert all(r["rows"][-1]["bytes_a2a"] > 0 for r in dropless)
 
 
-def _moved(rank: int, world_size: int, run_dir: str, dispatch: str, move: bool, save: str = "") -> dict:
-    """6 steps; with `move`, every layer's experts are re-placed (reversed) after step 2, as a
-    live re-placement does at a step boundary."""
+def _state_by_expert(state) -> dict:
+    """Every parameter and Adam moment this rank holds, experts under their global index (where
+    a placement put them), dense ones under their name."""
+    out = {}
+    for name, p in state.model.named_parameters():
+        moments = state.optimizer.state.get(p, {})
+        tensors = [p.detach(), *(moments[k] for k in ("exp_avg", "exp_avg_sq") if k in moments)]
+        layer = state.model.get_submodule(name.rsplit(".experts.", 1)[0]) if ".experts." in name else None
+        if layer is None or getattr(layer, "expert_mesh", None) is None:
+            out[name] = [t.clone() for t in tensors]
+            continue
+        per = len(layer.slot_expert) // layer.expert_mesh.ep
+        slots = layer.slot_expert.tolist()[layer.expert_mesh.ep_rank * per :][:per]
+        for local, expert in enumerate(slots):
+            out[f"{name}[{expert}]"] = [t[local].clone() for t in tensors]
+    return out
+
+
+def _moved(rank: int, world_size: int, run_dir: str, device: str, move: bool, save: str = "") -> dict:
+    """6 steps on a 2 (data) x 2 (expert) mesh; with `move`, every layer's experts are re-placed
+    (reversed) after step 2, as a live re-placement does at a step boundary."""
+    from meshscope.collector.control import ControlPlane
     from meshscope.collector.store import load_steps
-    from meshscope.trainer.experts import move_experts
     from meshscope.trainer.inject import Injector
     from meshscope.trainer.loop import train_step
+    from meshscope.trainer.placement import move_experts
 
-    cfg, dev, mon, state, store = _trainer(rank, world_size, 2, run_dir, "cpu", dispatch=dispatch)
+    cfg, dev, mon, state, store = _trainer(rank, world_size, 2, run_dir, device, dispatch="dropless")
+    plane = ControlPlane()
     injector = Injector([], rank, lambda inj, step: None)
-    losses, cost = [], None
+    cost = None
     for step in range(6):
         train_step(state, mon, cfg, dev, injector)
-        losses.append(float(state.model.blocks[0].moe.aux_loss))
         if move and step == 2:
             for moe in state.model.moe_layers():
-                cost = move_experts(moe, state.optimizer, [3, 2, 1, 0])
+                cost = move_experts(moe, state.optimizer, [3, 2, 1, 0], plane.agree_all)
+    dev.synchronize()
     if save:
         _checkpoints(save, rank, world_size, state).save(6, state.model, state.optimizer, {})
     mon.close()
-    held = {
-        int(e): w
-        for e, w in zip(
-            state.model.blocks[1].moe.slot_expert.tolist()[rank * 2 : rank * 2 + 2],
-            state.model.blocks[1].moe.experts.w1.detach(),
-        )
-    }
-    return {"aux": losses, "loss": load_steps(store)["loss"].tolist(), "held": held, "cost": cost}
+    held = _state_by_expert(state)
+    return {"loss": load_steps(store)["loss"].tolist(), "state": held, "cost": cost}
 
 
-def test_a_live_re_placement_moves_experts_without_changing_the_model(tmp_path):
-    """Experts (weights and Adam's moments) re-placed mid-run: every later step computes what
-    the run that kept its placement computes, and each expert now lives where it was sent.
-    Dropless dispatch, where a placement matters (each expert computes its own tokens); static
-    capacity maps slots the same way (`slot_order`)."""
-    dispatch = "dropless"
-    kept = run_ranks(_moved, world_size=2, run_dir=str(tmp_path / "kept"), dispatch=dispatch, move=False)
-    root = str(tmp_path / "ckpt")
-    moved = run_ranks(
-        _moved, world_size=2, run_dir=str(tmp_path / "moved"), dispatch=dispatch, move=True, save=root
-    )
+@pytest.mark.parametrize("device,backend", [("cpu", "gloo"), ("sim", "simnccl")], ids=["gloo", "sim"])
+def test_a_live_re_placement_moves_experts_without_changing_the_model(tmp_path, device, backend):
+    """Experts (weights and both Adam moments) re-placed mid-run on two data replicas: every
+    later step computes what the run that kept its placement computes, every parameter and
+    moment of the model ends as there (each expert on its new rank), and only the experts that
+    changed rank travelled. Dropless dispatch, where a placement matters (each expert computes
+    its own tokens); static capacity maps slots the same way (`slot_order`). On the simulated
+    accelerator too, whose point-to-point work completes later than it is enqueued."""
+    run = dict(world_size=4, backend=backend, device=device)
+    kept = run_ranks(_moved, run_dir=str(tmp_path / "kept"), move=False, **run)
+    root = str(tmp_path / "ckpt") if device == "cpu" else ""
+    moved = run_ranks(_moved, run_dir=str(tmp_path / "moved"), move=True, save=root, **run)
     for a, b in zip(kept, moved):
-        assert b["aux"] == pytest.approx(a["aux"], rel=1e-5)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and len(b["loss"]) == 6
-    assert sorted(moved[0]["held"]) == [2, 3] and sorted(moved[1]["held"]) == [0, 1]
-    for expert, w in moved[0]["held"].items():
-        assert torch.allclose(w, kept[1]["held"][expert], rtol=1e-5), expert
-    assert moved[0]["cost"]["moved"] == [0, 1, 2, 3] and moved[0]["cost"]["bytes"] > 0
+    kept_state = {k: v for r in kept for k, v in r["state"].items()}
+    for rank, result in enumerate(moved):
+        assert sorted(k for k in result["state"] if "experts.w1[" in k and "blocks.1" in k) == [
+            f"blocks.1.moe.experts.w1[{e}]" for e in ((2, 3) if rank % 2 == 0 else (0, 1))
+        ]
+        for name, tensors in result["state"].items():
+            for got, want in zip(tensors, kept_state[name], strict=True):
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (rank, name)
+    cost = moved[0]["cost"]
+    one_expert = sum(
+        t.numel() * 4 for k, ts in moved[0]["state"].items() if "blocks.1" in k and "[3]" in k for t in ts
+    )
+    assert cost["moved"] == [0, 1, 2, 3] and cost["bytes"] == 4 * one_expert
+    if not root:
+        return
     # its checkpoint (experts in slot order, with the placement) read by a run holding every
     # expert: each expert where that run expects it
     whole = run_ranks(_restore, world_size=2, ep=1, run_dir=str(tmp_path / "whole"), root=root)
     for expert in range(4):
-        w = moved[0]["held"].get(expert, moved[1]["held"].get(expert))
-        assert torch.equal(whole[0][expert][0], w), expert
+        w = (
+            moved[0]["state"].get(f"blocks.1.moe.experts.w1[{expert}]")
+            or moved[1]["state"][f"blocks.1.moe.experts.w1[{expert}]"]
+        )
+        assert torch.equal(whole[0][expert][0], w[0]), expert
 
 
-def _corrupted_move(rank: int, world_size: int, run_dir: str) -> dict:
-    """A re-placement whose transfer arrives corrupted on rank 1: both ranks refuse it alike,
-    and every expert, weights and moments, stays where it was."""
+def _corrupted_move(rank: int, world_size: int, run_dir: str, placement: list[int]) -> dict:
+    """A re-placement whose transfer arrives corrupted on rank 3 alone (one EP row of two):
+    every rank of the job refuses it alike, and every expert, weights and moments, stays."""
     import torch.distributed as dist
 
-    from meshscope.trainer.experts import PlacementFailed, move_experts
+    from meshscope.collector.control import ControlPlane
     from meshscope.trainer.inject import Injector
     from meshscope.trainer.loop import train_step
+    from meshscope.trainer.placement import PlacementFailed, move_experts
 
     cfg, dev, mon, state, _ = _trainer(rank, world_size, 2, run_dir, "cpu", dispatch="dropless")
+    plane = ControlPlane()
     train_step(state, mon, cfg, dev, Injector([], rank, lambda inj, step: None))
     moe = state.model.blocks[1].moe
-    before = [t.detach().clone() for t in (moe.experts.w1, moe.slot_expert)]
-    real = dist.all_gather_into_tensor
+    before = _state_by_expert(state)
+    real = dist.batch_isend_irecv
 
-    def corrupting(out, inp, group=None, async_op=False):
-        work = real(out, inp, group=group, async_op=async_op)
-        out.add_(1.0 if rank == 1 else 0.0)  # a bit flip on the wire, on one rank
-        return work
+    def corrupting(ops):
+        for work in real(ops):
+            work.wait()
+        for op in ops:  # a bit flip on the wire, on one rank
+            if rank == 3 and op.op is dist.irecv and op.tensor.is_floating_point():
+                op.tensor.view(torch.int32).view(-1)[0] ^= 1
+        return []  # waited for here
 
-    dist.all_gather_into_tensor = corrupting
+    dist.batch_isend_irecv = corrupting
     try:
-        move_experts(moe, state.optimizer, [3, 2, 1, 0])
+        move_experts(moe, state.optimizer, placement, plane.agree_all)
         refused = ""
     except PlacementFailed as err:
         refused = str(err)
     finally:
-        dist.all_gather_into_tensor = real
+        dist.batch_isend_irecv = real
     mon.close()
-    after = [moe.experts.w1.detach(), moe.slot_expert]
-    return {"refused": refused, "kept": all(torch.equal(a, b) for a, b in zip(before, after))}
+    after = _state_by_expert(state)
+    kept = all(torch.equal(a, b) for k in before for a, b in zip(before[k], after[k]))
+    return {"refused": refused, "kept": kept and moe.slot_expert.tolist() == [0, 1, 2, 3]}
 
 
-def test_a_re_placement_that_fails_its_checksum_moves_nothing_on_any_rank(tmp_path):
-    for result in run_ranks(_corrupted_move, world_size=2, run_dir=str(tmp_path)):
+def test_a_re_placement_that_fails_its_checksum_anywhere_moves_nothing_on_any_rank(tmp_path):
+    """Rank 3's row alone saw the bad arrival; rows must agree (replicas of an expert hold the
+    same one), so ranks 0 and 1 refuse it too."""
+    for result in run_ranks(_corrupted_move, world_size=4, run_dir=str(tmp_path), placement=[3, 2, 1, 0]):
         assert "nothing was moved" in result["refused"] and result["kept"], result
+
+
+def test_the_checksum_sees_a_flipped_bit_and_a_swap():
+    from meshscope.trainer.placement import checksum
+
+    x = torch.randn(3, 5)
+    flipped = x.clone()
+    flipped.view(torch.int32).view(-1)[7] ^= 1 << 20
+    swapped = x.clone()
+    swapped[0, 0], swapped[0, 1] = x[0, 1], x[0, 0]
+    sums = [checksum([t]).tolist() for t in (x, flipped, swapped)]
+    assert len({tuple(s) for s in sums}) == 3 and checksum([x.clone()]).tolist() == sums[0]
+    assert checksum([torch.ones(3, dtype=torch.uint8)]).dtype == torch.int64  # an odd byte count
 
 
 def _restore_refused(rank: int, world_size: int, run_dir: str, root: str) -> str:

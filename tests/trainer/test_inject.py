@@ -17,6 +17,7 @@ def test_parse_full_spec():
         ("slow@step=1,rank=0,speed=2", "unknown parameter"),
         ("nan@step=x,rank=0", "not key=number"),
         ("kill@step=1,rank=0,steps=0", "steps >= 1"),
+        ("kill@step=1,rank=0,during=later", "during= takes one of step, move"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(spec, message):
@@ -51,6 +52,35 @@ def test_already_fired_injections_do_not_fire_again():
 
     inj.before_step(3, torch.nn.Linear(1, 1))  # would SIGKILL this test if it fired
     assert reported == []
+
+
+def test_a_kill_during_a_move_waits_for_the_re_placement(monkeypatch):
+    """`during=move`: not at the step's start, but inside the first re-placement from that step
+    on (the hook the expert mesh calls between the transfer and the agreement), once."""
+    import signal
+    import types
+
+    import torch
+
+    from meshscope.trainer import inject
+
+    killed, reported = [], []
+    monkeypatch.setattr(inject.os, "kill", lambda pid, sig: killed.append(sig))
+    injector = Injector(
+        [parse_injection("kill@step=3,rank=0,during=move")], rank=0, report=lambda i, s: reported.append(s)
+    )
+    mesh = types.SimpleNamespace(dropless=False, mid_move=None)
+    layer = types.SimpleNamespace(expert_mesh=mesh)
+    model = types.SimpleNamespace(moe_layers=lambda: [layer])
+    injector.arm(model)
+    for step in range(5):
+        injector.before_step(step, torch.nn.Linear(1, 1))
+        if step == 1:
+            mesh.mid_move()  # a move before step 3: not yet
+    assert killed == []
+    mesh.mid_move()
+    mesh.mid_move()
+    assert killed == [signal.SIGKILL] and reported == [4]
 
 
 def test_comm_delay_lands_after_backward_even_when_the_collective_is_already_done():
