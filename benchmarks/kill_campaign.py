@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import machine  # first: puts the repository on sys.path
+
 from fixtures.resume import differences, final_checkpoint, queue_changes
 from fixtures.runs import start_run
 
@@ -98,7 +100,7 @@ def main() -> int:
         took = time.perf_counter() - started
         print(f"{i:2d} {layout:16s} {spec:34s} {_events(run_dir)} {took:5.1f} s  {verdict}")
         sys.stdout.flush()
-    print(f"bit-identical resumes: {identical}/{args.tries}  (runs under {root})")
+    print(f"bit-identical resumes: {identical}/{args.tries}  (runs under {root}; {machine()})")
     return 0 if identical == args.tries else 1
 
 

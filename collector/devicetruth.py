@@ -16,13 +16,15 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshscope.collector.service import Service
+
 try:
     from torch._C._distributed_c10d import WorkResult
 except ImportError:  # a torch before result futures: every backend answers through its future
     WorkResult = None
 
 
-class DeviceTruth:
+class DeviceTruth(Service):
     """The flight log's device thread: completion and progress from the device (module doc).
 
     It only ever *queries* (`Work.is_completed()`, `probe.ready(event)`); the host thread only
@@ -30,22 +32,12 @@ class DeviceTruth:
     the control plane's host group completes on the host); step ends in order."""
 
     def __init__(self, log: Any, probe: Any, poll_s: float) -> None:
+        super().__init__("meshscope-flight-device", poll_s)
         self.log, self.probe, self.poll_s = log, probe, poll_s
         self._work: list[tuple[int, Callable[[], bool], Any]] = []
         self._steps: list[tuple[int, Any]] = []
         self._last_end: Any = None
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="meshscope-flight-device", daemon=True)
-
-    def start(self) -> DeviceTruth:
-        """Query on a thread of its own until `stop()`."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop querying (the log is closing)."""
-        self._stop.set()
 
     def watch(self, slot: int, result: Any) -> None:
         """A collective was enqueued: its Work when async, else an event after it (the call
@@ -63,15 +55,15 @@ class DeviceTruth:
         with self._lock:
             self._steps.append((step, mark))
 
-    def _run(self) -> None:
+    def before_rounds(self) -> None:
+        """Bind the rank's device before the first query: this thread would start on device 0."""
         bind = getattr(self.probe, "bind", None)
         if bind is not None:
-            bind()  # before the first query: this thread would start on device 0
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.poll()
-            except Exception:  # noqa: BLE001  (a query must never take the job down)
-                continue
+            bind()
+
+    def round(self) -> None:
+        """One round of queries (a failed one is logged and counted: `Service`)."""
+        self.poll()
 
     def poll(self) -> None:
         """One round of queries."""

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from meshscope.collector.service import Service
 from meshscope.collector.storedb import (
     StoreTarget,
     StoreUnavailable,
@@ -40,7 +41,7 @@ log = logging.getLogger("meshscope.relay")
 BATCH_ROWS = 20_000  # per table per round: a backlog drains over rounds, never one huge transaction
 
 
-class StoreRelay:
+class StoreRelay(Service):
     """Ships one node's SQLite store to the job store every `interval_s`, in a thread."""
 
     def __init__(
@@ -63,15 +64,9 @@ class StoreRelay:
         self._positions: dict[str, int] | None = None
         self._conn: Any = None
         self._down_since: float | None = None
-        self._stop = threading.Event()
         # one round at a time: a caller's drain() may run while the thread ships on the same session
         self._round = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="meshscope-relay", daemon=True)
-
-    def start(self) -> StoreRelay:
-        """Ship in the background until `stop()`."""
-        self._thread.start()
-        return self
+        super().__init__("meshscope-relay", interval_s, join_s=60)
 
     def drain(self, retry_s: float = 0.0) -> bool:
         """Ship until nothing is new (retrying a job store that is down for `retry_s`); False
@@ -92,26 +87,22 @@ class StoreRelay:
 
     def stop(self) -> bool:
         """Ship what is left, then close (see `drain`)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=60)
+        super().stop()
         shipped = self.drain(self.close_retry_s)
         with self._round:
             self._reset()
         return shipped
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            if not self.active():
-                continue
-            try:
-                self.ship_once()
-            except StoreUnavailable as err:
-                if self._down_since is None:  # one warning per outage
-                    self._down_since = time.monotonic()
-                    log.warning("%s; the node's rows wait in %s until it answers", err, self.store_file)
-            except Exception:  # shipping must never take training down
-                log.exception("relay round failed")
+    def round(self) -> None:
+        """Ship what is new, if this agent ships this store (other failures: `Service`)."""
+        if not self.active():
+            return
+        try:
+            self.ship_once()
+        except StoreUnavailable as err:
+            if self._down_since is None:  # one warning per outage
+                self._down_since = time.monotonic()
+                log.warning("%s; the node's rows wait in %s until it answers", err, self.store_file)
 
     def ship_once(self) -> int:
         """One round: every table's new rows and the new positions, in one transaction."""

@@ -7,7 +7,6 @@ episode as it opens, `on_round` runs after every round of judging."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from meshscope.collector.metrics import DetectorMetrics
 from meshscope.collector.report import busiest_host
 from meshscope.collector.rundir import job_leader, run_info
 from meshscope.collector.schema import Event, anomaly_key
+from meshscope.collector.service import Service
 from meshscope.collector.store import RunStore, load_events, load_expert_load, load_grad_stats, load_steps
 from meshscope.detectors.engine import DetectionEngine, EngineConfig
 from meshscope.detectors.episodes import Episode
@@ -27,7 +27,7 @@ from meshscope.detectors.pauses import known_pauses
 log = logging.getLogger("meshscope.detect")
 
 
-class LiveDetection:
+class LiveDetection(Service):
     """Polls `<run>/store.sqlite` every `poll_s`; anomalies become events when they close, and
     count in `meshscope_anomalies_total{type}` when they open."""
 
@@ -59,17 +59,11 @@ class LiveDetection:
         self.host: HostShare | None = None
         self._host_known = False
         self._written: set[tuple] | None = None  # anomaly events already in the store
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="meshscope-detect", daemon=True)
+        super().__init__("meshscope-detect", poll_s, join_s=30)
 
-    def start(self) -> LiveDetection:
-        """Judge in the background until `stop()`."""
-        self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self.poll()
+    def round(self) -> None:
+        """One round of judging (see `poll`)."""
+        self.poll()
 
     def poll(self) -> None:
         """One round of judging. Detection never takes training down: errors are logged."""
@@ -102,9 +96,7 @@ class LiveDetection:
 
     def stop(self) -> list[Episode]:
         """Judge what is left, close every episode, and return all closed episodes."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
+        super().stop()
         self.poll()
         if self.leader.held():
             self.engine.finish()

@@ -101,6 +101,7 @@ class Sidecar:
         )
         self.metrics_url: str | None = None
         self.export_error: str | None = None
+        self._metrics_server: Any = None  # the detector's /metrics, shut at `close`
 
     def start(self) -> Sidecar:
         """Export the detector's metrics (a busy port degrades with a reason) and start judging."""
@@ -113,7 +114,7 @@ class Sidecar:
                 if self.cfg.metrics_labels
                 else None
             )
-            serve_metrics(self.live.registry, port, host=host, labels=labels)
+            self._metrics_server, _ = serve_metrics(self.live.registry, port, host=host, labels=labels)
             write_detector_target(self.cfg.run_dir, run_id=self.cfg.run_id, host=host, port=port, node=node)
             self.metrics_url = f"http://{host}:{port}/metrics"
         except PortInUseError as err:
@@ -132,10 +133,15 @@ class Sidecar:
         return self.live.stop()
 
     def close(self, retry_s: float = 30.0) -> None:
-        """Ship what the end of the run wrote (anomalies, run_end) to the job store and stop."""
+        """Ship what the end of the run wrote (anomalies, run_end) to the job store, and stop
+        serving the detector's metrics (its port is free again)."""
         if self.relay is not None:
             self.relay.close_retry_s = retry_s
             self.relay.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
 
     def _link(self, **params: Any) -> str:
         return view_link(self.cfg.alerts.view_url, self.cfg.run_id, **params)

@@ -83,21 +83,25 @@ class ControlApplier:
             header = torch.zeros(_HEADER, dtype=torch.float64)
             held_from = torch.zeros(1, dtype=torch.float64)  # the step it held from
             if self.rank == 0:
-                header[:], held_from[0] = _header(*rows[i][:2]), rows[i][2]
+                cid, change, held_from[0] = rows[i]
+                header[:] = _header(cid, change) if change is not None else torch.tensor([cid, 0, 0, 0])
             if self.plane is not None:
                 self.plane.broadcast(held_from, src=0)
-            values = self._agree(header, rows[i][1].values if self.rank == 0 else []) or []
+            own = rows[i][1].values if self.rank == 0 and rows[i][1] is not None else []
+            values = self._agree(header, own) or []
+            since = int(held_from[0])  # host tensor: the control plane's
             try:
                 change = ControlChange.parse(
                     {"kind": _KINDS.get(int(header[1]), "?"), "layer": int(header[2]), "values": values}
                 )
             except (controls.ControlError, ValueError):
-                continue
-            since = int(held_from[0])  # host tensor: the control plane's
+                change = None  # refused then: it still took its poll
             if saved is None or (fresh and since <= 0):  # no values to start from, or no step
-                self._set_quietly(change)
+                if change is not None:
+                    self._set_quietly(change)
             elif since > resumed_at:  # else in the checkpoint's values already
-                self._scheduled.setdefault(since, []).append(change)
+                # the poll it landed at is taken again: a pending change waits for the next one
+                self._scheduled.setdefault(since, []).extend([change] if change is not None else [])
 
     def _set_quietly(self, change: ControlChange) -> None:
         """Set a change recorded as applied before (nothing to settle)."""
@@ -138,20 +142,23 @@ class ControlApplier:
                 None if bias is None else torch.tensor(bias, dtype=torch.float32, device=device)
             )
 
-    def _applied_before(self) -> list[tuple[int, ControlChange, int]]:
+    def _applied_before(self) -> list[tuple[int, ControlChange | None, int]]:
+        """(id, change, step) of every change settled before, in the order they were: a
+        refused one (None) took its poll as an applied one did."""
         try:
             rows = controls.load_controls(self.run_dir)
         except StoreUnavailable as err:
             log.warning("job store down (%s): the changes applied before the restart are not re-applied", err)
             return []
         out = []
-        for _, row in rows[rows["status"] == "applied"].iterrows():
+        for _, row in rows[rows["status"].isin(["applied", "refused"])].iterrows():
             fields = {"kind": row["kind"], "layer": int(row["layer"]), "values": row["payload"]}
             since = int(row["step"]) if row["step"] == row["step"] else 0  # NaN: never recorded
             try:
-                out.append((int(row["id"]), ControlChange.parse(fields), since))
+                change = ControlChange.parse(fields) if row["status"] == "applied" else None
             except (controls.ControlError, ValueError):
-                continue
+                change = None
+            out.append((int(row["id"]), change, since))
         return out
 
     def _pending(self) -> list[tuple[int, ControlChange]]:
@@ -170,9 +177,10 @@ class ControlApplier:
 
     def at_boundary(self, step: int) -> None:
         """Called by every rank after step `step`; collective on the poll steps."""
-        for change in self._scheduled.pop(step + 1, []):  # a resumed run meets its own changes
+        replayed = self._scheduled.pop(step + 1, None)  # a resumed run meets its own changes
+        for change in replayed or []:
             self._set_quietly(change)
-        if (step + 1) % self.every:
+        if (step + 1) % self.every or replayed is not None:  # a replayed change's poll is taken
             return
         found = self._pending()[:1] if self.rank == 0 else []
         header = torch.zeros(_HEADER, dtype=torch.float64)

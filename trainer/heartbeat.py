@@ -19,7 +19,6 @@ failed.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from meshscope.collector.service import Service
 
 PREFIX = "meshscope"
 log = logging.getLogger("meshscope.heartbeat")
@@ -101,7 +102,7 @@ def exit_marks(store: dist.Store, attempt: int, world_size: int) -> dict[int, fl
     return out
 
 
-class Heartbeat:
+class Heartbeat(Service):
     """This rank's beat: one store write per interval, from a thread. Ranks never read their
     peers' beats (that was N x N reads per interval); the watchers below do, O(N) in all."""
 
@@ -111,37 +112,31 @@ class Heartbeat:
         self.store, self.rank, self.world, self.attempt = store, rank, world_size, attempt
         self.interval = interval_s
         self.step = -1
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="meshscope-heartbeat", daemon=True)
+        super().__init__("meshscope-heartbeat", interval_s)
 
     def start(self) -> Heartbeat:
         """Start beating on a thread of its own."""
         if self.rank == 0:
             self.store.set(world_key(self.attempt), str(self.world))
         self._beat()
-        self._thread.start()
+        super().start()
         return self
 
     def mark_exit(self, reason: str) -> None:
         """Say this rank left on purpose (SIGTERM, done): it is not a failure."""
         self.store.set(exit_key(self.attempt, self.rank), f"{reason} {time.time()}")
 
-    def stop(self) -> None:
-        """Stop beating."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
     def _beat(self) -> None:
         self.store.set(hb_key(self.attempt, self.rank), f"{time.time()} {self.step}")
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self._beat()
-            except Exception as err:  # the store went away: the agent is tearing the group down
-                log.warning("heartbeat of rank %d stopped: %s", self.rank, err)
-                return
+    def round(self) -> bool:
+        """One beat; False once the store went away (the agent is tearing the group down)."""
+        try:
+            self._beat()
+        except Exception as err:  # noqa: BLE001
+            log.warning("heartbeat of rank %d stopped: %s", self.rank, err)
+            return False
+        return True
 
 
 def node_key(attempt: int, node: int) -> str:
@@ -165,32 +160,23 @@ class _Ages:
         return now - seen[1]
 
 
-class _Watcher:
+class _Watcher(Service):
     """A thread that looks every half interval; a death is reported once."""
 
     def __init__(self, interval_s: float, clock: Callable[[], float], name: str) -> None:
         self.interval, self.clock = interval_s, clock
         self.ages = _Ages(clock)
         self.reported: set[int] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        super().__init__(name, interval_s / 2)
 
-    def start(self):
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval / 2):
-            try:
-                self.look()
-            except Exception as err:  # the store went away: the agent is tearing down
-                log.warning("%s stopped: %s", self._thread.name, err)
-                return
+    def round(self) -> bool:
+        """One look; False once the store went away (the agent is tearing down)."""
+        try:
+            self.look()
+        except Exception as err:  # noqa: BLE001
+            log.warning("%s stopped: %s", self.name, err)
+            return False
+        return True
 
     def look(self) -> None:
         raise NotImplementedError

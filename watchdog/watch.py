@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from meshscope.collector.flightread import (
     latest_logs,
     read_flight,
 )
+from meshscope.collector.service import Service
 from meshscope.collector.stacks import crash_stack, recorder_answer, request_stacks, stack_answer
 from meshscope.watchdog.diagnose import diagnose
 from meshscope.watchdog.exchange import NodeExchange
@@ -85,7 +85,7 @@ def pid_alive(pid: int) -> bool:
 CLOCK_SKEW_S = 1.0  # how far nodes' clocks may disagree when a verdict is matched to a stall
 
 
-class HangWatch:
+class HangWatch(Service):
     """Watches one node's ranks through their flight logs; see the module doc."""
 
     def __init__(
@@ -108,26 +108,11 @@ class HangWatch:
         self.on_hang, self.clock = on_hang, clock
         self.diagnosed: dict[frozenset, float] = {}  # attempt -> its progress when diagnosed
         self.last: Diagnosis | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="meshscope-hang", daemon=True)
+        super().__init__("meshscope-hang", self.config.poll_s, join_s=10)
 
-    def start(self) -> HangWatch:
-        """Poll on a thread of its own until `stop()`."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop polling."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.config.poll_s):
-            try:
-                self.poll()
-            except Exception:  # watching must never take training down
-                log.exception("hang watch round failed")
+    def round(self) -> None:
+        """One look (a failed one is logged and counted, never the end of training)."""
+        self.poll()
 
     def poll(self) -> Diagnosis | None:
         """One look; a diagnosis (also handed to `on_hang`) when this attempt is stuck."""

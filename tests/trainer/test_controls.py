@@ -204,6 +204,8 @@ def test_a_resume_is_the_interrupted_run_for_the_approved_changes(tmp_path):
         (controls.submit(run, late), late, 30),
     ):
         first._apply(cid, change.kind, change.layer, change.values, step)
+    refused = controls.submit(run, late)  # refused at step 15 (its layer is not there): it took that poll
+    first._apply(refused, "capacity_factor", 7, [2.0], 15)
     drifted = [-0.2] + [0.2] * (experts - 1)
     for layer in first.layers:  # the bias updates after the change moved it
         layer.router.routing_bias = torch.tensor(drifted)
@@ -225,6 +227,11 @@ def test_a_resume_is_the_interrupted_run_for_the_approved_changes(tmp_path):
     assert afresh.layers[0].router.routing_bias is None and afresh.layers[0].capacity_factor == 1.25
     afresh.at_boundary(9)
     assert afresh.layers[0].router.routing_bias.tolist() == [0.0] * experts
+    waiting = controls.submit(run, ControlChange(kind="aux_loss_coef", values=[0.02]))  # pending
+    afresh.at_boundary(14)  # the refused change's poll: taken again, so the pending one waits
+    assert controls.pending(run)[0][0] == waiting
+    afresh.at_boundary(19)  # the next poll is free: it lands, as it would have in the first attempt
+    assert controls.pending(run) == [] and afresh.model.aux_loss_coef == 0.02
     afresh.at_boundary(29)
     assert afresh.layers[0].capacity_factor == 2.0
 

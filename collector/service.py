@@ -1,0 +1,99 @@
+"""One lifecycle for everything meshscope runs beside training on a thread of its own.
+
+The device-truth queries, the relay, heartbeats and their watchers, the hang watchdog and live
+detection each repeat one round every interval. They share what a demanding operator needs
+from all of them: `start()` once, `stop()` that waits a bounded time and says whether the
+thread ended, a round that fails is logged (the first few in full, then every power of two)
+and counted in `failures`, never the end of training, and after a fork the child holds no
+thread of its parent's: it may start its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+
+log = logging.getLogger("meshscope.service")
+
+_LOGGED_IN_FULL = 3  # failures logged with their traceback before thinning out
+_ALL: weakref.WeakSet[Service] = weakref.WeakSet()
+
+
+class Service:
+    """A thread that runs `round()` every `interval_s` until `stop()`; a round that returns
+    False ends it (what it watched is gone)."""
+
+    def __init__(self, name: str, interval_s: float, *, join_s: float = 5.0) -> None:
+        self.name, self.interval_s, self.join_s = name, interval_s, join_s
+        self.failures = 0  # rounds that raised, since construction
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        _ALL.add(self)
+
+    def start(self) -> Service:
+        """Run rounds on a thread of its own (again after a `stop()`); returns self."""
+        if self.running:
+            return self
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> bool:
+        """Ask the thread to end after its round and wait at most `join_s`; whether it ended."""
+        self._stop.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(self.join_s)
+        if thread.is_alive():
+            log.warning("%s did not stop within %.0f s; it ends with the process", self.name, self.join_s)
+            return False
+        return True
+
+    @property
+    def running(self) -> bool:
+        """Whether its thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether `stop()` was asked (a long round may look and return early)."""
+        return self._stop.is_set()
+
+    def before_rounds(self) -> None:
+        """Runs once on the service's thread before its first round (binding a device, say)."""
+
+    def round(self) -> bool | None:
+        """One round of work; False ends the service."""
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        if self._guarded(self.before_rounds) is False:
+            return
+        while not self._stop.wait(self.interval_s):
+            if self._guarded(self.round) is False:
+                return
+
+    def _guarded(self, work) -> bool | None:  # noqa: ANN001
+        try:
+            return work()
+        except Exception:  # a round must never take training down
+            self.failures += 1
+            n = self.failures
+            if n <= _LOGGED_IN_FULL or n & (n - 1) == 0:
+                log.exception("%s: round failed (%d so far)", self.name, n)
+            return None
+
+
+def _forget_threads_after_fork() -> None:
+    """A forked child has none of its parent's threads: its services are stopped, startable."""
+    for service in list(_ALL):
+        service._thread = None
+        service._stop = threading.Event()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads_after_fork)
