@@ -29,7 +29,8 @@ from _common import machine
 
 from fixtures.hang_cases import FAULT_STEP, rank_main
 from fixtures.ports import free_port_range
-from meshscope.watchdog.watch import HangConfig, HangWatch
+from meshscope.watchdog.config import HangConfig
+from meshscope.watchdog.watch import HangWatch
 
 WORLD, CULPRIT = 3, 2
 EXPECTED = {

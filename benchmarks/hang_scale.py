@@ -25,8 +25,9 @@ from _common import machine
 
 from fixtures.ports import free_port_range
 from meshscope.collector.flightread import FlightRecord, FlightTail
+from meshscope.watchdog.config import HangConfig
 from meshscope.watchdog.exchange import NodeExchange
-from meshscope.watchdog.watch import HangConfig, HangWatch
+from meshscope.watchdog.watch import HangWatch
 
 STEP_S = 0.1
 

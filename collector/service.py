@@ -23,7 +23,10 @@ _ALL: weakref.WeakSet[Service] = weakref.WeakSet()
 
 class Service:
     """A thread that runs `round()` every `interval_s` until `stop()`; a round that returns
-    False ends it (what it watched is gone)."""
+    False ends it (what it watched is gone), and so does any failed round where
+    `ends_on_error` (a store torn down under a heartbeat: one warning, no traceback)."""
+
+    ends_on_error = False
 
     def __init__(self, name: str, interval_s: float, *, join_s: float = 5.0) -> None:
         self.name, self.interval_s, self.join_s = name, interval_s, join_s
@@ -80,8 +83,11 @@ class Service:
     def _guarded(self, work) -> bool | None:  # noqa: ANN001
         try:
             return work()
-        except Exception:  # a round must never take training down
+        except Exception as err:  # a round must never take training down
             self.failures += 1
+            if self.ends_on_error:
+                log.warning("%s stopped: %s", self.name, err)
+                return False
             n = self.failures
             if n <= _LOGGED_IN_FULL or n & (n - 1) == 0:
                 log.exception("%s: round failed (%d so far)", self.name, n)

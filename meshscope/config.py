@@ -13,7 +13,7 @@ from meshscope.alerts.config import AlertsConfig
 from meshscope.detectors.thresholds import EngineConfig
 from meshscope.trainer.config import ConfigError, TrainerConfig, merge_settings
 from meshscope.trainer.config import load_config as _load
-from meshscope.watchdog.watch import HangConfig
+from meshscope.watchdog.config import HangConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "merge_settings"]
 

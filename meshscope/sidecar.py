@@ -160,14 +160,14 @@ class Sidecar:
         if self.job_lock.held():
             self._record_hang(diag, detail)
         if self.cfg.hang.on_hang == "abort":
-            kill_all(diag.evidence.get("pids", {}).values())
+            kill_all(diag.pids.values())
         log.warning("hang: %s", diag.why)
 
     def _record_hang(self, diag: Diagnosis, detail: dict[str, Any]) -> None:
         """The hang event in the store, and its alert."""
         store = RunStore(self.cfg.run_dir)  # this thread's own connection (SQLite is per thread)
         try:
-            step = diag.evidence.get("step")
+            step = diag.step
             store.add_event(
                 Event(kind="hang", run_id=self.cfg.run_id, severity="critical", step=step, detail=detail)
             )

@@ -18,7 +18,6 @@ failed.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ import torch.distributed as dist
 from meshscope.collector.service import Service
 
 PREFIX = "meshscope"
-log = logging.getLogger("meshscope.heartbeat")
 
 
 def hb_key(attempt: int, rank: int) -> str:
@@ -106,6 +104,8 @@ class Heartbeat(Service):
     """This rank's beat: one store write per interval, from a thread. Ranks never read their
     peers' beats (that was N x N reads per interval); the watchers below do, O(N) in all."""
 
+    ends_on_error = True
+
     def __init__(
         self, store: dist.Store, *, rank: int, world_size: int, attempt: int, interval_s: float = 1.0
     ) -> None:
@@ -129,14 +129,9 @@ class Heartbeat(Service):
     def _beat(self) -> None:
         self.store.set(hb_key(self.attempt, self.rank), f"{time.time()} {self.step}")
 
-    def round(self) -> bool:
-        """One beat; False once the store went away (the agent is tearing the group down)."""
-        try:
-            self._beat()
-        except Exception as err:  # noqa: BLE001
-            log.warning("heartbeat of rank %d stopped: %s", self.rank, err)
-            return False
-        return True
+    def round(self) -> None:
+        """One beat (a store gone away ends the beating: the agent tears the group down)."""
+        self._beat()
 
 
 def node_key(attempt: int, node: int) -> str:
@@ -163,20 +158,17 @@ class _Ages:
 class _Watcher(Service):
     """A thread that looks every half interval; a death is reported once."""
 
+    ends_on_error = True
+
     def __init__(self, interval_s: float, clock: Callable[[], float], name: str) -> None:
         self.interval, self.clock = interval_s, clock
         self.ages = _Ages(clock)
         self.reported: set[int] = set()
         super().__init__(name, interval_s / 2)
 
-    def round(self) -> bool:
-        """One look; False once the store went away (the agent is tearing down)."""
-        try:
-            self.look()
-        except Exception as err:  # noqa: BLE001
-            log.warning("%s stopped: %s", self.name, err)
-            return False
-        return True
+    def round(self) -> None:
+        """One look (a store gone away ends the watching: the agent is tearing down)."""
+        self.look()
 
     def look(self) -> None:
         raise NotImplementedError

@@ -37,6 +37,9 @@ class Diagnosis:
     group: str | None = None
     stacks: dict[int, list[str]] = field(default_factory=dict)
     evidence: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None  # the step the fault is in: the `hang` event's own step
+    detected_at: float | None = None  # when the judging watchdog concluded (its clock)
+    pids: dict[str, int] = field(default_factory=dict)  # rank -> pid of this node's ranks (abort)
 
     def __post_init__(self) -> None:
         self.kind = Verdict(self.kind)
@@ -45,6 +48,7 @@ class Diagnosis:
     def from_detail(cls, detail: dict[str, Any]) -> Diagnosis:
         """A diagnosis as another node's watchdog posted it (`detail()` read back)."""
         named = ("type", "culprit_ranks", "waiting_ranks", "op", "seq", "group", "why", "stacks")
+        typed = ("step", "detected_at", "pids")
         return cls(
             Verdict(detail["type"]),
             list(detail["culprit_ranks"]),
@@ -54,7 +58,10 @@ class Diagnosis:
             detail.get("seq"),
             detail.get("group"),
             {int(r): s for r, s in (detail.get("stacks") or {}).items()},
-            {k: v for k, v in detail.items() if k not in named},
+            {k: v for k, v in detail.items() if k not in named + typed},
+            step=detail.get("step"),
+            detected_at=detail.get("detected_at"),
+            pids=dict(detail.get("pids") or {}),
         )
 
     def detail(self) -> HangDetail:
@@ -69,4 +76,6 @@ class Diagnosis:
             "why": self.why,
             "stacks": {str(r): s for r, s in self.stacks.items()},
             **self.evidence,
+            **{k: v for k, v in (("step", self.step), ("detected_at", self.detected_at)) if v is not None},
+            **({"pids": self.pids} if self.pids else {}),
         }

@@ -15,11 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from meshscope.collector.figures import HANG_FLOOR_S, STALL_STEP_FACTOR, stall_threshold_s
 from meshscope.collector.flightread import (
     FlightLogError,
     FlightTail,
@@ -28,43 +24,13 @@ from meshscope.collector.flightread import (
 )
 from meshscope.collector.service import Service
 from meshscope.collector.stacks import crash_stack, recorder_answer, request_stacks, stack_answer
+from meshscope.watchdog.config import HangConfig
 from meshscope.watchdog.diagnose import diagnose
 from meshscope.watchdog.exchange import NodeExchange
 from meshscope.watchdog.flight_recorder import recorder_verdict
 from meshscope.watchdog.verdicts import Diagnosis, Verdict
 
 log = logging.getLogger("meshscope.hang")
-
-
-class HangConfig(BaseModel):
-    """When a stall counts as a hang, and what to do about it (the `[hang]` TOML section)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    min_stall_s: float = Field(
-        HANG_FLOOR_S, gt=0, description="never call a stall shorter than this a hang (`--hang-after`)"
-    )
-    step_factor: float = Field(
-        STALL_STEP_FACTOR,
-        gt=0,
-        description="...nor one shorter than this many typical steps (slow models get longer)",
-    )
-    startup_s: float = Field(
-        120.0, gt=0, description="before the first step finishes there is no step time: this long is a hang"
-    )
-    poll_s: float = Field(0.25, gt=0, description="how often the flight-log headers are read")
-    stacks_wait_s: float = Field(1.5, gt=0, description="how long the live ranks get to answer with stacks")
-    on_hang: Literal["report", "abort"] = Field(
-        "report",
-        description="report: event, metric and alert; abort: also kill the workers, so the "
-        "elastic agent restarts them from the last checkpoint",
-    )
-
-    def threshold_s(self, step_s: float) -> float:
-        """Seconds without progress that make a hang, given the typical step time."""
-        if step_s <= 0:
-            return self.startup_s
-        return stall_threshold_s(step_s, floor_s=self.min_stall_s, factor=self.step_factor)
 
 
 def pid_alive(pid: int) -> bool:
@@ -161,10 +127,10 @@ class HangWatch(Service):
             tails, stacks = self._gather_job(tails, stacks, world)
         diag = diagnose(tails, world, alive=alive, stacks=stacks)
         with_recorder(diag, dumps, world)
-        diag.evidence["detected_at"] = self.clock()
+        diag.detected_at = self.clock()
         diag.evidence["stalled_since"] = max((h.progress_t for h in heads.values()), default=0.0)
-        diag.evidence["pids"] = {str(r): h.pid for r, h in heads.items()}
-        diag.evidence["step"] = fault_step(diag, tails)
+        diag.pids = {str(r): h.pid for r, h in heads.items()}
+        diag.step = fault_step(diag, tails)
         diag.evidence["host_step"] = max((t.step for t in tails.values()), default=-1)
         if self.exchange is not None and len(tails) > len(heads):
             try:
@@ -206,7 +172,7 @@ class HangWatch(Service):
         if not verdicts:
             return None
         diag = Diagnosis.from_detail(verdicts[-1])
-        diag.evidence["pids"] = {str(r): h.pid for r, h in heads.items() if alive.get(r)}
+        diag.pids = {str(r): h.pid for r, h in heads.items() if alive.get(r)}
         self.diagnosed[attempt] = stalled_since
         self.last = diag
         self.on_hang(diag)

@@ -99,7 +99,8 @@ def hang_watch(
 
     from meshscope.collector.flightread import latest_logs
     from meshscope.collector.rundir import live_dir
-    from meshscope.watchdog.watch import HangConfig, HangWatch, pid_alive
+    from meshscope.watchdog.config import HangConfig
+    from meshscope.watchdog.watch import HangWatch, pid_alive
 
     settings: dict = {"on_hang": "abort" if abort else "report"}
     if hang_after is not None:
@@ -134,10 +135,10 @@ def _on_hang(run: Path, diag, action: str) -> None:  # noqa: ANN001
     detail = {**diag.detail(), "action": action}
     store = RunStore(run)
     try:
-        step = diag.evidence.get("step")
+        step = diag.step
         store.add_event(Event(kind="hang", run_id=run.name, severity="critical", step=step, detail=detail))
     finally:
         store.close()
     if action == "abort":
-        kill_all(diag.evidence.get("pids", {}).values())
+        kill_all(diag.pids.values())
     _print_hang(detail, f"live flight logs in {live_dir(run)}")

@@ -58,6 +58,16 @@ def test_a_round_that_returns_false_ends_the_thread():
     assert service.rounds == 3 and service.stop()
 
 
+def test_where_a_failure_means_what_it_watched_is_gone_it_ends_the_thread_with_a_warning(caplog):
+    service = Counting(fail={2})
+    service.ends_on_error = True
+    with caplog.at_level(logging.WARNING, logger="meshscope.service"):
+        service.start()
+        _wait_for(lambda: not service.running)
+    assert service.rounds == 2 and service.failures == 1
+    assert [r.getMessage() for r in caplog.records] == ["meshscope-test-service stopped: round 2 broke"]
+
+
 def test_stop_waits_a_bounded_time_and_says_whether_the_thread_ended():
     stuck = Counting(slow_s=3.0).start()
     _wait_for(lambda: stuck.rounds >= 1)

@@ -12,7 +12,8 @@ import pytest
 from fixtures.dist import rank_context
 from fixtures.hang_cases import BACKENDS, FAULT_STEP, rank_main
 from fixtures.ports import free_port_range
-from meshscope.watchdog.watch import HangConfig, HangWatch
+from meshscope.watchdog.config import HangConfig
+from meshscope.watchdog.watch import HangWatch
 
 WORLD = 3
 CULPRIT = WORLD - 1
@@ -255,7 +256,7 @@ def test_nodes_share_flight_logs_through_the_store_to_name_a_remote_culprit(tmp_
     assert diag.seq == FAULT_STEP and "_compute" in diag.why  # B's stack, through the store
     assert diag.waiting_ranks == [0, 1]
     assert [(d.culprit_ranks, d.kind) for d in followed] == [([CULPRIT], "compute")]  # once, A's verdict
-    assert set(followed[0].evidence["pids"]) == {"2"}  # B aborts its own rank, never A's pids
+    assert set(followed[0].pids) == {"2"}  # B aborts its own rank, never A's pids
     assert requests == 1  # one request for the stall, not one per node
 
 
