@@ -8,6 +8,9 @@ trainer applies mid-run (its control polls at steps 5, 10, 15):
   (`kill@...,during=move`: after the experts travelled, before the job agreed on them).
 - `onebit-adam`: 1-bit Adam (frozen variance, compressed momentum) with a router bias and an
   auxiliary-loss coefficient.
+- `onebit-buckets`: the 1-bit gradient hook (error feedback kept per parameter) over buckets of
+  10 kB, so DDP's re-bucketing after each process's first iteration is in play, with a
+  capacity factor.
 
 Each try kills one worker with SIGKILL at a random step and rank; torchrun restarts the job and
 it resumes from its newest checkpoint (every 5 steps). The verdict compares the try's final
@@ -44,6 +47,10 @@ LAYOUTS = {
     "onebit-adam": (
         ["--set", "train.compression=onebit_adam", "--set", "train.compression_warmup=4"],
         [("router_bias", -1, [0.01, 0.0, 0.0, 0.0, 0.0]), ("aux_loss_coef", -1, [0.05])],
+    ),
+    "onebit-buckets": (
+        ["--set", "train.compression=onebit", "--set", "train.bucket_cap_mb=0.01"],
+        [("capacity_factor", -1, [2.0])],
     ),
 }
 MOVE_STEP = 10  # the poll that applies the second approved change (the re-placement)

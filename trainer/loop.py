@@ -98,6 +98,8 @@ def build(
             gradient_as_bucket_view=True,
         )
         spec = gradient_hook(cfg, device, mon)
+        if cfg.train.compression == "onebit":  # its memories kept per parameter: a resume is exact
+            spec.state.name_parameters(model)
         hook = spec.hook
         if injector is not None and any(i.kind == "comm_delay" for i in injector.mine):
             hook = delayed_hook(hook or flight_allreduce_hook, injector)

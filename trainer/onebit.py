@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from meshscope.collector.comm import allgather_sent_bytes, allreduce_sent_bytes, alltoall_sent_bytes
+from meshscope.trainer.onebit_params import Layout, ParamMemories, layout
 from meshscope.trainer.serial import serial_hook
 
 _SCALE_BYTES = 4
@@ -44,16 +45,21 @@ def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
 
 
 def compress(
-    x: torch.Tensor, block: int, valid: int | None = None
+    x: torch.Tensor, block: int, valid: int | torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [m * block] -> (packed signs [m * block / 8], scales [m], decoded approximation).
 
     One scale (mean |value|) per block of `block` elements: a bucket mixes tensors whose
     gradients differ by orders of magnitude, and one scale for all of them loses them.
-    Only the first `valid` elements are real; padding neither dilutes a scale nor decodes.
+    Only the first `valid` elements are real (or those a 0/1 mask of x's size marks);
+    padding neither dilutes a scale nor decodes.
     """
     view = x.reshape(-1, block)
-    if valid is None or valid >= x.numel():
+    if isinstance(valid, torch.Tensor):
+        mask = valid.reshape(-1, block).to(x.dtype)
+        scales = (view * mask).abs().sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        decoded = torch.where(view >= 0, 1.0, -1.0).to(x.dtype) * scales.unsqueeze(1) * mask
+    elif valid is None or valid >= x.numel():
         scales = view.abs().mean(dim=1)
         decoded = torch.where(view >= 0, 1.0, -1.0).to(x.dtype) * scales.unsqueeze(1)
     else:
@@ -107,69 +113,135 @@ class OneBitState:
     iter: int = 0
     worker_error: dict[int, torch.Tensor] = field(default_factory=dict)
     server_error: dict[int, torch.Tensor] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)
+    """id(parameter) -> its name (`name_parameters`): memories kept per parameter, not per bucket."""
+    params: ParamMemories = field(default_factory=ParamMemories)
+    _layouts: dict[tuple, Layout] = field(default_factory=dict)
+
+    def name_parameters(self, model: torch.nn.Module) -> None:
+        """Keep the DDP hook's memories per parameter of `model` (`trainer/onebit_params.py`)."""
+        self.names = {id(p): name for name, p in model.named_parameters()}
+
+    def layout_of(self, bucket: dist.GradBucket) -> Layout | None:
+        """The bucket's per-parameter layout (cached), None where a parameter has no name."""
+        params = bucket.parameters()
+        key = (bucket.index(), *(id(p) for p in params))
+        found = self._layouts.get(key)
+        if found is None and all(id(p) in self.names for p in params):
+            world = dist.get_world_size(self.process_group)
+            names, sizes = [self.names[id(p)] for p in params], [p.numel() for p in params]
+            if _packed_in_order(bucket, sizes):
+                found = self._layouts[key] = layout(
+                    names, sizes, world, self.block_size, bucket.buffer().device
+                )
+        return found
 
     def state_dict(self) -> dict[str, Any]:
         """The error feedback and iteration, for a checkpoint."""
-        return {"worker": dict(self.worker_error), "server": dict(self.server_error), "iter": self.iter}
+        return {
+            "worker": dict(self.worker_error),
+            "server": dict(self.server_error),
+            "iter": self.iter,
+            "params": self.params.state_dict(),
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore from `state_dict`."""
         self.worker_error = dict(sd["worker"])
         self.server_error = dict(sd["server"])
         self.iter = int(sd["iter"])
+        self.params.load_state_dict(sd.get("params", {}))
+
+
+def _packed_in_order(bucket: dist.GradBucket, sizes: list[int]) -> bool:
+    """Whether the bucket's buffer holds its parameters' gradients back to back, in order."""
+    buffer, grads = bucket.buffer(), bucket.gradients()
+    if sum(sizes) != buffer.numel() or len(grads) != len(sizes):
+        return False
+    starts = [g.data_ptr() - buffer.data_ptr() for g in grads]
+    expected = [sum(sizes[:i]) * buffer.element_size() for i in range(len(sizes))]
+    return starts == expected
 
 
 def _with_error(
-    state: OneBitState, store: dict[int, torch.Tensor], key: int, x: torch.Tensor
-) -> torch.Tensor:
+    state: OneBitState, store: dict[int, torch.Tensor], key: int, zeros: torch.Tensor
+) -> torch.Tensor | None:
+    """The memory kept under `key` (zeros when none or of another size); None without error feedback."""
     if not state.error_feedback:
-        return x
+        return None
     err = store.get(key)
-    if err is None or err.shape != x.shape:
-        err = store[key] = torch.zeros_like(x)
-    return x + err
+    return zeros if err is None or err.shape != zeros.shape else err
 
 
-def _keep_error(
-    state: OneBitState,
-    store: dict[int, torch.Tensor],
-    key: int,
-    corrected: torch.Tensor,
-    decoded: torch.Tensor,
-) -> None:
-    if state.error_feedback:
-        # a non-finite gradient is skipped by every rank; its error must not outlive the step
-        store[key] = torch.nan_to_num(corrected - decoded, nan=0.0, posinf=0.0, neginf=0.0)
+def _finite(error: torch.Tensor) -> torch.Tensor:
+    """A non-finite gradient is skipped by every rank: its error must not outlive the step."""
+    return torch.nan_to_num(error, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def onebit_allreduce(state: OneBitState, grad: torch.Tensor, key: int) -> torch.Tensor:
     """Average `grad` over the group in place, 1 bit per element each way; returns grad."""
+    world = dist.get_world_size(state.process_group)
+    me = dist.get_rank(state.process_group)
+    n = grad.numel()
+    padded = torch.zeros(padded_length(n, world, state.block_size), dtype=torch.float32, device=grad.device)
+    padded[:n] = grad.reshape(-1).to(torch.float32)
+    chunk = padded.numel() // world
+    worker = _with_error(state, state.worker_error, key, torch.zeros_like(padded))
+    server = _with_error(state, state.server_error, key, torch.zeros(chunk, device=grad.device))
+    mean, worker, server = _compressed_mean(
+        state, padded, n, max(0, min(chunk, n - me * chunk)), worker, server
+    )
+    if state.error_feedback:
+        state.worker_error[key], state.server_error[key] = worker, server
+    grad.copy_(mean[:n].reshape(grad.shape).to(grad.dtype))
+    return grad
+
+
+def _by_parameter(state: OneBitState, bucket: dist.GradBucket, lay: Layout) -> None:
+    """The bucket's 1-bit mean in its per-parameter layout (memories that survive a restart)."""
+    grad = bucket.buffer()
+    me = dist.get_rank(state.process_group)
+    padded = torch.zeros(lay.length, dtype=torch.float32, device=grad.device)
+    padded[lay.index] = grad.reshape(-1).to(torch.float32)
+    worker, server = state.params.of(lay) if state.error_feedback else (None, None)
+    mine = lay.mask[me * lay.chunk : (me + 1) * lay.chunk]
+    mean, worker, server = _compressed_mean(state, padded, lay.mask, mine, worker, server)
+    if state.error_feedback:
+        state.params.keep(lay, worker, server)
+    grad.copy_(mean[lay.index].reshape(grad.shape).to(grad.dtype))
+
+
+def _compressed_mean(
+    state: OneBitState,
+    padded: torch.Tensor,
+    valid: int | torch.Tensor,
+    mine_valid: int | torch.Tensor,
+    worker: torch.Tensor | None,
+    server: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Both phases over a padded buffer: (the mean, the new worker and server memories)."""
     group, block = state.process_group, state.block_size
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
-    n = grad.numel()
-    padded = torch.zeros(padded_length(n, world, block), dtype=torch.float32, device=grad.device)
-    padded[:n] = grad.reshape(-1).to(torch.float32)
     chunk = padded.numel() // world
     # Phase 1: compress the whole bucket, each rank receives every rank's copy of its chunk.
-    corrected = _with_error(state, state.worker_error, key, padded)
-    packed, scales, decoded = compress(corrected, block, valid=n)
-    _keep_error(state, state.worker_error, key, corrected, decoded)
+    corrected = padded + worker if worker is not None else padded
+    packed, scales, decoded = compress(corrected, block, valid=valid)
+    worker = _finite(corrected - decoded) if worker is not None else None
     outgoing = _to_message(packed, scales, world)
     incoming = torch.empty_like(outgoing)
     dist.all_to_all_single(incoming, outgoing, group=group)
     # Phase 2: average our chunk, compress it again, and share it with everyone.
     mean_chunk = decompress(*_from_message(incoming, chunk)).reshape(world, -1).mean(dim=0)
-    corrected_chunk = _with_error(state, state.server_error, key, mean_chunk)
-    p2, s2, d2 = compress(corrected_chunk, block, valid=max(0, min(chunk, n - me * chunk)))
-    _keep_error(state, state.server_error, key, corrected_chunk, d2)
+    corrected_chunk = mean_chunk + server if server is not None else mean_chunk
+    p2, s2, d2 = compress(corrected_chunk, block, valid=mine_valid)
+    server = _finite(corrected_chunk - d2) if server is not None else None
     mine = _to_message(p2, s2, 1)
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
     chunks = [decompress(*_from_message(r, chunk)) for r in rows]
     chunks[me] = d2
-    grad.copy_(torch.cat(chunks)[:n].reshape(grad.shape).to(grad.dtype))
-    return grad
+    return torch.cat(chunks), worker, server
 
 
 def onebit_bucket(state: OneBitState, bucket: dist.GradBucket) -> torch.Tensor:
@@ -178,6 +250,8 @@ def onebit_bucket(state: OneBitState, bucket: dist.GradBucket) -> torch.Tensor:
     if state.iter < state.warmup_steps:
         dist.all_reduce(grad, group=state.process_group)
         grad.div_(dist.get_world_size(state.process_group))
+    elif (lay := state.layout_of(bucket)) is not None:
+        _by_parameter(state, bucket, lay)
     else:
         onebit_allreduce(state, grad, bucket.index())
     if bucket.is_last():
@@ -194,6 +268,11 @@ def onebit_wire_bytes(state: OneBitState, bucket: dist.GradBucket, world_size: i
     if state is not None and state.iter < state.warmup_steps:
         return allreduce_sent_bytes(bucket.buffer().numel() * bucket.buffer().element_size(), world_size)
     block = state.block_size if state is not None else OneBitState.block_size
-    chunk = padded_length(bucket.buffer().numel(), world_size, block) // world_size
+    lay = state.layout_of(bucket) if state is not None else None
+    chunk = (
+        lay.chunk
+        if lay is not None
+        else padded_length(bucket.buffer().numel(), world_size, block) // world_size
+    )
     row = message_bytes(chunk, block)
     return alltoall_sent_bytes(row * world_size, world_size) + allgather_sent_bytes(row, world_size)

@@ -100,3 +100,38 @@ def convex_problem(rank: int, world_size: int, steps: int = 600, lr: float = 0.0
         dist.all_reduce(loss)
         results[name] = float(loss) / world_size
     return results
+
+
+def onebit_across_buckets(rank: int, world_size: int, steps: int = 6) -> dict:
+    """The MLP trained with the 1-bit hook three ways: one bucket for everything; a bucket per
+    layer; and that run restarted half-way in a new DDP (its first iteration on one bucket
+    again) from the hook's saved state. Final weights and the saved memories of each."""
+    import io
+
+    def train(cap_mb: float, state: OneBitState, model: torch.nn.Module, first: int, last: int) -> None:
+        ddp = DDP(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
+        state.name_parameters(model)
+        ddp.register_comm_hook(state, onebit_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(first, last):
+            opt.zero_grad()
+            ddp(_inputs(rank + 10 * step, 16)).pow(2).sum().backward()
+            opt.step()
+
+    out = {}
+    for name, cap in (("one bucket", 1.0), ("bucket per layer", 0.0005)):
+        model, state = _mlp(), OneBitState()
+        train(cap, state, model, 0, steps)
+        out[name] = ([p.detach().clone() for p in model.parameters()], state.state_dict()["params"])
+    model, state = _mlp(), OneBitState()
+    train(0.0005, state, model, 0, steps // 2)
+    saved = io.BytesIO()
+    torch.save({"hook": state.state_dict(), "model": model.state_dict()}, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=True)  # as a checkpoint is read back
+    model, state = _mlp(), OneBitState()
+    model.load_state_dict(loaded["model"])
+    state.load_state_dict(loaded["hook"])
+    train(0.0005, state, model, steps // 2, steps)
+    out["restarted"] = ([p.detach().clone() for p in model.parameters()], state.state_dict()["params"])
+    return out

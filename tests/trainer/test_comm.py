@@ -100,3 +100,21 @@ def test_powersgd_byte_count_follows_torchs_rules():
     spec.state.iter = 10
     expected = ((256 + 128) * 4 + 256 + 16) * 4  # P+Q of the matrix; vector and 4x4 uncompressed
     assert powersgd_wire_bytes(spec.state, bucket, 2) == expected
+
+
+def test_onebit_memories_are_per_parameter_so_buckets_and_restarts_change_nothing(tmp_path):
+    """DDP runs a process's first iteration on one bucket and re-buckets after it: the 1-bit
+    hook keeps its memories per parameter, so one bucket or a bucket per layer, and a restart
+    in a new DDP from the saved state, end in the same weights and memories, bit for bit."""
+    for result in run_ranks(dist_cases.onebit_across_buckets, 2):
+        reference_weights, reference_memories = result["one bucket"]
+        assert set(reference_memories) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        for way in ("bucket per layer", "restarted"):
+            weights, memories = result[way]
+            assert all(torch.equal(a, b) for a, b in zip(weights, reference_weights)), way
+            for name, (worker, server) in reference_memories.items():
+                assert torch.equal(memories[name][0], worker) and torch.equal(memories[name][1], server), (
+                    way,
+                    name,
+                )
+        assert any(w.abs().sum() > 0 for w, _ in reference_memories.values())  # memories were kept
