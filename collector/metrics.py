@@ -40,7 +40,9 @@ def node_leader_extra_series(ranks_per_node: int) -> int:
 
 def faults_counter(registry: CollectorRegistry) -> Counter:
     """`meshscope_faults_total{kind}`, declared once for the ranks and the watchers beside them."""
-    return Counter("meshscope_faults", "Faults seen, by kind (FAULT_KINDS).", ["kind"], registry=registry)
+    return Counter(
+        "meshscope_faults_total", "Faults seen, by kind (FAULT_KINDS).", ["kind"], registry=registry
+    )
 
 
 class MeshscopeMetrics:
@@ -64,13 +66,13 @@ class MeshscopeMetrics:
         self.step_phase = Gauge(
             "meshscope_step_phase_seconds", "Last step's time per phase.", ["phase"], registry=r
         )
-        self.steps = Counter("meshscope_steps", "Training steps completed.", registry=r)
-        self.tokens = Counter("meshscope_tokens", "Tokens processed; tokens/s = rate().", registry=r)
+        self.steps = Counter("meshscope_steps_total", "Training steps completed.", registry=r)
+        self.tokens = Counter("meshscope_tokens_total", "Tokens processed; tokens/s = rate().", registry=r)
         self.comm_ratio = Gauge(
             "meshscope_comm_ratio", "Exposed communication time / step time (0..1).", registry=r
         )
         self.comm_seconds = Counter(
-            "meshscope_comm_seconds",
+            "meshscope_comm_seconds_total",
             "Gradient communication time; kind=total (in flight, sampled and scaled)|exposed "
             "(waited for after backward)|intra_node|inter_node (hops a hierarchical reduction "
             "times apart, every step; 0 where the reduction is one flat collective).",
@@ -78,7 +80,7 @@ class MeshscopeMetrics:
             registry=r,
         )
         self.comm_bytes = Counter(
-            "meshscope_comm_bytes",
+            "meshscope_comm_bytes_total",
             "Gradient bytes this rank sends: raw as a plain all-reduce would send them, wire as "
             "sent (raw / wire = the compression ratio), inter_node its share of what crossed "
             "the node boundary.",
@@ -112,7 +114,7 @@ class MeshscopeMetrics:
             registry=r,
         )
         self.expert_tokens = Counter(
-            "meshscope_expert_tokens",
+            "meshscope_expert_tokens_total",
             "Tokens routed to an expert, summed over ranks.",
             ["layer", "expert"],
             registry=r,
@@ -136,7 +138,7 @@ class MeshscopeMetrics:
             registry=r,
         )
         self.faults = faults_counter(r)
-        self.restarts = Counter("meshscope_restarts", "Elastic restarts of this job.", registry=r)
+        self.restarts = Counter("meshscope_restarts_total", "Elastic restarts of this job.", registry=r)
         self.recovery = Gauge(
             "meshscope_recovery_seconds", "Time of the last recovery, failure to first step.", registry=r
         )
@@ -229,7 +231,7 @@ class MeshscopeMetrics:
         parallelism only: one series per MoE layer and rank)."""
         if self._expert_work is None:
             self._expert_work = Counter(
-                "meshscope_expert_work_tokens",
+                "meshscope_expert_work_tokens_total",
                 "Tokens the experts this rank holds processed (expert parallelism), by layer.",
                 ["layer"],
                 registry=self._registry,
@@ -275,7 +277,7 @@ class DetectorMetrics:
             registry=registry,
         )
         self.anomalies = Counter(
-            "meshscope_anomalies", "Anomalies opened, by type.", ["type"], registry=registry
+            "meshscope_anomalies_total", "Anomalies opened, by type.", ["type"], registry=registry
         )
         for kind in anomaly_types:  # from 0, so increase() sees the first anomaly
             self.anomalies.labels(type=kind)

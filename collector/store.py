@@ -319,15 +319,17 @@ def read_frame(run_dir: str | Path, sql: str, params: tuple = ()) -> pd.DataFram
     path = store_path(run_dir)
     conn = sqlite_connect(path, readonly=True)
     try:
+        try:
+            return pd.read_sql_query(sql, conn, params=params)
+        except (sqlite3.OperationalError, pd.errors.DatabaseError) as err:
+            if "no such table" not in str(err):
+                raise
+            # A file with no tables yet is a store a rank is creating right now: not there yet.
+            if not conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                raise FileNotFoundError(f"no run store at {path} yet (being created)") from None
+        # Its tables land in one transaction: they came between the query and the look (asked
+        # again), or this file is another kind of database (the same error again)
         return pd.read_sql_query(sql, conn, params=params)
-    except (sqlite3.OperationalError, pd.errors.DatabaseError) as err:
-        # A file with no tables yet is a store a rank is creating right now: not there yet.
-        if (
-            "no such table" in str(err)
-            and not conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-        ):
-            raise FileNotFoundError(f"no run store at {path} yet (being created)") from None
-        raise
     finally:
         conn.close()
 
