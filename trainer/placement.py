@@ -73,8 +73,8 @@ def move_experts(
     arrivals = _transfer(mesh, tensors, moved, was, will)
     if mesh.mid_move is not None:
         mesh.mid_move()
-    checks = [torch.equal(checksum(got), sent) for got, sent in arrivals.values()]
-    ok = all(checks)  # sync point: a re-placement is rare
+    checks = [(checksum(got) == sent).all() for got, sent in arrivals.values()]
+    ok = not checks or bool(torch.stack(checks).all())  # sync point: a re-placement is rare
     if not agree(ok):
         raise PlacementFailed("a moved expert failed its checksum on some rank; nothing was moved")
     for index, t in enumerate(tensors):
