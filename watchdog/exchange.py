@@ -38,6 +38,8 @@ class NodeExchange:
     within its wait (`gather`) and diagnoses the whole job. A run directory is per node; the
     store is the one thing every node's watchdog can reach."""
 
+    several_nodes = True
+
     def __init__(self, store: Any, prefix: str = "meshscope/hang") -> None:
         """`store`: a c10d store, or a callable that connects to one (retried until it does:
         the rendezvous store may come up after the watchdog)."""
@@ -131,3 +133,37 @@ class NodeExchange:
             if len(tails) >= world or time.monotonic() > deadline:
                 return tails, stacks
             time.sleep(0.05)
+
+
+class OneNode:
+    """The exchange of a job on one node: nobody else to ask or answer, so the watchdog's one
+    code path needs no branch for it (`NodeExchange` for several)."""
+
+    several_nodes = False
+
+    def request(self, request_id: str) -> None:
+        """Nobody to ask."""
+
+    def pending(self) -> list[str]:
+        """Nobody asks."""
+        return []
+
+    def publish(self, request_id: str, tails: dict[int, FlightTail], stacks: dict[int, list[str]]) -> None:
+        """Nobody to answer."""
+
+    def gather(
+        self,
+        request_id: str,
+        world: int,
+        wait_s: float,
+        mine: tuple[dict[int, FlightTail], dict[int, list[str]]] | None = None,
+    ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
+        """What this node sees is the whole picture."""
+        return mine if mine is not None else ({}, {})
+
+    def post_verdict(self, detail: dict[str, Any]) -> None:
+        """Nobody to tell."""
+
+    def new_verdicts(self) -> list[dict[str, Any]]:
+        """No judge but this node's own watchdog."""
+        return []

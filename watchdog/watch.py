@@ -26,7 +26,7 @@ from meshscope.collector.service import Service
 from meshscope.collector.stacks import crash_stack, recorder_answer, request_stacks, stack_answer
 from meshscope.watchdog.config import HangConfig
 from meshscope.watchdog.diagnose import diagnose
-from meshscope.watchdog.exchange import NodeExchange
+from meshscope.watchdog.exchange import NodeExchange, OneNode
 from meshscope.watchdog.flight_recorder import recorder_verdict
 from meshscope.watchdog.verdicts import Diagnosis, Verdict
 
@@ -61,11 +61,11 @@ class HangWatch(Service):
         on_hang: Callable[[Diagnosis], None] = lambda d: None,
         clock: Callable[[], float] = time.time,
         leader: Callable[[], bool] = lambda: True,
-        exchange: NodeExchange | None = None,
+        exchange: NodeExchange | OneNode | None = None,
         judge: Callable[[], bool] = lambda: True,
     ) -> None:
         self.live_dir = Path(live_dir)
-        self.exchange = exchange  # several nodes: tails and stacks through the store
+        self.exchange = exchange or OneNode()  # several nodes: tails and stacks through the store
         self.leader = leader  # agents sharing a run directory: one watches
         # several nodes: the job's judge gathers every node's picture and posts the verdict;
         # the others answer and act on it (one request per stall, not one per node)
@@ -87,11 +87,10 @@ class HangWatch(Service):
         heads = self._heads()
         if not heads:
             return None
-        if self.exchange is not None:
-            try:
-                self._answer(heads)
-            except Exception as err:  # the store is not up (yet): this node answers later
-                log.debug("hang exchange: %s", err)
+        try:
+            self._answer(heads)
+        except Exception as err:  # the store is not up (yet): this node answers later
+            log.debug("hang exchange: %s", err)
         attempt = frozenset((r, h.pid) for r, h in heads.items())
         progress = max(h.progress_t for h in heads.values())
         if attempt in self.diagnosed and self.diagnosed[attempt] >= progress:
@@ -116,14 +115,14 @@ class HangWatch(Service):
                 return None
         elif not dead and not failed:
             return None
-        if self.exchange is not None and not self.judge():
+        if self.exchange.several_nodes and not self.judge():
             return self._follow(heads, attempt, alive)
         # a crash is judged once per attempt; a stall again if progress resumes and stops
         self.diagnosed[attempt] = float("inf") if dead or failed else progress
         tails, stacks, dumps = self._local_picture(
             heads, [r for r, h in heads.items() if alive[r] and not h.closed]
         )
-        if self.exchange is not None and len(tails) < world:
+        if len(tails) < world:  # one node: what it sees is the whole picture
             tails, stacks = self._gather_job(tails, stacks, world)
         diag = diagnose(tails, world, alive=alive, stacks=stacks)
         with_recorder(diag, dumps, world)
@@ -132,7 +131,7 @@ class HangWatch(Service):
         diag.pids = {str(r): h.pid for r, h in heads.items()}
         diag.step = fault_step(diag, tails)
         diag.evidence["host_step"] = max((t.step for t in tails.values()), default=-1)
-        if self.exchange is not None and len(tails) > len(heads):
+        if len(tails) > len(heads):  # other nodes' ranks in it: they act on this verdict
             try:
                 self.exchange.post_verdict(diag.detail())
             except Exception as err:  # the others then judge their own stall after their wait
