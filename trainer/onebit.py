@@ -164,13 +164,13 @@ def _packed_in_order(bucket: dist.GradBucket, sizes: list[int]) -> bool:
 
 
 def _with_error(
-    state: OneBitState, store: dict[int, torch.Tensor], key: int, zeros: torch.Tensor
+    state: OneBitState, store: dict[int, torch.Tensor], key: int, size: int, device: torch.device
 ) -> torch.Tensor | None:
     """The memory kept under `key` (zeros when none or of another size); None without error feedback."""
     if not state.error_feedback:
         return None
     err = store.get(key)
-    return zeros if err is None or err.shape != zeros.shape else err
+    return torch.zeros(size, device=device) if err is None or err.numel() != size else err
 
 
 def _finite(error: torch.Tensor) -> torch.Tensor:
@@ -186,8 +186,8 @@ def onebit_allreduce(state: OneBitState, grad: torch.Tensor, key: int) -> torch.
     padded = torch.zeros(padded_length(n, world, state.block_size), dtype=torch.float32, device=grad.device)
     padded[:n] = grad.reshape(-1).to(torch.float32)
     chunk = padded.numel() // world
-    worker = _with_error(state, state.worker_error, key, torch.zeros_like(padded))
-    server = _with_error(state, state.server_error, key, torch.zeros(chunk, device=grad.device))
+    worker = _with_error(state, state.worker_error, key, padded.numel(), grad.device)
+    server = _with_error(state, state.server_error, key, chunk, grad.device)
     mean, worker, server = _compressed_mean(
         state, padded, n, max(0, min(chunk, n - me * chunk)), worker, server
     )
