@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,6 @@ from meshscope.collector.comm import (
     ddp_gradient_bytes,
     flat_inter_bytes,
     instrument_hook,
-    step_comm_seconds,
 )
 from meshscope.collector.control import ControlPlane
 from meshscope.collector.env import DistEnv, HostShare
@@ -43,9 +44,10 @@ from meshscope.collector.flightlog import FlightLog
 from meshscope.collector.metrics import MeshscopeMetrics
 from meshscope.collector.monitor_config import MonitorConfig
 from meshscope.collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
-from meshscope.collector.readback import ScalarWindow, is_nonfinite
+from meshscope.collector.readback import ScalarWindow
 from meshscope.collector.schema import Event, StepRecord
 from meshscope.collector.scope import PendingStep, StepContext, StepScope
+from meshscope.collector.service import Service
 from meshscope.collector.store import RunStore
 from meshscope.collector.version import VERSION
 
@@ -79,7 +81,10 @@ class Monitor:
         self._ddp_bytes = (0, 0, 0)  # (raw, wire, across nodes) a step when DDP reduces in C++
         # Built here on every rank (a side group is collective) unless the caller shares one.
         self.control = control if control is not None else ControlPlane.maybe()
-        self._pending: list[PendingStep] = []
+        # steps the training thread finished, oldest first: it appends, the drain pops
+        self._pending: deque[PendingStep] = deque()
+        self._drain_lock = threading.Lock()  # the service's rounds against flush and close
+        self._memory: dict[str, int] = {}  # the latest memory read (one step in memory_every)
         self._window = ScalarWindow()
         self._window_steps = 0
         self.experts = ExpertCounts(config.expert_every)
@@ -92,6 +97,7 @@ class Monitor:
         self._server = None
         self._closed = False
         self._logged_keys: set[str] = set()
+        self._unreadable: set[str] = set()  # logged keys whose value was no number (said once)
         # run_start and run_end written (by the trainer, else at the first step and at close)
         self._described = self._ended = self._sdk_run = False
         self._compression = "none"  # what watch() was given, for an SDK run's run_start
@@ -112,6 +118,7 @@ class Monitor:
             )
         if config.metrics_port is not None:
             self._start_exporter()
+        self._service = StepDrain(self, config.drain_interval_s).start()
 
     @classmethod
     def from_env(cls, run_dir: str | Path, **kwargs: Any) -> Monitor:
@@ -262,26 +269,22 @@ class Monitor:
         return StepScope(self.probe), time.time(), self.probe.mark()
 
     def _end(self, scope: StepScope, tokens: int, wall: float, start: Any) -> None:
+        # the training thread's part: marks and references. Records, gauges and rows are the
+        # service thread's (`StepDrain`), a window late.
+        step = self._step
+        if step % self.config.memory_every == 0:
+            self._memory = self.probe.memory()
         pending = PendingStep(
-            step=self._step,
-            tokens=tokens,
-            wall_time=wall,
-            bounds=(start, self.probe.mark()),
-            phases=scope.phases,
-            comm=self._take_comm(),
-            memory=self.probe.memory(),
+            step, tokens, wall, (start, self.probe.mark()), scope.phases, self._take_comm(), self._memory
         )
         self._take_scalars(pending, scope.scalars)
         self._pending.append(pending)
         if self.flight is not None:
             self.flight.step_end(pending.bounds[1])
-        self.experts.step_ended(self._step)
+        self.experts.step_ended(step)
         self._window_steps += 1
         if self._window_steps >= self.config.sync_every:
             self._close_window()
-            self._drain(block=False)
-        elif self.probe.asynchronous and len(self._pending) > self.config.sync_every:
-            self._drain(block=False)  # the previous window, once its events are done
 
     def _take_comm(self) -> CommWindow:
         comm = self.meter.take()
@@ -295,16 +298,15 @@ class Monitor:
         return comm
 
     def _take_scalars(self, p: PendingStep, scalars: dict[str, Any]) -> None:
-        """Host values are read now; device tensors join the window's buffer."""
-        on_device: dict[str, Any] = {}
-        for key, value in scalars.items():  # one pass: this runs every step
-            if readback.is_device_tensor(value):
-                on_device[key] = value
-            else:
-                p.scalars[key] = float(value)  # host tensor (or a number): no wait
+        """Kept as references, read by the drain: host values then, device tensors through the
+        window's one buffer (a logged tensor must not change in place afterwards)."""
+        p.scalars = scalars
+        on_device = [
+            k for k, v in scalars.items() if v.__class__ is not float and readback.is_device_tensor(v)
+        ]
         if on_device:
-            p.device_keys = list(on_device)
-            p.window, p.offset = self._window, self._window.add(list(on_device.values()))
+            p.device_keys = on_device
+            p.window, p.offset = self._window, self._window.add([scalars[k] for k in on_device])
 
     def _close_window(self) -> None:
         self._window.close()
@@ -312,23 +314,25 @@ class Monitor:
 
     def _drain(self, block: bool) -> None:
         """Emit finished steps in order; without `block`, stop at the first unfinished one."""
-        done = 0
-        for p in self._pending:
-            if block:
-                self._wait(p)
-            elif not self._finished(p):
-                break
-            done += 1
-        finished, self._pending = self._pending[:done], self._pending[done:]
-        records = [self._record(p) for p in finished]
-        self.metrics.observe_steps(records, self.config.comm_sample_every, self._logged_keys)
-        for rec in records:
-            self._emit(rec)
-        for step, table in self.experts.landed(block):
-            self._emit_experts(step, table)
-        for step, tokens in self.experts.landed_work(block):
-            self.metrics.observe_expert_work(tokens)
-            self.store.add_expert_work(step, self.env.rank, tokens)
+        with self._drain_lock:
+            finished = []
+            while self._pending:
+                p = self._pending[0]
+                if block:
+                    self._wait(p)
+                elif not self._finished(p):
+                    break
+                finished.append(self._pending.popleft())
+            records = [self._record(p) for p in finished]
+            if records:
+                self.metrics.observe_steps(records, self.config.comm_sample_every, self._logged_keys)
+            for rec in records:
+                self._emit(rec)
+            for step, table in self.experts.landed(block):
+                self._emit_experts(step, table)
+            for step, tokens in self.experts.landed_work(block):
+                self.metrics.observe_expert_work(tokens)
+                self.store.add_expert_work(step, self.env.rank, tokens)
 
     def _finished(self, p: PendingStep) -> bool:
         if p.window is not None and not p.window.ready():
@@ -350,51 +354,21 @@ class Monitor:
             self.store.add_expert_load(step, table)
 
     def _record(self, p: PendingStep) -> StepRecord:
-        sec = self.probe.seconds  # the marks are finished: reading them does not wait
-        step_s = sec(*p.bounds)
-        phases = {name: sec(*span) for name, span in p.phases.items()}
-        comm_total, comm_exposed = step_comm_seconds(self.probe, p.comm, p.bounds[0])
-        hops = p.comm.hop_seconds(self.probe)
-        a2a = hops["expert_all_to_all"]
-        if math.isfinite(a2a):  # the step waited for its expert all-to-all: communication too
-            comm_total, comm_exposed = comm_total + a2a, comm_exposed + a2a
-        scalars = dict(p.scalars)
+        scalars = {k: self._host_float(k, v) for k, v in p.scalars.items() if k not in p.device_keys}
         if p.window is not None:
             scalars.update(zip(p.device_keys, p.window.values(p.offset, len(p.device_keys))))
         self._logged_keys = set(scalars)
-        nonfinite = ",".join(sorted(k for k, v in scalars.items() if is_nonfinite(v)))
-        mem = p.memory
-        return StepRecord(
-            run_id=self.config.run_id,
-            rank=self.env.rank,
-            world_size=self.env.world_size,
-            step=p.step,
-            time=p.wall_time,
-            step_s=step_s,
-            forward_s=phases.get("forward", 0.0),
-            backward_s=phases.get("backward", 0.0),
-            optimizer_s=phases.get("optimizer", 0.0),
-            data_s=phases.get("data", 0.0),
-            comm_total_s=comm_total,
-            comm_exposed_s=comm_exposed,
-            comm_ratio=min(1.0, comm_exposed / step_s) if step_s > 0 else 0.0,
-            bytes_raw=p.comm.bytes_raw,
-            bytes_wire=p.comm.bytes_wire,
-            comm_intra_s=hops["intra_node"],
-            comm_inter_s=hops["inter_node"],
-            bytes_inter=p.comm.bytes_inter,
-            comm_a2a_s=a2a,
-            bytes_a2a=p.comm.bytes_a2a,
-            loss=scalars.get("loss", math.nan),
-            grad_norm=scalars.get("grad_norm", math.nan),
-            tokens=p.tokens,
-            tokens_per_s=p.tokens / step_s if step_s > 0 else 0.0,
-            mem_allocated=mem.get("allocated", 0),
-            mem_reserved=mem.get("reserved", 0),
-            mem_rss=mem.get("rss", 0),
-            nonfinite=nonfinite,
-            attempt=self.env.restart_count,
-        )
+        return p.record(self.probe, scalars, self.config.run_id, self.env)
+
+    def _host_float(self, key: str, value: Any) -> float:
+        """A logged host value as a float; NaN, said once per key, for one that is not a number."""
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError) as err:
+            if key not in self._unreadable:
+                self._unreadable.add(key)
+                log.warning("meshscope: logged %r is not a number (%s); recorded as NaN", key, err)
+            return math.nan
 
     def _emit(self, rec: StepRecord) -> None:
         self.store.add_step(rec)
@@ -452,6 +426,7 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
+        self._service.stop()
         self._close_window()
         self._drain(block=True)
         if self._sdk_run and not self._ended and self.env.rank == 0:  # an SDK run ends here
@@ -470,3 +445,16 @@ class Monitor:
     def __exit__(self, *exc: Any) -> None:
         self._ended = self._ended or exc[0] is not None  # a loop that raised did not finish
         self.close()
+
+
+class StepDrain(Service):
+    """The Monitor's service thread: finished steps become records, gauges and store rows, a
+    window late, off the training thread."""
+
+    def __init__(self, monitor: Monitor, interval_s: float) -> None:
+        super().__init__("meshscope-monitor", interval_s, join_s=10.0)
+        self.monitor = monitor
+
+    def round(self) -> None:
+        """Drain what has finished."""
+        self.monitor._drain(block=False)

@@ -29,6 +29,12 @@ class MonitorConfig:
     comm_sample_every: int = 10
     """Time each gradient bucket on one step in this many (the wait for communication, which
     makes the comm ratio, is measured every step)."""
+    memory_every: int = 10
+    """Read memory (host RSS, device allocated and reserved) on one step in this many; the
+    steps between carry the latest reading (an RSS read costs a step ~30 us on a busy host)."""
+    drain_interval_s: float = 0.2
+    """How often the Monitor's service thread turns finished steps into records, gauges and
+    store rows (off the training thread)."""
     nan_events: bool = True
     """Write a `nan` event when the logged loss turns non-finite. Off when a tensor tracer
     reports non-finite steps itself (with the module): one event per finding, not two."""
@@ -49,6 +55,12 @@ class MonitorConfig:
             raise ValueError(f"MonitorConfig.sync_every must be >= 1, got {self.sync_every}")
         if self.comm_sample_every < 1:
             raise ValueError(f"MonitorConfig.comm_sample_every must be >= 1, got {self.comm_sample_every}")
+        if self.memory_every < 1:
+            raise ValueError(f"MonitorConfig.memory_every must be >= 1, got {self.memory_every}")
+        if not 0 < self.drain_interval_s <= 60:
+            raise ValueError(
+                f"MonitorConfig.drain_interval_s must be in (0, 60], got {self.drain_interval_s}"
+            )
         if self.flight_capacity < 16:
             raise ValueError(f"MonitorConfig.flight_capacity must be >= 16, got {self.flight_capacity}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:

@@ -4,17 +4,19 @@ the device."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from meshscope.collector.comm import CommWindow
+from meshscope.collector.comm import CommWindow, step_comm_seconds
 from meshscope.collector.probe import DeviceProbe
-from meshscope.collector.readback import ScalarWindow
+from meshscope.collector.readback import ScalarWindow, is_nonfinite
+from meshscope.collector.schema import StepRecord
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingStep:
     """A finished step whose numbers may still live on the device."""
 
@@ -25,7 +27,7 @@ class PendingStep:
     phases: dict[str, tuple[Any, Any]]
     comm: CommWindow
     memory: dict[str, int]
-    scalars: dict[str, float] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)
     device_keys: list[str] = field(default_factory=list)
     window: ScalarWindow | None = None
     offset: int = 0
@@ -35,6 +37,50 @@ class PendingStep:
         hops = [(a, b) for _, a, b in self.comm.hops]
         spans = [self.bounds, *self.phases.values(), *self.comm.spans, self.comm.wait, *hops]
         return [m for span in spans for m in span if m is not None]
+
+    def record(self, probe: DeviceProbe, scalars: dict[str, float], run_id: str, env: Any) -> StepRecord:
+        """The step's record, once its marks are finished (reading them does not wait)."""
+        p, sec = self, probe.seconds
+        step_s = sec(*p.bounds)
+        phases = {name: sec(*span) for name, span in p.phases.items()}
+        comm_total, comm_exposed = step_comm_seconds(probe, p.comm, p.bounds[0])
+        hops = p.comm.hop_seconds(probe)
+        a2a = hops["expert_all_to_all"]
+        if math.isfinite(a2a):  # the step waited for its expert all-to-all: communication too
+            comm_total, comm_exposed = comm_total + a2a, comm_exposed + a2a
+        nonfinite = ",".join(sorted(k for k, v in scalars.items() if is_nonfinite(v)))
+        mem = p.memory
+        return StepRecord(
+            run_id=run_id,
+            rank=env.rank,
+            world_size=env.world_size,
+            step=p.step,
+            time=p.wall_time,
+            step_s=step_s,
+            forward_s=phases.get("forward", 0.0),
+            backward_s=phases.get("backward", 0.0),
+            optimizer_s=phases.get("optimizer", 0.0),
+            data_s=phases.get("data", 0.0),
+            comm_total_s=comm_total,
+            comm_exposed_s=comm_exposed,
+            comm_ratio=min(1.0, comm_exposed / step_s) if step_s > 0 else 0.0,
+            bytes_raw=p.comm.bytes_raw,
+            bytes_wire=p.comm.bytes_wire,
+            comm_intra_s=hops["intra_node"],
+            comm_inter_s=hops["inter_node"],
+            bytes_inter=p.comm.bytes_inter,
+            comm_a2a_s=a2a,
+            bytes_a2a=p.comm.bytes_a2a,
+            loss=scalars.get("loss", math.nan),
+            grad_norm=scalars.get("grad_norm", math.nan),
+            tokens=p.tokens,
+            tokens_per_s=p.tokens / step_s if step_s > 0 else 0.0,
+            mem_allocated=mem.get("allocated", 0),
+            mem_reserved=mem.get("reserved", 0),
+            mem_rss=mem.get("rss", 0),
+            nonfinite=nonfinite,
+            attempt=env.restart_count,
+        )
 
 
 class PhaseTimer:

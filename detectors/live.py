@@ -19,7 +19,14 @@ from meshscope.collector.report import busiest_host
 from meshscope.collector.rundir import job_leader, run_info
 from meshscope.collector.schema import Event, anomaly_key
 from meshscope.collector.service import Service
-from meshscope.collector.store import RunStore, load_events, load_expert_load, load_grad_stats, load_steps
+from meshscope.collector.store import (
+    RunStore,
+    StoreUnavailable,
+    load_events,
+    load_expert_load,
+    load_grad_stats,
+    load_steps,
+)
 from meshscope.detectors.engine import DetectionEngine, EngineConfig
 from meshscope.detectors.episodes import Episode
 from meshscope.detectors.pauses import known_pauses
@@ -81,6 +88,8 @@ class LiveDetection(Service):
                 callback()
         except FileNotFoundError:
             return
+        except StoreUnavailable as err:  # the relay says the outage once; judge again when it ends
+            log.debug("detection waits for the job store: %s", err)
         except Exception:
             log.exception("detection round failed; training goes on")
 

@@ -52,6 +52,30 @@ def test_step_records_phases_scalars_and_lazy_tensors(tmp_path):
     assert mon.registry.get_sample_value("meshscope_steps_total") == 4
 
 
+def test_memory_is_read_on_one_step_in_memory_every_and_a_bad_value_is_nan_said_once(tmp_path, caplog):
+    from meshscope.collector.probe import HostProbe
+
+    reads = []
+
+    class CountingProbe(HostProbe):
+        def memory(self):
+            reads.append(len(reads))
+            return {"allocated": 0, "reserved": 0, "rss": 1000 + len(reads)}
+
+    cfg = MonitorConfig(run_dir=tmp_path / "run", metrics_port=None, memory_every=10)
+    mon = Monitor(cfg, probe=CountingProbe(), registry=CollectorRegistry())
+    for step in range(25):
+        with mon.step() as s:
+            s.log(loss=torch.tensor(1.0), note=2.0 if step < 20 else "not a number")
+    mon.close()
+    assert len(reads) == 3  # steps 0, 10 and 20: the training thread reads nothing in between
+    steps = load_steps(tmp_path / "run")
+    assert steps["mem_rss"].tolist() == [1001] * 10 + [1002] * 10 + [1003] * 5  # the latest reading
+    assert steps["loss"].eq(1.0).all()  # one bad key spoils no other
+    said = [r.getMessage() for r in caplog.records if "'note' is not a number" in r.getMessage()]
+    assert len(said) == 1, said
+
+
 def test_expert_counts_are_summed_every_k_steps(tmp_path):
     mon = make_monitor(tmp_path, expert_every=2)
     model = mon.watch(torch.nn.Sequential(ToyMoE([3, 1]), ToyMoE([2, 2])))

@@ -5,6 +5,7 @@ the CPU: logged scalars go through the window buffer and the non-blocking read-b
 marks are events, and nothing may call `synchronize()` except flush/close.
 """
 
+import threading
 import time
 
 import pytest
@@ -66,6 +67,17 @@ def finish_device_work():
         e.done = True
 
 
+def drained(mon, count, timeout_s=20.0):
+    """The steps in the store once the service thread has emitted `count` (or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        mon.store.flush()
+        steps = load_steps(mon.config.run_dir)["step"].tolist()
+        if len(steps) >= count or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.05)
+
+
 def test_steps_wait_for_their_events_without_blocking(tmp_path, stand_in_device):
     mon = Monitor(
         MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=4),
@@ -82,8 +94,8 @@ def test_steps_wait_for_their_events_without_blocking(tmp_path, stand_in_device)
     finish_device_work()  # windows 0-3 and 4-7 landed; steps 8-9 are in the open window
     with mon.step(tokens=8) as s:
         s.log(loss=torch.tensor(10.0))
-    mon.store.flush()
-    assert load_steps(tmp_path / "r")["step"].tolist() == list(range(8))
+    # the Monitor's service thread emits them, without the training thread
+    assert drained(mon, 8) == list(range(8))
     assert StandInEvent.waits == 0
     mon.close()  # the only place that waits
     steps = load_steps(tmp_path / "r")
@@ -118,18 +130,28 @@ def test_one_read_back_per_window(tmp_path, stand_in_device):
     mon.close()
 
 
-def test_host_steps_go_out_once_per_window(tmp_path):
+def test_host_steps_go_out_on_the_service_thread_not_the_training_thread(tmp_path):
     mon = Monitor(
-        MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=3), registry=CollectorRegistry()
+        MonitorConfig(run_dir=tmp_path / "r", metrics_port=None, sync_every=3, drain_interval_s=0.05),
+        registry=CollectorRegistry(),
     )
+    emitted_on = set()
+    add_step = mon.store.add_step
+
+    def noting(rec):
+        emitted_on.add(threading.current_thread().name)
+        add_step(rec)
+
+    mon.store.add_step = noting
     for step in range(4):
         with mon.step() as s:
             s.log(loss=torch.tensor(float(step)))
-    mon.store.flush()
-    assert load_steps(tmp_path / "r")["loss"].tolist() == [0.0, 1.0, 2.0]  # one window
-    assert mon.metrics.steps._value.get() == 3
+    assert drained(mon, 4) == [0, 1, 2, 3]  # no flush, no window's end: the service's round
+    assert emitted_on == {"meshscope-monitor"}
+    assert mon.metrics.steps._value.get() == 4
     mon.close()
     assert load_steps(tmp_path / "r")["loss"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert not mon._service.running
 
 
 def test_scalar_window_gathers_and_reads_back():
