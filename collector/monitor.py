@@ -3,9 +3,10 @@
 Nothing here blocks the host on the device. Phase times are probe marks (device events on an
 accelerator); logged device scalars are gathered into one device buffer per window of
 `sync_every` steps, copied to pinned host memory without blocking, and read once an event says
-the copy landed, normally one window later (`collector.readback`). At each window's end the
-finished steps (every event completed: `query()`, never `synchronize()`) go to the store and
-/metrics in step order. Only `flush()` and `close()` wait, and say so ("# sync point").
+the copy landed, normally one window later (`collector.readback`). The training thread keeps
+a step's marks and references only; the Monitor's service thread (`StepDrain`) sends finished
+steps (every event completed: `query()`, never `synchronize()`) to the store and /metrics in
+step order. Only `flush()` and `close()` wait, and say so ("# sync point").
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ class MonitorConfig:
     expert_every: int = 5
     """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
     sync_every: int = 10
-    """Steps per window: device scalars of a window share one buffer and one copy to the host,
-    and finished steps go to the store and /metrics once per window (and on flush/close)."""
+    """Steps per window: device scalars of a window share one buffer and one copy to the host
+    (the service thread records a step once its window's copy landed)."""
     comm_sample_every: int = 10
     """Time each gradient bucket on one step in this many (the wait for communication, which
     makes the comm ratio, is measured every step)."""

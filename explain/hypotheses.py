@@ -399,10 +399,39 @@ def _deaths(ev: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return _events_where(ev, "fault", "type", "dead_rank"), _events_where(ev, "hang", "type", "dead")
 
 
+def _outlived(facts: RunFacts, deaths: pd.DataFrame) -> pd.DataFrame:
+    """The death reports their rank outlived in the same attempt: it recorded a step after the
+    report, or the job ended cleanly after it (the last barrier needs every rank) with no
+    restart between. A heartbeat late on a busy host, not a death: naming the rank would be
+    a wrong culprit."""
+    ev, steps = facts.events, facts.steps
+    restarts = ev.loc[ev["kind"].isin(["restart", "resume"]), "time"]
+    ends = ev.loc[ev["kind"] == "run_end", "time"]
+
+    def outlived(row: Any) -> bool:
+        at = row["time"]
+        until = restarts[restarts > at].min() if (restarts > at).any() else np.inf
+        if ((ends > at) & (ends < until)).any():
+            return True
+        detail = row["detail"]
+        ranks = [detail["rank"]] if "rank" in detail else detail.get("culprit_ranks") or []
+        if not ranks or steps.empty:
+            return False
+        later = steps[(steps["time"] > at) & (steps["time"] < until)]
+        return all((later["rank"] == int(r)).any() for r in ranks)
+
+    return _rows(deaths, [outlived(row) for _, row in deaths.iterrows()])
+
+
 def _crash(facts: RunFacts, w: Window) -> list[Cause]:
     """Ranks that died, and restarts that keep failing."""
     ev = facts.events
     faults, seen = _deaths(ev)
+    # a live report (a heartbeat, the watchdog) that the rank then outlived is dropped; a
+    # previous attempt's death, reported by the next one, is history and stays
+    live = faults[[d.get("how") == "heartbeat stopped" for d in faults["detail"]]]
+    faults = faults.drop(_outlived(facts, live).index)
+    seen = seen.drop(_outlived(facts, seen).index)
     if faults.empty and seen.empty:
         return []
     # restarts: the attempts after the first, as torchrun restarted them or the job resumed

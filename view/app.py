@@ -8,16 +8,12 @@ at the root only, so a path-style link to it would first say "Page not found".
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # `streamlit run` puts only this folder on the path
-    sys.path.insert(0, str(ROOT))
+import streamlit as st
 
-import streamlit as st  # noqa: E402
-
-from meshscope.view.ui import PAGES  # noqa: E402
+# imported as the installed package (an editable install in a checkout), never by a path guess
+from meshscope.view.ui import PAGES
 
 st.set_page_config(page_title="meshscope", layout="wide")
 params = st.query_params

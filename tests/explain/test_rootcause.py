@@ -190,6 +190,42 @@ def test_a_death_only_the_watchdog_saw_is_explained_not_a_crash_of_explain(tmp_p
     assert found and found[0] == ("crash", [1]), found
 
 
+@pytest.mark.parametrize("report", ["heartbeat", "watchdog"])
+@pytest.mark.parametrize("outlived_by", ["a later step", "the clean end"])
+def test_a_death_the_rank_outlived_is_no_crash_but_a_real_one_after_a_restart_stays(
+    tmp_path, report, outlived_by
+):
+    """A rank reported dead (its beat late on a busy host) that went on stepping, or was at the
+    job's last barrier, did not die: naming it would be a wrong culprit. The same report followed
+    by a restart (the rank came back in a new attempt) is a death."""
+    from meshscope.collector.schema import Event
+    from meshscope.collector.store import RunStore, load_events, load_steps
+
+    def run_with(name: str, restart: bool) -> Path:
+        run = tmp_path / name
+        shutil.copytree(DATA / "clean-a", run)
+        steps, end = load_steps(run), load_events(run, kind="run_end")["time"].max()
+        at = steps.loc[steps["step"] == 100, "time"].max() if outlived_by == "a later step" else end - 0.5
+        if report == "heartbeat":
+            detail = {"type": "dead_rank", "rank": 1, "heartbeat_age_s": 1.6, "how": "heartbeat stopped"}
+            event = Event(kind="fault", run_id="r", rank=0, step=99, detail=detail, time=at)
+        else:
+            event = Event(
+                kind="hang", run_id="r", rank=0, detail={"type": "dead", "culprit_ranks": [1]}, time=at
+            )
+        store = RunStore(run)
+        store.add_event(event)
+        if restart:
+            store.add_event(Event(kind="restart", run_id="r", rank=0, detail={"attempt": 1}, time=at + 0.001))
+        store.close()
+        return run
+
+    outlived = [(c.kind, c.ranks) for c in explain(run_with("late", restart=False))]
+    assert not any(kind in ("crash", "recovery_failing") for kind, _ in outlived), outlived
+    died = [(c.kind, c.ranks) for c in explain(run_with("died", restart=True))]
+    assert died and died[0][0] in ("crash", "recovery_failing") and died[0][1] == [1], died
+
+
 def _with_checkpoints(tmp_path: Path, name: str, steps: list[int], held_s: float = 0.02) -> Path:
     """A recorded run with meshscope's checkpoint events added (in the background, as the
     trainer saves by default)."""
