@@ -132,3 +132,13 @@ class HostShare:
                 "fewer threads, or more cores removes it)"
             )
         return text
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (Linux /proc), for recovery accounting."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return float("nan")

@@ -97,13 +97,14 @@ def comm_overhead(steps: Any) -> float:
 
 
 def training_efficiency_index(
-    steps: Any, one_device_tokens_per_s: float, retried: Any = None
+    steps: Any, one_device_tokens_per_s: float, retried: Any = None, ettr: float | None = None
 ) -> dict[str, float]:
     """The Training Efficiency Index, TEI = scaling efficiency x (1 - communication overhead) x
-    fault-tolerance factor, with its three parts. Scaling efficiency is the job's throughput
-    over one device's (`one_device_tokens_per_s`, the same model and per-device batch on one
-    device) times the devices; communication overhead is exposed communication over step time.
-    NaN parts where the run cannot say them (no steps, no one-device figure)."""
+    ETTR, with its parts. Scaling efficiency is the job's throughput over one device's
+    (`one_device_tokens_per_s`, the same model and per-device batch on one device) times the
+    devices; communication overhead is exposed communication over step time; ETTR is productive
+    time over wall time (`collector.timeaccount`; without it, the fault-tolerance factor, which
+    counts only the span of the steps). NaN parts where the run cannot say them."""
     if steps.empty:
         return {"tei": float("nan")}
     devices = int(steps["rank"].nunique())
@@ -114,9 +115,11 @@ def training_efficiency_index(
     )
     comm = comm_overhead(steps)
     ft = fault_tolerance_factor(steps, retried)
+    ratio = ft if ettr is None else ettr
     return {
-        "tei": scaling * (1 - comm) * ft,
+        "tei": scaling * (1 - comm) * ratio,
         "scaling_efficiency": scaling,
         "comm_overhead": comm,
         "fault_tolerance": ft,
+        "ettr": ratio,
     }

@@ -37,7 +37,7 @@ from meshscope.collector.comm import (
     instrument_hook,
 )
 from meshscope.collector.control import ControlPlane
-from meshscope.collector.env import DistEnv, HostShare
+from meshscope.collector.env import DistEnv, HostShare, process_start_time
 from meshscope.collector.expert_counts import ExpertCounts
 from meshscope.collector.exporter import RANK_JOB, PortInUseError, port_for, serve_metrics, write_targets
 from meshscope.collector.flightfixed import ReductionRecord
@@ -152,8 +152,11 @@ class Monitor:
                 node=self.env.node,
             )
 
-    def describe_run(self, *, device: str, backend: str, compression: str) -> None:
-        """Fill `meshscope_run_info` and write a run_start event."""
+    def describe_run(
+        self, *, device: str, backend: str, compression: str, started_at: float | None = None
+    ) -> None:
+        """Fill `meshscope_run_info` and write a run_start event; `started_at`: when this worker
+        started (default: the process's start), where the run's start-up time is counted from."""
         self._described = True
         self.metrics.describe_run(
             device=device,
@@ -170,6 +173,7 @@ class Monitor:
                     "backend": backend,
                     "world_size": self.env.world_size,
                     "compression": compression,
+                    "process_started_at": started_at if started_at is not None else process_start_time(),
                 },
             )
 

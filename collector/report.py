@@ -97,26 +97,36 @@ def busiest_host(events: pd.DataFrame) -> HostShare | None:
 
 
 def efficiency(run_dir: Any, steps: pd.DataFrame | None = None) -> dict[str, Any]:
-    """The run's Training Efficiency Index and its parts, against the one-device run of the
-    same model found beside it (`reference`: its name, or '' when there is none and scaling
-    efficiency is NaN)."""
+    """The run's Training Efficiency Index on its time account: scaling efficiency (against the
+    one-device run of the same model found beside it; `reference`: its name, or '' when there
+    is none and scaling efficiency is NaN) x (1 - exposed communication share) x ETTR. The
+    account itself is under `account`."""
     from meshscope.collector.figures import training_efficiency_index
     from meshscope.collector.rundir import one_device_reference
-    from meshscope.collector.store import load_retried_steps, load_steps
+    from meshscope.collector.store import load_events, load_retried_steps, load_steps
+    from meshscope.collector.timeaccount import time_account
 
     steps = load_steps(run_dir) if steps is None else steps
+    retried = load_retried_steps(run_dir)
+    account = time_account(steps, retried, load_events(run_dir))
     reference = one_device_reference(run_dir)
     one = tokens_per_second(load_steps(reference)) if reference is not None else math.nan
-    out: dict[str, Any] = training_efficiency_index(steps, one, load_retried_steps(run_dir))
+    out: dict[str, Any] = training_efficiency_index(steps, one, retried, ettr=account.ettr)
     out["reference"] = "" if reference is None else reference.name
+    out["account"] = account
     return out
 
 
 def efficiency_text(e: dict[str, Any]) -> str:
-    """The TEI and its parts in one line (what the summary and the view print)."""
+    """The TEI and its parts in one line (what the summary and the view print); a missing part
+    is named, with how to get it, and the parts known are still multiplied."""
     if "comm_overhead" not in e:
         return "n/a (no steps)"
-    parts = f"(1 - comm {e['comm_overhead']:.2f}) x fault tolerance {e['fault_tolerance']:.2f}"
+    parts = f"(1 - comm {e['comm_overhead']:.2f}) x ETTR {e['ettr']:.2f}"
     if not e["reference"]:
-        return f"n/a: no one-device run of this model beside it to scale against; {parts}"
+        known = (1 - e["comm_overhead"]) * e["ettr"]
+        return (
+            f"{parts} = {known:.2f} x scaling efficiency, which is missing: no one-device run of this "
+            "model beside it (run the same config with `--nproc 1` in the same runs folder)"
+        )
     return f"{e['tei']:.2f} = scaling {e['scaling_efficiency']:.2f} x {parts} (one device: {e['reference']})"

@@ -20,6 +20,7 @@ from meshscope.collector.rundir import OUTBOX, LeaderLock, job_leader, live_dir
 from meshscope.collector.schema import Event, anomaly_link
 from meshscope.collector.store import RELAY_TABLES, RunStore, store_path
 from meshscope.collector.storedb import locate
+from meshscope.collector.timeaccount import TimeAccountCollector
 from meshscope.detectors.episodes import Episode
 from meshscope.detectors.live import LiveDetection
 from meshscope.feedback.rebalance import Rebalancer
@@ -91,6 +92,8 @@ class Sidecar:
             on_round=rounds,
             leader=self.job_lock,
         )
+        # where the job's time went, as counters on the detector's /metrics (the judge's only)
+        self.live.registry.register(TimeAccountCollector(cfg.run_dir, leader=self.job_lock))
         self.watch = HangWatch(
             live_dir(cfg.run_dir),
             cfg.hang,

@@ -8,7 +8,6 @@ lost), `checkpoint` (refused ones, with the reason).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 
 from meshscope.collector import DistEnv, Monitor
 from meshscope.collector.control import ControlPlane, LateFlag
+from meshscope.collector.env import process_start_time
 from meshscope.collector.report import after_abort, watchdog_aborts
 from meshscope.collector.store import load_events, load_steps
 from meshscope.collector.storedb import NodeDir
@@ -34,16 +34,6 @@ from meshscope.trainer.heartbeat import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def process_start_time() -> float:
-    """Wall-clock time this process started (Linux /proc), for recovery accounting."""
-    try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return float("nan")
 
 
 def heartbeat_endpoint(cfg: TrainerConfig, env: DistEnv) -> tuple[str, int]:

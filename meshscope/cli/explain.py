@@ -37,9 +37,23 @@ def explain(
         return
     if not causes:
         console.print(f"{run}: nothing to explain (no anomaly, hang, NaN or death recorded)")
-        return
     for i, c in enumerate(causes[:limit], 1):
         console.print(f"[bold]{i}. {c.kind}[/] ({c.confidence:.0%}) {c.title}", markup=True, highlight=False)
         for line in c.evidence:
             console.print(f"     - {line}", markup=False, highlight=False)
         console.print(f"     next: {c.action}", markup=False, highlight=False)
+    if anomaly is None:
+        _where_the_time_went(run)
+
+
+def _where_the_time_went(run: Path) -> None:
+    """The run's time account: ETTR, then every bucket that took time, largest first."""
+    from meshscope.collector.report import efficiency
+
+    account = efficiency(run)["account"]
+    console.print("[bold]where the time went[/]", markup=True, highlight=False)
+    console.print(f"     {account.text(top=0)}", markup=False, highlight=False)
+    for bucket, share in sorted(account.shares().items(), key=lambda kv: -kv[1]):
+        if share >= 0.0005:
+            seconds = account.job[bucket]
+            console.print(f"     - {bucket}: {seconds:.2f} s ({share:.1%})", markup=False, highlight=False)

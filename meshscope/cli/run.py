@@ -16,6 +16,7 @@ from meshscope.cli.common import LazyModule, app, console, err_console, fail
 from meshscope.cli.flags import RUN_FLAGS, with_config_flags
 from meshscope.cli.settings import apply_set_options
 from meshscope.collector.exporter import PortInUseError, remove_from_index
+from meshscope.collector.maturity import maturity
 from meshscope.collector.store import (
     StoreUnavailable,
     describe_store,
@@ -258,8 +259,13 @@ def _print_summary(cfg: RunConfig) -> None:
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
-    tei = report.efficiency_text(report.efficiency(cfg.run_dir))
-    console.print(f"training efficiency index: {tei}", soft_wrap=True, highlight=False)
+    efficiency = report.efficiency(cfg.run_dir)
+    console.print(f"where the time went: {efficiency['account'].text()}", soft_wrap=True, highlight=False)
+    console.print(
+        f"training efficiency index: {report.efficiency_text(efficiency)}", soft_wrap=True, highlight=False
+    )
+    level = maturity(cfg.run_dir, load_steps(cfg.run_dir), events)
+    console.print(f"maturity: {level.text()}", soft_wrap=True, highlight=False)
     console.print(f"store: {describe_store(cfg.run_dir)}")
     host = report.busiest_host(events)
     if host is not None and host.oversubscribed:

@@ -62,12 +62,30 @@ def test_kill9_of_a_worker_resumes_and_ends_bit_identical(tmp_path, monkeypatch,
     assert resume["steps_lost"] == 17 - resume["from_step"]
     steps = load_steps(tmp_path / "killed")
     assert sorted(steps["step"].unique()) == list(range(40))
+    _where_the_time_went(tmp_path, out_clean, out_killed)
     _the_first_attempt_is_kept(tmp_path / "killed", steps, resume["from_step"], monkeypatch)
     name_a, a = final_params(tmp_path / "clean")
     name_b, b = final_params(tmp_path / "killed")
     assert name_a == name_b == "step_00000040"
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def _where_the_time_went(root, out_clean: str, out_killed: str) -> None:
+    """The kill's cost is in its run's account (the steps redone, the restart), not in the
+    clean twin's; each rank's buckets add up to the wall time; the summaries say so."""
+    from meshscope.collector.report import efficiency
+
+    clean, killed = (efficiency(root / name)["account"] for name in ("clean", "killed"))
+    for account in (clean, killed):
+        for rank, buckets in account.ranks.items():
+            assert sum(buckets.values()) == pytest.approx(account.wall_s), rank
+    assert killed.job["wasted_progress"] > 0 and killed.job["restart"] > 0, killed.job
+    assert clean.job["wasted_progress"] == 0 == clean.job["restart"], clean.job
+    assert killed.ettr < clean.ettr
+    for out in (out_clean, out_killed):
+        assert "where the time went: ETTR" in out and "maturity: L" in out, out[-2000:]
+    assert "maturity: L4" in out_killed or "maturity: L5" in out_killed, out_killed[-1500:]  # it resumed
 
 
 def test_a_kill_inside_an_approved_re_placement_resumes_bit_identical(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 
 from fixtures.ports import free_port_range
 from fixtures.runs import meshscope, sample, scrape, start_run, wait_for
+from meshscope.collector.report import efficiency
 from meshscope.collector.store import load_events
 
 
@@ -99,6 +100,14 @@ def test_abort_names_the_culprit_and_the_run_resumes(tmp_path, nproc, inject, ki
     assert "resume" in kinds and kinds[-1] == "run_end", kinds
     # the ranks the watchdog aborted on purpose are no dead-rank faults (its hang event says it)
     assert crashes or "fault" not in kinds, events[events["kind"] == "fault"]["detail"].tolist()
+    # where the time went: the stall to the abort is the hang's, and the buckets add up
+    account = efficiency(tmp_path / "h")["account"]
+    for rank, buckets in account.ranks.items():
+        assert sum(buckets.values()) == pytest.approx(account.wall_s), rank
+    stalled = detail["detected_at"] - detail["stalled_since"]
+    if not crashes:  # a crash is no stall: its time is the restart's
+        assert max(b["hang"] for b in account.ranks.values()) >= stalled - 0.05, (stalled, account.ranks)
+    assert account.job["restart"] > 0 and account.job["wasted_progress"] >= 0, account.job
     report = meshscope("hang-report", "--run", str(tmp_path / "h"))
     assert report.returncode == 0 and f"[{culprit}]" in report.stdout
     if kind == "desync":  # the verdict reaches root cause as the watchdog said it

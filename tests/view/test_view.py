@@ -54,6 +54,17 @@ def text(at: AppTest) -> str:
     return "\n".join(parts)
 
 
+def plotted(values):
+    """A chart's array as a list: plotly writes arrays as base64 ("bdata") or as lists."""
+    if isinstance(values, dict):
+        import base64
+
+        import numpy as np
+
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).tolist()
+    return values
+
+
 def anomaly_id(run: Path, type_: str) -> int:
     ev = load_events(run, kind="anomaly")
     return int(ev[[d["type"] == type_ for d in ev["detail"]]].iloc[0]["id"])
@@ -223,16 +234,7 @@ def test_the_run_page_shows_whose_compute_is_slow(runs, monkeypatch):
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     compute = next(c for c in charts if "compute per rank" in c["layout"]["title"]["text"])
 
-    def values(y):  # plotly writes arrays as base64 ("bdata") or as lists
-        if isinstance(y, dict):
-            import base64
-
-            import numpy as np
-
-            return np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"]).tolist()
-        return y
-
-    by_rank = {t["name"]: dict(zip(values(t["x"]), values(t["y"]))) for t in compute["data"]}
+    by_rank = {t["name"]: dict(zip(plotted(t["x"]), plotted(t["y"]))) for t in compute["data"]}
     one, zero = by_rank["1"], by_rank["0"]
     slower = lambda a, b: sum(a[s] > 1.5 * b[s] for s in a if s in b)  # noqa: E731
     assert slower(one, zero) >= 8 and slower(zero, one) <= 2, (slower(one, zero), slower(zero, one))
@@ -292,3 +294,23 @@ def test_a_job_that_ended_before_its_first_step_says_so_with_its_real_time(tmp_p
     row = data.run_summary(run)
     assert row["status"] == "ended before its first step" and row["steps"] == 0
     assert row["updated"].timestamp() == 1_790_000_000.0
+
+
+def test_the_run_page_shows_where_the_time_went_as_the_account_has_it(runs, monkeypatch):
+    import json
+
+    from meshscope.collector.report import efficiency
+
+    at = app(runs, monkeypatch, "run", run="skip_collective")  # a hang the watchdog aborted, a restart
+    body = text(at)
+    assert "Where the time went" in body and "ETTR" in body and "Maturity" in body, body
+    charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    bars = next(c for c in charts if "wall time by bucket" in c["layout"]["title"]["text"])
+    account = efficiency(runs / "skip_collective")["account"]
+    drawn = {
+        t["name"]: dict(zip(plotted(t["y"]), plotted(t["x"]))) for t in bars["data"]
+    }  # bucket -> who -> seconds
+    assert sum(who["job"] for who in drawn.values()) == pytest.approx(account.wall_s)
+    assert drawn["hang"]["job"] == pytest.approx(account.job["hang"]) and account.job["hang"] > 0
+    colours = {t["name"]: t["marker"]["color"] for t in bars["data"]}
+    assert colours["hang"] == "#8c564b" and colours["compute"] == "#2ca02c"  # fixed, whatever the run

@@ -1,11 +1,14 @@
-"""Run: compute, exposed communication and step time per rank, the communication ratio, loss,
-and one timeline of events."""
+"""Run: where the time went (one stacked bar for the job and one per rank), the TEI and the
+maturity level; compute, exposed communication and step time per rank, the communication
+ratio, loss, and one timeline of events."""
 
 import plotly.express as px
 import streamlit as st
 
 from meshscope.collector.figures import node_hops, with_compute
+from meshscope.collector.maturity import maturity
 from meshscope.collector.report import across_nodes, efficiency, efficiency_text
+from meshscope.collector.timeaccount import BUCKET_COLOURS, BUCKETS, account_bars
 from meshscope.view import data, ui
 
 run_dir, facts = ui.open_run("Run")
@@ -30,7 +33,24 @@ steps = facts.steps
 if steps.empty:
     st.info("No step recorded yet.")
     st.stop()
-st.markdown(f"**Training efficiency index**: {efficiency_text(efficiency(run_dir, steps))}")
+efficiency_figures = efficiency(run_dir, steps)
+account = efficiency_figures["account"]
+st.markdown(f"**Where the time went**: {account.text()}")
+st.plotly_chart(
+    px.bar(
+        account_bars(account),
+        x="seconds",
+        y="who",
+        color="bucket",
+        orientation="h",
+        color_discrete_map=BUCKET_COLOURS,
+        category_orders={"bucket": list(BUCKETS)},
+        title="wall time by bucket: the job (mean over ranks) and each rank",
+    ),
+    key="time_account",
+)
+st.markdown(f"**Training efficiency index**: {efficiency_text(efficiency_figures)}")
+st.markdown(f"**Maturity**: {maturity(run_dir, steps, facts.events).text()}")
 per_rank = with_compute(steps).assign(rank=steps["rank"].astype(str))
 # under synchronous DDP every rank's step lasts as long as the slowest's: the straggler is the one
 # whose own compute is long, while its peers' exposed communication (the wait for it) is
