@@ -38,12 +38,12 @@ LEVELS = (
     (
         "L4",
         "live detection and diagnosis",
-        "run through `meshscope run` (its sidecar judges live) or `meshscope detect --live`",
+        "run through `meshscope run` (its sidecar judges live), or `meshscope hang-watch --run DIR` beside",
     ),
     (
         "L5",
         "adaptive re-placement and the feedback loop",
-        "approve a suggestion (`meshscope feedback approve`) so it is applied in flight and measured",
+        "approve a suggestion (`meshscope feedback apply`), then measure it (`meshscope feedback outcomes`)",
     ),
 )
 

@@ -368,7 +368,7 @@ class Monitor:
     def _host_float(self, key: str, value: Any) -> float:
         """A logged host value as a float; NaN, said once per key, for one that is not a number."""
         try:
-            return float(value)
+            return float(value)  # host tensor (or a number): no wait
         except (TypeError, ValueError, RuntimeError) as err:
             if key not in self._unreadable:
                 self._unreadable.add(key)

@@ -9,7 +9,8 @@ is split as meshscope measures a step:
   `checkpoint_save` (the time a save held training), `checkpoint_restore`, `data_loading`,
   `wasted_progress` (steps a restart redid), `restart` (failure to the new workers' start:
   detection and rendezvous), `hang` (stall to abort), `straggler` (the part of a rank's exposed
-  communication its slowest peer made it wait: beyond the least-waiting rank's), `idle`.
+  communication spent waiting for the slowest rank's pace: busy time smoothed over a few
+  steps, so jitter between balanced ranks is not counted), `idle`.
 
 Each rank's timeline from the job's start (its first worker's start) to its end (the clean end,
 else its last step) is cut into segments, each counted in exactly one bucket: steps, the gaps
@@ -138,12 +139,20 @@ def _of(events: pd.DataFrame, kind: str) -> pd.DataFrame:
     return events[events["kind"] == kind] if not events.empty else events
 
 
+PACE_STEPS = 9  # a rank's pace: the median of its busy time over this many steps around each
+
+
 def _straggler_waits(every: pd.DataFrame) -> pd.Series:
-    """Per row: its exposed communication beyond the least-waiting rank's of the same step and
-    attempt (the slowest rank waits least; the others' excess is the wait for it)."""
+    """Per row: how long the rank waited for the slowest rank's pace in that step, at most its
+    exposed communication. A pace is a rank's busy time (step less exposed communication)
+    smoothed over `PACE_STEPS` steps, so the jitter between balanced ranks, which moves from
+    rank to rank, is not a straggler, and a rank slower step after step is."""
     exposed = every["comm_exposed_s"].fillna(0.0).clip(lower=0.0)
-    least = exposed.groupby([every["attempt"], every["step"], every["wasted"]]).transform("min")
-    return (exposed - least).clip(lower=0.0)
+    busy = (every["step_s"].fillna(0.0) - exposed).clip(lower=0.0)
+    by_rank = busy.groupby([every["attempt"], every["wasted"], every["rank"]], sort=False)
+    pace = by_rank.transform(lambda b: b.rolling(PACE_STEPS, center=True, min_periods=1).median())
+    slowest = pace.groupby([every["attempt"], every["step"], every["wasted"]]).transform("max")
+    return (slowest - pace).clip(lower=0.0).clip(upper=exposed)
 
 
 @dataclass
@@ -286,12 +295,13 @@ def _cut(out: dict[str, float], a: float, b: float, cuts: list[tuple[Any, str]])
 class TimeAccountCollector:
     """`meshscope_time_seconds_total{bucket}`: the job's time account as Prometheus counters,
     read from the run's store (the job store when there is one: every node) when scraped, at
-    most once per `every_s`. Registered by the one process that judges the job (`leader`), so
-    a job with several nodes exports it once."""
+    most once per `every_s`, or per 20 times the last read's duration when that is longer.
+    Registered by the one process that judges the job (`leader`), so a job with several nodes
+    exports it once."""
 
     def __init__(self, run_dir: Any, leader: Any = None, every_s: float = 15.0) -> None:
         self.run_dir, self.leader, self.every_s = run_dir, leader, every_s
-        self._read_at = -math.inf
+        self._next_read = -math.inf
         self._account: TimeAccount | None = None
 
     def collect(self) -> Any:
@@ -322,12 +332,15 @@ class TimeAccountCollector:
         from meshscope.collector.store import load_events, load_retried_steps, load_steps
 
         now = time.monotonic()
-        if now - self._read_at >= self.every_s:
-            self._read_at = now
-            try:
-                self._account = time_account(
-                    load_steps(self.run_dir), load_retried_steps(self.run_dir), load_events(self.run_dir)
-                )
-            except Exception:  # a store not there yet, or not answering: the last account stands
-                pass
+        if now < self._next_read:
+            return self._account
+        try:
+            self._account = time_account(
+                load_steps(self.run_dir), load_retried_steps(self.run_dir), load_events(self.run_dir)
+            )
+        except Exception:  # a store not there yet, or not answering: the last account stands
+            pass
+        # the whole run is read each time: a long run's account waits longer (at most ~5 % of
+        # a core on it), so a scrape never costs the judge more as the run grows
+        self._next_read = now + max(self.every_s, 20 * (time.monotonic() - now))
         return self._account

@@ -17,6 +17,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import HeatmapCellLayout
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
+from meshscope.collector.timeaccount import PRODUCTIVE
 from meshscope.detectors.thresholds import Thresholds
 
 OUT = Path(__file__).parent / "grafana" / "dashboards"
@@ -200,14 +201,30 @@ def experts() -> dashboard.Dashboard:
     )
 
 
+_ETTR = (
+    f'sum(meshscope_time_seconds_total{{{RUN},bucket=~"{"|".join(PRODUCTIVE)}"}}) '
+    f"/ sum(meshscope_time_seconds_total{{{RUN}}})"
+)
+
+
 def faults() -> dashboard.Dashboard:
-    """The Faults board: restarts, recovery, dead ranks, hangs, anomalies."""
+    """The Faults board: restarts, recovery, dead ranks, hangs, anomalies, and where the time went."""
     return (
         _base("meshscope-faults", "meshscope / Faults and anomalies")
         .with_panel(_stat("Restarts", "short", _q(f"max(meshscope_restarts_total{{{RUN}}})")))
         .with_panel(_stat("Last recovery", "s", _q(f"max(meshscope_recovery_seconds{{{RUN}}})")))
         .with_panel(_stat("Ranks up", "short", _q(f'sum(up{{job="meshscope",{RUN}}})')))
         .with_panel(_stat("Anomalies opened", "short", _q(f"sum(meshscope_anomalies_total{{{RUN}}})")))
+        .with_panel(_stat("ETTR (productive / wall)", "percentunit", _q(_ETTR)))
+        .with_panel(
+            _ts(
+                "Where the time went (s, by bucket)",
+                "s",
+                _q(f"sum by (bucket) (meshscope_time_seconds_total{{{RUN}}})", "{{bucket}}"),
+                desc="The job's wall time cut into goodput (compute, gradient and expert communication) "
+                "and badput buckets that add up to it; the mean over ranks, from the run's store.",
+            )
+        )
         .with_panel(
             _ts(
                 "Anomaly score per detector",

@@ -50,6 +50,8 @@ class _Row:
     device_mem: np.ndarray  # allocated device memory per rank (0 on the CPU)
     ranks: list[int]
     loss_bad: np.ndarray | None = None  # 1 where a logged loss was NaN/Inf (not: unlogged)
+    grad_bad: np.ndarray | None = None  # likewise, a logged gradient norm
+    grad_norm: np.ndarray | None = None
     busy: np.ndarray | None = None  # per rank: the step less its wait for communication
 
     def col(self, name: str) -> np.ndarray:
@@ -192,6 +194,8 @@ class DetectionEngine:
             view.cols["mem_allocated"].reshape(1, -1),
             [int(r) for r in view.ranks],
             view.cols["loss_bad"].reshape(1, -1),
+            view.cols["grad_bad"].reshape(1, -1),
+            view.cols["grad_norm"].reshape(1, -1),
             (view.cols["step_s"] - view.cols["comm_exposed_s"]).reshape(1, -1),
         )
         if row.ranks != self._ranks:  # elastic shrink or grow: per-rank baselines start over

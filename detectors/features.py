@@ -85,6 +85,8 @@ def step_views(steps: pd.DataFrame, after: int = -1) -> Iterator[StepView]:
     world = steps["world_size"].to_numpy()[order]
     cols = {c: _column(steps, c)[order] for c in _PER_RANK}
     cols["loss_bad"] = nonfinite_mask(steps, "loss").astype(float)[order]
+    # a NaN born in backward (an expert's gradient) leaves the loss finite: the norm says it
+    cols["grad_bad"] = np.asarray(nonfinite_mask(steps, "grad_norm"), dtype=float)[order]
     uniq, first, counts = np.unique(step, return_index=True, return_counts=True)
     for s, a, n in zip(uniq, first, counts):
         if n == world[a]:

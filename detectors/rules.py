@@ -126,7 +126,7 @@ class WindowRule:
 
 
 class NonFiniteRule(StepRule):
-    """A rank's loss is NaN or Inf."""
+    """A rank's logged loss or gradient norm is NaN or Inf."""
 
     name, during_warmup = "nan", True
     types = ("nan",)
@@ -141,16 +141,21 @@ class NonFiniteRule(StepRule):
         # a loss that was never logged is absent, not NaN: only logged NaN/Inf count
         marked = row.loss if row.loss_bad is None else np.where(row.loss_bad > 0, np.nan, 0.0)
         bad = self.detector.culprits(marked)[0]
-        if not bad:
+        evidence = {"loss": [str(v) for v in row.loss[0]]}
+        if row.grad_norm is not None:
+            evidence["grad_norm"] = [str(v) for v in row.grad_norm[0]]
+        if bad:
+            return [Flag("nan", 1.0, ranks=[row.ranks[i] for i in bad], evidence=evidence)]
+        grads = [] if row.grad_bad is None else list(np.flatnonzero(row.grad_bad[0] > 0))
+        if not grads:
             return []
-        return [
-            Flag(
-                "nan",
-                1.0,
-                ranks=[row.ranks[i] for i in bad],
-                evidence={"loss": [str(v) for v in row.loss[0]]},
-            )
-        ]
+        # every loss finite, a gradient norm not: a NaN born in backward. Every rank's norm is
+        # NaN once the reduction spread it: that names no culprit (the tracer names the module)
+        spread = len(grads) == len(row.ranks) > 1
+        evidence["where"] = "backward: the gradient norm" + (
+            " of every rank, after the reduction" if spread else ""
+        )
+        return [Flag("nan", 1.0, ranks=[] if spread else [row.ranks[i] for i in grads], evidence=evidence)]
 
 
 class StallRule(StepRule):

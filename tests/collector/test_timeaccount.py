@@ -22,20 +22,19 @@ def _step(rank, step, start, attempt, exposed=0.0, data=0.0):
 
 
 def _recorded(run_dir):
-    """Attempt 0 runs steps 0-4 (a checkpoint after step 2 holds 0.15 s; rank 0 waits 0.2 s for
-    rank 1 at step 1), hangs after step 4 until the watchdog aborts at +9; attempt 1 starts at
+    """Attempt 0 runs steps 0-4 (a checkpoint after step 2 holds 0.15 s; rank 0 waits 0.2 s a
+    step for the slower rank 1), hangs after step 4 until the watchdog aborts at +9; attempt 1 starts at
     +10, resumes from step 3 and redoes steps 3-4, then step 5; the run ends at +15.5."""
     store = RunStore(run_dir)
     store.add_event(
         Event(kind="run_start", run_id="r", rank=0, detail={"process_started_at": T0}, time=T0 + 2)
     )
     for step in range(5):
-        for rank in (0, 1):
-            waits = step == 1
+        for rank in (0, 1):  # rank 1 is slower all through attempt 0: rank 0 waits 0.2 s a step
+            exposed = 0.3 if rank == 0 else 0.1
             store.add_step(
-                _step(rank, step, T0 + 2 + step, 0, exposed=(0.3 if rank == 0 else 0.1) if waits else 0.0,
-                      data=0.1 if step == 1 else 0.0)
-            )  # fmt: skip
+                _step(rank, step, T0 + 2 + step, 0, exposed=exposed, data=0.1 if step == 1 else 0.0)
+            )
     store.add_event(
         Event(kind="checkpoint", run_id="r", rank=0, detail={"saved_step": 2, "held_s": 0.15}, time=T0 + 5)
     )
@@ -77,10 +76,11 @@ def test_the_buckets_add_up_to_the_wall_time_and_each_second_is_where_it_went(tm
     }
     for bucket, seconds in expected.items():
         assert r0[bucket] == pytest.approx(seconds), bucket
-    assert r0["straggler"] == pytest.approx(0.2) and r1["straggler"] == 0.0  # rank 0 waited for rank 1
-    assert r0["gradient_comm"] == pytest.approx(0.1) == r1["gradient_comm"]
+    # rank 0 waited for rank 1 in the steps that were kept (0-2); the rest is communication
+    assert r0["straggler"] == pytest.approx(0.6) and r1["straggler"] == 0.0
+    assert r0["gradient_comm"] == pytest.approx(0.3) == r1["gradient_comm"]
     assert r0["idle"] == pytest.approx(0.2 + 0.2 + 0.2 + 0.2 + 0.7)
-    assert account.job["straggler"] == pytest.approx(0.1)  # the job's figure: the mean over ranks
+    assert account.job["straggler"] == pytest.approx(0.3)  # the job's figure: the mean over ranks
     assert sum(account.job.values()) == pytest.approx(account.wall_s)
     productive = sum(account.job[b] for b in PRODUCTIVE)
     assert account.ettr == pytest.approx(productive / 15.5)
@@ -104,3 +104,42 @@ def test_prometheus_gets_a_counter_per_bucket_that_agrees_with_the_account(tmp_p
     for bucket in BUCKETS:
         value = registry.get_sample_value("meshscope_time_seconds_total", {"bucket": bucket})
         assert value == pytest.approx(account.job[bucket]), bucket
+
+
+def test_jitter_between_balanced_ranks_is_no_straggler_but_a_slow_rank_is(tmp_path):
+    """In lockstep every step waits for whichever rank was late this time; only a rank slower
+    step after step makes the others wait for its pace. Steps 0-39 jitter (busy time 0.6 s
+    +- 0.03 on both ranks); from step 20 rank 1 is 0.2 s slower."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    store = RunStore(tmp_path)
+    start = T0
+    for step in range(40):
+        busy = 0.6 + rng.normal(0, 0.03, size=2) + np.array([0.0, 0.2 if step >= 20 else 0.0])
+        step_s = float(busy.max()) + 0.05  # everyone leaves the reduction when the last arrives
+        for rank in (0, 1):
+            exposed = step_s - float(busy[rank])
+            store.add_step(
+                StepRecord(
+                    run_id="r",
+                    rank=rank,
+                    world_size=2,
+                    step=step,
+                    time=start,
+                    step_s=step_s,
+                    comm_exposed_s=exposed,
+                )
+            )
+        start += step_s
+    store.close()
+    account = time_account(load_steps(tmp_path), load_retried_steps(tmp_path), load_events(tmp_path))
+    steps = load_steps(tmp_path)
+    raw_wait = 0.0  # the old measure: exposed beyond the least-waiting rank's, step by step
+    for _, same in steps[steps["step"] < 20].groupby("step"):
+        raw_wait += float((same["comm_exposed_s"] - same["comm_exposed_s"].min()).sum())
+    r0, r1 = account.ranks[0]["straggler"], account.ranks[1]["straggler"]
+    assert 20 * 0.2 * 0.85 < r0 < 20 * 0.2 * 1.15, r0  # rank 0 waited for rank 1's pace
+    assert r1 < 0.1 * r0, (r0, r1)  # the slow rank waited for nobody's
+    balanced = r0 + r1 - 20 * 0.2  # what the balanced half was charged, both ranks
+    assert balanced < 0.5 * raw_wait, (balanced, raw_wait)

@@ -180,14 +180,20 @@ def test_boards_have_the_panels_and_variables_people_need():
         assert needed in titles, needed
 
 
-def test_boards_query_only_series_that_exist():
+def test_boards_query_only_series_that_exist(tmp_path):
     """Every metric a panel names is exported by a rank or the detector, or recorded by a rule."""
+    from meshscope.collector.store import RunStore
+    from meshscope.collector.timeaccount import TimeAccountCollector
+
     ranks, detector = CollectorRegistry(), CollectorRegistry()  # two endpoints, as deployed
     DetectorMetrics(detector)
     # a rank's families once a step that logged its loss and grad norm is out
-    MeshscopeMetrics(ranks).observe_step(
-        StepRecord(run_id="r", rank=0, world_size=1, step=0, time=0.0, step_s=0.1, loss=1.0, grad_norm=1.0)
-    )
+    step = StepRecord(run_id="r", rank=0, world_size=1, step=0, time=0.0, step_s=0.1, loss=1.0, grad_norm=1.0)
+    MeshscopeMetrics(ranks).observe_step(step)
+    store = RunStore(tmp_path)  # the detector's time account, as the sidecar registers it
+    store.add_step(step)
+    store.close()
+    detector.register(TimeAccountCollector(tmp_path))
     exported = set()
     for fam in [*ranks.collect(), *detector.collect()]:
         exported |= {s.name for s in fam.samples} | {fam.name, f"{fam.name}_total", f"{fam.name}_bucket"}

@@ -78,6 +78,42 @@ def test_memory_growth_and_nan_are_found_with_their_ranks():
     assert min(e.start_step for e in closed if e.type == "memory") <= 75
 
 
+def test_a_nan_born_in_backward_is_a_nan_anomaly_though_the_loss_stays_finite():
+    """An expert whose gradient turns NaN leaves the loss finite: the gradient norm says it
+    (the step is skipped), and the anomaly is the same `nan` as a loss's, with its rank."""
+    df = synthetic_run()
+    bad = (df["rank"] == 2) & (df["step"] == 50)
+    df.loc[bad, "grad_norm"] = float("nan")
+    df["nonfinite"] = np.where(bad, "grad_norm", "")
+    _, closed = run(df)
+    found = [(e.type, e.ranks) for e in closed]
+    assert ("nan", [2]) in found, found
+    ep = next(e for e in closed if e.type == "nan")
+    assert ep.start_step == 50 and ep.detail()["evidence"]["grad_norm"][2] == "nan"
+    assert np.isfinite(df.loc[bad, "loss"]).all()
+
+
+def test_a_nan_the_reduction_spread_to_every_rank_names_no_rank():
+    """DDP averages gradients: one rank's NaN is every rank's after the reduction. A finite
+    loss everywhere and a NaN norm everywhere is a `nan` anomaly that names no culprit."""
+    df = synthetic_run()
+    bad = df["step"] == 50
+    df.loc[bad, "grad_norm"] = float("nan")
+    df["nonfinite"] = np.where(bad, "grad_norm", "")
+    _, closed = run(df)
+    nans = [e for e in closed if e.type == "nan"]
+    assert len(nans) == 1 and not nans[0].ranks, [(e.type, e.ranks) for e in closed]
+    assert "every rank" in nans[0].detail()["evidence"]["where"]
+
+
+def test_a_grad_norm_never_logged_is_no_nan():
+    df = synthetic_run()
+    df["grad_norm"] = float("nan")  # a loop that logs no gradient norm: NULL in the store
+    df["nonfinite"] = ""
+    _, closed = run(df)
+    assert not any(e.type == "nan" for e in closed), [(e.type, e.ranks) for e in closed]
+
+
 def test_a_device_memory_leak_is_found_while_host_memory_stays_flat():
     _, closed = run(synthetic_run(device_leak=(2, 60, 8.0)))
     leaks = [e for e in closed if e.type == "memory"]
