@@ -319,6 +319,16 @@ def test_hang_stalls_the_peers_collective(injected):
     assert injected["rank"][1].loc[36, "step_s"] > 1.5
 
 
+def test_the_time_account_adds_up_and_the_slow_rank_made_the_other_wait(injected):
+    from meshscope.collector.report import efficiency
+
+    account = efficiency(injected["dir"])["account"]
+    for rank, buckets in account.ranks.items():
+        assert sum(buckets.values()) == pytest.approx(account.wall_s), rank
+    waited = {rank: buckets["straggler"] for rank, buckets in account.ranks.items()}
+    assert waited[0] > 2 * waited[1], waited  # rank 1 computed 3x for 5 steps: rank 0 waited
+
+
 def test_detect_finds_the_injected_faults_afterwards(injected):
     from typer.testing import CliRunner
 
