@@ -265,7 +265,7 @@ def bench(
     writer_before = thread_cpu(mon.store._thread)
     service_thread = mon._service._thread  # the Monitor's drain: records, gauges, rows
     service_before = thread_cpu(service_thread)
-    responder_thread = mon.flight._responder if mon.flight is not None else None
+    responder_thread = mon.flight._responder._thread if mon.flight is not None else None
     responder_before = thread_cpu(responder_thread) if responder_thread is not None else 0.0
     for _ in range(models):
         model, ddp, opt = make()

@@ -82,8 +82,7 @@ from meshscope.collector.flightread import (
     groups_path,
 )
 from meshscope.collector.stacks import (
-    RESPONDER_THREAD,
-    answer_requests,
+    StackResponder,
     crash_path,
     recorder_dump,
     write_recorder_dump,
@@ -152,9 +151,8 @@ class FlightLog:
         self._lock = threading.Lock()
         self._step, self._step_started, self._step_s = -1, 0.0, 0.0
         self._crash_file = None
-        self._responder: threading.Thread | None = None
+        self._responder: StackResponder | None = None
         self._recorder: Callable[[], bytes] | None = None
-        self._stop = threading.Event()
         self._device: DeviceTruth | None = None
         if probe is not None and getattr(probe, "asynchronous", False):
             struct.pack_into("<i", self._map, CLOCK_OFFSET, CLOCK_DEVICE)
@@ -388,13 +386,7 @@ class FlightLog:
         self._crash_file = open(crash_path(self.path), "w")
         self._faulthandler_was_on = faulthandler.is_enabled()
         faulthandler.enable(file=self._crash_file, all_threads=True)
-        self._responder = threading.Thread(
-            target=answer_requests,
-            args=(self.folder, self.write_stacks, self._stop, poll_s),
-            name=RESPONDER_THREAD,
-            daemon=True,
-        )
-        self._responder.start()
+        self._responder = StackResponder(self.folder, self.write_stacks, poll_s).start()
         return self
 
     def write_stacks(self, request_id: str = "") -> Path:
@@ -412,7 +404,8 @@ class FlightLog:
     def close(self) -> None:
         """A clean exit: the watchdog must not take this rank for dead."""
         self.settle_polled()
-        self._stop.set()
+        if self._responder is not None:
+            self._responder.stop(wait=False)  # asleep in the kernel: it ends when it wakes
         if self._device is not None:
             self._device.stop()
         struct.pack_into("<i", self._map, STATE_HDR_OFFSET, CLOSED)

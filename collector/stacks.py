@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from meshscope.collector.service import Service
+
 REQUEST_FILE = "request"
 STACKS_SUFFIX = ".stacks.json"
 CRASH_SUFFIX = ".crash"
@@ -155,25 +157,45 @@ def recorder_answer(flight: Path, request_id: str) -> Path | None:
     return None
 
 
-def answer_requests(
-    folder: Path, answer: Callable[[str], object], stop: threading.Event, poll_s: float = 0.2
-) -> None:
-    """The responder's loop: call `answer(request_id)` each time the request file changes.
-    On Linux it sleeps in the kernel until the file is replaced (inotify): a rank that is
-    never asked spends nothing on it. Where there are no notifications (another OS) it looks
-    every `poll_s`, and with them it still looks every `RECHECK_S`, for a filesystem that
-    misses some (a network mount written from another host)."""
-    request, answered = Path(folder) / REQUEST_FILE, None
-    with _request_watch(Path(folder)) as wait:
-        while not stop.is_set():
-            try:
-                stamp = request.stat().st_mtime_ns
-            except FileNotFoundError:
-                stamp = None
-            if stamp is not None and stamp != answered:
-                answered = stamp
-                answer(request.read_text().strip())
-            wait(poll_s)
+class StackResponder(Service):
+    """The flight log's responder: `answer(request_id)` each time the request file changes.
+    On Linux it sleeps in the kernel until the file is replaced (inotify): a rank that is never
+    asked spends nothing on it. Where there are no notifications (another OS) it looks every
+    `poll_s`, and with them it still looks every `RECHECK_S`, for a filesystem that misses some
+    (a network mount written from another host). Stopped without a wait: it ends when it wakes."""
+
+    def __init__(self, folder: Path, answer: Callable[[str], object], poll_s: float = 0.2) -> None:
+        super().__init__(RESPONDER_THREAD, poll_s, join_s=RECHECK_S + 1.0)
+        self.folder, self.answer = Path(folder), answer
+        self._answered: int | None = None
+        self._watch: contextlib.ExitStack | None = None
+        self._wait: Callable[[float], None] = time.sleep
+
+    def before_rounds(self) -> None:
+        """Watch the folder, then look once: a request already there is answered now."""
+        self._watch = contextlib.ExitStack()
+        self._wait = self._watch.enter_context(_request_watch(self.folder))
+        self.round()
+
+    def idle(self) -> None:
+        """Asleep until the request file changes (or the fallback interval)."""
+        self._wait(self.interval_s)
+
+    def round(self) -> None:
+        """Answer the request file if it changed since the last answer."""
+        request = self.folder / REQUEST_FILE
+        try:
+            stamp = request.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if stamp != self._answered:
+            self._answered = stamp
+            self.answer(request.read_text().strip())
+
+    def after_rounds(self) -> None:
+        """Stop watching the folder."""
+        if self._watch is not None:
+            self._watch.close()
 
 
 RECHECK_S = 2.0  # with notifications: the safety look at the request file

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshscope.collector.schema import STEP_COLUMNS, Event, StepRecord
+from meshscope.collector.service import Service
 from meshscope.collector.storedb import (
     STORE_NAME,
     StoreTarget,
@@ -95,11 +96,12 @@ class RunStore:
         # per step costs a context switch and a GIL hand-off on a busy host).
         self._items: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
-        self._wake = threading.Event()  # flush and close only
-        self._stopping = False
-        self._flush_interval_s = flush_interval_s
-        self._thread = threading.Thread(target=self._writer, name="meshscope-store", daemon=True)
-        self._thread.start()
+        self._writer = StoreWriter(self, flush_interval_s).start()
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        """The writer's thread (what a benchmark meters)."""
+        return self._writer._thread
 
     def _put(self, item: tuple[str, Any]) -> None:
         with self._lock:
@@ -133,28 +135,23 @@ class RunStore:
         """Block until everything queued so far is committed (False: `timeout` came first)."""
         done = threading.Event()
         self._put(("barrier", done))
-        self._wake.set()
+        self._writer.wake()
         return done.wait(timeout)
 
     def close(self) -> None:
         """Write what is queued and close the connection."""
-        if self._thread.is_alive():
-            self._stopping = True
-            self._wake.set()
-            self._thread.join(timeout=60)
+        if self._writer.running:
+            self._writer.stop()  # its last round writes what is queued
+        else:
+            self.write_queued()  # no writer (a forked child's copy): write it here
         self._conn.close()
 
-    def _writer(self) -> None:
-        while True:
-            self._wake.wait(self._flush_interval_s)
-            self._wake.clear()
-            stopping = self._stopping  # read before taking the batch: nothing is left behind
-            with self._lock:
-                items, self._items = self._items, []
-            if items:
-                self._commit(items)
-            if stopping:
-                return
+    def write_queued(self) -> None:
+        """Commit what is queued now, in one transaction (the writer's round)."""
+        with self._lock:
+            items, self._items = self._items, []
+        if items:
+            self._commit(items)
 
     def _commit(self, items: list[tuple[str, Any]]) -> None:
         """Write one batch in one transaction, then release the flushes waiting on it."""
@@ -173,6 +170,24 @@ class RunStore:
                     self._conn.executemany(_INSERT[kind], batch)
         for done in barriers:
             done.set()
+
+
+class StoreWriter(Service):
+    """The store's writer thread: a batch every `flush_interval_s`, sooner on a flush, and what
+    is left when it stops (adding a record never wakes it: a wake-up per step costs a context
+    switch and a GIL hand-off on a busy host)."""
+
+    def __init__(self, store: RunStore, interval_s: float) -> None:
+        super().__init__("meshscope-store", interval_s, join_s=60.0)
+        self.store = store
+
+    def round(self) -> None:
+        """Commit what is queued."""
+        self.store.write_queued()
+
+    def after_rounds(self) -> None:
+        """Commit what came after the last round."""
+        self.store.write_queued()
 
 
 def _event_row(e: Event) -> list[tuple]:

@@ -108,3 +108,29 @@ def test_a_forked_child_holds_no_thread_of_its_parent_and_may_start_its_own():
     assert os.read(read, 1) == b"1"
     os.waitpid(pid, 0)
     assert service.running and service.stop()
+
+
+class Woken(Service):
+    """A long interval: a round comes from `wake()` (a flush), and the last one from `stop()`."""
+
+    def __init__(self) -> None:
+        super().__init__("meshscope-test-woken", 3600.0, join_s=5.0)
+        self.rounds, self.after = 0, 0
+
+    def round(self) -> None:
+        self.rounds += 1
+
+    def after_rounds(self) -> None:
+        self.after += 1
+
+
+def test_a_wake_runs_a_round_now_and_a_stop_runs_the_last_one_once():
+    service = Woken().start()
+    time.sleep(0.2)
+    assert service.rounds == 0  # an hour's interval: nothing yet
+    service.wake()
+    _wait_for(lambda: service.rounds == 1)
+    started = time.monotonic()
+    assert service.stop() and not service.running
+    assert time.monotonic() - started < 2.0  # woken to stop, not after the interval
+    assert (service.rounds, service.after) == (1, 1)

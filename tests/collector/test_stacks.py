@@ -11,7 +11,7 @@ import torch
 from meshscope.collector import stacks
 from meshscope.collector.stacks import (
     LIBRARY,
-    answer_requests,
+    StackResponder,
     frame_text,
     own_frame,
     request_stacks,
@@ -49,7 +49,7 @@ def test_the_responder_sleeps_until_asked_and_answers_every_request(tmp_path, mo
     # The safety look pushed out of reach: an answer within the test's time comes from the
     # kernel's notification, and a quiet responder does not wake at all.
     monkeypatch.setattr(stacks, "RECHECK_S", 60.0)
-    asked, stop, looks = [], threading.Event(), []
+    asked, looks = [], []
     real_stat = type(tmp_path).stat
 
     def counted_stat(path, **kw):
@@ -57,8 +57,7 @@ def test_the_responder_sleeps_until_asked_and_answers_every_request(tmp_path, mo
         return real_stat(path, **kw)
 
     monkeypatch.setattr(type(tmp_path), "stat", counted_stat)
-    responder = threading.Thread(target=answer_requests, args=(tmp_path, asked.append, stop), daemon=True)
-    responder.start()
+    responder = StackResponder(tmp_path, asked.append).start()
     deadline = time.monotonic() + 10
     while not looks and time.monotonic() < deadline:  # its first look, however busy the machine
         time.sleep(0.01)
@@ -70,4 +69,7 @@ def test_the_responder_sleeps_until_asked_and_answers_every_request(tmp_path, mo
         while request not in asked and time.monotonic() < deadline:
             time.sleep(0.01)
     assert asked == ["a1", "a2"]
-    stop.set()
+    responder.stop(wait=False)
+    request_stacks(tmp_path, "wake")  # a notification wakes it: it ends without answering
+    responder._thread.join(5)
+    assert not responder.running and asked == ["a1", "a2"]
