@@ -89,9 +89,22 @@ def test_a_checkout_imports_without_being_installed(tmp_path):
         f"sys.path.insert(0, {str(REPO)!r})\n"
         "import meshscope.watchdog.verdicts, meshscope.collector.rundir\n"
         "print(meshscope.watchdog.verdicts.__file__)\n"
+        "import importlib.util\n"  # only the rooms: the checkout's other folders stay its own
+        "print([n for n in ('meshscope.tests', 'meshscope.fixtures', 'meshscope.benchmarks')"
+        " if importlib.util.find_spec(n) is not None])\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(REPO / "watchdog" / "verdicts.py")
+    assert out.stdout.split("\n")[:2] == [str(REPO / "watchdog" / "verdicts.py"), "[]"], out.stdout
+
+
+def test_the_installed_package_holds_only_the_rooms():
+    """Through the editable install too: `meshscope.<room>` for each room, nothing else of the
+    checkout (its tests and fixtures import under their own names)."""
+    import importlib.util
+
+    for name in ("meshscope.tests", "meshscope.fixtures", "meshscope.benchmarks"):
+        assert importlib.util.find_spec(name) is None, name
+    assert importlib.util.find_spec("meshscope.advisor") is not None
