@@ -3,7 +3,8 @@
 Every rank writes `hb/<attempt>/<rank>` = "<time> <step>" each interval from a thread: one
 write, no reads. One watcher per node (local rank 0) reads its node's beats in one `multi_get`
 every half interval: a rank whose beat has not changed for 1.5 intervals (so within two
-intervals of its death) and left no exit mark is reported once; the watcher exports its own
+intervals of its death; 10 before its first step, while imports and compiling can starve its
+beat on a busy host) and left no exit mark is reported once; the watcher exports its own
 ranks' ages only and writes a node summary. With several nodes, one job watcher (rank 0)
 reads the summaries: a node whose summary stopped changing lost its watcher (it died, or its
 local rank 0 finished first), and its ranks that stopped beating without an exit mark are
@@ -139,6 +140,18 @@ def node_key(attempt: int, node: int) -> str:
     return f"{PREFIX}/node/{attempt}/{node}"
 
 
+SILENT_INTERVALS = 1.5  # a beat unchanged this long (in intervals) and no exit mark: gone
+# Before its first step a rank imports, builds and compiles: work that can hold the
+# interpreter for seconds on a busy host, its beat thread with it. Gone takes longer then.
+STARTING_INTERVALS = 10.0
+
+
+def silent_after(beat: bytes, interval: float) -> float:
+    """Seconds without a new beat after which the rank that wrote `beat` is gone."""
+    step = int(beat.decode().split()[1])
+    return (STARTING_INTERVALS if step < 0 else SILENT_INTERVALS) * interval
+
+
 class _Ages:
     """When each watched value last changed: its age, on our own clock."""
 
@@ -210,7 +223,9 @@ class NodeWatch(_Watcher):
             age = self.ages.age(rank, value)
             if rank in self.reported:
                 continue
-            if age > 1.5 * self.interval and not self.store.check([exit_key(self.attempt, rank)]):
+            if age > silent_after(value, self.interval) and not self.store.check(
+                [exit_key(self.attempt, rank)]
+            ):
                 self.reported.add(rank)
                 dead[rank] = age
                 self.on_dead(rank, age, int(value.decode().split()[1]))
@@ -251,7 +266,7 @@ class JobWatch(_Watcher):
             return
         for (node, ranks), value in zip(self.nodes.items(), self.store.multi_get(keys)):
             age = self.ages.age(node, value)
-            if age <= 1.5 * self.interval or node in self.reported:
+            if age <= SILENT_INTERVALS * self.interval or node in self.reported:
                 continue
             if self._look_at_ranks(ranks, float(value.decode().split()[0]), age):
                 self.reported.add(node)
@@ -269,7 +284,8 @@ class JobWatch(_Watcher):
         for rank, beat in zip(unsettled, beats):
             age = self.ages.age(("rank", rank), beat)
             beat_time, step = beat.decode().split()
-            if float(beat_time) <= summary_time or age > 1.5 * self.interval:
+            starting = int(step) < 0  # silent since before the summary stopped: not yet telling
+            if (float(beat_time) <= summary_time and not starting) or age > silent_after(beat, self.interval):
                 self.settled.add(rank)
                 self.on_dead(rank, max(age, summary_age), int(step))
         return all(r in self.settled for r in ranks)

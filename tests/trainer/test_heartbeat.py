@@ -27,6 +27,7 @@ def test_a_dead_rank_is_reported_once_by_its_node_within_two_intervals():
     clock, dead, ages = Clock(), [], {}
     beats = [Heartbeat(store, rank=r, world_size=3, attempt=0) for r in range(3)]
     for b in beats:
+        b.step = 3  # training
         b._beat()
     watch = NodeWatch(
         store,
@@ -49,7 +50,7 @@ def test_a_dead_rank_is_reported_once_by_its_node_within_two_intervals():
         watch.look()
         if dead:
             break
-    assert dead == [(1, -1)]
+    assert dead == [(1, 3)]
     assert clock.t <= 2.0  # looked every half interval: found within two intervals
     assert ages[1] is None and ages[0] is not None  # the departed rank's series goes
     for _ in range(10):
@@ -57,8 +58,31 @@ def test_a_dead_rank_is_reported_once_by_its_node_within_two_intervals():
         beats[0]._beat()
         beats[2]._beat()
         watch.look()
-    assert dead == [(1, -1)]  # once
+    assert dead == [(1, 3)]  # once
     assert store.check(["meshscope/node/0/0"])
+
+
+def test_a_rank_not_yet_stepping_may_stall_its_beat_longer_before_it_is_gone():
+    """Before its first step a rank imports and compiles, which on a busy host can hold its
+    beat thread for seconds: 10 intervals of silence then, not 1.5, on its node and across
+    nodes (a whole node starving at start-up, its watcher with it)."""
+    store = dist.HashStore()
+    clock, dead = Clock(), []
+    nodes = {0: [0, 1], 1: [2, 3]}
+    watchers = [NodeWatch(store, attempt=0, node=n, ranks=r, clock=clock) for n, r in nodes.items()]
+    watchers[0].on_dead = lambda r, age, step: dead.append(r)
+    for rank in range(4):
+        Heartbeat(store, rank=rank, world_size=4, attempt=0)._beat()  # step -1: starting
+    job = JobWatch(store, attempt=0, nodes=nodes, clock=clock, on_dead=lambda r, age, step: dead.append(r))
+    watchers[1].look()  # node 1's last summary before it starves
+    for tick in range(0, 40):
+        clock.t = tick * 0.5
+        store.set(hb_key(0, 0), f"{tick} -1")  # rank 0 beats; ranks 1, 2, 3 are silent
+        watchers[0].look()
+        job.look()
+        if clock.t < 9.0:
+            assert dead == [], (clock.t, dead)  # 1.5 intervals would have named all three
+    assert sorted(dead) == [1, 2, 3]  # silent for good: gone, within 10 intervals and a look
 
 
 def test_a_rank_that_left_on_purpose_is_not_dead():
@@ -85,7 +109,9 @@ def test_a_node_whose_watcher_died_has_its_ranks_reported_by_the_job_watcher():
     nodes = {0: [0, 1], 1: [2, 3]}
     watchers = [NodeWatch(store, attempt=0, node=n, ranks=r, clock=clock) for n, r in nodes.items()]
     for rank in range(4):
-        Heartbeat(store, rank=rank, world_size=4, attempt=0)._beat()
+        beat = Heartbeat(store, rank=rank, world_size=4, attempt=0)
+        beat.step = 1  # training
+        beat._beat()
     job = JobWatch(store, attempt=0, nodes=nodes, clock=clock, on_dead=lambda r, age, step: dead.append(r))
     for tick in range(0, 8):
         clock.t = tick * 0.5
