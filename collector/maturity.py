@@ -22,6 +22,7 @@ import pandas as pd
 
 from meshscope.collector.exporter import DETECTOR_JOB
 from meshscope.collector.rundir import run_config
+from meshscope.collector.timeaccount import events_of
 
 LEVELS = (
     ("L1", "data parallel", "run on two or more ranks (`--nproc 2`)"),
@@ -80,17 +81,17 @@ def maturity(run_dir: Any, steps: pd.DataFrame, events: pd.DataFrame) -> Maturit
     return Maturity(level, evidence, "")
 
 
-def _kind(events: pd.DataFrame, kind: str) -> pd.DataFrame:
-    return events[events["kind"] == kind] if not events.empty else events
-
-
 def _data_parallel(run_dir: Path, steps: pd.DataFrame, events: pd.DataFrame) -> str:
     ranks = int(steps["rank"].nunique()) if not steps.empty else 0
     return f"{ranks} ranks stepped" if ranks >= 2 else ""
 
 
 def _cheaper_comm(run_dir: Path, steps: pd.DataFrame, events: pd.DataFrame) -> str:
-    compression = {d.get("compression") for d in _kind(events, "run_start")["detail"]} - {None, "none", ""}
+    compression = {d.get("compression") for d in events_of(events, "run_start")["detail"]} - {
+        None,
+        "none",
+        "",
+    }
     if compression:
         return f"compression {', '.join(sorted(compression))}"
     train = run_config(run_dir).get("train")
@@ -100,7 +101,7 @@ def _cheaper_comm(run_dir: Path, steps: pd.DataFrame, events: pd.DataFrame) -> s
 
 
 def _elastic(run_dir: Path, steps: pd.DataFrame, events: pd.DataFrame) -> str:
-    resumes = _kind(events, "resume")
+    resumes = events_of(events, "resume")
     if resumes.empty or steps.empty:
         return ""
     first = float(resumes["time"].min())
@@ -113,7 +114,7 @@ def _elastic(run_dir: Path, steps: pd.DataFrame, events: pd.DataFrame) -> str:
 
 
 def _watched(run_dir: Path, steps: pd.DataFrame, events: pd.DataFrame) -> str:
-    judged = len(_kind(events, "anomaly")) + len(_kind(events, "hang"))
+    judged = len(events_of(events, "anomaly")) + len(events_of(events, "hang"))
     if judged:
         return f"{judged} anomalies and hangs judged"
     try:
@@ -129,13 +130,13 @@ def _watched(run_dir: Path, steps: pd.DataFrame, events: pd.DataFrame) -> str:
 
 
 def _adaptive(run_dir: Path, steps: pd.DataFrame, events: pd.DataFrame) -> str:
-    applied = _kind(events, "suggestion_applied")
+    applied = events_of(events, "suggestion_applied")
     applied = (
         applied[[d.get("status", "applied") == "applied" for d in applied["detail"]]]
         if len(applied)
         else applied
     )
-    measured = _kind(events, "outcome")
+    measured = events_of(events, "outcome")
     if len(applied) and len(measured):
         return f"{len(applied)} change(s) applied in flight, {len(measured)} outcome(s) measured"
     return ""

@@ -96,11 +96,14 @@ def busiest_host(events: pd.DataFrame) -> HostShare | None:
     return max(shares, key=lambda s: s.factor, default=None)
 
 
-def efficiency(run_dir: Any, steps: pd.DataFrame | None = None) -> dict[str, Any]:
+def efficiency(
+    run_dir: Any, steps: pd.DataFrame | None = None, events: pd.DataFrame | None = None
+) -> dict[str, Any]:
     """The run's Training Efficiency Index on its time account: scaling efficiency (against the
     one-device run of the same model found beside it; `reference`: its name, or '' when there
     is none and scaling efficiency is NaN) x (1 - exposed communication share) x ETTR. The
-    account itself is under `account`."""
+    account itself is under `account`. `steps` and `events`: the run's, when the caller has
+    read them already."""
     from meshscope.collector.figures import training_efficiency_index
     from meshscope.collector.rundir import one_device_reference
     from meshscope.collector.store import load_events, load_retried_steps, load_steps
@@ -108,7 +111,8 @@ def efficiency(run_dir: Any, steps: pd.DataFrame | None = None) -> dict[str, Any
 
     steps = load_steps(run_dir) if steps is None else steps
     retried = load_retried_steps(run_dir)
-    account = time_account(steps, retried, load_events(run_dir))
+    events = load_events(run_dir) if events is None else events
+    account = time_account(steps, retried, events)
     reference = one_device_reference(run_dir)
     one = tokens_per_second(load_steps(reference)) if reference is not None else math.nan
     out: dict[str, Any] = training_efficiency_index(steps, one, retried, ettr=account.ettr)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,15 +128,16 @@ def _job_span(every: pd.DataFrame, events: pd.DataFrame) -> tuple[float, float]:
     last step's end."""
     first = float(every["time"].min())
     last = float((every["time"] + every["step_s"]).max())
-    started = [d.get("process_started_at") for d in _of(events, "run_start")["detail"]]
+    started = [d.get("process_started_at") for d in events_of(events, "run_start")["detail"]]
     started = [float(t) for t in started if isinstance(t, (int, float)) and math.isfinite(t)]
-    ends = _of(events, "run_end")["time"]
+    ends = events_of(events, "run_end")["time"]
     start = min([first, *started])
     end = max(last, float(ends.max())) if len(ends) else last
     return start, end
 
 
-def _of(events: pd.DataFrame, kind: str) -> pd.DataFrame:
+def events_of(events: pd.DataFrame, kind: str) -> pd.DataFrame:
+    """The events of one kind (the frame itself when it is empty: it may have no columns)."""
     return events[events["kind"] == kind] if not events.empty else events
 
 
@@ -171,12 +173,12 @@ class _Marks:
     def read(cls, events: pd.DataFrame) -> _Marks:
         """From the run's events."""
         held: dict[int, float] = {}
-        for d in _of(events, "checkpoint")["detail"]:
+        for d in events_of(events, "checkpoint")["detail"]:
             if isinstance(d.get("saved_step"), int):
                 held[d["saved_step"]] = held.get(d["saved_step"], 0.0) + _seconds(d.get("held_s"))
-        hangs = _of(events, "hang")
-        starts = [d.get("process_started_at") for d in _of(events, "run_start")["detail"]]
-        resumes = _of(events, "resume")
+        hangs = events_of(events, "hang")
+        starts = [d.get("process_started_at") for d in events_of(events, "run_start")["detail"]]
+        resumes = events_of(events, "resume")
         workers = events[events["kind"].isin(["run_start", "resume"])] if not events.empty else events
         return cls(
             held,
@@ -327,8 +329,6 @@ class TimeAccountCollector:
         return []
 
     def _current(self) -> TimeAccount | None:
-        import time
-
         from meshscope.collector.store import load_events, load_retried_steps, load_steps
 
         now = time.monotonic()

@@ -14,6 +14,9 @@ from meshscope.collector.flightread import (
     FlightTail,
 )
 
+# what a node sees of its ranks: their flight-log tails and their stacks, by rank
+Picture = tuple[dict[int, FlightTail], dict[int, list[str]]]
+
 
 def tail_to_json(tail: FlightTail) -> dict[str, Any]:
     """A flight-log tail as JSON-ready data, to send to another node's watchdog."""
@@ -107,8 +110,8 @@ class NodeExchange:
         request_id: str,
         world: int,
         wait_s: float,
-        mine: tuple[dict[int, FlightTail], dict[int, list[str]]] | None = None,
-    ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
+        mine: Picture | None = None,
+    ) -> Picture:
         """Every answer that arrives within `wait_s` (or until all `world` ranks are in).
         While it waits it answers other nodes' requests with `mine`: nodes that saw the
         stall at the same moment all get the whole picture."""
@@ -156,8 +159,8 @@ class OneNode:
         request_id: str,
         world: int,
         wait_s: float,
-        mine: tuple[dict[int, FlightTail], dict[int, list[str]]] | None = None,
-    ) -> tuple[dict[int, FlightTail], dict[int, list[str]]]:
+        mine: Picture | None = None,
+    ) -> Picture:
         """What this node sees is the whole picture."""
         return mine if mine is not None else ({}, {})
 

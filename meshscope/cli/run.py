@@ -232,8 +232,8 @@ def _exchange_cell(s: dict[str, float]) -> str:
 
 def _print_summary(cfg: RunConfig) -> None:
     """The finished run in one table."""
-    s = report.summarize(load_steps(cfg.run_dir), load_expert_load(cfg.run_dir))
-    events = load_events(cfg.run_dir)
+    steps, events = load_steps(cfg.run_dir), load_events(cfg.run_dir)
+    s = report.summarize(steps, load_expert_load(cfg.run_dir))
     kinds = events["kind"].value_counts()
     table = Table(title=f"run {cfg.run_id}", show_header=False)
     rows = [
@@ -259,12 +259,12 @@ def _print_summary(cfg: RunConfig) -> None:
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
-    efficiency = report.efficiency(cfg.run_dir)
+    efficiency = report.efficiency(cfg.run_dir, steps, events)
     console.print(f"where the time went: {efficiency['account'].text()}", soft_wrap=True, highlight=False)
     console.print(
         f"training efficiency index: {report.efficiency_text(efficiency)}", soft_wrap=True, highlight=False
     )
-    level = maturity(cfg.run_dir, load_steps(cfg.run_dir), events)
+    level = maturity(cfg.run_dir, steps, events)
     console.print(f"maturity: {level.text()}", soft_wrap=True, highlight=False)
     console.print(f"store: {describe_store(cfg.run_dir)}")
     host = report.busiest_host(events)

@@ -253,6 +253,10 @@ def test_busy_port_is_a_clear_error(tmp_path):
 def test_bad_monitor_config_names_the_field(tmp_path):
     with pytest.raises(ValueError, match="expert_every"):
         MonitorConfig(run_dir=tmp_path, expert_every=0)
+    with pytest.raises(ValueError, match="memory_every"):
+        MonitorConfig(run_dir=tmp_path, memory_every=0)
+    with pytest.raises(ValueError, match="drain_interval_s"):
+        MonitorConfig(run_dir=tmp_path, drain_interval_s=0)
 
 
 @pytest.mark.parametrize(

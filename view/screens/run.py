@@ -33,7 +33,7 @@ steps = facts.steps
 if steps.empty:
     st.info("No step recorded yet.")
     st.stop()
-efficiency_figures = efficiency(run_dir, steps)
+efficiency_figures = efficiency(run_dir, steps, facts.events)
 account = efficiency_figures["account"]
 st.markdown(f"**Where the time went**: {account.text()}")
 st.plotly_chart(
