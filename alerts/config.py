@@ -35,8 +35,11 @@ class AlertRouting(BaseModel):
     @field_validator("email_to", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
+        """a@x,b@y, or a list of those (`--email-to` given once or several times)."""
         if isinstance(value, str):
-            return [a.strip() for a in value.split(",") if a.strip()]
+            value = [value]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return [a.strip() for v in value for a in v.split(",") if a.strip()]
         return value
 
     def missing_files(self) -> list[str]:
@@ -48,6 +51,23 @@ class AlertRouting(BaseModel):
         ]
 
 
+class OutboxConfig(BaseModel):
+    """How the run's own outbox delivers (embedded alerts; Alertmanager has its own policy)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    dedupe_s: float = Field(
+        3600.0, ge=0, description="the same alert to the same channel is sent once in this window"
+    )
+    per_minute: int = Field(
+        20, gt=0, le=10**6, description="alerts per channel per minute; the rest wait in the outbox"
+    )
+    backoff_s: float = Field(
+        1.0, gt=0, description="first retry delay after a failed delivery; doubles each time"
+    )
+    max_backoff_s: float = Field(300.0, gt=0, description="the longest wait between two retries")
+
+
 class AlertsConfig(AlertRouting):
     """A run's alerts (the `[alerts]` TOML section; the alert flags override it): the routing,
     and which path carries it."""
@@ -57,6 +77,4 @@ class AlertsConfig(AlertRouting):
         description="auto: through Alertmanager when a `meshscope stack` watches the runs "
         "folder, else from the run itself",
     )
-    stack_home: Path = Field(
-        Path(".meshscope/stack"), description="where `meshscope stack up` keeps its state"
-    )
+    outbox: OutboxConfig = Field(default_factory=OutboxConfig)

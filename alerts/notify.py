@@ -23,6 +23,7 @@ from email.message import EmailMessage
 from pathlib import Path
 from typing import Any, Protocol
 
+from meshscope.alerts.config import OutboxConfig
 from meshscope.collector.exporter import split_host_port
 
 log = logging.getLogger("meshscope.notify")
@@ -194,19 +195,6 @@ class Email:
 
     def __repr__(self) -> str:
         return f"Email(name={self.name!r}, host={self.host!r}, to={self.to!r})"
-
-
-@dataclass(kw_only=True)
-class OutboxConfig:
-    """Delivery policy."""
-
-    dedupe_s: float = 3600.0
-    """The same alert (same key) to the same channel is sent once in this window."""
-    per_minute: int = 20
-    """At most this many alerts per channel per minute; the rest wait in the outbox."""
-    backoff_s: float = 1.0
-    """First retry delay after a failure; doubles each time, capped at `max_backoff_s`."""
-    max_backoff_s: float = 300.0
 
 
 class Outbox:

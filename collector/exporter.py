@@ -59,7 +59,7 @@ def ensure_ports_free(host: str, ports: list[int]) -> None:
                 if isinstance(err, socket.gaierror) or err.errno == errno.EADDRNOTAVAIL:
                     raise PortInUseError(
                         f"metrics_host {host!r}: not an address of this machine ({err.strerror}); "
-                        "set metrics_host (--set metrics_host=ADDR) to one, or leave it empty"
+                        "set metrics_host (--set monitor.metrics_host=ADDR) to one, or leave it empty"
                     ) from None
                 raise PortInUseError(
                     f"metrics port {port} on {host} is already in use ({err.strerror}); "

@@ -133,11 +133,11 @@ class Monitor:
         port = port_for(self.config.metrics_port, self.env.local_rank)
         labels = (
             {"job": RANK_JOB, "run": self.config.run_id, "rank": str(self.env.rank), "node": self.env.node}
-            if self.config.topology_labels
+            if self.config.metrics_labels
             else None
         )
         try:
-            self._server = serve_metrics(self.registry, port, self.config.metrics_host, labels)
+            self._server = serve_metrics(self.registry, port, self.config.metrics_address, labels)
         except PortInUseError as err:  # taken since the launcher checked: a named failure, no death
             self.fail(err)
             self.training_over()
@@ -147,7 +147,7 @@ class Monitor:
             write_targets(
                 self.config.run_dir,
                 run_id=self.config.run_id,
-                host=self.config.metrics_host,
+                host=self.config.metrics_address,
                 ports_by_rank=ports,
                 node=self.env.node,
             )

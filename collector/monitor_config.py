@@ -1,68 +1,110 @@
-"""How a Monitor records: its one config, built once at the edge and handed down."""
+"""How a Monitor records, said once: `MonitorSettings` are the knobs a user sets (the run's
+`[monitor]` TOML section, `--set monitor.X=...`, or keywords of `Monitor.from_env`);
+`MonitorConfig` adds where this one Monitor writes, built at the edge and handed down."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
-@dataclass(kw_only=True)
-class MonitorConfig:
-    """How a Monitor records. Built once at the edge and handed down."""
+from meshscope.collector.exporter import valid_host
 
-    run_dir: Path
-    """Folder of this run: store.sqlite and targets.json live here."""
-    run_id: str = ""
-    """Run identifier; defaults to the run directory's name."""
-    metrics_port: int | None = 9400
-    """Base port of the per-rank /metrics exporter (port = base + local rank); None = no exporter."""
-    metrics_host: str = "127.0.0.1"
-    """Address the exporter binds to and the one written into targets.json."""
-    topology_labels: bool = False
-    """Stamp job, run, rank and node on every series /metrics serves, for scrapers that find
-    pods rather than read targets.json (a Kubernetes PodMonitor with honorLabels: true)."""
-    expert_every: int = 5
-    """Sum expert token counts over ranks every this many steps (one small all-reduce)."""
-    sync_every: int = 10
-    """Steps per window: device scalars of a window share one buffer and one copy to the host
-    (the service thread records a step once its window's copy landed)."""
-    comm_sample_every: int = 10
-    """Time each gradient bucket on one step in this many (the wait for communication, which
-    makes the comm ratio, is measured every step)."""
-    memory_every: int = 1
-    """Read memory (host RSS, device allocated and reserved) on one step in this many; the
-    steps between carry the latest reading. Every step by default: a leak is seen where it
-    starts; an RSS read costs a step ~30 us on a busy host, which a larger value saves."""
-    drain_interval_s: float = 0.2
-    """How often the Monitor's service thread turns finished steps into records, gauges and
-    store rows (off the training thread)."""
-    nan_events: bool = True
-    """Write a `nan` event when the logged loss turns non-finite. Off when a tensor tracer
-    reports non-finite steps itself (with the module): one event per finding, not two."""
-    flight_log: bool = True
-    """Keep the collective flight log (`collector.flightlog`) in `<run_dir>/live/`, which the
-    hang watchdog reads. DDP keeps its C++ all-reduce: a step's reduction is one record
-    (`collector.flightfixed.ReductionRecord`); a Python comm hook's buckets are recorded one by one."""
-    flight_capacity: int = 2048
-    """Collectives the flight log keeps per rank (a ring)."""
+LOOPBACK = "127.0.0.1"
 
-    def __post_init__(self) -> None:
-        self.run_dir = Path(self.run_dir)
+
+class MonitorSettings(BaseModel):
+    """What a Monitor measures, how often, and where it serves /metrics."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    metrics_port: int | None = Field(
+        9400,
+        gt=0,
+        lt=65536,
+        description="base port of /metrics: rank r serves on base + local rank (none: no exporter)",
+    )
+    metrics_host: str = Field(
+        "",
+        description="address /metrics listens on and targets.json names: empty = 127.0.0.1 "
+        "(`meshscope run` on several nodes: the address on the route to the rendezvous host)",
+    )
+    metrics_labels: bool = Field(
+        False,
+        validation_alias=AliasChoices("metrics_labels", "topology_labels"),
+        description="stamp job, run, rank and node on every series (for a Kubernetes PodMonitor "
+        "with honorLabels: true, which finds pods rather than reading targets.json)",
+    )
+    expert_every: int = Field(
+        5,
+        gt=0,
+        le=10**6,
+        description="sum expert load over ranks every N steps, one small all-reduce (an expert "
+        "alarm can come up to N-1 steps after the fault)",
+    )
+    sync_every: int = Field(
+        10,
+        gt=0,
+        le=10**6,
+        description="steps per window: a window's device scalars share one buffer and one copy "
+        "to the host, and a step is recorded once its window's copy landed",
+    )
+    comm_sample_every: int = Field(
+        10,
+        gt=0,
+        le=10**6,
+        description="time gradient buckets on one step in N (the wait for communication, which "
+        "makes the comm ratio, is measured every step)",
+    )
+    memory_every: int = Field(
+        1,
+        gt=0,
+        le=10**6,
+        description="read memory (host RSS, device allocated and reserved) on one step in N; the "
+        "steps between carry the last reading (1: a leak shows where it starts; an RSS read "
+        "costs ~30 us a step on a busy host)",
+    )
+    drain_interval_s: float = Field(
+        0.2,
+        gt=0,
+        le=60,
+        description="how often the Monitor's service thread turns finished steps into records, "
+        "gauges and store rows (off the training thread)",
+    )
+    flight_log: bool = Field(
+        True,
+        description="keep the collective flight log in <run>/live/, which the hang watchdog reads "
+        "(DDP's C++ all-reduce is one record a step; a Python comm hook's buckets one each)",
+    )
+    flight_capacity: int = Field(
+        2048, ge=16, le=1 << 20, description="collectives the flight log keeps per rank (a ring)"
+    )
+
+    @field_validator("metrics_host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if value and not valid_host(value):
+            raise ValueError(f"{value!r} is not an IP address or host name")
+        return value
+
+    @property
+    def metrics_address(self) -> str:
+        """Where /metrics listens: `metrics_host`, loopback when unset."""
+        return self.metrics_host or LOOPBACK
+
+
+class MonitorConfig(MonitorSettings):
+    """One Monitor's settings and where it writes; built once at the edge and handed down."""
+
+    run_dir: Path = Field(description="folder of this run: store.sqlite and targets.json live here")
+    run_id: str = Field("", description="run identifier; defaults to the run directory's name")
+    nan_events: bool = Field(
+        True,
+        description="write a `nan` event when the logged loss turns non-finite; off when a tensor "
+        "tracer reports non-finite steps itself (with the module): one event per finding",
+    )
+
+    def model_post_init(self, _context: object) -> None:
+        """The run id defaults to the run directory's name."""
         if not self.run_id:
             self.run_id = self.run_dir.name
-        if self.expert_every < 1:
-            raise ValueError(f"MonitorConfig.expert_every must be >= 1, got {self.expert_every}")
-        if self.sync_every < 1:
-            raise ValueError(f"MonitorConfig.sync_every must be >= 1, got {self.sync_every}")
-        if self.comm_sample_every < 1:
-            raise ValueError(f"MonitorConfig.comm_sample_every must be >= 1, got {self.comm_sample_every}")
-        if self.memory_every < 1:
-            raise ValueError(f"MonitorConfig.memory_every must be >= 1, got {self.memory_every}")
-        if not 0 < self.drain_interval_s <= 60:
-            raise ValueError(
-                f"MonitorConfig.drain_interval_s must be in (0, 60], got {self.drain_interval_s}"
-            )
-        if self.flight_capacity < 16:
-            raise ValueError(f"MonitorConfig.flight_capacity must be >= 16, got {self.flight_capacity}")
-        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
-            raise ValueError(f"MonitorConfig.metrics_port must be a TCP port, got {self.metrics_port}")

@@ -71,9 +71,11 @@ def run_info(run_dir: str | Path) -> RunInfo:
     config = run_config(run_dir)
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     parallel = config.get("parallel") if isinstance(config.get("parallel"), dict) else {}
+    # older runs kept expert_every at the top level
+    monitor = config.get("monitor") if isinstance(config.get("monitor"), dict) else {}
     return RunInfo(
         ep=_number(parallel.get("ep"), int) or 1,
-        expert_every=_number(config.get("expert_every"), int),
+        expert_every=_number(monitor.get("expert_every", config.get("expert_every")), int),
         top_k=_number(model.get("top_k"), int),
         experts=_number(model.get("experts"), int),
         capacity_factor=_number(model.get("capacity_factor"), float),

@@ -18,14 +18,17 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import Field
 
 from meshscope.alerts.config import AlertRouting
 from meshscope.collector.exporter import TARGETS_INDEX
 from meshscope.dashboards.alertmanager import checked, write_alertmanager_config
 from meshscope.dashboards.prometheus import write_prometheus_config, write_rules
+from meshscope.dashboards.stack_config import StackSettings
 
 BINARIES = {
     "prometheus": ("prometheus",),
@@ -42,27 +45,19 @@ class StackError(RuntimeError):
     """The stack could not be started or reached; the message says which part and why."""
 
 
-@dataclass(kw_only=True)
-class StackConfig:
-    """Ports, folders and options of one `meshscope stack` (its servers on 127.0.0.1)."""
+class StackConfig(StackSettings):
+    """One `meshscope stack`: its settings, the runs folder it watches, where alerts go, and
+    the job store's network resolved (servers on 127.0.0.1, the job store where asked)."""
 
     runs_root: Path
-    home: Path
-    prometheus_port: int = 9090
-    alertmanager_port: int = 9093
-    scrape_interval_s: float = 5.0
-    routing: AlertRouting = field(default_factory=AlertRouting)
-    fast: bool = False  # 1 s alert grouping waits, fresh samples queryable at once (tests, benchmarks)
-    remote_write: bool = False  # VictoriaMetrics beside Prometheus
-    victoria_port: int = 8428
-    store: bool = False  # a PostgreSQL job store
-    store_port: int = 5433
+    routing: AlertRouting = Field(default_factory=AlertRouting)
     store_listen: tuple[str, ...] = ("127.0.0.1",)  # the first is the address runs are given
     store_allow: tuple[str, ...] = ()  # networks (CIDR) whose nodes log in with the password
     store_tls: tuple[Path, Path] | None = None  # (certificate, key): the job store serves TLS
 
-    def __post_init__(self) -> None:
-        checked(self.routing)  # a bad relay or a missing secret fails before anything starts
+    def model_post_init(self, _context: object) -> None:
+        """A bad relay or a missing secret fails before anything starts."""
+        checked(self.routing)
 
 
 @dataclass
@@ -216,7 +211,7 @@ def up(cfg: StackConfig, timeout_s: float = 30.0) -> list[Component]:
                 raise StackError(f"{name} exited at start (status {proc.returncode}); its log ends:\n{tail}")
         comps = status(cfg.home)
         if all(c.ready for c in comps):
-            if cfg.store:
+            if cfg.job_store:
                 comps.append(_start_store(cfg))
             _record_runs_root(cfg.home, cfg.runs_root)
             return comps
@@ -246,19 +241,25 @@ def _start_store(cfg: StackConfig) -> Component:
     running = next((c for c in status(cfg.home) if c.name == "postgres" and c.running), None)
     if running is not None:
         return running
-    _ensure_free("store", cfg.store_port)
+    _ensure_free("store", cfg.job_store_port)
     try:
         server = postgres.start(
-            home, cfg.store_port, listen=cfg.store_listen, allow=cfg.store_allow, tls=cfg.store_tls
+            home, cfg.job_store_port, listen=cfg.store_listen, allow=cfg.store_allow, tls=cfg.store_tls
         )
     except postgres.PostgresError as err:
         raise StackError(f"job store: {err}") from None
     pid = int((server.data / "postmaster.pid").read_text().split()[0])
     log = str(home / "postgres.log")
-    info = {"name": "postgres", "pid": pid, "port": cfg.store_port, "binary": "postgres", "url": server.url}
+    info = {
+        "name": "postgres",
+        "pid": pid,
+        "port": cfg.job_store_port,
+        "binary": "postgres",
+        "url": server.url,
+    }
     info |= {"log": log, "password_file": str(server.password_file), "stop_signal": int(signal.SIGINT)}
     (cfg.home / "postgres.json").write_text(json.dumps(info))  # SIGINT: PostgreSQL's fast shutdown
-    return Component("postgres", pid, cfg.store_port, server.url, log, running=True, ready=True)
+    return Component("postgres", pid, cfg.job_store_port, server.url, log, running=True, ready=True)
 
 
 def _record_runs_root(home: Path, runs_root: Path) -> None:

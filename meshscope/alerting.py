@@ -52,10 +52,10 @@ def alert_path(cfg: Any) -> AlertPath:
 
     alerts = cfg.alerts
     channels = alert_channels(alerts)  # checked before any write
-    alertmanager = alerting_for(alerts.stack_home, cfg.runs_root) if alerts.mode != "embedded" else None
+    alertmanager = alerting_for(cfg.stack.home, cfg.runs_root) if alerts.mode != "embedded" else None
     if alerts.mode == "alertmanager" and alertmanager is None:
         raise ValueError(
-            f"--alerts alertmanager: no meshscope stack in {alerts.stack_home} watches "
+            f"--alerts alertmanager: no meshscope stack in {cfg.stack.home} watches "
             f"{cfg.runs_root} (start one: meshscope stack up --runs {cfg.runs_root})"
         )
     if alertmanager is None:

@@ -67,9 +67,10 @@ def resolve_run(cfg: RunConfig) -> RunConfig:
             "a run on several nodes needs one id shared by its agents: --run-id ID, the same on "
             "every node (a per-agent timestamp would make each agent a job of its own)"
         )
-    if not cfg.metrics_host:
-        cfg = cfg.model_copy(update={"metrics_host": route(cfg).address})
-    ensure_ports_free(cfg.metrics_host, [cfg.metrics_port + r for r in range(cfg.nproc)])
+    if not cfg.monitor.metrics_host:
+        monitor = cfg.monitor.model_copy(update={"metrics_host": route(cfg).address})
+        cfg = cfg.model_copy(update={"monitor": monitor})
+    ensure_ports_free(cfg.monitor.metrics_host, [cfg.monitor.metrics_port + r for r in range(cfg.nproc)])
     if not cfg.run_id:
         cfg = cfg.model_copy(update={"run_id": cfg.elastic.rdzv_id or new_run_id()})
     return cfg.model_copy(update={"runs_root": cfg.runs_root.resolve()})

@@ -64,7 +64,9 @@ class Sidecar:
 
     def __init__(self, cfg: Any, alerts: AlertPath) -> None:
         self.cfg = cfg
-        self.outbox = Outbox(cfg.run_dir / OUTBOX, alerts.channels) if alerts.channels else None
+        self.outbox = (
+            Outbox(cfg.run_dir / OUTBOX, alerts.channels, cfg.alerts.outbox) if alerts.channels else None
+        )
         # this node's watchdog watches its own ranks (and answers the others'); one node judges the job
         node_lock = LeaderLock(cfg.run_dir)
         self.job_lock = job_leader(cfg.run_dir, node_lock)
@@ -108,13 +110,13 @@ class Sidecar:
 
     def start(self) -> Sidecar:
         """Export the detector's metrics (a busy port degrades with a reason) and start judging."""
-        port = self.cfg.metrics_port + self.cfg.nproc
+        port = self.cfg.monitor.metrics_port + self.cfg.nproc
         try:
-            host = self.cfg.metrics_address
+            host = self.cfg.monitor.metrics_address
             node = socket.gethostname()
             labels = (
                 {"job": DETECTOR_JOB, "run": self.cfg.run_id, "node": node}
-                if self.cfg.metrics_labels
+                if self.cfg.monitor.metrics_labels
                 else None
             )
             self._metrics_server, _ = serve_metrics(self.live.registry, port, host=host, labels=labels)

@@ -16,7 +16,7 @@ import meshscope.trainer.worker  # noqa: E402
 from meshscope.collector import DistEnv, Monitor  # noqa: E402
 from meshscope.config import RunConfig, load_config  # noqa: E402
 from meshscope.tracer.gradients import GradientInspector  # noqa: E402
-from meshscope.tracer.trace import TensorTracer, TracerConfig  # noqa: E402
+from meshscope.tracer.trace import TensorTracer  # noqa: E402
 
 
 def make_tracer(
@@ -24,7 +24,7 @@ def make_tracer(
 ) -> tuple[TensorTracer | None, GradientInspector | None]:
     """The tensor tracer on this rank's model and, on rank 0, the gradient inspector
     (gradients are all-reduced: every rank would say the same), reporting through the Monitor."""
-    if cfg.trace == "off":
+    if cfg.tracer.mode == "off":
         return None, None
 
     def report(kind: str, step: int, detail: dict) -> None:
@@ -36,17 +36,18 @@ def make_tracer(
         mon.metrics.layer_grad_norm.labels(module=module).set(grad_norm)
         mon.metrics.layer_update_ratio.labels(module=module).set(update_ratio)
 
+    mon.config.nan_events = False  # the tracer reports non-finite steps, with their module
     tracer = TensorTracer(
         model,
-        TracerConfig(mode=cfg.trace),
+        cfg.tracer,
         rank=env.rank,
         snapshot_dir=cfg.run_dir / "snapshots",
         report=report,
         stats_sink=mon.store.add_tensor_stats,
     )
-    inspector = (
-        GradientInspector(model, sink=mon.store.add_grad_stats, export=export) if env.rank == 0 else None
-    )
+    inspector = None
+    if env.rank == 0:
+        inspector = GradientInspector(model, cfg.gradients, sink=mon.store.add_grad_stats, export=export)
     return tracer, inspector
 
 

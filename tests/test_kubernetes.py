@@ -115,7 +115,7 @@ def test_every_port_the_code_opens_is_declared_and_scraped(manifests):
     prometheus = manifests["Prometheus/meshscope"]["spec"]
     assert prometheus["podMonitorSelector"]["matchLabels"].items() <= monitor["metadata"]["labels"].items()
     # the series carry their own topology only when the run is told to stamp it
-    assert "metrics_labels=true" in flags["set"]
+    assert "monitor.metrics_labels=true" in flags["set"]
     assert all(e["honorLabels"] for e in monitor["spec"]["podMetricsEndpoints"])
 
 

@@ -1,5 +1,5 @@
-"""What the tracer is told and what it finds: its config, a `Finding` (the first non-finite
-module of a step), and the small pieces it reads tensors and RNG state with."""
+"""What the tracer finds: a `Finding` (the first non-finite module of a step), and the small
+pieces it reads tensors and RNG state with."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ import torch
 
 from meshscope.collector.moe import stacked_experts
 from meshscope.collector.readback import Readback
-
-MODES = ("off", "nonfinite", "stats", "full")
-
 
 Report = Callable[[str, int, dict[str, Any]], None]  # (kind, step, detail)
 
@@ -121,28 +118,3 @@ class Finding:
             "note": self.note,
             "snapshot": self.snapshot,
         }
-
-
-@dataclass(kw_only=True)
-class TracerConfig:
-    """What the tracer does; see the module doc for the modes."""
-
-    mode: str = "nonfinite"
-    stats_every: int = 10
-    """`stats` and `full`: statistics every this many steps."""
-    max_snapshots: int = 5
-    """Snapshots per rank per run (`full`: per finding, no limit below this)."""
-    repeat_after: int = 100
-    """The same module, phase and tensor is reported again only this many steps later."""
-    max_lag_steps: int = 32
-    """Steps whose flags may wait for a lagging device; past it the tracer waits for the
-    oldest (a sync point) rather than drop a flag unjudged."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"TracerConfig.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        for name in ("stats_every", "repeat_after", "max_lag_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TracerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_snapshots < 0:
-            raise ValueError(f"TracerConfig.max_snapshots must be >= 0, got {self.max_snapshots}")

@@ -19,12 +19,12 @@ the layer's replicated part (`blocks.1`) is the same number it is without expert
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from meshscope.collector.readback import Readback
+from meshscope.tracer.config import InspectorConfig
 
 
 def layer_names(model: torch.nn.Module) -> dict[str, str]:
@@ -54,18 +54,6 @@ def expert_shards(model: torch.nn.Module) -> dict[str, str]:
             full = f"{prefix}.experts.{name}" if prefix else f"experts.{name}"
             out[full] = f"{names[full]}.experts[ep {mesh.ep_rank + 1}/{mesh.ep}]"
     return out
-
-
-@dataclass(kw_only=True)
-class InspectorConfig:
-    """When and how the gradient inspector judges."""
-
-    every: int = 10
-    """Inspect one step in this many."""
-
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError(f"InspectorConfig.every must be >= 1, got {self.every}")
 
 
 class GradientInspector:

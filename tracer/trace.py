@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from meshscope.collector.readback import Readback
+from meshscope.tracer.config import TracerConfig
 from meshscope.tracer.findings import (
     Finding,
     Report,
-    TracerConfig,
     _device_rng,
     _finite,
     _floats,

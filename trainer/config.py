@@ -5,6 +5,7 @@ A bad value raises `ConfigError` whose message names the field (e.g. `train.step
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -12,8 +13,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from meshscope.collector.exporter import split_host_port, valid_host
-from meshscope.collector.monitor_config import MonitorConfig
+from meshscope.collector.exporter import split_host_port
+from meshscope.collector.monitor_config import MonitorSettings
 from meshscope.collector.storedb import StoreTarget, StoreTargetError, check_url, job_schema
 
 if sys.version_info >= (3, 11):
@@ -24,7 +25,6 @@ else:  # pragma: no cover
 Compression = Literal["none", "fp16", "powersgd", "onebit", "onebit_adam"]
 DeviceKind = Literal["auto", "cpu", "cuda", "npu", "sim"]
 BackendKind = Literal["auto", "gloo", "nccl", "hccl", "simnccl", "simhccl"]
-TraceMode = Literal["off", "nonfinite", "stats", "full"]
 
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -211,17 +211,6 @@ class TrainerConfig(_Strict):
         "gloo lets several ranks share one accelerator",
     )
     nproc: int = Field(4, gt=0, le=1024, description="worker processes on this node")
-    metrics_port: int = Field(9400, gt=0, lt=65536, description="base port; rank r uses base + r")
-    metrics_host: str = Field(
-        "",
-        description="address /metrics listens on and targets.json names: empty = 127.0.0.1 on one "
-        "node, the address on the route to the rendezvous host on several",
-    )
-    metrics_labels: bool = Field(
-        False,
-        description="stamp job, run, rank and node on every series (for a Kubernetes PodMonitor "
-        "with honorLabels: true, which finds pods rather than reading targets.json)",
-    )
     store: str = Field(
         "",
         description="where the ranks write: empty = SQLite in the run directory (one node); "
@@ -230,25 +219,11 @@ class TrainerConfig(_Strict):
     store_password_file: str = Field(
         "", description="file holding the job store's password (never put it in the URL)"
     )
-    expert_every: int = Field(
-        MonitorConfig.expert_every,
-        gt=0,
-        le=10**6,
-        description="sum expert load over ranks every N steps (an expert "
-        "alarm can come up to N-1 steps after the fault)",
-    )
     control_every: int = Field(
         10,
         gt=0,
         le=10**6,
         description="read approved changes (router bias, aux-loss coefficient, capacity) every N steps",
-    )
-    comm_sample_every: int = Field(
-        MonitorConfig.comm_sample_every,
-        gt=0,
-        le=10**6,
-        description="time gradient buckets on one step in N (the wait for communication is "
-        "measured every step)",
     )
     linger_s: float = Field(
         0.0, ge=0, le=86_400, description="keep /metrics up this long after the last step"
@@ -258,31 +233,23 @@ class TrainerConfig(_Strict):
         description="count every host read of a tensor value in the steps by call site "
         "(<run>/sync_audit/rank<R>.json): unmarked ones are syncs nobody owns",
     )
-    trace: TraceMode = Field(
-        "nonfinite",
-        description="tensor tracer: off | nonfinite (first non-finite module, every "
-        "step) | stats (+ per-module statistics) | full (+ snapshots)",
-    )
     inject: list[str] = Field(
         default_factory=list, description="faults to inject: KIND@step=S,rank=R[,steps=N][,k=v]"
     )
+    monitor: MonitorSettings = Field(default_factory=MonitorSettings)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 
-    @field_validator("metrics_host")
-    @classmethod
-    def _host(cls, value: str) -> str:
-        if value and not valid_host(value):
-            raise ValueError(f"{value!r} is not an IP address or host name")
-        return value
-
     @model_validator(mode="after")
     def _ports(self) -> TrainerConfig:
-        if self.metrics_port + self.nproc - 1 > 65535:  # rank r serves on base + r
+        port = self.monitor.metrics_port
+        if port is None:  # the launcher's targets.json and the sidecar's scrapes need the ranks' ports
+            raise ValueError("monitor.metrics_port: the trainer's ranks serve /metrics; give a base port")
+        if port + self.nproc - 1 > 65535:  # rank r serves on base + r
             raise ValueError(
-                f"metrics_port: {self.metrics_port} + {self.nproc} ranks runs past port 65535 "
+                f"monitor.metrics_port: {port} + {self.nproc} ranks runs past port 65535 "
                 "(fewer nproc, or a lower --metrics-port)"
             )
         return self
@@ -371,11 +338,6 @@ class TrainerConfig(_Strict):
         return StoreTarget(self.store, job_schema(self.run_id), self.store_password_file)
 
     @property
-    def metrics_address(self) -> str:
-        """Where /metrics listens: `metrics_host`, loopback when unset (the launcher sets it)."""
-        return self.metrics_host or "127.0.0.1"
-
-    @property
     def job_id(self) -> str:
         """The job's one id, shared by its agents: it scopes every key meshscope puts in a store."""
         return self.elastic.rdzv_id or self.run_id
@@ -413,6 +375,57 @@ def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+# Keys that moved (into a section, or to another), read where they are now: configs written before
+# (a recorded run's config.json, an older TOML) keep working. Old key -> its path now.
+MOVED = {
+    "metrics_port": "monitor.metrics_port",
+    "metrics_host": "monitor.metrics_host",
+    "metrics_labels": "monitor.metrics_labels",
+    "expert_every": "monitor.expert_every",
+    "comm_sample_every": "monitor.comm_sample_every",
+    "trace": "tracer.mode",
+    "alerts.stack_home": "stack.home",
+}
+
+
+def moved_into_sections(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with each old key of `MOVED` put at its path now (a value already at the new
+    path wins)."""
+    out = copy.deepcopy(data) if _has_moved(data) else data  # the caller's dict stays as it was
+    for old, new in MOVED.items():
+        *where, name = old.split(".")
+        holder = _section(out, where)
+        if holder is None or name not in holder:
+            continue
+        value = holder.pop(name)
+        *into, key = new.split(".")
+        target = out
+        for part in into:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                break
+        else:
+            target.setdefault(key, value)
+    return out
+
+
+def _section(data: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
+    """The nested dict at `path` of `data` (None when there is none)."""
+    for part in path:
+        data = data.get(part)
+        if not isinstance(data, dict):
+            return None
+    return data
+
+
+def _has_moved(data: dict[str, Any]) -> bool:
+    """`data` holds a key of `MOVED` where it was."""
+    return any(
+        (holder := _section(data, old.split(".")[:-1])) is not None and old.split(".")[-1] in holder
+        for old in MOVED
+    )
+
+
 def load_config(
     path: Path | None = None,
     overrides: dict[str, Any] | None = None,
@@ -440,9 +453,10 @@ def load_config(
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
             raise ConfigError(f"{path}: not valid TOML/JSON: {err}") from None
     try:
+        data = merge_settings(moved_into_sections(data), moved_into_sections(overrides or {}))
         if own_sections:
             data = {k: v for k, v in data.items() if k in model.model_fields}
-        return model.model_validate(merge_settings(data, overrides or {}))
+        return model.model_validate(data)
     except ValidationError as err:
         _raise_config_error(err, source)
         raise  # unreachable

@@ -113,18 +113,9 @@ def write_pid(cfg: TrainerConfig, env: DistEnv) -> None:
 TracerFactory = Callable[[TrainerConfig, DistEnv, Monitor, Any], tuple[Any, Any]]
 
 
-def build_monitor(cfg: TrainerConfig, env: DistEnv, device: Any, control: Any, traced: bool) -> Monitor:
-    """The rank's Monitor, as a user's loop would build it."""
-    config = MonitorConfig(
-        run_dir=cfg.run_dir,
-        run_id=cfg.run_id,
-        metrics_port=cfg.metrics_port,
-        metrics_host=cfg.metrics_address,
-        topology_labels=cfg.metrics_labels,
-        expert_every=cfg.expert_every,
-        comm_sample_every=cfg.comm_sample_every,
-        nan_events=not traced,  # a tracer reports non-finite steps with their module
-    )
+def build_monitor(cfg: TrainerConfig, env: DistEnv, device: Any, control: Any) -> Monitor:
+    """The rank's Monitor, as a user's loop would build it: the run's `[monitor]` settings."""
+    config = MonitorConfig(run_dir=cfg.run_dir, run_id=cfg.run_id, **cfg.monitor.model_dump())
     return Monitor(config, env=env, probe=device.probe(), control=control)
 
 
@@ -150,7 +141,7 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
     audit = start_audit(cfg, device)
     init_process_group(env, device.backend, device.kind)
     control = ControlPlane.maybe()  # every collective meshscope adds goes through it
-    mon = build_monitor(cfg, env, device, control, traced=cfg.trace != "off" and make_tracer is not None)
+    mon = build_monitor(cfg, env, device, control)
     elastic = ElasticRun(cfg, env, mon, started_at=STARTED_AT, control=control)
     write_pid(cfg, env)
     try:
@@ -168,7 +159,7 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
             rank=env.rank,
             every=cfg.control_every,
             plane=control,
-            expert_every=cfg.expert_every,
+            expert_every=cfg.monitor.expert_every,
             optimizer=state.optimizer,
         )
         state.applier = applier  # checkpointed; a resume replays what came after its checkpoint

@@ -14,6 +14,17 @@ import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+# where alerts go: the same flags on `meshscope run` and `meshscope stack up`
+ALERT_FLAGS: dict[str, str] = {
+    "view-url": "alerts.view_url",
+    "slack-webhook-file": "alerts.slack_webhook_file",
+    "email-to": "alerts.email_to",
+    "smtp": "alerts.smtp",
+    "smtp-from": "alerts.smtp_from",
+    "smtp-user": "alerts.smtp_user",
+    "smtp-password-file": "alerts.smtp_password_file",
+    "smtp-tls": "alerts.smtp_tls",
+}
 # flag -> config path; the short flags users already know
 RUN_FLAGS: dict[str, str] = {
     "steps": "train.steps",
@@ -24,27 +35,20 @@ RUN_FLAGS: dict[str, str] = {
     "backend": "backend",
     "run-dir": "runs_root",
     "run-id": "run_id",
-    "metrics-port": "metrics_port",
+    "metrics-port": "monitor.metrics_port",
     "store": "store",
     "store-password-file": "store_password_file",
     "linger": "linger_s",
     "inject": "inject",
-    "trace": "trace",
+    "trace": "tracer.mode",
     "checkpoint-every": "elastic.checkpoint_every",
     "max-restarts": "elastic.max_restarts",
     "nnodes": "elastic.nnodes",
     "rdzv-endpoint": "elastic.rdzv_endpoint",
     "rdzv-external": "elastic.rdzv_external",
     "alerts": "alerts.mode",
-    "view-url": "alerts.view_url",
-    "slack-webhook-file": "alerts.slack_webhook_file",
-    "email-to": "alerts.email_to",
-    "smtp": "alerts.smtp",
-    "smtp-from": "alerts.smtp_from",
-    "smtp-user": "alerts.smtp_user",
-    "smtp-password-file": "alerts.smtp_password_file",
-    "smtp-tls": "alerts.smtp_tls",
-    "stack-home": "alerts.stack_home",
+    **ALERT_FLAGS,
+    "stack-home": "stack.home",
     "on-hang": "hang.on_hang",
     "hang-after": "hang.min_stall_s",
 }

@@ -123,7 +123,8 @@ def _print_header(cfg: RunConfig, alerts: AlertPath) -> None:
     if warning := launcher.store_warning(cfg):
         err_console.print(f"[yellow]warning:[/] {warning}")
     console.print(
-        f"  metrics  http://{cfg.metrics_host}:{cfg.metrics_port}..{cfg.metrics_port + cfg.nproc - 1}"
+        f"  metrics  http://{cfg.monitor.metrics_host}:{cfg.monitor.metrics_port}.."
+        f"{cfg.monitor.metrics_port + cfg.nproc - 1}"
         f"/metrics   (Prometheus file_sd: {cfg.run_dir / 'targets.json'})"
     )
     if alerts.alertmanager:

@@ -11,6 +11,9 @@ from rich.table import Table
 
 from meshscope.alerts.config import AlertRouting
 from meshscope.cli.common import app, console, err_console, fail
+from meshscope.cli.flags import ALERT_FLAGS, with_config_flags
+from meshscope.config import ConfigError, RunConfig, load_config
+from meshscope.dashboards.stack_config import STACK_HOME, StackSettings
 
 stack_app = typer.Typer(
     no_args_is_help=True,
@@ -21,78 +24,58 @@ stack_app = typer.Typer(
 app.add_typer(stack_app, name="stack")
 
 
-HOME_HELP = "folder for the stack's configs, data, logs and pid files"
-STORE_HOST_HELP = (
-    "address the job store listens on and runs are given (with --store; default: this node's "
-    "address on its default route, which the other nodes reach; 127.0.0.1 keeps it here)"
-)
-STORE_TLS_HELP = "CERT,KEY: the job store serves TLS with them; other nodes log in over TLS only"
-STORE_ALLOW_HELP = (
-    "networks (CIDR, comma-separated) whose nodes may log in with the password (with --store; "
-    "default: the network of the default route's interface)"
-)
+# flag -> config path (`meshscope config`: the `stack`, `alerts` and `runs_root` fields)
+STACK_FLAGS: dict[str, str] = {
+    "runs": "runs_root",
+    "home": "stack.home",
+    "prometheus-port": "stack.prometheus_port",
+    "alertmanager-port": "stack.alertmanager_port",
+    "scrape-interval": "stack.scrape_interval_s",
+    **ALERT_FLAGS,
+    "fast": "stack.fast",
+    "remote-write": "stack.remote_write",
+    "victoria-port": "stack.victoria_port",
+    "store": "stack.job_store",
+    "store-port": "stack.job_store_port",
+    "store-host": "stack.job_store_host",
+    "store-allow": "stack.job_store_allow",
+    "store-tls": "stack.job_store_tls",
+}
+HOME = typer.Option(STACK_HOME, help=StackSettings.model_fields["home"].description)
 
 
 @stack_app.command("up")
+@with_config_flags(RunConfig, STACK_FLAGS)
 def stack_up(
-    runs: Path = typer.Option(Path("runs"), help="runs folder to watch (file_sd over runs/_targets)"),
-    home: Path = typer.Option(Path(".meshscope/stack"), help=HOME_HELP),
-    prometheus_port: int = typer.Option(9090, help="Prometheus port"),
-    alertmanager_port: int = typer.Option(9093, help="Alertmanager port"),
-    scrape_interval: float = typer.Option(5.0, help="scrape and rule evaluation interval, seconds"),
-    slack_webhook_file: Path | None = typer.Option(None, help="file holding the Slack webhook URL"),
-    email_to: str | None = typer.Option(None, help="critical alerts also to a@x,b@y"),
-    smtp: str = typer.Option("127.0.0.1:25", help="SMTP host:port"),
-    smtp_from: str = typer.Option("meshscope@localhost", help="sender of alert emails"),
-    smtp_user: str | None = typer.Option(None, help="SMTP login"),
-    smtp_password_file: Path | None = typer.Option(None, help="file holding the SMTP password"),
-    smtp_tls: bool = typer.Option(True, "--smtp-tls/--no-smtp-tls", help="require STARTTLS"),
-    view_url: str = typer.Option("http://127.0.0.1:8501", help="drill-down view linked from alerts"),
-    fast: bool = typer.Option(False, help="1 s alert grouping waits, fresh samples at once (tests)"),
-    remote_write: bool = typer.Option(False, "--remote-write/--no-remote-write", help="also VictoriaMetrics"),
-    victoria_port: int = typer.Option(8428, help="VictoriaMetrics port (with --remote-write)"),
-    store: bool = typer.Option(False, "--store/--no-store", help="also a PostgreSQL job store (run --store)"),
-    store_port: int = typer.Option(5433, help="PostgreSQL port (with --store)"),
-    store_host: str = typer.Option("", help=STORE_HOST_HELP),
-    store_allow: str = typer.Option("", help=STORE_ALLOW_HELP),
-    store_tls: str = typer.Option("", help=STORE_TLS_HELP),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="TOML whose stack and alerts sections and runs_root apply (flags win)"
+    ),
+    overrides: dict[str, Any] | None = None,
 ) -> None:
     """Start Prometheus (rules, file_sd over the runs) and Alertmanager (Slack, email)."""
     from meshscope.dashboards.stack import StackConfig, StackError, up
 
-    listen, allow = _store_network(store_host, store_allow)
     try:
-        routing = AlertRouting(
-            slack_webhook_file=slack_webhook_file,
-            email_to=email_to.split(",") if email_to else [],
-            smtp=smtp,
-            smtp_from=smtp_from,
-            smtp_user=smtp_user,
-            smtp_password_file=smtp_password_file,
-            smtp_tls=smtp_tls,
-            view_url=view_url,
-        )
+        cfg = load_config(config, overrides)
+    except ConfigError as err:
+        fail(str(err))
+    stack = cfg.stack
+    listen, allow = _store_network(stack.job_store_host, stack.job_store_allow)
+    routing = AlertRouting(**cfg.alerts.model_dump(include=set(AlertRouting.model_fields)))
+    try:
         comps = up(
             StackConfig(
-                runs_root=runs,
-                home=home,
-                prometheus_port=prometheus_port,
-                alertmanager_port=alertmanager_port,
-                scrape_interval_s=scrape_interval,
+                **stack.model_dump(),
+                runs_root=cfg.runs_root,
                 routing=routing,
-                fast=fast,
-                remote_write=remote_write,
-                victoria_port=victoria_port,
-                store=store,
-                store_port=store_port,
                 store_listen=listen,
                 store_allow=allow,
-                store_tls=_tls_files(store_tls),
+                store_tls=_tls_files(stack.job_store_tls),
             )
         )
     except (ValueError, StackError) as err:
         fail(str(err))
-    _print_components(comps, home, routing)
+    _print_components(comps, stack.home, routing)
 
 
 def _tls_files(value: str) -> tuple[Path, Path] | None:
@@ -101,12 +84,12 @@ def _tls_files(value: str) -> tuple[Path, Path] | None:
         return None
     parts = [Path(p.strip()).expanduser().resolve() for p in value.split(",")]
     if len(parts) != 2:
-        fail(f"--store-tls {value!r}: give CERT,KEY (two files)")
+        fail(f"stack.job_store_tls (--store-tls) {value!r}: give CERT,KEY (two files)")
     for path in parts:
         try:
             path.read_bytes()
         except OSError as err:
-            fail(f"--store-tls: {path} is not a readable file ({err.strerror})")
+            fail(f"stack.job_store_tls (--store-tls): {path} is not a readable file ({err.strerror})")
     return parts[0], parts[1]
 
 
@@ -123,7 +106,7 @@ def _store_network(host: str, allow: str) -> tuple[tuple[str, ...], tuple[str, .
         nets = tuple(str(ipaddress.ip_network(n, strict=False)) for n in wanted)
         ipaddress.ip_address(address)
     except ValueError as err:
-        fail(f"--store-host/--store-allow: {err}")
+        fail(f"stack.job_store_host/job_store_allow (--store-host/--store-allow): {err}")
     if address.startswith("127."):
         err_console.print("note: the job store listens on this machine only (--store-host ADDR for others)")
         return (address,), nets
@@ -146,7 +129,7 @@ def _print_components(comps: list, home: Path, routing: Any) -> None:
 
 
 @stack_app.command("down")
-def stack_down(home: Path = typer.Option(Path(".meshscope/stack"), help=HOME_HELP)) -> None:
+def stack_down(home: Path = HOME) -> None:
     """Stop the stack started from HOME."""
     from meshscope.dashboards.stack import down
 
@@ -155,7 +138,7 @@ def stack_down(home: Path = typer.Option(Path(".meshscope/stack"), help=HOME_HEL
 
 
 @stack_app.command("status")
-def stack_status(home: Path = typer.Option(Path(".meshscope/stack"), help=HOME_HELP)) -> None:
+def stack_status(home: Path = HOME) -> None:
     """What runs where; per run, targets up and down; alerts firing. Exit 1 if a part is down."""
     import requests
 

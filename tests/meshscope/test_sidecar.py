@@ -30,4 +30,4 @@ def test_the_sidecar_starts_and_stops_twenty_times_and_leaves_no_thread_or_port(
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert not left, left
     with socket.socket() as probe:  # the detector's /metrics port (after the ranks') is free
-        probe.bind((cfg.metrics_address, base + cfg.nproc))
+        probe.bind((cfg.monitor.metrics_address, base + cfg.nproc))
