@@ -11,7 +11,7 @@ evidence) when it closes, and counts in `meshscope_anomalies_total{type}` when i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -31,10 +31,10 @@ from meshscope.detectors.rules import (
     NonFiniteRule,
     StallRule,
     StepRule,
-    StragglerRule,
     Verdict,
     WindowRule,
 )
+from meshscope.detectors.stragglers import StragglerRule
 from meshscope.detectors.thresholds import EngineConfig
 from meshscope.detectors.window_rules import ExpertRule, GradientRule
 
@@ -53,6 +53,7 @@ class _Row:
     grad_bad: np.ndarray | None = None  # likewise, a logged gradient norm
     grad_norm: np.ndarray | None = None
     busy: np.ndarray | None = None  # per rank: the step less its wait for communication
+    phases: dict[str, np.ndarray] = field(default_factory=dict)  # `stragglers.PHASES`, per rank
 
     def col(self, name: str) -> np.ndarray:
         return self.feats[:, [COLUMN[name]]]
@@ -197,6 +198,7 @@ class DetectionEngine:
             view.cols["grad_bad"].reshape(1, -1),
             view.cols["grad_norm"].reshape(1, -1),
             (view.cols["step_s"] - view.cols["comm_exposed_s"]).reshape(1, -1),
+            {"forward": view.cols["forward_s"].reshape(1, -1), "compute": view.compute_s.reshape(1, -1)},
         )
         if row.ranks != self._ranks:  # elastic shrink or grow: per-rank baselines start over
             self._ranks, self._fitted, self._warm = row.ranks, False, []
@@ -219,6 +221,7 @@ class DetectionEngine:
                 for f in ("feats", "compute", "loss", "rss", "device_mem")
             ),
             self._ranks,
+            phases={p: np.vstack([w.phases[p] for w in self._warm]) for p in self._warm[0].phases},
         )
         for rule in self.rules:
             rule.learn(warm)

@@ -37,6 +37,7 @@ STEP_FEATURES = [
 COLUMN = {name: i for i, name in enumerate(STEP_FEATURES)}
 _PER_RANK = [
     "step_s",
+    "forward_s",
     "comm_exposed_s",
     "data_s",
     "comm_ratio",

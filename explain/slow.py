@@ -1,6 +1,7 @@
 """A slow rank as root cause sees it: a rank whose own compute is slower than its peers' while
-they wait for it in communication, where its time went (the phase that grew on it), or a host
-too shared for any rank to be called slow."""
+they wait for it in communication, or ranks slower than their own pace while the others kept
+theirs (several at once: the job's median can be the slow half); where the time went (the
+phase that grew on it); or a host too shared for any rank to be called slow."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pandas as pd
 from meshscope.collector.env import HostShare
 from meshscope.collector.figures import with_compute
 from meshscope.collector.report import busiest_host
-from meshscope.explain.facts import SLOW_RATIO, Cause, RunFacts, Window, _pivot, _span
+from meshscope.explain.facts import SLOW_RATIO, Cause, RunFacts, Window, _pivot, _span, _who
 
 
 def slow_host(facts: RunFacts, w: Window) -> list[Cause]:
@@ -22,11 +23,12 @@ def slow_host(facts: RunFacts, w: Window) -> list[Cause]:
     best = med.idxmax()
     others = med.drop(best)
     ratio = float(med[best] / max(float(others.median()), 1e-9))
-    if ratio < SLOW_RATIO:
-        return []
+    paced = _slower_than_own_pace(facts, w, steps, med)
+    if ratio < SLOW_RATIO or (paced and len(paced[0].ranks) > 1):
+        return paced
     host = busiest_host(facts.events)
     if host is not None and host.oversubscribed and ratio < SLOW_RATIO * host.factor:
-        return [_oversubscribed(host, ratio, w)]
+        return paced or [_oversubscribed(host, ratio, w)]
     rank = int(best)
     phase, times = _grown_phase(facts, w, rank, steps)
     waited = float(_pivot(steps, "comm_exposed_s").drop(columns=best).median().median())
@@ -50,6 +52,59 @@ def slow_host(facts: RunFacts, w: Window) -> list[Cause]:
 
 
 PHASES = ("forward_s", "backward_s", "optimizer_s", "data_s")
+OWN_PACE = 1.15  # compute this many times its own before the window, while others kept theirs...
+ADDED_SHARE = 0.05  # ...adding this share of a step more than the others' compute grew
+
+
+def _slower_than_own_pace(facts: RunFacts, w: Window, steps: pd.DataFrame, now: pd.Series) -> list[Cause]:
+    """Ranks whose compute grew past their own pace before the window while the other ranks
+    kept theirs (and waited for them): a shared host slows every rank, a straggler not."""
+    base = with_compute(w.before(facts.steps))
+    if base.empty or base["rank"].nunique() != now.size:
+        return []
+    before = _pivot(base, "compute_s").median().reindex(now.index)
+    pace, grew = now / before.clip(lower=1e-9), now - before
+    # forward holds no wait for peers: a rank whose compute grew only in backward may have
+    # waited there for the slow ones (DDP's reduction overlaps backward)
+    forward = _pivot(steps, "forward_s").median() / _pivot(base, "forward_s").median().clip(lower=1e-9)
+    slow = pace[(pace >= OWN_PACE) & (forward.reindex(pace.index) >= OWN_PACE)].index
+    kept = pace.drop(slow)
+    if slow.empty or kept.empty or kept.median() - 1 >= 0.5 * (pace[slow].min() - 1):
+        return []  # nobody, everybody (the job slowed), or the others strayed as far
+    step_s = float(steps["step_s"].median())
+    slow = [r for r in slow if grew[r] - grew[kept.index].median() >= ADDED_SHARE * step_s]
+    if not slow:
+        return []
+    ranks = sorted(int(r) for r in slow)
+    waited = float(_pivot(steps, "comm_exposed_s")[kept.index].median().median())
+    evidence = [
+        f"rank {r}'s compute {now[r]:.3f} s per step vs its own {before[r]:.3f} s before step "
+        f"{w.lo} ({pace[r]:.2f}×; mostly in {phase}, {times:.1f}× its own before)"
+        for r in ranks
+        for phase, times in [_grown_phase(facts, w, r, steps)]
+    ]
+    kept_ranks = sorted(int(r) for r in kept.index)
+    evidence.append(
+        f"{_who(kept_ranks)} kept {'its' if len(kept_ranks) == 1 else 'their'} pace "
+        f"({', '.join(f'{pace[r]:.2f}×' for r in kept_ranks)}) and "
+        f"waited {waited:.3f} s per step in communication for {_who(ranks)}"
+    )
+    return [
+        Cause(
+            "slow_host",
+            f"{_who(ranks)} compute{'s' if len(ranks) == 1 else ''} {pace[slow].min():.2f}×"
+            f"{'' if len(ranks) == 1 else f'–{pace[slow].max():.2f}×'} "
+            f"{'its' if len(ranks) == 1 else 'their'} own pace while {_who(kept_ranks)} "
+            f"kept {'its own' if len(kept_ranks) == 1 else 'theirs'}",
+            min(0.85, 0.5 + 0.5 * (float(pace[slow].min()) - 1)),
+            ranks,
+            w.lo,
+            evidence,
+            f"check the hosts and devices of {_who(ranks)}: other processes, clocks and thermal "
+            "throttling (nvidia-smi -q -d PERFORMANCE / npu-smi info), their data-loader workers; "
+            "ranks slowed together often share a node, a switch or a power domain",
+        )
+    ]
 
 
 def _grown_phase(facts: RunFacts, w: Window, rank: int, steps: pd.DataFrame) -> tuple[str, float]:

@@ -266,3 +266,20 @@ def test_a_clean_run_with_checkpoints_and_their_slow_steps_raises_nothing(tmp_pa
         db.execute("UPDATE steps SET step_s = step_s + 0.5 WHERE step IN (41, 81, 121)")
     out = meshscope("detect", "--run", str(bare))
     assert out.returncode == 0 and "0 anomaly episode(s)" not in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("name", ["three-1.3-b", "two-1.3-b", "one-1.3"])
+def test_ranks_slower_than_their_own_pace_are_the_cause_even_when_they_are_the_median(name):
+    """Recorded on 4 ranks sharing 2 cores (fixtures.recorded.PHASE_STRAGGLERS): the slow ranks
+    are the first cause, no other rank, with the ones that kept their pace said to have waited;
+    sharing the host is no excuse for a rank that changed pace while its peers did not."""
+    from fixtures.recorded import PHASE_STRAGGLERS, PHASES
+
+    slow = list(PHASE_STRAGGLERS[name][0])
+    causes = explain(PHASES / name)
+    assert causes and (causes[0].kind, causes[0].ranks) == ("slow_host", slow), [
+        (c.kind, c.ranks, c.confidence) for c in causes
+    ]
+    assert "kept" in causes[0].title and "waited" in causes[0].evidence[-1]
+    assert not any(c.kind == "host_oversubscribed" for c in causes)
+    assert explain(PHASES / "clean-d") == []
