@@ -25,7 +25,7 @@ from meshscope.feedback.loop import approve, ingest
 SKEWED = (
     TINY.read_text()
     .replace("top_k = 2", "top_k = 2\nrouter_skew = 3.0\naux_loss_coef = 0.0")
-    .replace("expert_every = 5", "expert_every = 5\ncontrol_every = 5")
+    .replace('device = "cpu"', 'device = "cpu"\ncontrol_every = 5')
 )
 
 
