@@ -256,6 +256,7 @@ class DetectionEngine:
             now=step,
             line=flag.line,
             cost=flag.cost,
+            facet=flag.facet,
         )
         if opened is not None:
             self.on_open(opened)

@@ -35,8 +35,6 @@ class Episode:
     line, evidence), when the rule says where its line is."""
     cost: float | None = None
     """Seconds its flags cost the job together, where they say (`MIN_COST_S`)."""
-    turns: list[tuple[str, int, float | None]] = field(default_factory=list)
-    """The kinds its flags took in order (kind, first step, share): see `_note_turn`."""
 
     @property
     def confirmed(self) -> bool:
@@ -89,14 +87,16 @@ class EpisodeTracker:
         now: int | None = None,
         line: float | None = None,
         cost: float | None = None,
+        facet: str | None = None,
     ) -> Episode | None:
         """Record a flagged step; returns the episode when this step confirms it (after
         `confirm` flagged steps: one noisy step is not an anomaly). `now`: the step being
         judged, when the flag is about an earlier one (a held verdict); it announces. `line`:
         the score the rule flags above, which lets a weak flag just before a fault be told
-        from the fault (`WEAK_LEAD`). `cost`: the seconds this step lost to it (`MIN_COST_S`)."""
+        from the fault (`WEAK_LEAD`). `cost`: the seconds this step lost to it (`MIN_COST_S`).
+        `facet`: which way it goes (hog or starve); each way is an episode of its own."""
         now = step if now is None else now
-        key = (type, tuple(ranks or ()), layer, expert, module)
+        key = (type, tuple(ranks or ()), layer, expert, module, facet)
         ep = self.open.get(key)
         if ep is None:
             self.open[key] = ep = Episode(
@@ -128,7 +128,8 @@ class EpisodeTracker:
             ep.start_step, ep.score, ep.evidence = step, score, dict(evidence or {})
             ep.run = []
         ep.end_step, ep.score, ep.count = max(ep.end_step, step), max(ep.score, score), ep.count + 1
-        self._note_turn(ep, step, evidence)
+        if evidence and "new_normal" in evidence:
+            ep.evidence["new_normal"] = evidence["new_normal"]  # the level it settled at
         if not was:
             self._note_run(ep, step, score, evidence, line)
         return self._announce(ep, now) if ep.confirmed and not was else None
@@ -144,22 +145,6 @@ class EpisodeTracker:
             ep.run = ep.run[dropped:]
             ep.count -= dropped  # the noise helped no confirmation: the fault confirms alone
             ep.start_step, ep.evidence = ep.run[0][0], ep.run[0][2]
-
-    @staticmethod
-    def _note_turn(ep: Episode, step: int, evidence: dict | None) -> None:
-        """An episode whose flags change kind (an expert that hogged its layer, then starved)
-        tells it in order: `story` says each kind, the step it began and the share then."""
-        kind = (evidence or {}).get("kind")
-        if kind is None or "kind" not in ep.evidence:
-            return
-        if not ep.turns:
-            ep.turns = [(ep.evidence["kind"], ep.start_step, ep.evidence.get("share"))]
-        if ep.turns[-1][0] != kind:
-            ep.turns.append((kind, step, evidence.get("share")))
-            ep.evidence["story"] = ", then ".join(
-                f"{k} from step {at}" + (f" (share {share:.0%})" if share is not None else "")
-                for k, at, share in ep.turns
-            )
 
     @staticmethod
     def _announce(ep: Episode, step: int) -> Episode:

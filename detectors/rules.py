@@ -65,6 +65,9 @@ class Flag:
     cost: float | None = None
     """Seconds of the job's time this step lost to it, where the rule can say: an episode
     whose flags cost less than `episodes.MIN_COST_S` together is no anomaly."""
+    facet: str | None = None
+    """Which way the finding goes where one key can go two ways (an expert that hogs, then
+    starves): each facet is an episode of its own, which ends when its flags do."""
 
 
 @dataclass

@@ -12,11 +12,18 @@ import pandas as pd
 from meshscope.detectors.domain import ExpertLoad
 from meshscope.detectors.rules import Flag, WindowRule
 
+NEW_NORMAL_WINDOWS = 10
+"""Windows an expert stays imbalanced the same way before its layer's level is learnt as the
+new normal: reported once (the episode says so), then the level later faults are judged
+against; the boards keep showing it."""
+
 
 class ExpertRule(WindowRule):
     """An expert takes far more tokens than balance and its usual share (it hogs), or almost
     none (it starves), in units of the balanced share 1/E and the top-k maximum 1/k
-    (`detectors.domain.ExpertLoad`); a move toward balance is never an anomaly."""
+    (`detectors.domain.ExpertLoad`); a move toward balance is never an anomaly. Hogging and
+    starving are two facets, so an expert that hogs and then starves is two episodes, each
+    ending with its own flags; a way that lasts `NEW_NORMAL_WINDOWS` becomes the normal."""
 
     name, table = "expert_imbalance", "expert_load"
     types = ("expert_imbalance",)
@@ -28,6 +35,8 @@ class ExpertRule(WindowRule):
         self._warm: dict[int, list[np.ndarray]] = {}
         self.last_step = -1
         self.spacing = 1
+        # (layer, expert) -> (facet, windows in a row it has been flagged that way)
+        self.streaks: dict[tuple[int, int], tuple[str, int]] = {}
 
     def judge(self, frame: pd.DataFrame) -> list[tuple[int, Flag]]:
         out = []
@@ -65,8 +74,10 @@ class ExpertRule(WindowRule):
         hog, low = det.severities(share)
         experts = share.shape[1]
         flagged = [e for e in range(experts) if hog[0][e] > 0 or low[0][e] > 0]
-        if not flagged:
-            det.partial_fit(share)  # routing drifts as the router learns: follow it
+        facets = {e: "hog" if hog[0][e] > 0 else "starve" for e in flagged}
+        settled = self._streak(layer, facets, experts)
+        if not flagged or settled:
+            det.partial_fit(share)  # routing drifts as the router learns (or settled): follow it
         balance = float(det.balancedness(share)[0])
         return [
             (
@@ -78,18 +89,33 @@ class ExpertRule(WindowRule):
                     expert=e,
                     gap=2 * self.spacing,
                     clock=self.table,
+                    facet=facets[e],
                     evidence={
-                        "kind": "hog" if hog[0][e] > 0 else "starve",
+                        "kind": facets[e],
                         "share": round(float(share[0][e]), 4),
                         "usual_share": round(float(det.usual_[e]), 4),
                         "balanced_share": round(1 / experts, 4),
                         "max_share": round(1 / max(1, min(det.top_k, experts)), 4),
                         "balancedness": round(balance, 4),
+                        **({"new_normal": round(float(share[0][e]), 4)} if e in settled else {}),
                     },
                 ),
             )
             for e in flagged
         ]
+
+    def _streak(self, layer: int, facets: dict[int, str], experts: int) -> set[int]:
+        """Count each expert's windows flagged the same way in a row; the experts whose way
+        has lasted `NEW_NORMAL_WINDOWS` (their layer's level is then learnt)."""
+        settled = set()
+        for e in range(experts):
+            facet = facets.get(e)
+            was, count = self.streaks.get((layer, e), (None, 0))
+            count = count + 1 if facet is not None and facet == was else int(facet is not None)
+            self.streaks[(layer, e)] = (facet, count)
+            if count >= NEW_NORMAL_WINDOWS:
+                settled.add(e)
+        return settled
 
 
 class GradientRule(WindowRule):

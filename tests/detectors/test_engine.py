@@ -254,8 +254,9 @@ def test_a_weak_flag_right_before_a_fault_neither_starts_nor_confirms_it(scores,
     assert found == [(start, announced, {"at": start})]
 
 
-def test_an_expert_that_hogs_then_starves_is_told_in_that_order():
-    """One episode (same layer and expert), two kinds in turn: the story says both, in order."""
+def test_an_expert_that_hogs_then_starves_is_two_episodes_each_ending_with_its_flags():
+    """Same layer and expert, two ways in turn: the hog ends when its flags do, and the
+    starving is an episode of its own from its first flag."""
     tracker = EpisodeTracker(gap=3)
     for step, kind, share in [
         (80, "hog", 0.5),
@@ -264,10 +265,26 @@ def test_an_expert_that_hogs_then_starves_is_told_in_that_order():
         (108, "starve", 0.0),
     ]:
         tracker.flag(
-            step, "expert_imbalance", 1.0, layer=1, expert=2, evidence={"kind": kind, "share": share}, gap=40
+            step,
+            "expert_imbalance",
+            1.0,
+            layer=1,
+            expert=2,
+            evidence={"kind": kind, "share": share},
+            gap=8,
+            facet=kind,
+            clock="expert_load",
         )
-    (ep,) = tracker.close_all()
-    assert ep.evidence["story"] == "hog from step 80 (share 50%), then starve from step 104 (share 1%)"
+        tracker.close_quiet({"expert_load": step})
+    found = sorted((e.evidence["kind"], e.start_step, e.end_step) for e in tracker.close_all())
+    assert found == [("starve", 104, 108)]  # the hog closed on its own, quiet for its gap
+    tracker = EpisodeTracker(gap=3)
+    for step, kind in [(80, "hog"), (84, "hog"), (88, "starve")]:
+        tracker.flag(step, "expert_imbalance", 1.0, layer=1, expert=2, evidence={"kind": kind}, facet=kind)
+    assert sorted((e.evidence["kind"], e.start_step, e.end_step) for e in tracker.close_all()) == [
+        ("hog", 80, 84),
+        ("starve", 88, 88),
+    ]
 
 
 def _long_steps(df, steps, seconds, busy_rank=None):

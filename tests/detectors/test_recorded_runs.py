@@ -15,7 +15,7 @@ from fixtures.recorded import (
 )
 from fixtures.recorded import STORES as DATA
 from fixtures.recorded import replay as ours
-from meshscope.collector.store import load_events
+from meshscope.collector.store import load_events, load_steps
 
 ALL = [*DETECTION, *HELD_OUT]
 
@@ -74,3 +74,21 @@ def test_several_stragglers_at_1_3x_on_a_shared_host_are_named_from_their_phases
     for episode in found:
         assert first <= episode.start_step <= first + 10, (episode.ranks, episode.start_step)
         assert episode.end_step <= last + 15, (episode.ranks, episode.end_step)
+
+
+def test_an_expert_collapse_is_told_as_its_phases_each_ending_with_it():
+    """Recorded: layer 1's router sends every token to expert 0 for 15 steps; afterwards the
+    router has learnt to avoid it and it starves for the rest of the run. Two episodes of
+    expert 0: the hog, ending within 5 steps of the fault's end, then the starving, which is
+    reported once and then becomes the layer's normal (it says at which share)."""
+    run = DATA / "expert_collapse-2"
+    inj = load_events(run, kind="injected")["detail"].iloc[0]
+    last = inj["start_step"] + inj["steps"] - 1
+    mine = sorted(
+        (e for e in ours(run) if e.type == "expert_imbalance" and e.expert == 0), key=lambda e: e.start_step
+    )
+    assert [e.evidence["kind"] for e in mine] == ["hog", "starve"], [(e.evidence, e.start_step) for e in mine]
+    hog, starve = mine
+    assert inj["start_step"] <= hog.start_step <= inj["start_step"] + 5 and abs(hog.end_step - last) <= 5
+    assert starve.start_step > hog.end_step and starve.evidence["new_normal"] == 0.0
+    assert starve.end_step < int(load_steps(run)["step"].max())  # settled: no longer flagged
