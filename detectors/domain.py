@@ -5,6 +5,7 @@ Each follows the estimator contract on its own input and can say who is to blame
 
 from __future__ import annotations
 
+import warnings
 from numbers import Integral, Real
 
 import numpy as np
@@ -104,6 +105,50 @@ class Straggler(WindowedDetector):
         return float(np.maximum(self.ratio, self.lines_)[ranks].min())
 
 
+SPAN_Q = 25
+"""A horizon is judged on its lower quartile, not its median: a straggler is slow on every
+step, while a worker that alternates between a usual and a slower mode (or a shared host's
+bursts) is slow on some; their lower quartile stays at the usual pace."""
+
+
+MODE_GAP, MODE_SHARE, MODE_WIDTH = 0.2, 0.05, 0.1
+"""A rank has two known modes when its normal steps split in two groups `MODE_GAP` apart
+(relative to the faster), each tight (spread within `MODE_WIDTH`), the slower holding at
+least `MODE_SHARE` of them and the faster at least a fifth: a worker that alternates between
+two step times, not a host's scattered bursts (which make no tight group)."""
+
+
+def paces_and_modes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank (columns of `rows`, its relative compute over normal steps): its usual pace
+    (the faster mode when it has two, else the median) and its slower mode over that pace
+    (inf where it has none). A 1-D two-means, all ranks at once."""
+    low, high = np.percentile(rows, 10, axis=0), np.percentile(rows, 90, axis=0)
+    for _ in range(8):
+        upper = np.abs(rows - high) < np.abs(rows - low)
+        low = _masked_median(rows, ~upper, low)
+        high = _masked_median(rows, upper, high)
+    share = upper.mean(axis=0)
+    spread_low = _masked_median(np.abs(rows - low), ~upper, np.inf) / np.maximum(low, 1e-12)
+    spread_high = _masked_median(np.abs(rows - high), upper, np.inf) / np.maximum(high, 1e-12)
+    two = (
+        (high >= low * (1 + MODE_GAP))
+        & (share >= MODE_SHARE)
+        & (share <= 0.8)
+        & (np.maximum(spread_low, spread_high) <= MODE_WIDTH / 2)
+    )
+    pace = np.where(two, low, np.median(rows, axis=0))
+    return pace, np.where(two, high / np.maximum(low, 1e-12), np.inf)
+
+
+def _masked_median(rows: np.ndarray, mask: np.ndarray, empty: np.ndarray | float) -> np.ndarray:
+    """Per column: the median of `rows` where `mask`, `empty` where the mask is all false."""
+    values = np.where(mask, rows, np.nan)
+    with warnings.catch_warnings():  # an empty column is `empty`, not a warning
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = np.nanmedian(values, axis=0)
+    return np.where(mask.any(axis=0), out, empty)
+
+
 class PersistentStraggler(WindowedDetector):
     """X: compute seconds, one row per step, one column per rank, in step order.
 
@@ -154,27 +199,21 @@ class PersistentStraggler(WindowedDetector):
         X = as_matrix(X)[-self.window :]
         self.__dict__.pop("pace_", None)  # a new world: paces from the plain median first
         for _ in range(2):  # then once more against the pace-normalised level they give
-            rel = self.relative(X)
-            self.rel_ = RingRows(self.window, X.shape[1]).extend(rel)
-            # Horizon medians of the relative pace, row by row (a median commutes with dividing
-            # by a rank's pace, so they stay valid when the pace is relearnt).
-            self.span_rel_ = RingRows(self.window, X.shape[1]).extend(self._span_medians(rel))
+            self.rel_ = RingRows(self.window, X.shape[1]).extend(self.relative(X))
             self._learn_pace()
         return self
 
     def partial_fit(self, X, y=None):
-        """Slide the window. Each new row's horizon median is kept (one median, cheap) and can
-        only raise `worst_` at once; pace and noise move slowly and are relearnt every
-        `relearn_every` rows (at 1,024 ranks a full relearn costs more than judging)."""
+        """Slide the window. Each new row's horizon statistic can only raise `worst_` at once;
+        pace, modes and noise move slowly and are relearnt every `relearn_every` rows (at
+        1,024 ranks a full relearn costs more than judging)."""
         check_is_fitted(self)
         X = as_matrix(X)
         if X.shape[1] != self.rel_.cols:  # another world: start again
             return self.fit(X)
         for rel in self.relative(X):
             self.rel_.extend(rel[None])
-            span_rel = percentile_by_column(self.rel_.last(self.span), 50)
-            self.span_rel_.extend(span_rel[None])
-            self.worst_ = np.maximum(self.worst_, span_rel / np.maximum(self.pace_, 1e-12) - 1)
+            self.worst_ = np.maximum(self.worst_, self.latest_excess(self.rel_.last(self.span).T))
             self.unlearnt_ += 1
         if self.unlearnt_ >= self.relearn_every or len(self.rel_) == self.min_history:
             self._learn_pace()
@@ -192,14 +231,21 @@ class PersistentStraggler(WindowedDetector):
         return X / np.maximum(_median_of_others(X / np.maximum(pace, 1e-12)), 1e-12)
 
     def _learn_pace(self) -> None:
-        self.pace_ = percentile_by_column(
-            self.rel_.by_column(), 50
-        )  # each rank's usual pace against its peers
-        spans = self.span_rel_.by_column() / np.maximum(self.pace_, 1e-12)[:, None] - 1
-        spread = np.abs(spans - percentile_by_column(spans, 50)[:, None])
-        self.noise_ = np.maximum(1.4826 * percentile_by_column(spread, 50), 1e-3)
-        self.worst_ = spans.max(axis=1)  # the largest horizon median the normal past showed
+        rows = self.rel_.last(len(self.rel_)).T  # oldest first: horizons need the order
+        # each rank's usual pace against its peers, and its known slower mode if it has one
+        self.pace_, self.upper_ = paces_and_modes(rows)
+        spans = self._span_stats(self._paced(rows)) - 1
+        spread = np.abs(spans - np.median(spans, axis=0))
+        self.noise_ = np.maximum(1.4826 * np.median(spread, axis=0), 1e-3)
+        self.worst_ = spans.max(axis=0)  # the largest horizon statistic the normal past showed
         self.unlearnt_ = 0
+
+    def _paced(self, relative: np.ndarray) -> np.ndarray:
+        """Rows of relative compute over each rank's usual pace, a step in a rank's known
+        slower mode taken against that mode (`paces_and_modes`): a step there is its usual."""
+        paced = relative / np.maximum(self.pace_, 1e-12)
+        upper = self.upper_
+        return np.where(paced >= upper * (1 - MODE_WIDTH), paced / upper, paced)
 
     def thresholds(self) -> np.ndarray:
         """Per rank: the excess over its usual pace that counts."""
@@ -210,24 +256,26 @@ class PersistentStraggler(WindowedDetector):
             [np.full_like(self.noise_, self.min_excess), self.z * self.noise_, self.margin * self.worst_]
         )
 
-    def _span_medians(self, dev: np.ndarray) -> np.ndarray:
-        """Row i: the median of rows i - span + 1 .. i (fewer at the start)."""
-        head = [np.median(dev[: i + 1], axis=0) for i in range(min(self.span - 1, len(dev)))]
+    def _span_stats(self, dev: np.ndarray) -> np.ndarray:
+        """Row i: the `SPAN_Q` percentile of rows i - span + 1 .. i (fewer at the start)."""
+        head = [np.percentile(dev[: i + 1], SPAN_Q, axis=0) for i in range(min(self.span - 1, len(dev)))]
         if len(dev) < self.span:
             return np.asarray(head).reshape(len(dev), -1)
-        full = np.median(np.lib.stride_tricks.sliding_window_view(dev, self.span, axis=0), axis=-1)
+        full = np.percentile(
+            np.lib.stride_tricks.sliding_window_view(dev, self.span, axis=0), SPAN_Q, axis=-1
+        )
         return np.vstack([*head, full]) if head else full
 
     def excess(self, X) -> np.ndarray:
-        """Per row and rank: the median of the last `span` rows' pace over the usual, minus 1."""
+        """Per row and rank: the horizon's pace over the usual (in its mode), minus 1."""
         check_is_fitted(self)
-        return self._span_medians(self.relative(X) / np.maximum(self.pace_, 1e-12)) - 1
+        return self._span_stats(self._paced(self.relative(X))) - 1
 
     def latest_excess(self, relative: np.ndarray) -> np.ndarray:
         """Per rank: `excess` of the last row only, given rows of `relative(X)` (the live rule
         computes each step's relative pace once and keeps the recent ones)."""
         check_is_fitted(self)
-        return np.median(relative[-self.span :] / np.maximum(self.pace_, 1e-12), axis=0) - 1
+        return np.percentile(self._paced(relative[-self.span :]), SPAN_Q, axis=0) - 1
 
     def score_samples(self, X) -> np.ndarray:
         return -(self.excess(X) / self.thresholds()).max(axis=1)

@@ -99,22 +99,9 @@ class EpisodeTracker:
         key = (type, tuple(ranks or ()), layer, expert, module, facet)
         ep = self.open.get(key)
         if ep is None:
-            self.open[key] = ep = Episode(
-                type,
-                key,
-                step,
-                step,
-                score,
-                list(ranks or ()),
-                layer,
-                expert,
-                dict(evidence or {}),
-                gap or self.gap,
-                confirm,
-                module=module,
-                clock=clock,
-                cost=cost,
-            )
+            ep = Episode(type, key, step, step, score, list(ranks or ()), layer, expert, dict(evidence or {}))
+            ep.gap, ep.confirm, ep.module, ep.clock, ep.cost = gap or self.gap, confirm, module, clock, cost
+            self.open[key] = ep
             self._note_run(ep, step, score, evidence, line)
             return self._announce(ep, now) if ep.confirmed else None
         was = ep.confirmed

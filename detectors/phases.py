@@ -4,8 +4,9 @@ When several ranks slow at once, their peers absorb the wait inside a collective
 stay equal, the slow ranks' forward (or compute) grows, the others' exposed communication
 grows, and the job's median can be the slow half. A peer-relative rule then sees nothing.
 `PhasePace` judges each rank against its own usual time in each phase instead: a rank is slow
-in a phase when the median of its last `span` steps exceeds its usual time there by more than
-its own noise allows, while other ranks kept their pace (a slow step for everyone is not a
+in a phase when the lower quartile of its last `span` steps (slow on nearly every step, not
+on some: a second mode or a burst is not a straggler) exceeds its usual time there by more
+than its own noise allows, while other ranks kept their pace (a slow step for everyone is not a
 straggler). A rank named from a phase must also compute more than the other ranks did, by
 a share of a step: a rank whose forward grew while everyone's did (a host that got busier)
 is not named.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshscope.detectors.base import RingRows
+from meshscope.detectors.domain import SPAN_Q
 
 # the phases judged: `forward` holds no wait for peers (without expert parallelism), `compute`
 # is the whole step less the exposed wait for communication and data
@@ -23,13 +25,13 @@ PHASES = ("forward", "compute")
 
 
 class PhasePace:
-    """Per phase, per rank: the usual time (median of the normal past) and how far the median
+    """Per phase, per rank: the usual time (median of the normal past) and how far the lower quartile
     of `span` steps strays from it in normal times (`z` robust deviations, `margin` times the
     largest stray seen, at least `min_excess`)."""
 
     def __init__(
         self,
-        span: int = 15,
+        span: int = 12,
         min_excess: float = 0.10,
         z: float = 4.0,
         margin: float = 1.5,
@@ -65,7 +67,8 @@ class PhasePace:
             usual = np.median(rows, axis=0)
             rel = rows / np.maximum(usual, 1e-12)
             if len(rel) >= self.span:
-                rel = np.median(np.lib.stride_tricks.sliding_window_view(rel, self.span, axis=0), axis=-1)
+                windows = np.lib.stride_tricks.sliding_window_view(rel, self.span, axis=0)
+                rel = np.percentile(windows, SPAN_Q, axis=-1)
             strays = rel - 1
             spread = np.abs(strays - np.median(strays, axis=0))
             noise = np.maximum(1.4826 * np.median(spread, axis=0), 1e-3)
@@ -112,9 +115,10 @@ class PhasePace:
         return {i: v for i, v in named.items() if added_s[i] - level >= self.floor * step_s}
 
     def _excess(self, phase: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(median of all `rows`, median of the last 3) over the usual time, minus 1."""
+        """(the `SPAN_Q` percentile of the span, the least of the last 3) over the usual
+        time, minus 1: slow on (nearly) every step, not on some (a second mode, a burst)."""
         rel = rows / np.maximum(self.usual[phase], 1e-12)
-        return np.median(rel[-self.span :], axis=0) - 1, np.median(rel[-3:], axis=0) - 1
+        return np.percentile(rel[-self.span :], SPAN_Q, axis=0) - 1, rel[-3:].min(axis=0) - 1
 
     def usual_times(self, phase: str) -> np.ndarray:
         """Each rank's usual seconds in `phase` (the evidence a finding shows)."""

@@ -332,3 +332,35 @@ def test_a_blip_that_costs_the_job_a_few_milliseconds_is_no_anomaly():
         opened = [tracker.flag(s, "straggler", 2.5, ranks=[0], confirm=3, cost=each) for s in (56, 57, 58)]
         assert any(opened) == opens, each
         assert bool(tracker.close_all()) == opens
+
+
+def _two_modes(ranks=8, steps=240, slow=None, seed=3):
+    """A run whose ranks alternate between a 100 ms and a 160 ms step, each on its own beat
+    (rank r is slow on steps where (step + r) % 2 == 0), or at random 30 % of steps; `slow`:
+    (rank, start, factor) a straggler on top of its modes."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(steps):
+        beat = (step + np.arange(ranks)) % 2 == 0 if seed % 2 else rng.random(ranks) < 0.3
+        compute = 0.1 * (1 + 0.03 * rng.standard_normal(ranks)) * np.where(beat, 1.6, 1.0)
+        if slow and step >= slow[1]:
+            compute[slow[0]] *= slow[2]
+        step_s = compute.max() + 0.01
+        rows += [
+            dict(
+                rank=r, world_size=ranks, step=step, step_s=step_s, data_s=0.0,
+                comm_exposed_s=step_s - compute[r], comm_ratio=(step_s - compute[r]) / step_s,
+                bytes_wire=1000, loss=1.0, grad_norm=1.0, tokens=256, mem_rss=1e9, mem_allocated=4e9,
+                forward_s=0.3 * compute[r],
+            )
+            for r in range(ranks)
+        ]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("seed", [3, 4], ids=["alternating", "random 30 %"])
+def test_workers_with_two_step_time_modes_raise_nothing_and_a_straggler_among_them_is_named(seed):
+    assert [(e.type, e.ranks) for e in run(_two_modes(seed=seed))[1]] == []
+    found = [(e.type, e.ranks) for e in run(_two_modes(seed=seed, slow=(5, 150, 1.4)))[1]]
+    # (its peers' wait can read as a communication episode before the straggler is confirmed)
+    assert [ranks for kind, ranks in found if kind == "straggler"] == [[5]], found

@@ -9,7 +9,6 @@ from fixtures.recorded import (
     HELD_OUT,
     NOISE_BEFORE_FAULT,
     PERSISTENT,
-    PHASE_MISSED,
     PHASE_STRAGGLERS,
     PHASES,
 )
@@ -64,15 +63,14 @@ def test_a_busy_hosts_slow_step_right_before_a_straggler_is_not_its_start():
 def test_several_stragglers_at_1_3x_on_a_shared_host_are_named_from_their_phases(name):
     """Recorded: 4 ranks on 2 cores, one, two or three of them 1.3x slow (the slow ranks'
     forward triples, their peers wait in communication, and the job's median is the slow
-    half with three). Each slow rank is named, no other, within 10 steps of the start; the
-    episodes end within 15 steps of the fault's end (the phase medians span 15 steps); clean
+    half with three). Each slow rank is named, no other, within 15 steps of the start; the
+    episodes end within 15 steps of the fault's end (the phase statistics span 12 steps); clean
     runs raise nothing. Judged against the host, as `meshscope detect --run` does."""
     slow, first, last = PHASE_STRAGGLERS[name]
     found = [e for e in ours(PHASES / name, on_its_host=True) if e.type == "straggler"]
-    expected = sorted(r for r in slow if (name, r) not in PHASE_MISSED)
-    assert sorted(r for e in found for r in e.ranks) == expected, [(e.ranks, e.start_step) for e in found]
+    assert sorted(r for e in found for r in e.ranks) == sorted(slow), [(e.ranks, e.start_step) for e in found]
     for episode in found:
-        assert first <= episode.start_step <= first + 10, (episode.ranks, episode.start_step)
+        assert first <= episode.start_step <= first + 15, (episode.ranks, episode.start_step)
         assert episode.end_step <= last + 15, (episode.ranks, episode.end_step)
 
 
