@@ -22,6 +22,8 @@ from meshscope.detectors.domain import SPAN_Q
 # the phases judged: `forward` holds no wait for peers (without expert parallelism), `compute`
 # is the whole step less the exposed wait for communication and data
 PHASES = ("forward", "compute")
+SPAN = 12  # steps a rank's pace in a phase is judged over: a straggle starts up to this many
+# steps before the episode that tells it
 
 
 class PhasePace:
@@ -31,7 +33,7 @@ class PhasePace:
 
     def __init__(
         self,
-        span: int = 12,
+        span: int = SPAN,
         min_excess: float = 0.10,
         z: float = 4.0,
         margin: float = 1.5,

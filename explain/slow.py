@@ -10,6 +10,7 @@ import pandas as pd
 from meshscope.collector.env import HostShare
 from meshscope.collector.figures import with_compute
 from meshscope.collector.report import busiest_host
+from meshscope.detectors.phases import SPAN
 from meshscope.explain.facts import SLOW_RATIO, Cause, RunFacts, Window, _pivot, _span, _who
 
 
@@ -59,7 +60,10 @@ ADDED_SHARE = 0.05  # ...adding this share of a step more than the others' compu
 def _slower_than_own_pace(facts: RunFacts, w: Window, steps: pd.DataFrame, now: pd.Series) -> list[Cause]:
     """Ranks whose compute grew past their own pace before the window while the other ranks
     kept theirs (and waited for them): a shared host slows every rank, a straggler not."""
-    base = with_compute(w.before(facts.steps))
+    # the pace before the straggle: the detector judges spans of SPAN steps, so the straggle
+    # may have begun that long before the episode's first step
+    earlier = Window(w.lo - SPAN, w.hi)
+    base = with_compute(earlier.before(facts.steps))
     if base.empty or base["rank"].nunique() != now.size:
         return []
     before = _pivot(base, "compute_s").median().reindex(now.index)
@@ -79,9 +83,9 @@ def _slower_than_own_pace(facts: RunFacts, w: Window, steps: pd.DataFrame, now: 
     waited = float(_pivot(steps, "comm_exposed_s")[kept.index].median().median())
     evidence = [
         f"rank {r}'s compute {now[r]:.3f} s per step vs its own {before[r]:.3f} s before step "
-        f"{w.lo} ({pace[r]:.2f}×; mostly in {phase}, {times:.1f}× its own before)"
+        f"{earlier.lo} ({pace[r]:.2f}×; mostly in {phase}, {times:.1f}× its own before)"
         for r in ranks
-        for phase, times in [_grown_phase(facts, w, r, steps)]
+        for phase, times in [_grown_phase(facts, earlier, r, steps)]
     ]
     kept_ranks = sorted(int(r) for r in kept.index)
     evidence.append(
