@@ -205,6 +205,7 @@ def bench(
     layers: int = 2,
     floor: bool = False,
     account_steps: int = 200,
+    settings: dict | None = None,
 ) -> dict:
     import torch
     from prometheus_client import CollectorRegistry
@@ -218,7 +219,11 @@ def bench(
     cfg = ModelConfig(vocab_size=128, seq_len=32, layers=layers, d_model=d_model, heads=4, experts=8, top_k=2)
     env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
     mon = Monitor(
-        MonitorConfig(run_dir=run_dir, metrics_port=None, expert_every=5, flight_log=flight_log),
+        MonitorConfig(
+            **{"expert_every": 5, "flight_log": flight_log, **(settings or {})},
+            run_dir=run_dir,
+            metrics_port=None,
+        ),
         env=env,
         registry=CollectorRegistry(),
     )
@@ -331,6 +336,30 @@ def ratio_interval(
     return float(np.median(ratios)), float(low), float(high)
 
 
+def _settings(ap: argparse.ArgumentParser, pairs: list[str]) -> dict:
+    """`--set` pairs as Monitor settings, refused by name before anything starts."""
+    import json
+
+    from pydantic import ValidationError
+
+    from meshscope.collector.monitor_config import MonitorSettings
+
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            ap.error(f"--set {pair!r}: give KNOB=VALUE")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    try:
+        MonitorSettings(**out)
+    except ValidationError as err:
+        ap.error(f"--set: {err.errors()[0]['loc'][0]}: {err.errors()[0]['msg']}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
@@ -361,10 +390,18 @@ def main() -> None:
     ap.add_argument(
         "--account-steps", type=int, default=200, help="watched steps metered one entry at a time, after"
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="a Monitor setting (`meshscope config`: monitor.*), e.g. memory_every=10: what it costs",
+    )
     args = ap.parse_args()
     if args.account_steps < 1:
         ap.error("--account-steps must be at least 1")
-    print(f"machine: {machine()}")
+    settings = _settings(ap, args.set)
+    print(f"machine: {machine()}" + (f"  settings: {settings}" if settings else ""))
     print(
         f"ranks={args.ranks} models={args.models} blocks={args.blocks}x{args.block_steps} "
         "steps per mode per rank"
@@ -384,6 +421,7 @@ def main() -> None:
                 layers=args.layers,
                 floor=args.floor,
                 account_steps=args.account_steps,
+                settings=settings,
             )
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
         on, control = ratio_interval(results, "on"), ratio_interval(results, "control")
