@@ -26,6 +26,7 @@ Printed per configuration:
   must not carry.
 
     .venv/bin/python benchmarks/overhead.py [--ranks 2 --models 3 --blocks 40 --block-steps 8 --layers 2]
+        [--set KNOB=VALUE: a Monitor setting, e.g. memory_every=10, for what it costs]
 """
 
 from __future__ import annotations
