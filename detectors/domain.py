@@ -111,17 +111,20 @@ step, while a worker that alternates between a usual and a slower mode (or a sha
 bursts) is slow on some; their lower quartile stays at the usual pace."""
 
 
-MODE_GAP, MODE_SHARE, MODE_WIDTH = 0.2, 0.05, 0.1
+MODE_GAP, MODE_SHARE, MODE_SPREAD, MODE_WIDTH = 0.2, 0.05, 0.08, 0.1
 """A rank has two known modes when its normal steps split in two groups `MODE_GAP` apart
-(relative to the faster), each tight (spread within `MODE_WIDTH`), the slower holding at
-least `MODE_SHARE` of them and the faster at least a fifth: a worker that alternates between
-two step times, not a host's scattered bursts (which make no tight group)."""
+(relative to the faster), each tight (their median deviation within `MODE_SPREAD` of their
+centre), the slower holding at least `MODE_SHARE` of them and the faster at least a fifth: a
+worker that alternates between two step times, not a host's scattered bursts (which make no
+tight group). A step within `MODE_WIDTH` (or three of the mode's deviations) below the slower
+mode's centre is in that mode."""
 
 
-def paces_and_modes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def paces_and_modes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per rank (columns of `rows`, its relative compute over normal steps): its usual pace
-    (the faster mode when it has two, else the median) and its slower mode over that pace
-    (inf where it has none). A 1-D two-means, all ranks at once."""
+    (the faster mode when it has two, else the median), its slower mode over that pace (inf
+    where it has none) and how far below that mode a step is still in it (`MODE_WIDTH`, or
+    three of the mode's own deviations if wider). A 1-D two-means, all ranks at once."""
     low, high = np.percentile(rows, 10, axis=0), np.percentile(rows, 90, axis=0)
     for _ in range(8):
         upper = np.abs(rows - high) < np.abs(rows - low)
@@ -134,10 +137,11 @@ def paces_and_modes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         (high >= low * (1 + MODE_GAP))
         & (share >= MODE_SHARE)
         & (share <= 0.8)
-        & (np.maximum(spread_low, spread_high) <= MODE_WIDTH / 2)
+        & (np.maximum(spread_low, spread_high) <= MODE_SPREAD)
     )
     pace = np.where(two, low, np.median(rows, axis=0))
-    return pace, np.where(two, high / np.maximum(low, 1e-12), np.inf)
+    width = np.where(two, np.maximum(MODE_WIDTH, 3 * spread_high), MODE_WIDTH)
+    return pace, np.where(two, high / np.maximum(low, 1e-12), np.inf), width
 
 
 def _masked_median(rows: np.ndarray, mask: np.ndarray, empty: np.ndarray | float) -> np.ndarray:
@@ -233,7 +237,7 @@ class PersistentStraggler(WindowedDetector):
     def _learn_pace(self) -> None:
         rows = self.rel_.last(len(self.rel_)).T  # oldest first: horizons need the order
         # each rank's usual pace against its peers, and its known slower mode if it has one
-        self.pace_, self.upper_ = paces_and_modes(rows)
+        self.pace_, self.upper_, self.mode_width_ = paces_and_modes(rows)
         spans = self._span_stats(self._paced(rows)) - 1
         spread = np.abs(spans - np.median(spans, axis=0))
         self.noise_ = np.maximum(1.4826 * np.median(spread, axis=0), 1e-3)
@@ -245,7 +249,7 @@ class PersistentStraggler(WindowedDetector):
         slower mode taken against that mode (`paces_and_modes`): a step there is its usual."""
         paced = relative / np.maximum(self.pace_, 1e-12)
         upper = self.upper_
-        return np.where(paced >= upper * (1 - MODE_WIDTH), paced / upper, paced)
+        return np.where(paced >= upper * (1 - self.mode_width_), paced / upper, paced)
 
     def thresholds(self) -> np.ndarray:
         """Per rank: the excess over its usual pace that counts."""

@@ -364,3 +364,22 @@ def test_workers_with_two_step_time_modes_raise_nothing_and_a_straggler_among_th
     found = [(e.type, e.ranks) for e in run(_two_modes(seed=seed, slow=(5, 150, 1.4)))[1]]
     # (its peers' wait can read as a communication episode before the straggler is confirmed)
     assert [ranks for kind, ranks in found if kind == "straggler"] == [[5]], found
+
+
+@pytest.mark.parametrize("alternating", [True, False], ids=["alternating", "random 30 %"])
+def test_a_trace_of_workers_with_two_step_time_modes_raises_nothing(alternating):
+    """As a production cluster's per-worker step-time trace reads: 16 workers, each its own
+    step time (no communication recorded), each alternating between 0.5 s and 0.8 s steps
+    (on its own beat, or at random on 30 % of steps). Two modes are the normal."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for step in range(400):
+        slow = (step + np.arange(16)) % 2 == 0 if alternating else rng.random(16) < 0.3
+        step_s = 0.5 * (1 + 0.05 * rng.standard_normal(16)) * np.where(slow, 1.6, 1.0)
+        rows += [
+            dict(rank=r, world_size=16, step=step, step_s=step_s[r], data_s=0.0, comm_exposed_s=0.0,
+                 comm_ratio=0.0, bytes_wire=0, loss=np.nan, grad_norm=np.nan, tokens=0, mem_rss=0.0,
+                 mem_allocated=0.0)
+            for r in range(16)
+        ]  # fmt: skip
+    assert [(e.type, e.ranks, e.start_step) for e in run(pd.DataFrame(rows))[1]] == []
