@@ -64,8 +64,8 @@ def _slower_than_own_pace(facts: RunFacts, w: Window, steps: pd.DataFrame, now: 
     # may have begun that long before the episode's first step
     earlier = Window(w.lo - SPAN, w.hi)
     base = with_compute(earlier.before(facts.steps))
-    if base.empty or base["rank"].nunique() != now.size:
-        return []
+    if base.empty or base["rank"].nunique() != now.size or "forward_s" not in base:
+        return []  # no pace to compare with (or a store from before phases were timed)
     before = _pivot(base, "compute_s").median().reindex(now.index)
     pace, grew = now / before.clip(lower=1e-9), now - before
     # forward holds no wait for peers: a rank whose compute grew only in backward may have
