@@ -153,6 +153,22 @@ def _masked_median(rows: np.ndarray, mask: np.ndarray, empty: np.ndarray | float
     return np.where(mask.any(axis=0), out, empty)
 
 
+def span_stats(dev: np.ndarray, span: int) -> np.ndarray:
+    """Row i: the `SPAN_Q` percentile of rows i - span + 1 .. i (fewer at the start)."""
+    head = [np.percentile(dev[: i + 1], SPAN_Q, axis=0) for i in range(min(span - 1, len(dev)))]
+    if len(dev) < span:
+        return np.asarray(head).reshape(len(dev), -1)
+    full = np.percentile(np.lib.stride_tricks.sliding_window_view(dev, span, axis=0), SPAN_Q, axis=-1)
+    return np.vstack([*head, full]) if head else full
+
+
+def robust_noise(strays: np.ndarray) -> np.ndarray:
+    """Per column: the spread of `strays` (rows of excess over the usual) as a robust standard
+    deviation (1.4826 x the median absolute deviation), at least 1e-3."""
+    spread = np.abs(strays - np.median(strays, axis=0))
+    return np.maximum(1.4826 * np.median(spread, axis=0), 1e-3)
+
+
 class PersistentStraggler(WindowedDetector):
     """X: compute seconds, one row per step, one column per rank, in step order.
 
@@ -238,9 +254,8 @@ class PersistentStraggler(WindowedDetector):
         rows = self.rel_.last(len(self.rel_)).T  # oldest first: horizons need the order
         # each rank's usual pace against its peers, and its known slower mode if it has one
         self.pace_, self.upper_, self.mode_width_ = paces_and_modes(rows)
-        spans = self._span_stats(self._paced(rows)) - 1
-        spread = np.abs(spans - np.median(spans, axis=0))
-        self.noise_ = np.maximum(1.4826 * np.median(spread, axis=0), 1e-3)
+        spans = span_stats(self._paced(rows), self.span) - 1
+        self.noise_ = robust_noise(spans)
         self.worst_ = spans.max(axis=0)  # the largest horizon statistic the normal past showed
         self.unlearnt_ = 0
 
@@ -260,20 +275,10 @@ class PersistentStraggler(WindowedDetector):
             [np.full_like(self.noise_, self.min_excess), self.z * self.noise_, self.margin * self.worst_]
         )
 
-    def _span_stats(self, dev: np.ndarray) -> np.ndarray:
-        """Row i: the `SPAN_Q` percentile of rows i - span + 1 .. i (fewer at the start)."""
-        head = [np.percentile(dev[: i + 1], SPAN_Q, axis=0) for i in range(min(self.span - 1, len(dev)))]
-        if len(dev) < self.span:
-            return np.asarray(head).reshape(len(dev), -1)
-        full = np.percentile(
-            np.lib.stride_tricks.sliding_window_view(dev, self.span, axis=0), SPAN_Q, axis=-1
-        )
-        return np.vstack([*head, full]) if head else full
-
     def excess(self, X) -> np.ndarray:
         """Per row and rank: the horizon's pace over the usual (in its mode), minus 1."""
         check_is_fitted(self)
-        return self._span_stats(self._paced(self.relative(X))) - 1
+        return span_stats(self._paced(self.relative(X)), self.span) - 1
 
     def latest_excess(self, relative: np.ndarray) -> np.ndarray:
         """Per rank: `excess` of the last row only, given rows of `relative(X)` (the live rule

@@ -17,11 +17,12 @@ from __future__ import annotations
 import numpy as np
 
 from meshscope.detectors.base import RingRows
-from meshscope.detectors.domain import SPAN_Q
+from meshscope.detectors.domain import SPAN_Q, robust_noise, span_stats
 
 # the phases judged: `forward` holds no wait for peers (without expert parallelism), `compute`
 # is the whole step less the exposed wait for communication and data
 PHASES = ("forward", "compute")
+ADDED_SHARE = 0.05  # a straggler's compute grew by this share of a step more than its peers'
 SPAN = 12  # steps a rank's pace in a phase is judged over: a straggle starts up to this many
 # steps before the episode that tells it
 
@@ -37,7 +38,7 @@ class PhasePace:
         min_excess: float = 0.10,
         z: float = 4.0,
         margin: float = 1.5,
-        floor: float = 0.05,
+        floor: float = ADDED_SHARE,
         window: int = 100,
         relearn_every: int = 10,
     ) -> None:
@@ -68,12 +69,10 @@ class PhasePace:
             rows = ring.last(len(ring)).T  # oldest first: the span medians need the order
             usual = np.median(rows, axis=0)
             rel = rows / np.maximum(usual, 1e-12)
-            if len(rel) >= self.span:
-                windows = np.lib.stride_tricks.sliding_window_view(rel, self.span, axis=0)
-                rel = np.percentile(windows, SPAN_Q, axis=-1)
+            if len(rel) >= self.span:  # whole spans only
+                rel = span_stats(rel, self.span)[self.span - 1 :]
             strays = rel - 1
-            spread = np.abs(strays - np.median(strays, axis=0))
-            noise = np.maximum(1.4826 * np.median(spread, axis=0), 1e-3)
+            noise = robust_noise(strays)
             self.usual[p] = usual
             self.lines[p] = np.maximum.reduce(
                 [np.full_like(usual, self.min_excess), self.z * noise, self.margin * strays.max(axis=0)]
@@ -121,7 +120,3 @@ class PhasePace:
         time, minus 1: slow on (nearly) every step, not on some (a second mode, a burst)."""
         rel = rows / np.maximum(self.usual[phase], 1e-12)
         return np.percentile(rel[-self.span :], SPAN_Q, axis=0) - 1, rel[-3:].min(axis=0) - 1
-
-    def usual_times(self, phase: str) -> np.ndarray:
-        """Each rank's usual seconds in `phase` (the evidence a finding shows)."""
-        return self.usual[phase]

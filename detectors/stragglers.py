@@ -101,7 +101,7 @@ class StragglerRule(StepRule):
                     row,
                     ratio=round(1 + excess, 3),
                     phase=phase,
-                    usual_s=round(float(self.pace.usual_times(phase)[i]), 4),
+                    usual_s=round(float(self.pace.usual[phase][i]), 4),
                     over_steps=self.pace.span,
                     own_pace=True,
                 ),

@@ -10,7 +10,7 @@ import pandas as pd
 from meshscope.collector.env import HostShare
 from meshscope.collector.figures import with_compute
 from meshscope.collector.report import busiest_host
-from meshscope.detectors.phases import SPAN
+from meshscope.detectors.phases import ADDED_SHARE, SPAN
 from meshscope.explain.facts import SLOW_RATIO, Cause, RunFacts, Window, _pivot, _span, _who
 
 
@@ -53,8 +53,7 @@ def slow_host(facts: RunFacts, w: Window) -> list[Cause]:
 
 
 PHASES = ("forward_s", "backward_s", "optimizer_s", "data_s")
-OWN_PACE = 1.15  # compute this many times its own before the window, while others kept theirs...
-ADDED_SHARE = 0.05  # ...adding this share of a step more than the others' compute grew
+OWN_PACE = 1.15  # compute this many times its own before the window, while others kept theirs
 
 
 def _slower_than_own_pace(facts: RunFacts, w: Window, steps: pd.DataFrame, now: pd.Series) -> list[Cause]:

@@ -391,7 +391,7 @@ MOVED = {
 def moved_into_sections(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with each old key of `MOVED` put at its path now (a value already at the new
     path wins)."""
-    out = copy.deepcopy(data) if _has_moved(data) else data  # the caller's dict stays as it was
+    out = copy.deepcopy(data)  # the caller's dict stays as it was
     for old, new in MOVED.items():
         *where, name = old.split(".")
         holder = _section(out, where)
@@ -416,14 +416,6 @@ def _section(data: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
         if not isinstance(data, dict):
             return None
     return data
-
-
-def _has_moved(data: dict[str, Any]) -> bool:
-    """`data` holds a key of `MOVED` where it was."""
-    return any(
-        (holder := _section(data, old.split(".")[:-1])) is not None and old.split(".")[-1] in holder
-        for old in MOVED
-    )
 
 
 def load_config(
