@@ -229,28 +229,52 @@ class BackwardWatch:
     before DDP's own finalizer, which waits for every bucket; that callback queues one more,
     which runs after the finalizer (all reduced). A few Python calls a step, whatever the
     number of buckets. `record` (begin() -> token, end(token)) is told both moments too: the
-    flight log's one record of the step's reduction while DDP reduces in C++."""
+    flight log's one record of the step's reduction while DDP reduces in C++.
+
+    On a step that is not timed (`timing` False: `monitor.detail_every`) there is no hook and
+    no callback: the record opens as the forward ends (the backward that follows reduces) and
+    closes when the step ends (`step_ended`), which a rank stuck in the reduction never
+    reaches."""
 
     def __init__(self, meter: CommMeter, record: Any = None, after_forward: Any = None) -> None:
         self.meter = meter
         self.record = record
         self.after_forward = after_forward  # more to do after each forward, in the same hook
+        self.timing = True  # the step in progress is timed (`detail_every`): mark the wait
         self._token: Any = None
+        self._open: list[Any] = []  # records opened at a forward's end on an untimed step
+        self._reduced = False  # a backward that reduces gradients ran since the last take
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook `model` so the end of its backward is seen."""
         model.register_forward_hook(self._on_forward)
+
+    def take_reduced(self) -> bool:
+        """Whether a forward whose backward reduces gradients ran since the last call (on a
+        step that is not timed, the bytes DDP sent are known from this alone)."""
+        reduced, self._reduced = self._reduced, False
+        return reduced
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.after_forward is not None:
             self.after_forward()
         if not torch.is_grad_enabled():
             return
+        # under no_sync() DDP reduces nothing this backward: nothing to record
+        syncs = getattr(module, "require_backward_grad_sync", True)
+        self._reduced = self._reduced or syncs
+        if not self.timing:  # no hook, no callback: the record spans to the step's end
+            if syncs and self.record is not None:
+                self._open.append(self.record.begin())
+            return
         node = _grad_node(output)
         if node is not None:  # a pre-hook on the output's node: C++, cheaper than a tensor hook
-            # under no_sync() DDP reduces nothing this backward: nothing to record
-            syncs = getattr(module, "require_backward_grad_sync", True)
             node.register_prehook(self._on_backward_start if syncs else self._on_local_backward)
+
+    def step_ended(self) -> None:
+        """The step is over: the reductions its untimed forwards opened are done."""
+        while self._open:
+            self.record.end(self._open.pop())
 
     def _on_backward_start(self, grad_outputs: Any) -> None:
         if self.record is not None:
@@ -261,11 +285,13 @@ class BackwardWatch:
         torch.autograd.Variable._execution_engine.queue_callback(self._on_graph_done)
 
     def _on_graph_done(self) -> None:
-        self.meter.compute_done()
+        if self.timing:
+            self.meter.compute_done()
         torch.autograd.Variable._execution_engine.queue_callback(self._on_reduced)
 
     def _on_reduced(self) -> None:
-        self.meter.reduced()
+        if self.timing:
+            self.meter.reduced()
         token, self._token = self._token, None
         if token is not None:
             self.record.end(token)

@@ -92,8 +92,30 @@ def fault_tolerance_factor(steps: Any, retried: Any = None) -> float:
 def comm_overhead(steps: Any) -> float:
     """The share of the job's step time spent waiting on communication (exposed, not hidden
     behind compute): one figure for the run summary and the TEI. Time-weighted, so a few long
-    steps weigh as long as they took, not as one step each."""
-    return float(steps["comm_exposed_s"].sum() / max(steps["step_s"].sum(), 1e-12))
+    steps weigh as long as they took, not as one step each; over the timed steps (a Monitor
+    may time one step in N: `monitor.detail_every`)."""
+    timed = steps[steps["comm_exposed_s"].notna()]
+    return float(timed["comm_exposed_s"].sum() / max(timed["step_s"].sum(), 1e-12))
+
+
+# what a Monitor times on some steps only (`monitor.detail_every`): NaN on the others
+UNTIMED_SHARES = ("comm_exposed_s", "data_s")
+
+
+def fill_untimed(steps: Any) -> Any:
+    """Steps a Monitor did not time in full take their rank's nearest timed step's shares of
+    the step (the wait for communication, for data): an estimate each timed step stands for,
+    for sums over every step (the time account). Steps all timed come back as they are."""
+    timed = steps["comm_exposed_s"].notna() if "comm_exposed_s" in steps else None
+    if timed is None or timed.all() or not timed.any():
+        return steps
+    out = steps.sort_values("step", kind="stable")
+    keys = [out[k] for k in ("attempt", "rank") if k in out]
+    for column in (c for c in UNTIMED_SHARES if c in out):
+        share = (out[column] / out["step_s"]).where(out["comm_exposed_s"].notna())
+        nearest = share.groupby(keys, sort=False).transform(lambda s: s.ffill().bfill())
+        out[column] = out[column].fillna(nearest * out["step_s"])
+    return out.loc[steps.index]
 
 
 def training_efficiency_index(

@@ -188,20 +188,25 @@ class MeshscopeMetrics:
         recs: Sequence[StepRecord],
         comm_sample_every: int = 1,
         logged: Collection[str] = ("loss", "grad_norm"),
+        detail_every: int = 1,
     ) -> None:
         """Export finished steps at once: every step into the histogram and the counters, the
         last one into the gauges (a scrape sees the latest either way). Time in flight is
         measured on one step in `comm_sample_every`: each measurement counts for the steps it
         stands for (an estimate; NaN = not measured); an estimate below the wait measured after
         backward is raised to it, since that wait is communication too (total >= exposed).
-        `logged`: the scalars the loop logs (the others' gauges stay absent)."""
+        `logged`: the scalars the loop logs (the others' gauges stay absent). The wait after
+        backward and the phases are timed on one step in `detail_every` (NaN between): each
+        timed wait counts for the steps it stands for, and the phase gauges show the last
+        timed step."""
         if not recs:
             return
         c = self._children  # labelled children resolved once: this runs every window
         for rec in recs:
             self.step_duration.observe(rec.step_s)
         in_flight = sum(r.comm_total_s for r in recs if math.isfinite(r.comm_total_s))
-        exposed = sum(r.comm_exposed_s for r in recs)
+        timed = [r for r in recs if not math.isnan(r.comm_exposed_s)]
+        exposed = sum(r.comm_exposed_s for r in timed) * detail_every
         self.steps.inc(len(recs))
         self.tokens.inc(sum(r.tokens for r in recs))
         c["comm_total"].inc(max(in_flight * comm_sample_every, exposed))  # window by window
@@ -212,19 +217,25 @@ class MeshscopeMetrics:
         c["comm_intra_node"].inc(sum(r.comm_intra_s for r in recs if math.isfinite(r.comm_intra_s)))
         c["comm_inter_node"].inc(sum(r.comm_inter_s for r in recs if math.isfinite(r.comm_inter_s)))
         c["comm_expert_all_to_all"].inc(sum(r.comm_a2a_s for r in recs if math.isfinite(r.comm_a2a_s)))
+        if timed:
+            self._observe_phases(timed[-1])
         last = recs[-1]
-        c["forward"].set(last.forward_s)
-        c["backward"].set(last.backward_s)
-        c["optimizer"].set(last.optimizer_s)
-        c["comm_exposed"].set(last.comm_exposed_s)
-        c["data"].set(last.data_s)
-        self.comm_ratio.set(last.comm_ratio)
         for key in ("loss", "grad_norm"):
             if key in logged:
                 self._scalar(key).set(getattr(last, key))
         c["allocated"].set(last.mem_allocated)
         c["reserved"].set(last.mem_reserved)
         c["rss"].set(last.mem_rss)
+
+    def _observe_phases(self, timed: StepRecord) -> None:
+        """The phase gauges and the comm ratio, from a step whose phases were timed."""
+        c = self._children
+        c["forward"].set(timed.forward_s)
+        c["backward"].set(timed.backward_s)
+        c["optimizer"].set(timed.optimizer_s)
+        c["comm_exposed"].set(timed.comm_exposed_s)
+        c["data"].set(timed.data_s)
+        self.comm_ratio.set(timed.comm_ratio)
 
     def observe_expert_work(self, tokens: Sequence[float]) -> None:
         """Export one window of the tokens this rank's experts processed, per layer (expert

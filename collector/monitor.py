@@ -78,6 +78,10 @@ class Monitor:
         self.metrics = MeshscopeMetrics(self.registry)
         self.store = store or RunStore(config.run_dir)
         self.meter = CommMeter(self.probe)
+        # steps timed in full (phases, the wait for communication), and memory reads
+        self._detail_every = config.detail_period(on_device=self.probe.asynchronous)
+        self._memory_every = config.memory_every or self._detail_every
+        self._backward: BackwardWatch | None = None
         self._ddp_stats: DDPRuntimeStats | None = None
         self._ddp_bytes = (0, 0, 0)  # (raw, wire, across nodes) a step when DDP reduces in C++
         # Built here on every rank (a side group is collective) unless the caller shares one.
@@ -103,20 +107,7 @@ class Monitor:
         self._described = self._ended = self._sdk_run = False
         self._compression = "none"  # what watch() was given, for an SDK run's run_start
         self._loss_was_finite = True
-        self.flight: FlightLog | None = None
-        if config.flight_log:
-            self.flight = (
-                FlightLog(
-                    config.run_dir / "live",
-                    rank=self.env.rank,
-                    world_size=self.env.world_size,
-                    attempt=self.env.restart_count,
-                    capacity=config.flight_capacity,
-                    probe=self.probe,  # on a device: completion and progress from its events
-                )
-                .install()
-                .start_responder()
-            )
+        self.flight = self._open_flight_log() if config.flight_log else None
         if config.metrics_port is not None:
             self._start_exporter()
         self._service = StepDrain(self, config.drain_interval_s).start()
@@ -129,6 +120,18 @@ class Monitor:
         return cls(MonitorConfig(run_dir=Path(run_dir), **kwargs), env=DistEnv.from_environ(), **extra)
 
     # --- set-up -------------------------------------------------------------------------
+    def _open_flight_log(self) -> FlightLog:
+        """This rank's flight log, installed and answering the watchdog."""
+        log = FlightLog(
+            self.config.run_dir / "live",
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            attempt=self.env.restart_count,
+            capacity=self.config.flight_capacity,
+            probe=self.probe,  # on a device: completion and progress from its events
+        )
+        return log.install().start_responder()
+
     def _start_exporter(self) -> None:
         port = port_for(self.config.metrics_port, self.env.local_rank)
         labels = (
@@ -219,7 +222,8 @@ class Monitor:
                 )
                 model.register_comm_hook(hook_state, timed)
             counted = self.experts.forward_done if self.experts.layers else None
-            BackwardWatch(self.meter, record, after_forward=counted).attach(model)
+            self._backward = BackwardWatch(self.meter, record, after_forward=counted)
+            self._backward.attach(model)
         self._describe_host(model)
         return model
 
@@ -266,22 +270,25 @@ class Monitor:
     def _begin(self, tokens: int, step: int | None) -> tuple[StepScope, float, Any]:
         if not self._described:
             self._describe_sdk_run()
-        self._step = self._step + 1 if step is None else step
+        step = self._step = self._step + 1 if step is None else step
         if self.flight is not None:
-            self.flight.step_begin(self._step)
-        # communication outside a step (e.g. DDP's init broadcast) is not ours
-        self.meter.take(sample_next=self._step % self.config.comm_sample_every == 0)
-        return StepScope(self.probe), time.time(), self.probe.mark()
+            self.flight.step_begin(step)
+        detailed = step % self._detail_every == 0
+        if detailed:  # communication outside a step (e.g. DDP's init broadcast) is not ours
+            self.meter.take(sample_next=step % self.config.comm_sample_every == 0)
+        if self._backward is not None:
+            self._backward.timing = detailed
+        return StepScope(self.probe, detailed), time.time(), self.probe.mark()
 
     def _end(self, scope: StepScope, tokens: int, wall: float, start: Any) -> None:
         # the training thread's part: marks and references. Records, gauges and rows are the
         # service thread's (`StepDrain`), a window late.
-        step = self._step
-        if step % self.config.memory_every == 0:
+        step, end = self._step, self.probe.mark()
+        if step % self._memory_every == 0:
             self._memory = self.probe.memory()
-        pending = PendingStep(
-            step, tokens, wall, (start, self.probe.mark()), scope.phases, self._take_comm(), self._memory
-        )
+        detailed = scope.detailed
+        comm = self._take_comm(detailed)
+        pending = PendingStep(step, tokens, wall, (start, end), scope.phases, comm, self._memory, detailed)
         self._take_scalars(pending, scope.scalars)
         self._pending.append(pending)
         if self.flight is not None:
@@ -291,12 +298,17 @@ class Monitor:
         if self._window_steps >= self.config.sync_every:
             self._close_window()
 
-    def _take_comm(self) -> CommWindow:
-        comm = self.meter.take()
+    def _take_comm(self, detailed: bool) -> CommWindow:
+        # buckets are timed on timed steps only: the next begin of one says whether
+        comm = self.meter.take(sample_next=False)
+        watch = self._backward
+        if watch is not None:
+            watch.step_ended()
+        reduced = watch is not None and watch.take_reduced()
         if self._ddp_stats is not None:
-            if comm.wait[0] is not None:  # a backward ran: DDP reduced every gradient once
+            if reduced:  # a backward ran: DDP reduced every gradient once
                 comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = self._ddp_bytes
-            if comm.sampled or self._step % self.config.comm_sample_every == 1:
+            if detailed and (comm.sampled or self._step % self.config.comm_sample_every == 1):
                 # DDP's figure of a sampled step shows up at its next forward: look on the
                 # sampled step and the one after (its dict costs tens of us)
                 comm.measured_s = self._ddp_stats.fresh_seconds()
@@ -330,7 +342,9 @@ class Monitor:
                 finished.append(self._pending.popleft())
             records = [self._record(p) for p in finished]
             if records:
-                self.metrics.observe_steps(records, self.config.comm_sample_every, self._logged_keys)
+                self.metrics.observe_steps(
+                    records, self.config.comm_sample_every, self._logged_keys, self._detail_every
+                )
             for rec in records:
                 self._emit(rec)
             for step, table in self.experts.landed(block):

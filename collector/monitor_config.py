@@ -11,6 +11,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from meshscope.collector.exporter import valid_host
 
 LOOPBACK = "127.0.0.1"
+# a step timed in full on the host costs ~150 us (hooks, callbacks, marks): one in 10 keeps the
+# training thread within ~30 us a step (`benchmarks/overhead.py`)
+HOST_DETAIL_EVERY = 10
 
 
 class MonitorSettings(BaseModel):
@@ -54,15 +57,25 @@ class MonitorSettings(BaseModel):
         gt=0,
         le=10**6,
         description="time gradient buckets on one step in N (the wait for communication, which "
-        "makes the comm ratio, is measured every step)",
+        "makes the comm ratio, is measured on every timed step: `detail_every`)",
     )
-    memory_every: int = Field(
-        1,
+    detail_every: int | None = Field(
+        None,
+        gt=0,
+        le=10**6,
+        description="time a step's phases and its wait for communication on one step in N; the "
+        "steps between record step time, tokens, logged scalars and bytes, with phases NaN. "
+        "None: every step on a device (events are cheap) and in meshscope's trainer (its "
+        f"detectors judge phases), one step in {HOST_DETAIL_EVERY} in your own loop on the host "
+        "(a timed step costs the host ~150 us)",
+    )
+    memory_every: int | None = Field(
+        None,
         gt=0,
         le=10**6,
         description="read memory (host RSS, device allocated and reserved) on one step in N; the "
-        "steps between carry the last reading (1: a leak shows where it starts; an RSS read "
-        "costs ~30 us a step on a busy host)",
+        "steps between carry the last reading. None: on the timed steps (`detail_every`); an RSS "
+        "read costs ~20 us a step on a busy host",
     )
     drain_interval_s: float = Field(
         0.2,
@@ -86,6 +99,13 @@ class MonitorSettings(BaseModel):
         if value and not valid_host(value):
             raise ValueError(f"{value!r} is not an IP address or host name")
         return value
+
+    def detail_period(self, on_device: bool) -> int:
+        """Steps between fully timed steps: `detail_every`, or its default for where the
+        Monitor runs (see the field)."""
+        if self.detail_every is not None:
+            return self.detail_every
+        return 1 if on_device else HOST_DETAIL_EVERY
 
     @property
     def metrics_address(self) -> str:

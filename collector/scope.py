@@ -27,6 +27,7 @@ class PendingStep:
     phases: dict[str, tuple[Any, Any]]
     comm: CommWindow
     memory: dict[str, int]
+    detailed: bool = True  # phases and the wait timed (`detail_every`); NaN otherwise
     scalars: dict[str, Any] = field(default_factory=dict)
     device_keys: list[str] = field(default_factory=list)
     window: ScalarWindow | None = None
@@ -42,8 +43,13 @@ class PendingStep:
         """The step's record, once its marks are finished (reading them does not wait)."""
         p, sec = self, probe.seconds
         step_s = sec(*p.bounds)
-        phases = {name: sec(*span) for name, span in p.phases.items()}
-        comm_total, comm_exposed = step_comm_seconds(probe, p.comm, p.bounds[0])
+        if p.detailed:
+            phases = {name: sec(*span) for name, span in p.phases.items()}
+            comm_total, comm_exposed = step_comm_seconds(probe, p.comm, p.bounds[0])
+            unmeasured = 0.0  # a phase the loop does not time took no time
+        else:  # not timed this step: NaN, which readers skip (`detail_every`)
+            phases, comm_total, comm_exposed = {}, math.nan, math.nan
+            unmeasured = math.nan
         hops = p.comm.hop_seconds(probe)
         a2a = hops["expert_all_to_all"]
         if math.isfinite(a2a):  # the step waited for its expert all-to-all: communication too
@@ -57,13 +63,13 @@ class PendingStep:
             step=p.step,
             time=p.wall_time,
             step_s=step_s,
-            forward_s=phases.get("forward", 0.0),
-            backward_s=phases.get("backward", 0.0),
-            optimizer_s=phases.get("optimizer", 0.0),
-            data_s=phases.get("data", 0.0),
+            forward_s=phases.get("forward", unmeasured),
+            backward_s=phases.get("backward", unmeasured),
+            optimizer_s=phases.get("optimizer", unmeasured),
+            data_s=phases.get("data", unmeasured),
             comm_total_s=comm_total,
             comm_exposed_s=comm_exposed,
-            comm_ratio=min(1.0, comm_exposed / step_s) if step_s > 0 else 0.0,
+            comm_ratio=_share(comm_exposed, step_s),
             bytes_raw=p.comm.bytes_raw,
             bytes_wire=p.comm.bytes_wire,
             comm_intra_s=hops["intra_node"],
@@ -83,6 +89,13 @@ class PendingStep:
         )
 
 
+def _share(exposed: float, step_s: float) -> float:
+    """Exposed communication over the step, at most 1; NaN when it was not timed."""
+    if math.isnan(exposed):
+        return math.nan
+    return min(1.0, exposed / step_s) if step_s > 0 else 0.0
+
+
 class PhaseTimer:
     """A phase's two marks (a plain class: a generator-based context costs more per step)."""
 
@@ -98,17 +111,35 @@ class PhaseTimer:
         self.scope.phases[self.name] = (self.start, self.scope._probe.mark())
 
 
+class Untimed:
+    """The phase of a step that is not timed (`detail_every`): nothing to do on entry or exit."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+UNTIMED = Untimed()
+
+
 class StepScope:
     """Handed out by `Monitor.step()`: time named phases and log scalars."""
 
-    def __init__(self, probe: DeviceProbe) -> None:
+    __slots__ = ("_probe", "phases", "scalars", "detailed")
+
+    def __init__(self, probe: DeviceProbe, detailed: bool = True) -> None:
         self._probe = probe
         self.phases: dict[str, tuple[Any, Any]] = {}
         self.scalars: dict[str, Any] = {}
+        self.detailed = detailed  # phases are timed on this step
 
-    def phase(self, name: str) -> PhaseTimer:
-        """`with s.phase("forward"): ...` times a named part of the step."""
-        return PhaseTimer(self, name)
+    def phase(self, name: str) -> PhaseTimer | Untimed:
+        """`with s.phase("forward"): ...` times a named part of the step (on a timed step)."""
+        return PhaseTimer(self, name) if self.detailed else UNTIMED
 
     def log(self, **scalars: Any) -> None:
         """Record loss, grad_norm, ...: tensors are kept as they are and read later."""
@@ -146,7 +177,9 @@ class OpenStep:
         self._phase: tuple[str, Any] | None = None
 
     def phase(self, name: str) -> None:
-        """The running phase ends here and `name` starts."""
+        """The running phase ends here and `name` starts (on a timed step)."""
+        if not self.scope.detailed:
+            return
         now = self.scope._probe.mark()
         self._close_phase(now)
         self._phase = (name, now)
@@ -157,7 +190,8 @@ class OpenStep:
 
     def end(self, tokens: int = 0) -> None:
         """The step is over: its running phase ends with it."""
-        self._close_phase(self.scope._probe.mark())
+        if self.scope.detailed:
+            self._close_phase(self.scope._probe.mark())
         self._context.tokens = tokens
         self._context.__exit__(None, None, None)
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import pandas as pd
 
+from meshscope.collector.figures import fill_untimed
+
 PRODUCTIVE = ("compute", "gradient_comm", "expert_comm")
 BADPUT = (
     "startup",
@@ -112,6 +114,7 @@ def time_account(steps: pd.DataFrame, retried: pd.DataFrame, events: pd.DataFram
     every = pd.concat([steps.assign(wasted=False), retried.assign(wasted=True)], ignore_index=True)
     # a store from before attempts were recorded: one attempt, cut where a worker (re)started
     every["attempt"] = every["attempt"].fillna(0) if "attempt" in every else 0
+    every = fill_untimed(every)  # steps not timed in full: their rank's nearest timed shares
     every = every.sort_values(["time", "step"], kind="stable")
     start, end = _job_span(every, events)
     waits, marks = _straggler_waits(every), _Marks.read(events)

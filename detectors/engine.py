@@ -11,7 +11,7 @@ evidence) when it closes, and counts in `meshscope_anomalies_total{type}` when i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -20,7 +20,7 @@ from meshscope.collector.env import HostShare
 from meshscope.collector.figures import SLOW_STEP_FACTOR
 from meshscope.detectors.domain import PersistentStraggler
 from meshscope.detectors.episodes import Episode, EpisodeTracker
-from meshscope.detectors.features import COLUMN, StepFeaturizer, StepView, step_views
+from meshscope.detectors.features import COLUMN, DetailCarry, StepFeaturizer, StepView, step_views
 from meshscope.detectors.rules import (
     MULTIVARIATE,
     CommRule,
@@ -38,6 +38,9 @@ from meshscope.detectors.stragglers import StragglerRule
 from meshscope.detectors.thresholds import EngineConfig
 from meshscope.detectors.window_rules import ExpertRule, GradientRule
 
+# the clock of episodes judged on timed steps only: steps, but a flag every N of them
+TIMED_CLOCK = "timed steps"
+
 
 @dataclass
 class _Row:
@@ -54,6 +57,7 @@ class _Row:
     grad_norm: np.ndarray | None = None
     busy: np.ndarray | None = None  # per rank: the step less its wait for communication
     phases: dict[str, np.ndarray] = field(default_factory=dict)  # `stragglers.PHASES`, per rank
+    timed: bool = True  # phases measured this step (else each rank's last timed ones stand in)
 
     def col(self, name: str) -> np.ndarray:
         return self.feats[:, [COLUMN[name]]]
@@ -104,8 +108,11 @@ class DetectionEngine:
         ]
         self.tracker = EpisodeTracker(gap=self.config.gap)
         self.last_step = -1
-        self._fitted = False
+        self._fitted: set[int] = set()  # ids of the rules that learnt their baselines
         self.featurizer = StepFeaturizer()
+        self.carry = DetailCarry()
+        self._last_timed: int | None = None
+        self._period = 1  # steps between timed steps (`monitor.detail_every`), as seen
         self._warm: list[_Row] = []
         self._ranks: list[int] = []
         self.paused: set[int] = set()  # steps meshscope itself slowed (see `pause`)
@@ -171,7 +178,7 @@ class DetectionEngine:
 
     def _close_quiet(self, step: int) -> None:
         """Close the episodes gone quiet, each by its own clock (the steps', or its table's)."""
-        clocks = {"steps": step, **{r.table: r.last_step for r in self.window_rules}}
+        clocks = {"steps": step, TIMED_CLOCK: step, **{r.table: r.last_step for r in self.window_rules}}
         for ep in self.tracker.close_quiet(clocks):
             self.on_close(ep)
 
@@ -187,6 +194,11 @@ class DetectionEngine:
 
     # --- one step -------------------------------------------------------------------------
     def _step(self, view: StepView) -> None:
+        timed = self.carry.fill(view)
+        if timed:
+            if self._last_timed is not None:
+                self._period = max(1, view.step - self._last_timed)
+            self._last_timed = view.step
         row = _Row(
             self.featurizer.row(view).reshape(1, -1),
             view.compute_s.reshape(1, -1),
@@ -197,47 +209,63 @@ class DetectionEngine:
             view.cols["loss_bad"].reshape(1, -1),
             view.cols["grad_bad"].reshape(1, -1),
             view.cols["grad_norm"].reshape(1, -1),
-            (view.cols["step_s"] - view.cols["comm_exposed_s"]).reshape(1, -1),
+            # what each rank spent busy names a stall's holders: not known on an untimed step
+            (view.cols["step_s"] - view.cols["comm_exposed_s"]).reshape(1, -1) if timed else None,
             {"forward": view.cols["forward_s"].reshape(1, -1), "compute": view.compute_s.reshape(1, -1)},
+            timed,
         )
         if row.ranks != self._ranks:  # elastic shrink or grow: per-rank baselines start over
-            self._ranks, self._fitted, self._warm = row.ranks, False, []
-        if not self._fitted:
-            self._warm.append(row)
-            if len(self._warm) >= self.config.warmup:
-                self._fit()
-            self._judge(view.step, row, [r for r in self.rules if r.during_warmup])
-            return
+            self._ranks, self._fitted, self._warm = row.ranks, set(), []
+        just_fitted = self._warm_up(row)
         paused = view.step in self.paused
-        normal = self._judge(view.step, row, [r for r in self.rules if not (paused and r.job_wide)])
-        for rule in self.rules:
-            rule.update(row, normal and not (paused and rule.job_wide))
+        fitted = [r for r in self.rules if id(r) in self._fitted and (timed or not r.timed_only)]
+        judged = [r for r in fitted if id(r) not in just_fitted and not (paused and r.job_wide)]
+        judged += [r for r in self.rules if r.during_warmup and id(r) not in self._fitted]
+        normal = self._judge(view.step, row, judged)
+        for rule in fitted:
+            if id(rule) not in just_fitted:
+                rule.update(row, normal and not (paused and rule.job_wide))
         self._close_quiet(view.step)
 
-    def _fit(self) -> None:
-        warm = _Row(
-            *(
-                np.vstack([getattr(w, f) for w in self._warm])
-                for f in ("feats", "compute", "loss", "rss", "device_mem")
-            ),
-            self._ranks,
-            phases={p: np.vstack([w.phases[p] for w in self._warm]) for p in self._warm[0].phases},
-        )
-        for rule in self.rules:
-            rule.learn(warm)
-        self._fitted = True
+    def _warm_up(self, row: _Row) -> set[int]:
+        """Keep `row` until the rules have learnt (`warmup` rows; rules that read phases,
+        `warmup` timed rows); the ids of the rules that learnt on it."""
+        if len(self._fitted) == len(self.rules):
+            return set()
+        self._warm.append(row)
+        timed = [w for w in self._warm if w.timed]
+        fitted: set[int] = set()
+        for rows, timed_only in ((self._warm, False), (timed, True)):
+            due = [r for r in self.rules if r.timed_only == timed_only and id(r) not in self._fitted]
+            if due and len(rows) >= self.config.warmup:
+                warm = _stacked(rows, self._ranks)
+                for rule in due:
+                    rule.learn(warm)
+                fitted |= {id(r) for r in due}
+        self._fitted |= fitted
+        if len(self._fitted) == len(self.rules):
+            self._warm = []
+        return fitted
 
     def _judge(self, step: int, row: _Row, rules: list[StepRule]) -> bool:
         """Ask the rules in order; returns whether the step was normal."""
         verdict = Verdict()
         for rule in rules:
             flags = rule.judge(step, row, verdict)
+            if rule.timed_only and self._period > 1:
+                flags = [self._sparse(f) for f in flags]
             verdict.flags += flags
             if any(f.final for f in flags):
                 break
         for flag in verdict.flags:
             self._flag(step, flag)
         return verdict.normal
+
+    def _sparse(self, flag: Flag) -> Flag:
+        """A flag of a rule that judges timed steps only, when one step in N is timed: its
+        episode stays open across the untimed steps between (a gap of as many timed steps)."""
+        gap = (flag.gap or self.tracker.gap) * self._period
+        return replace(flag, gap=gap, clock=TIMED_CLOCK)
 
     def _flag(self, step: int, flag: Flag) -> None:
         """Feed the episode tracker; a new episode is announced at once."""
@@ -260,3 +288,15 @@ class DetectionEngine:
         )
         if opened is not None:
             self.on_open(opened)
+
+
+def _stacked(rows: list[_Row], ranks: list[int]) -> _Row:
+    """Warm-up rows as one: a row per step."""
+    return _Row(
+        *(
+            np.vstack([getattr(w, f) for w in rows])
+            for f in ("feats", "compute", "loss", "rss", "device_mem")
+        ),  # noqa: E501
+        ranks,
+        phases={p: np.vstack([w.phases[p] for w in rows]) for p in rows[0].phases},
+    )

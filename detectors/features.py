@@ -94,6 +94,32 @@ def step_views(steps: pd.DataFrame, after: int = -1) -> Iterator[StepView]:
             yield StepView(int(s), rank[a : a + n], {c: v[a : a + n] for c, v in cols.items()})
 
 
+# what a Monitor times on some steps only (`detail_every`): NaN on the others
+DETAIL_COLUMNS = ("forward_s", "comm_exposed_s", "data_s", "comm_ratio")
+
+
+class DetailCarry:
+    """Each rank's last timed phases stand in for a step that was not timed, so per-rank
+    signals stay continuous; whether the step itself was timed is said apart."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, np.ndarray] = {}
+
+    def fill(self, view: StepView) -> bool:
+        """Fill `view`'s untimed phases in place; whether every rank timed this step."""
+        timed = True
+        for name in DETAIL_COLUMNS:
+            values = view.cols[name]
+            missing = np.isnan(values)
+            if missing.any():
+                timed = False
+                last = self._last.get(name)
+                known = last if last is not None and last.shape == values.shape else 0.0
+                values = view.cols[name] = np.where(missing, known, values)
+            self._last[name] = values
+        return timed
+
+
 class StepFeaturizer:
     """Turns consecutive StepViews into rows of STEP_FEATURES; remembers what the deltas and
     the memory slope need (the previous loss, the last `slope_window` memory peaks)."""

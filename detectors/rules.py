@@ -97,6 +97,9 @@ class StepRule:
     # judges the whole job's step time: a step meshscope itself paused (a checkpoint, a resume)
     # is not its to judge, nor to learn from (`DetectionEngine.pause`)
     job_wide: bool = False
+    # reads phases or the wait for communication: learns from and judges the timed steps only
+    # (a Monitor may time one step in N: `monitor.detail_every`)
+    timed_only: bool = False
 
     def learn(self, warm: Any) -> None:
         """Fit on the warm-up rows (one row per step)."""
@@ -245,7 +248,7 @@ class CommRule(StepRule):
     rank (a straggler's peers wait in communication too, so a straggler step is not judged)."""
 
     name, during_warmup = "comm", False
-    job_wide = True
+    job_wide = timed_only = True
     types = ("comm",)
 
     def __init__(self, threshold: float, slowdown: float) -> None:
@@ -348,7 +351,7 @@ class MultivariateRule(StepRule):
     steps every other rule found normal, once it has enough rows to trust its scales."""
 
     name, during_warmup = "multivariate", False
-    job_wide = True
+    job_wide = timed_only = True
     types = ("multivariate",)
 
     def __init__(self, on_score: Any) -> None:

@@ -26,6 +26,7 @@ class StragglerRule(StepRule):
     (`PhasePace`: up to all ranks but one, on a shared host too)."""
 
     name, during_warmup = "straggler", False
+    timed_only = True
     types = ("straggler",)
 
     def __init__(self, ratio: float, on_score: Any, persistent: list[PersistentStraggler]) -> None:

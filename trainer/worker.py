@@ -114,8 +114,12 @@ TracerFactory = Callable[[TrainerConfig, DistEnv, Monitor, Any], tuple[Any, Any]
 
 
 def build_monitor(cfg: TrainerConfig, env: DistEnv, device: Any, control: Any) -> Monitor:
-    """The rank's Monitor, as a user's loop would build it: the run's `[monitor]` settings."""
-    config = MonitorConfig(run_dir=cfg.run_dir, run_id=cfg.run_id, **cfg.monitor.model_dump())
+    """The rank's Monitor, as a user's loop would build it: the run's `[monitor]` settings.
+    Unless they say otherwise, every step is timed in full: the detectors judge its phases."""
+    settings = cfg.monitor.model_dump()
+    if settings["detail_every"] is None:
+        settings["detail_every"] = 1
+    config = MonitorConfig(run_dir=cfg.run_dir, run_id=cfg.run_id, **settings)
     return Monitor(config, env=env, probe=device.probe(), control=control)
 
 

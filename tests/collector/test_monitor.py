@@ -34,7 +34,7 @@ def make_monitor(tmp_path, **kw):
 
 
 def test_step_records_phases_scalars_and_lazy_tensors(tmp_path):
-    mon = make_monitor(tmp_path)
+    mon = make_monitor(tmp_path, detail_every=1)
     model = mon.watch(torch.nn.Sequential(ToyMoE([3, 1]), ToyMoE([2, 2])))
     for step in range(4):
         with mon.step(tokens=32) as s:
@@ -50,6 +50,37 @@ def test_step_records_phases_scalars_and_lazy_tensors(tmp_path):
     assert steps["loss"].tolist() == pytest.approx([1, 0.5, 1 / 3, 0.25])
     assert (steps["tokens"] == 32).all() and (steps["tokens_per_s"] > 0).all()
     assert mon.registry.get_sample_value("meshscope_steps_total") == 4
+
+
+def test_on_the_host_one_step_in_ten_is_timed_in_full_and_the_others_say_nan_not_zero(tmp_path):
+    """A user's loop on the host: phases and the wait for communication on one step in 10;
+    every step keeps its time, tokens, loss and bytes, and the others' phases are unknown."""
+    from meshscope.collector.monitor_config import HOST_DETAIL_EVERY
+
+    mon = make_monitor(tmp_path)
+    seen = []
+    model = mon.watch(torch.nn.Linear(4, 4))
+    for _ in range(2 * HOST_DETAIL_EVERY + 1):
+        with mon.step(tokens=8) as s:
+            with s.phase("forward") as timer:
+                out = model(torch.randn(2, 4)).sum()
+            seen.append(timer)
+            with s.phase("backward"):
+                out.backward()
+            s.log(loss=out)
+    mon.close()
+    steps = load_steps(tmp_path / "run").set_index("step")
+    timed = steps.index % HOST_DETAIL_EVERY == 0
+    assert timed.sum() == 3
+    assert (steps.loc[timed, "forward_s"] > 0).all() and (steps.loc[timed, "backward_s"] > 0).all()
+    assert (steps.loc[timed, "comm_ratio"] >= 0).all() and (steps.loc[timed, "data_s"] == 0).all()
+    for column in ("forward_s", "backward_s", "data_s", "comm_exposed_s", "comm_ratio"):
+        assert steps.loc[~timed, column].isna().all(), column  # unknown, not "took no time"
+    assert (steps["step_s"] > 0).all() and steps["loss"].notna().all() and (steps["tokens"] == 8).all()
+    assert seen[1] is seen[2]  # an untimed phase is one shared object: nothing made per step
+    assert mon.registry.get_sample_value("meshscope_steps_total") == 2 * HOST_DETAIL_EVERY + 1
+    forward = mon.registry.get_sample_value("meshscope_step_phase_seconds", {"phase": "forward"})
+    assert forward == pytest.approx(steps.loc[2 * HOST_DETAIL_EVERY, "forward_s"])  # the last timed
 
 
 def test_memory_is_read_on_one_step_in_memory_every_and_a_bad_value_is_nan_said_once(tmp_path, caplog):

@@ -143,3 +143,32 @@ def test_jitter_between_balanced_ranks_is_no_straggler_but_a_slow_rank_is(tmp_pa
     assert r1 < 0.1 * r0, (r0, r1)  # the slow rank waited for nobody's
     balanced = r0 + r1 - 20 * 0.2  # what the balanced half was charged, both ranks
     assert balanced < 0.5 * raw_wait, (balanced, raw_wait)
+
+
+def test_steps_timed_one_in_ten_are_accounted_from_their_nearest_timed_step(tmp_path):
+    """A user's loop on the host times one step in 10 (`monitor.detail_every`): the steps
+    between take their rank's nearest timed shares, so the buckets stay where they were, not
+    compute because nothing was timed."""
+    import numpy as np
+
+    def account(timed_every):
+        run = tmp_path / str(timed_every)
+        store = RunStore(run)
+        for step in range(60):
+            for rank in (0, 1):
+                exposed = 0.3 if rank == 0 else 0.1
+                timed = step % timed_every == 0
+                store.add_step(
+                    StepRecord(
+                        run_id="r", rank=rank, world_size=2, step=step, time=T0 + step, step_s=0.8,
+                        comm_exposed_s=exposed if timed else math.nan, data_s=0.05 if timed else math.nan,
+                    )
+                )  # fmt: skip
+        store.close()
+        return time_account(load_steps(run), load_retried_steps(run), load_events(run))
+
+    every, sampled = account(1), account(10)
+    assert load_steps(tmp_path / "10")["comm_exposed_s"].isna().sum() == 2 * 54  # NaN kept in the store
+    for bucket in ("compute", "gradient_comm", "straggler", "data_loading"):
+        assert sampled.job[bucket] == pytest.approx(every.job[bucket], rel=1e-6), bucket
+    assert every.job["gradient_comm"] > 0 and np.isclose(sampled.wall_s, every.wall_s)

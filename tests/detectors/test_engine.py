@@ -383,3 +383,23 @@ def test_a_trace_of_workers_with_two_step_time_modes_raises_nothing(alternating)
             for r in range(16)
         ]  # fmt: skip
     assert [(e.type, e.ranks, e.start_step) for e in run(pd.DataFrame(rows))[1]] == []
+
+
+def _timed_one_in(df, every):
+    """The run as a user's loop on the host records it: phases and the wait on one step in
+    `every`, NaN between (`monitor.detail_every`)."""
+    df = df.copy()
+    untimed = df["step"] % every != 0
+    df.loc[untimed, ["comm_exposed_s", "comm_ratio", "data_s"]] = np.nan
+    return df
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_steps_timed_one_in_ten_raise_nothing_clean_and_name_only_the_straggler(seed):
+    """Untimed steps carry each rank's last timed phases: no NaN reaches a model, a clean run
+    stays quiet, and a straggler is named with no other rank (later, at the timed steps)."""
+    # the rules that read phases learn from 20 timed steps: 200 here
+    assert run(_timed_one_in(synthetic_run(steps=400, seed=seed, wave=True), 10))[0] == []
+    _, closed = run(_timed_one_in(synthetic_run(steps=400, seed=seed, slow=(2, 250, 320, 3.0)), 10))
+    assert [(e.type, e.ranks) for e in closed] == [("straggler", [2])], closed
+    assert 250 <= closed[0].start_step <= 260 and 310 <= closed[0].end_step <= 320

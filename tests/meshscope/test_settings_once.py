@@ -84,11 +84,15 @@ def test_the_run_s_monitor_section_reaches_the_monitor_whole(tmp_path):
             "monitor": {"metrics_port": port, "memory_every": 7, "flight_capacity": 64, "sync_every": 3},
         },
     )
+    assert load_config(None, {"monitor": {"detail_every": 4}}).monitor.detail_every == 4
     cfg.run_dir.mkdir(parents=True)
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1)
     mon = build_monitor(cfg, env, Device("cpu"), None)
     try:
-        assert {k: getattr(mon.config, k) for k in MonitorSettings.model_fields} == cfg.monitor.model_dump()
+        # the trainer times every step unless told otherwise: its detectors judge phases
+        assert cfg.monitor.detail_every is None and mon.config.detail_every == 1
+        given = {**cfg.monitor.model_dump(), "detail_every": 1}
+        assert {k: getattr(mon.config, k) for k in MonitorSettings.model_fields} == given
         assert (mon.config.run_dir, mon.config.run_id) == (cfg.run_dir, "r")
     finally:
         mon.close()
