@@ -81,6 +81,8 @@ class Monitor:
         # steps timed in full (phases, the wait for communication), and memory reads
         self._detail_every = config.detail_period(on_device=self.probe.asynchronous)
         self._memory_every = config.memory_every or self._detail_every
+        # buckets are timed on steps both timed and sampled: each timing stands for this many
+        self._comm_every = math.lcm(self._detail_every, config.comm_sample_every)
         self._backward: BackwardWatch | None = None
         self._ddp_stats: DDPRuntimeStats | None = None
         self._ddp_bytes = (0, 0, 0)  # (raw, wire, across nodes) a step when DDP reduces in C++
@@ -275,7 +277,7 @@ class Monitor:
             self.flight.step_begin(step)
         detailed = step % self._detail_every == 0
         if detailed:  # communication outside a step (e.g. DDP's init broadcast) is not ours
-            self.meter.take(sample_next=step % self.config.comm_sample_every == 0)
+            self.meter.take(sample_next=step % self._comm_every == 0)
         if self._backward is not None:
             self._backward.timing = detailed
         return StepScope(self.probe, detailed), time.time(), self.probe.mark()
@@ -342,9 +344,7 @@ class Monitor:
                 finished.append(self._pending.popleft())
             records = [self._record(p) for p in finished]
             if records:
-                self.metrics.observe_steps(
-                    records, self.config.comm_sample_every, self._logged_keys, self._detail_every
-                )
+                self.metrics.observe_steps(records, self._comm_every, self._logged_keys, self._detail_every)
             for rec in records:
                 self._emit(rec)
             for step, table in self.experts.landed(block):

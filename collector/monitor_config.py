@@ -11,8 +11,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from meshscope.collector.exporter import valid_host
 
 LOOPBACK = "127.0.0.1"
-# a step timed in full on the host costs ~150 us (hooks, callbacks, marks): one in 10 keeps the
-# training thread within ~30 us a step (`benchmarks/overhead.py`)
+# a step timed in full costs the host's training thread ~70 us more (hooks, callbacks, marks):
+# one in 10 saves most of it (`benchmarks/overhead.py --set detail_every=1`)
 HOST_DETAIL_EVERY = 10
 
 
@@ -67,7 +67,7 @@ class MonitorSettings(BaseModel):
         "steps between record step time, tokens, logged scalars and bytes, with phases NaN. "
         "None: every step on a device (events are cheap) and in meshscope's trainer (its "
         f"detectors judge phases), one step in {HOST_DETAIL_EVERY} in your own loop on the host "
-        "(a timed step costs the host ~150 us)",
+        "(a timed step costs the host's training thread ~70 us more)",
     )
     memory_every: int | None = Field(
         None,

@@ -46,7 +46,9 @@ def hook_agreement(rank: int, world_size: int, run_dir: str, steps: int = 48) ->
     ref = _reference_grads(base, x, world_size)
     out: dict = {}
     for name in ("none", "fp16", "powersgd", "onebit"):
-        mon = Monitor(MonitorConfig(run_dir=f"{run_dir}/{name}", metrics_port=None), env=env)
+        # timed every step, as meshscope run times them: these cases check each step's wait
+        config = MonitorConfig(run_dir=f"{run_dir}/{name}", metrics_port=None, detail_every=1)
+        mon = Monitor(config, env=env)
         ddp = DDP(copy.deepcopy(base), bucket_cap_mb=1)
         spec = build_hook(name, powersgd_rank=world_size)
         mon.watch(ddp, comm_hook=spec.hook, hook_state=spec.state, wire_bytes=spec.wire_bytes)

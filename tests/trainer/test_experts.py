@@ -34,7 +34,7 @@ def _trainer(rank: int, world_size: int, ep: int, run_dir: str, device: str, **p
         rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size, torchrun=True
     )
     config = MonitorConfig(
-        run_dir=Path(run_dir) / str(rank), metrics_port=None, flight_log=False, expert_every=2
+        run_dir=Path(run_dir) / str(rank), metrics_port=None, flight_log=False, expert_every=2, detail_every=1
     )
     mon = Monitor(config, env=env, registry=CollectorRegistry())
     dev = Device(device)
