@@ -90,6 +90,12 @@ class SeriesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     alpha: float = Field(1e-4, gt=0, lt=1, description="tail probability below which a row opens an episode")
+    pair_alpha: float = Field(
+        3e-3,
+        gt=0,
+        lt=1,
+        description="tail probability of two rows in a row that open an episode",
+    )
     exit_alpha: float = Field(0.01, gt=0, lt=1, description="tail probability of a quiet row")
     quiet_rows: int = Field(24, ge=1, description="quiet rows that close an episode")
     level_rows: int = Field(5, ge=1, description="rows in the median that predicts the level")
@@ -104,12 +110,13 @@ class SeriesConfig(BaseModel):
 
     @classmethod
     def with_sensitivity(cls, sensitivity: float, **overrides: object) -> SeriesConfig:
-        """`sensitivity` > 1 flags more, < 1 flags less: it scales the tail probability threshold."""
+        """`sensitivity` > 1 flags more, < 1 flags less: it scales both tail probability thresholds."""
         if not sensitivity > 0:
             raise SeriesError(f"sensitivity must be > 0, got {sensitivity}")
         try:
             config = cls(**overrides)
-            return config.model_copy(update={"alpha": min(0.5, config.alpha * sensitivity)})
+            scaled = {k: min(0.5, getattr(config, k) * sensitivity) for k in ("alpha", "pair_alpha")}
+            return config.model_copy(update=scaled)
         except ValidationError as err:
             first = err.errors()[0]
             raise SeriesError(f"series config: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
@@ -179,10 +186,11 @@ class _SortedWindow:
 class _Residuals:
     """One predictor's recent absolute residuals, and the tail probability they imply."""
 
-    def __init__(self, rows: int, flag_z: float) -> None:
+    def __init__(self, rows: int, flag_z: float, quiet: float) -> None:
         self.window = _SortedWindow(rows)  # clipped where anomalous: the scale and its tails
         self.seen = _SortedWindow(rows)  # as they were: what the recent past has shown
         self.flag_z = flag_z
+        self.quiet = quiet  # the tail of a row that is not news
 
     def ready(self) -> bool:
         return len(self.window) >= _MIN_RESIDUALS
@@ -209,8 +217,8 @@ class _Residuals:
         if math.isnan(r):
             return 1.0
         seen = len(self.seen) - bisect.bisect_left(self.seen.sorted, r)
-        if seen >= 2:  # the recent past already showed this twice: not news (a square wave)
-            return seen / (len(self.seen) + 1)
+        if seen >= 2:  # the recent past showed this twice: not news (a square wave, a cron job)
+            return max(seen / (len(self.seen) + 1), self.quiet)
         scale = max(self.scale(), floor)
         normal = math.erfc(r / scale / math.sqrt(2))
         # Exponential tails through the 90th..99th and the 99th..99.5th percentiles: the
@@ -237,9 +245,9 @@ class ColumnDetector:
         self.period: int | None = None
         # the residual that flags a row on its own: each of the three tests gets alpha / 3
         flag_z = statistics.NormalDist().inv_cdf(1 - config.alpha / 6)
-        self.level = _Residuals(config.scale_rows, flag_z)
-        self.seasonal = _Residuals(config.scale_rows, flag_z)
-        self.shift = _Residuals(config.scale_rows, flag_z)
+        self.level, self.seasonal, self.shift = (
+            _Residuals(config.scale_rows, flag_z, config.exit_alpha) for _ in range(3)
+        )
         self._next_period_check = config.min_rows
         self._repeats = 0  # past rows equal to the row before them
         self._run = 0  # rows in a row equal to the one before, up to now
@@ -369,16 +377,21 @@ def score_frame(
 
 
 def flag_episodes(tails: np.ndarray, config: SeriesConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Onset flags and episode membership from per-row tail probabilities (hysteresis)."""
+    """Onset flags and episode membership from per-row tail probabilities (hysteresis). A row
+    below `alpha` opens an episode. So do two rows in a row below `pair_alpha` (a lasting change
+    shows twice, a stray draw seldom does), except while the scale still learns the level an
+    episode left behind: for `scale_rows` rows after an onset."""
     onset = np.zeros(len(tails), bool)
     episode = np.zeros(len(tails), bool)
-    inside, quiet = False, 0
+    inside, quiet, pending, settled_at = False, 0, False, 0
     for i, tail in enumerate(tails):
-        if not inside and tail < config.alpha:
-            inside, quiet, onset[i] = True, 0, True
+        paired = pending and tail < config.pair_alpha and i >= settled_at
+        if not inside and (tail < config.alpha or paired):
+            inside, quiet, onset[i], settled_at = True, 0, True, i + config.scale_rows
         elif inside:
             quiet = quiet + 1 if tail >= config.exit_alpha else 0
             if quiet >= config.quiet_rows:
                 inside = False
+        pending = tail < config.pair_alpha
         episode[i] = inside
     return onset, episode

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from meshscope.cli import app
-from meshscope.detectors.series import SeriesConfig, SeriesError, estimate_period, score_frame
+from meshscope.detectors.series import SeriesConfig, SeriesError, estimate_period, flag_episodes, score_frame
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "series" / "prometheus_export.csv"
 runner = CliRunner()
@@ -104,6 +104,20 @@ def test_each_anomaly_gives_one_flag_at_its_onset(kind):
     flags = np.flatnonzero(_score(x)["is_anomaly"].to_numpy())
     flags = flags[flags >= 2 * DAY]
     assert len(flags) == 1 and onset <= flags[0] <= onset + 10, (kind, flags)
+
+
+def test_two_unusual_rows_in_a_row_open_an_episode_one_does_not():
+    config = SeriesConfig()
+    marginal = (config.alpha + config.pair_alpha) / 2  # unusual, yet not enough on its own
+    tails = np.ones(3000)
+    tails[100] = marginal  # a stray draw
+    tails[[200, 201]] = marginal  # a change that lasts: the second row confirms it
+    tails[[400, 401]] = marginal  # the scale still learns what the episode at 201 left
+    tails[[1300, 1301]] = marginal  # long after it: a new episode
+    tails[1400] = config.alpha / 2  # far out on its own: an episode even while the scale learns
+    onset, _ = flag_episodes(tails, config)
+    assert list(np.flatnonzero(onset)) == [201, 1301, 1400]
+    assert not flag_episodes(tails, config.model_copy(update={"pair_alpha": config.alpha}))[0][201]
 
 
 def test_online_a_row_is_judged_from_the_rows_before_it_only():
