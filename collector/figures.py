@@ -59,7 +59,8 @@ def balancedness(load: Any) -> Any:
 # longer than a floor. The floor depends on who asks: the live watchdog must not page on a
 # checkpoint's pause (HANG_FLOOR_S, `--hang-after`), root cause looks back at recorded steps and
 # may call a shorter wait a stall (STALL_FLOOR_S). The engine's `stall` anomaly is a step
-# SLOW_STEP_FACTOR times its usual length (it has no wait to measure, only step times), and the
+# SLOW_STEP_FACTOR times its usual length and STALL_FLOOR_S longer (it has no wait to measure,
+# only step times: a lone blip shorter than that is a retransmit or a busy host), and the
 # Prometheus rule TrainingStalled is the backstop that knows no step time: no step in 3 minutes.
 STALL_STEP_FACTOR = 20.0
 HANG_FLOOR_S = 3.0

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from meshscope.collector.env import HostShare
-from meshscope.collector.figures import SLOW_STEP_FACTOR
+from meshscope.collector.figures import SLOW_STEP_FACTOR, STALL_FLOOR_S
 from meshscope.detectors.domain import PersistentStraggler
 from meshscope.detectors.episodes import Episode, EpisodeTracker
 from meshscope.detectors.features import COLUMN, DetailCarry, StepFeaturizer, StepView, step_views
@@ -89,7 +89,7 @@ class DetectionEngine:
         # In order: a later rule may read what earlier ones said about the step (Verdict).
         self.rules: list[StepRule] = [
             NonFiniteRule(),
-            StallRule(factor=SLOW_STEP_FACTOR / s),  # a step 10x the usual: a stuck collective
+            StallRule(SLOW_STEP_FACTOR / s, STALL_FLOOR_S),  # 10x the usual, 1 s more: a stuck collective
             StragglerRule(
                 ratio=1 + (self.config.thresholds.straggler_ratio - 1) / s,
                 on_score=self._score,

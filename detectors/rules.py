@@ -149,7 +149,14 @@ class NonFiniteRule(StepRule):
         if row.grad_norm is not None:
             evidence["grad_norm"] = [str(v) for v in row.grad_norm[0]]
         if bad:
-            return [Flag("nan", 1.0, ranks=[row.ranks[i] for i in bad], evidence=evidence)]
+            # every rank's own loss at once: a cause they share, or a NaN that crossed ranks
+            # inside the forward (expert or tensor parallelism); naming all of them names none
+            everyone = len(bad) == len(row.ranks) > 1
+            if everyone:
+                evidence["where"] = "forward: the loss of every rank"
+            return [
+                Flag("nan", 1.0, ranks=[] if everyone else [row.ranks[i] for i in bad], evidence=evidence)
+            ]
         grads = [] if row.grad_bad is None else list(np.flatnonzero(row.grad_bad[0] > 0))
         if not grads:
             return []
@@ -170,16 +177,18 @@ class StallRule(StepRule):
     held one step: alone it is a stall, announced at the next step; followed by another such
     step it is a slow link, a `comm` episode from the first (a stuck collective happens once,
     a slow link delays every step). A step a rank spent busy (a hang, a blocked input) is a
-    stall at once."""
+    stall at once. A stall adds `floor_s` at least: shorter blips (a TCP retransmit's 200 ms, a
+    scheduler on a shared host, a GC pause) cost little and name no fault."""
 
     name, during_warmup = "stall", False
     job_wide = True
     types = ("stall", "comm")
 
-    def __init__(self, factor: float) -> None:
-        self.factor = factor
+    def __init__(self, factor: float, floor_s: float) -> None:
+        self.factor, self.floor_s = factor, floor_s
         self.step_time = RobustZ(window=200)
         self.held: tuple[int, Flag] | None = None  # a long waiting step and its stall flag
+        self.held_short = False  # ... shorter than a stall: a slow link's first step, or nothing
         self.waiting = False  # the last step was a long one spent waiting on the network
 
     def learn(self, warm: Any) -> None:
@@ -195,12 +204,14 @@ class StallRule(StepRule):
         if step_s <= self.factor * usual:
             self.waiting = False
             return before  # a held step alone: a stall
+        short = step_s - usual < self.floor_s
         if not self._waited(row, step_s):
             self.waiting = False
-            return before + [self._stall(step_s, usual, self._busy_ranks(row, step_s))]
+            return before + ([] if short else [self._stall(step_s, usual, self._busy_ranks(row, step_s))])
         if held_step is None and not self.waiting:
             self.held = (step, replace(self._stall(step_s, usual, row.ranks), confirm=2))
-            return [self.held[1]]
+            self.held_short = short
+            return [] if short else [self.held[1]]
         self.waiting = True  # a second long step waiting on the network: a slow link
         comm = Flag(
             "comm",
@@ -236,7 +247,7 @@ class StallRule(StepRule):
     def flush(self) -> list[Flag]:
         """The held step let go as a stall (at the next step, or at the end of the run)."""
         held, self.held = self.held, None
-        return [replace(held[1], about=held[0], final=False)] if held else []
+        return [replace(held[1], about=held[0], final=False)] if held and not self.held_short else []
 
     def update(self, row: Any, normal: bool) -> None:
         if normal:

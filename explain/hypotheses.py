@@ -285,7 +285,8 @@ def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
     with_module = _rows(at_first, [bool(d.get("module")) for d in at_first["detail"]])
     row = with_module.iloc[0] if len(with_module) else first
     d, step = row["detail"], int(row["step"])
-    ranks = sorted({int(r) for r in at_first["rank"].dropna()})
+    # the ranks that placed it: a peer that only saw the NaN arrive names no module
+    ranks = sorted({int(r) for r in (with_module if len(with_module) else at_first)["rank"].dropna()})
     snaps = facts.events[(facts.events["kind"] == "snapshot") & (facts.events["step"] == step)]
     if d.get("module"):
         experts = d.get("experts") or []
@@ -296,12 +297,20 @@ def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
             f"{_who(ranks)}, the first module in execution order"
         ]
     else:
-        title = f"{d.get('what', 'loss')} became {d.get('value', 'non-finite')} at step {step}"
+        what, value = d.get("what", "loss"), d.get("value")
+        title = f"{what} became {value or 'non-finite'} at step {step}"
         why = d.get("note") or "no module was localised (tracer off?)"
-        evidence = [f"{d.get('what', 'loss')} = {d.get('value')} on {_who(ranks)}; {why}"]
+        evidence = [f"{what} {'= ' + str(value) if value else 'non-finite'} on {_who(ranks)}; {why}"]
+        if len(ranks) > 1 and len(ranks) == facts.steps["rank"].nunique():
+            ranks = []  # every rank, unlocalised: no culprit among them
     action = "rerun with `--trace nonfinite` (the default) to name the module and snapshot it"
     if "expert parallelism" in d.get("note", ""):
         action = "rerun with `--set parallel.ep=1` and the same seed to name the module"
+    if d.get("tensor") == "parameter" and "own weights" in d.get("note", ""):
+        action = (
+            f"its weights were already non-finite: resume from a checkpoint before step {step} and "
+            "look at the update that wrote them (learning rate, loss scaling, gradient clipping)"
+        )
     if len(snaps):
         path = snaps.iloc[0]["detail"].get("path")
         evidence.append(f"snapshot: {path}")

@@ -30,6 +30,8 @@ def slow_host(facts: RunFacts, w: Window) -> list[Cause]:
     host = busiest_host(facts.events)
     if host is not None and host.oversubscribed and ratio < SLOW_RATIO * host.factor:
         return paced or [_oversubscribed(host, ratio, w)]
+    if med[best] - others.median() < ADDED_SHARE * float(steps["step_s"].median()):
+        return paced  # slower by a sliver of the step: what its peers waited for was not it
     rank = int(best)
     phase, times = _grown_phase(facts, w, rank, steps)
     waited = float(_pivot(steps, "comm_exposed_s").drop(columns=best).median().median())

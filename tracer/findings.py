@@ -3,13 +3,14 @@ pieces it reads tensors and RNG state with."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from meshscope.collector.moe import stacked_experts
+from meshscope.collector.moe import experts_on, stacked_experts
 from meshscope.collector.readback import Readback
 
 Report = Callable[[str, int, dict[str, Any]], None]  # (kind, step, detail)
@@ -40,6 +41,32 @@ def nonfinite_experts(module: torch.nn.Module, tensors: Any) -> list[int]:
             # sync point: host reads, only after a finding
             bad |= ~torch.isfinite(t.reshape(count, -1)).all(dim=1).cpu()
     return [int(i) for i in torch.nonzero(bad).flatten()]
+
+
+def first_nonfinite_weights(modules: list[torch.nn.Module]) -> int | None:
+    """The index of the first module (in `modules`' order) whose own weights hold a NaN or
+    Inf: a look at what this rank holds, for a step no re-run can localise."""
+    owned = [(i, p.detach()) for i, m in enumerate(modules) for p in m.parameters(recurse=False)]
+    owned = [(i, p) for i, p in owned if p.is_floating_point() and p.numel()]
+    if not owned:
+        return None
+    # sync point: host reads, only after a non-finite step
+    norms = torch.stack(
+        [n.float().reshape(()) for n in torch._foreach_norm([p for _, p in owned], float("inf"))]
+    )
+    bad = [i for (i, _), v in zip(owned, norms.tolist(), strict=True) if not math.isfinite(v)]
+    return bad[0] if bad else None
+
+
+def held_experts(model: torch.nn.Module, name: str, local: list[int]) -> list[int]:
+    """`local` slices of the stacked experts `name` as the layer's expert numbers: under expert
+    parallelism a rank holds a slice of the layer's experts (its placement says which)."""
+    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    mesh, placement = getattr(owner, "expert_mesh", None), getattr(owner, "slot_expert", None)
+    if mesh is None or placement is None:
+        return local
+    held = experts_on(placement.tolist(), mesh.ep, mesh.ep_rank)  # sync point: after a finding only
+    return [held[i] for i in local]
 
 
 class _Ready:

@@ -47,6 +47,8 @@ from meshscope.tracer.findings import (
     _set_rng,
     _Span,
     _Step,
+    first_nonfinite_weights,
+    held_experts,
     nonfinite_experts,
 )
 from meshscope.tracer.snapshot import write_snapshot
@@ -224,7 +226,8 @@ class TensorTracer:
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])
         if rerun is None:
-            self._emit(self._unlocalised(step, f"loss or gradient norm non-finite; {self.no_rerun}"))
+            note = f"loss or gradient norm non-finite; {self.no_rerun}"
+            self._emit(self._in_own_weights(step) or self._unlocalised(step, note))
             return
         self._localise(step, rerun, rng, report_transient=own_loss_bad or not has_loss)
 
@@ -267,6 +270,28 @@ class TensorTracer:
             self._forward, self._backward = [], []
             if not attached:
                 self._detach()
+
+    def _in_own_weights(self, step: int) -> Finding | None:
+        """Without a re-run (expert parallelism): the first module whose own weights on this
+        rank are non-finite, as an expert's holder finds it without its peers; else None."""
+        index = first_nonfinite_weights(self.modules)
+        if index is None:
+            return None
+        module = self.modules[index]
+        lag = max(0, self._step - step)
+        seen = f"found in this rank's own weights{f' {lag} steps later' if lag else ''}, without a re-run"
+        finding = Finding(
+            self.names[index],
+            "forward",
+            "parameter",
+            step,
+            self.rank,
+            f"{type(module).__module__}.{type(module).__qualname__}",
+            seen,
+        )
+        params = list(module.parameters(recurse=False))
+        finding.experts = held_experts(self.model, self.names[index], nonfinite_experts(module, params))
+        return finding
 
     def _unlocalised(self, step: int, note: str) -> Finding:
         """A finding that names no module: the fault is reported, and why it is not placed."""

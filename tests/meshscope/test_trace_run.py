@@ -44,3 +44,36 @@ def test_the_tracer_names_the_poisoned_module_and_rank(tmp_path, where, tensor, 
     replay = meshscope("replay", detail["snapshot"])
     assert replay.returncode == replays, replay.stdout + replay.stderr
     assert module in replay.stdout
+
+
+def test_under_expert_parallelism_the_holder_finds_a_poisoned_expert_in_its_own_weights(tmp_path):
+    """No re-run is possible under expert parallelism (it needs every EP peer), yet the rank
+    holding expert 2 finds it in its own weights: the module and the layer's expert number.
+    Every rank's loss is NaN (the expert's output went back to every sender): the anomaly
+    names no rank, root cause names the holder."""
+    from meshscope.explain.ranking import explain
+
+    proc = start_run(
+        tmp_path,
+        "ep",
+        free_port_range(3),
+        *("--steps", "10", "--set", "parallel.ep=2"),
+        *("--inject", "nan@step=4,rank=1,module=blocks.1.moe.experts.2"),
+    )
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    events = load_events(tmp_path / "ep")
+    nans = events[events["kind"] == "nan"]
+    placed = [
+        (int(r), d["module"], d["experts"], d["tensor"])
+        for r, d in zip(nans["rank"], nans["detail"])
+        if d["module"]
+    ]
+    assert placed == [(1, "blocks.1.moe.experts", [2], "parameter")], nans.to_dict("records")
+    anomalies = [d for d in events[events["kind"] == "anomaly"]["detail"] if d["type"] == "nan"]
+    assert [a["ranks"] for a in anomalies] == [[]], anomalies
+    causes = explain(tmp_path / "ep")
+    assert causes[0].kind == "nonfinite" and causes[0].ranks == [1], [
+        (c.kind, c.ranks, c.title) for c in causes
+    ]
+    assert "expert 2" in causes[0].title
