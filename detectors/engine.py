@@ -40,6 +40,7 @@ from meshscope.detectors.window_rules import ExpertRule, GradientRule
 
 # the clock of episodes judged on timed steps only: steps, but a flag every N of them
 TIMED_CLOCK = "timed steps"
+MIN_TIMED_WARMUP = 10  # timed rows a rule that reads phases learns from, however sparse they are
 
 
 @dataclass
@@ -228,16 +229,24 @@ class DetectionEngine:
         self._close_quiet(view.step)
 
     def _warm_up(self, row: _Row) -> set[int]:
-        """Keep `row` until the rules have learnt (`warmup` rows; rules that read phases,
-        `warmup` timed rows); the ids of the rules that learnt on it."""
+        """Keep `row` until the rules have learnt (`warmup` rows; rules that read phases, the
+        timed rows among as many steps, `MIN_TIMED_WARMUP` at least); the ids of the rules that
+        learnt on it."""
         if len(self._fitted) == len(self.rules):
             return set()
         self._warm.append(row)
         timed = [w for w in self._warm if w.timed]
         fitted: set[int] = set()
-        for rows, timed_only in ((self._warm, False), (timed, True)):
+        # rules that read phases learn from as many steps as the others, not as many timed
+        # rows: one step in 10 timed would make a user's loop wait 200 steps for its first
+        # straggler verdict (a few timed rows at least)
+        timed_warmup = max(MIN_TIMED_WARMUP, -(-self.config.warmup // self._period))
+        for rows, timed_only, needed in (
+            (self._warm, False, self.config.warmup),
+            (timed, True, timed_warmup),
+        ):
             due = [r for r in self.rules if r.timed_only == timed_only and id(r) not in self._fitted]
-            if due and len(rows) >= self.config.warmup:
+            if due and len(rows) >= needed:
                 warm = _stacked(rows, self._ranks)
                 for rule in due:
                     rule.learn(warm)
