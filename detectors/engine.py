@@ -21,6 +21,7 @@ from meshscope.collector.figures import SLOW_STEP_FACTOR, STALL_FLOOR_S
 from meshscope.detectors.domain import PersistentStraggler
 from meshscope.detectors.episodes import Episode, EpisodeTracker
 from meshscope.detectors.features import COLUMN, DetailCarry, StepFeaturizer, StepView, step_views
+from meshscope.detectors.phases import PhasePace
 from meshscope.detectors.rules import (
     MULTIVARIATE,
     CommRule,
@@ -97,6 +98,7 @@ class DetectionEngine:
                 persistent=[
                     PersistentStraggler(min_excess=0.08 / s, z=4.0 / s, span=span) for span in (5, 20)
                 ],
+                pace=PhasePace(min_excess=0.10 / s, z=4.0 / s),
             ),
             CommRule(threshold=4.0 / s, slowdown=1 + 0.3 / s),  # ...and the step that much slower
             LossSpikeRule(threshold=8.0 / s),

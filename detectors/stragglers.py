@@ -29,9 +29,15 @@ class StragglerRule(StepRule):
     timed_only = True
     types = ("straggler",)
 
-    def __init__(self, ratio: float, on_score: Any, persistent: list[PersistentStraggler]) -> None:
+    def __init__(
+        self,
+        ratio: float,
+        on_score: Any,
+        persistent: list[PersistentStraggler],
+        pace: PhasePace | None = None,
+    ) -> None:
         """`persistent`: one detector per horizon (a few steps on a quiet cluster; longer
-        ones see through the bursts of a shared host)."""
+        ones see through the bursts of a shared host); `pace`: each rank against its own pace."""
         self.detector = Straggler(ratio=ratio)
         self.base_ratio = ratio
         self.persistent = persistent
@@ -39,7 +45,7 @@ class StragglerRule(StepRule):
         self.on_score = on_score
         # the recent steps' compute relative to the other ranks, one row per step
         self.recent: collections.deque[np.ndarray] = collections.deque(maxlen=max(p.span for p in persistent))
-        self.pace = PhasePace()
+        self.pace = pace or PhasePace()
         self.recent_phases: collections.deque[dict[str, np.ndarray]]
         self.recent_phases = collections.deque(maxlen=self.pace.span)
         self.recent_steps: collections.deque[float] = collections.deque(maxlen=self.pace.span)

@@ -74,6 +74,15 @@ def test_several_stragglers_at_1_3x_on_a_shared_host_are_named_from_their_phases
         assert episode.end_step <= last + 15, (episode.ranks, episode.end_step)
 
 
+def test_sensitivity_reaches_the_pace_rule():
+    """`detect.sensitivity` scales every line, the own-pace rule's too: at a tenth, the three
+    1.3x ranks (named at the default: their forward triples) are within what the lines allow."""
+    name = "three-1.3-b"
+    assert [e for e in ours(PHASES / name, on_its_host=True) if e.type == "straggler"]
+    quiet = ours(PHASES / name, on_its_host=True, sensitivity=0.1)
+    assert [e for e in quiet if e.type == "straggler"] == [], [(e.ranks, e.start_step) for e in quiet]
+
+
 def test_an_expert_collapse_is_told_as_its_phases_each_ending_with_it():
     """Recorded: layer 1's router sends every token to expert 0 for 15 steps; afterwards the
     router has learnt to avoid it and it starves for the rest of the run. Two episodes of
