@@ -115,6 +115,8 @@ def _read_csv(data: bytes, name: str) -> ServingLoad:
             f"{name}: CSV needs columns layer, expert, tokens[, latency_ms]; "
             f"missing {', '.join(sorted(missing))} (found {list(df.columns)})"
         )
+    if df.empty:
+        raise FeedbackError(f"{name}: no rows after the header (one per layer and expert)")
     for col in ("layer", "expert", "tokens", "latency_ms"):
         if col in df.columns:
             bad = pd.to_numeric(df[col], errors="coerce").isna()

@@ -56,6 +56,7 @@ def test_csv_with_latency():
     [
         (b"", "empty"),
         (b"layer,expert\n0,1\n", "missing tokens"),
+        (b"layer,expert,tokens\n", "no rows after the header"),
         (b"layer,expert,tokens\n0,1,x\n", "row 2"),
         (b"layer,expert,tokens\n-1,1,3\n", "whole numbers"),
         (b"layer,expert,tokens\n0,0,0\n", "no tokens"),

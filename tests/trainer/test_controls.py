@@ -56,7 +56,10 @@ def controlled(tmp_path_factory):
     assert twin.returncode == 0, twin_out[-3000:]
     proc = start_run(root, "c", None, "--steps", "150", config=config)
     deadline = time.monotonic() + 120
-    while latest_step(run) < 12 and time.monotonic() < deadline and proc.poll() is None:
+    # expert load lands a window after its steps: wait for the rows, not only the step
+    while (latest_step(run) < 12 or load_expert_load(run).empty) and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
         time.sleep(0.1)
     csv = root / "serving.csv"
     ex = load_expert_load(run)
