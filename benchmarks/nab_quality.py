@@ -88,9 +88,11 @@ def nab_score(
     else:
         raw = 0.0
         for f in files:
-            points = sweeper.calcSweepScore(f.times, list(scores[f.rel]), list(f.windows), f.rel)
-            _, row = sweeper.scoreDataSet(f.times, list(scores[f.rel]), list(f.windows), f.rel, threshold)
-            raw += (row or sweeper.calcScoreByThreshold(points)[-1]).score  # below every score: all flagged
+            args = (f.times, list(scores[f.rel]), list(f.windows), f.rel)
+            _, row = sweeper.scoreDataSet(*args, threshold)
+            if row is None:  # below every score: all flagged
+                row = sweeper.calcScoreByThreshold(sweeper.calcSweepScore(*args))[-1]
+            raw += row.score
     n_windows = sum(len(f.windows) for f in files)
     null, perfect = -n_windows * cost["fnWeight"], n_windows * cost["tpWeight"]
     return {"score": 100 * (raw - null) / (perfect - null), "threshold": threshold}
