@@ -113,9 +113,10 @@ def instrument_costs(mon, cost: CostMeter) -> None:
 
 
 def empty_bodies() -> None:
-    """`--floor`: the Monitor's entry points keep their hooks, contexts and callbacks but do no
-    work in them (no record, no flight log, no expert counts): what entering the Monitor 16
-    times a step costs on this host, whatever an entry does. A diagnosis, not a Monitor."""
+    """`--floor`: the Monitor's entry points keep their hooks, contexts and callbacks, and
+    time phases on the steps the Monitor would (`detail_every`), but do no work in them (no
+    record, no flight log, no expert counts): what entering the Monitor costs on this host,
+    whatever an entry does. A diagnosis, not a Monitor."""
     import torch
 
     from meshscope.collector import comm, expert_counts, monitor
@@ -125,11 +126,19 @@ def empty_bodies() -> None:
 
     def begin(self, tokens, step):
         self._step += 1
-        return StepScope(self.probe), time.time(), time.perf_counter()
+        detailed = self._step % self._detail_every == 0  # phases timed one step in N, as the Monitor's
+        if self._backward is not None:
+            self._backward.timing = detailed
+        return StepScope(self.probe, detailed), time.time(), time.perf_counter()
+
+    def _on_forward(self, module, args, output):  # the backward's hook on timed steps only
+        if self.timing and torch.is_grad_enabled() and (node := comm._grad_node(output)) is not None:
+            node.register_prehook(self._on_backward_start)
 
     monitor.Monitor._begin = begin
     monitor.Monitor._end = lambda self, scope, tokens, wall, start: None
     expert_counts.ExpertCounts.forward_done = lambda self: None
+    comm.BackwardWatch._on_forward = _on_forward
     comm.BackwardWatch._on_backward_start = lambda self, grads: queue(self._on_graph_done)
     comm.BackwardWatch._on_graph_done = lambda self: queue(self._on_reduced)
     comm.BackwardWatch._on_reduced = lambda self: None

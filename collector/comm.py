@@ -233,7 +233,7 @@ class BackwardWatch:
 
     On a step that is not timed (`timing` False: `monitor.detail_every`) there is no hook and
     no callback: the record opens as the forward ends (the backward that follows reduces) and
-    closes when the step ends (`step_ended`), which a rank stuck in the reduction never
+    closes when the step ends (`take_open`), which a rank stuck in the reduction never
     reaches."""
 
     def __init__(self, meter: CommMeter, record: Any = None, after_forward: Any = None) -> None:
@@ -271,10 +271,13 @@ class BackwardWatch:
         if node is not None:  # a pre-hook on the output's node: C++, cheaper than a tensor hook
             node.register_prehook(self._on_backward_start if syncs else self._on_local_backward)
 
-    def step_ended(self) -> None:
-        """The step is over: the reductions its untimed forwards opened are done."""
-        while self._open:
-            self.record.end(self._open.pop())
+    def take_open(self) -> list[Any]:
+        """The step is over: the records its untimed forwards opened, all reduced now (the
+        flight log completes them, `FlightLog.step_end`)."""
+        opened = self._open
+        if opened:
+            self._open = []
+        return opened
 
     def _on_backward_start(self, grad_outputs: Any) -> None:
         if self.record is not None:

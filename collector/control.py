@@ -8,7 +8,10 @@ control values) goes through a `ControlPlane`:
   built; never on the default group, even a gloo one: meshscope's traffic then never
   interleaves with the job's collectives, so a rank that skips one of the job's collectives
   leaves meshscope's sequence intact, and the flight log tells the two apart;
-- a **device tensor** travels on the default group.
+- a **device tensor** travels on the default group;
+- the Monitor's service thread has a gloo group of its own (`service_group`) for the sums it
+  issues off the training thread: two threads issuing on one group could order them
+  differently on different ranks.
 
 A host tensor never reaches an accelerator's group (nccl/hccl take device tensors only: "No
 backend type associated with device type cpu"); a tensor no group of ours can carry raises
@@ -49,6 +52,9 @@ class ControlPlane:
         self.device_types = _device_types(self.group)
         # new_group is collective: made here, on every rank, or never.
         self.host_group = dist.new_group(backend="gloo")
+        # the Monitor's service thread sums host expert load here (`collector.expert_counts`):
+        # a group no other thread issues on keeps every rank's sequence in one order
+        self.service_group = dist.new_group(backend="gloo")
 
     @classmethod
     def maybe(cls) -> ControlPlane | None:

@@ -2,7 +2,12 @@
 every forward, added up on the device and summed over ranks once per window of `every` steps.
 
 The sum is the one collective the Monitor adds, issued straight on the control plane's group
-with a flight-log record packed once (`collector.flightfixed`). It holds no step: the
+with a flight-log record packed once (`collector.flightfixed`). On the host, when nothing
+needs the sum at a given step (no listener), the training thread only hands the window's
+references over as the window closes: the Monitor's service thread stacks, sums and
+all-reduces them on the plane's service group, which only that work uses, so every rank
+issues its sums in window order whichever thread runs them (a stack, a sum and gloo's launch
+were most of what the Monitor cost the training thread). Otherwise it holds no step: the
 all-reduce starts as the step that closes a window ends and is settled as the next step ends,
 a whole step later, when it has long finished (on the host gloo's threads carry it meanwhile;
 on an accelerator the settle is a stream wait, no host block). Listeners (a trainer's bias
@@ -15,11 +20,13 @@ closed, or as the next step began, was the largest single part of the Monitor's 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from meshscope.collector.flightfixed import start_sum
 from meshscope.collector.moe import expert_work, find_moe_layers
 from meshscope.collector.readback import Readback
 
@@ -69,6 +76,12 @@ class ExpertCounts:
         self._reads: list[tuple[int, Readback]] = []
         self._work: list[torch.Tensor | None] = []  # this rank's experts' tokens, per layer
         self._work_reads: list[tuple[int, Readback]] = []
+        # Host counts may be summed off the training thread (module doc): set by the Monitor,
+        # decided at the first window (listeners are registered after the Monitor is built)
+        self.host_counts = False
+        self._off_thread: bool | None = None
+        self._handed: deque[tuple[int, list[tuple[int, torch.Tensor, int | None]]]] = deque()
+        self._sums: deque[tuple[int, torch.Tensor, Any]] = deque()  # started off the thread
 
     def attach(self, model: torch.nn.Module, hook: bool = True) -> None:
         """Count the tokens of every MoE layer of `model` (the `collector.moe` protocol) after
@@ -90,17 +103,20 @@ class ExpertCounts:
         when the layer updates one tensor in place. No device op per forward for a layer that
         hands out new counts (each op costs the step a dispatch), and no sync either way. A
         layer run twice in one forward counts its last run (the protocol's "last forward")."""
+        noted, seen_by_layer = self._noted, self._seen
         for layer, module in enumerate(self.layers):
             counts = module.expert_token_counts
-            seen, version = self._seen[layer]
-            stamp = _stamp(counts)
-            if counts is seen and stamp[1] == version:
-                continue  # the layer did not run
-            self._seen[layer] = stamp
-            if counts is seen or stamp[1] < 0:  # changed in place, or an inference tensor: copy now
-                self._noted.append((layer, _copy(counts), None))
+            seen, version = seen_by_layer[layer]
+            if counts is not seen and not counts.is_inference():  # new counts: a reference
+                version = counts._version
+                seen_by_layer[layer] = (counts, version)
+                noted.append((layer, counts, version))
+            elif counts is not seen or (version >= 0 and counts._version != version):
+                # an inference tensor (it keeps no version), or changed in place: copy now
+                seen_by_layer[layer] = _stamp(counts)
+                noted.append((layer, _copy(counts), None))
             else:
-                self._noted.append((layer, counts, stamp[1]))
+                continue  # the layer did not run
             if (work := expert_work(module)) is not None:  # expert parallelism: this rank's experts
                 self._add_work(layer, work)
 
@@ -109,10 +125,9 @@ class ExpertCounts:
             done = _whole(work.detach().sum())
             self._work[layer] = done if self._work[layer] is None else self._work[layer].add_(done)
 
-    def _window_sum(self) -> torch.Tensor | None:
-        """This window's tokens, [layer, expert], from the counts noted since the last one
-        (None: no MoE forward). One stack and one sum when every forward ran every layer."""
-        noted, self._noted = self._noted, []
+    def _window_sum(self, noted: list[tuple[int, torch.Tensor, int | None]]) -> torch.Tensor | None:
+        """A window's tokens, [layer, expert], from the counts noted in it (None: no MoE
+        forward). One stack and one sum when every forward ran every layer."""
         if not noted:
             return None
         changed = [layer for layer, counts, seen in noted if seen is not None and counts._version != seen]
@@ -137,23 +152,64 @@ class ExpertCounts:
         if self._in_flight is not None:
             self.settle()
         if self.layers and (step + 1) % self.every == 0:  # this step closes a window
-            self._start(step)
+            if self._off_thread is None:
+                self._off_thread = self._can_hand_over()
+            if self._off_thread:
+                self._take_work(step)
+                noted, self._noted = self._noted, []
+                self._handed.append((step, noted))
+            else:
+                self._start(step)
+
+    def _can_hand_over(self) -> bool:
+        """Whether this run's windows are summed by the service thread (module doc): host
+        counts, no listener, and a service group to sum them on."""
+        group = getattr(self.control, "service_group", None)
+        return self.host_counts and not self.listeners and group is not None
 
     def _start(self, step: int) -> None:
+        self._take_work(step)
+        noted, self._noted = self._noted, []
+        acc = self._window_acc(noted)
+        if acc is None:
+            return
+        work = self.control.start_sum(acc, EXPERT_LOAD_SITE) if self.control is not None else None
+        self._in_flight = (step, acc, work)
+
+    def _take_work(self, step: int) -> None:
         work, self._work = self._work, [None] * len(self._work)
         if any(w is not None for w in work):  # a per-rank fact: straight to the host, no collective
             zero = next(w for w in work if w is not None)
             self._work_reads.append(
                 (step, Readback(torch.stack([zero * 0 if w is None else w for w in work])))
             )
-        acc = self._window_sum()
-        if acc is None and self._like is None:  # no MoE forward yet (on every rank: they step together)
-            return
-        if acc is None:  # none this window, but this rank has joined the all-reduce before
+
+    def _window_acc(self, noted: list[tuple[int, torch.Tensor, int | None]]) -> torch.Tensor | None:
+        """The window's sum to all-reduce; None before this rank's first MoE forward (on every
+        rank alike: they step together). A window without one joins with zeros."""
+        acc = self._window_sum(noted)
+        if acc is None and self._like is None:
+            return None
+        if acc is None:
             acc = torch.zeros_like(self._like)
         self._like = acc
-        work = self.control.start_sum(acc, EXPERT_LOAD_SITE) if self.control is not None else None
-        self._in_flight = (step, acc, work)
+        return acc
+
+    def serve(self, block: bool) -> None:
+        """The service thread's part (or flush's, under the Monitor's drain lock): sum the
+        windows handed over, in order, on the service group; keep each sum's copy once its
+        all-reduce is done (`block`: wait for it)."""
+        while self._handed:
+            step, noted = self._handed.popleft()
+            acc = self._window_acc(noted)
+            if acc is not None:
+                self._sums.append(
+                    (step, acc, start_sum(self.control.service_group, acc, EXPERT_LOAD_SITE, step))
+                )
+        while self._sums and (block or self._sums[0][2].is_completed()):
+            step, acc, work = self._sums.popleft()
+            work.wait()  # done already (or flush's wait); raises what failed it
+            self._reads.append((step, Readback(acc)))
 
     def settle(self) -> None:
         """The sum in flight is done: hand it to the listeners and start its copy to the host."""
@@ -172,6 +228,8 @@ class ExpertCounts:
         (`block`: settle and wait for all, at flush and close)."""
         if block:
             self.settle()
+        if self._off_thread:
+            self.serve(block)
         while self._reads and (block or self._reads[0][1].ready()):
             step, read = self._reads.pop(0)
             if block:

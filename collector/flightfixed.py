@@ -23,15 +23,16 @@ class FixedRecord:
     def __init__(self, log: FlightLog, group: Any, op: str, dtype: str, shape: str, site: str) -> None:
         self.log, self.group = log, group
         self.fields = (fit(op, 24), fit(dtype, 15), fit(shape, 56), fit(site, 96))
-        self._named: tuple[str, bytes, int] | None = None  # the group's name and size, at first use
+        self._packed: tuple[str, bytes] | None = None  # the group's name and the record's tail
 
-    def begin(self) -> int:
-        """The collective is issued now: its slot."""
-        named = self._named
-        if named is None:
+    def begin(self, step: int | None = None) -> int:
+        """The collective is issued now (for training step `step`, default the current one):
+        its slot."""
+        packed = self._packed
+        if packed is None:  # at first use: the group's name, and every field that never changes
             name, size = self.log.group_of(self.group)
-            named = self._named = (name, fit(name, 16), size)
-        return self.log.append(*named, *self.fields)
+            packed = self._packed = (name, self.log.fixed_tail(fit(name, 16), size, *self.fields))
+        return self.log.append_fixed(*packed, step)
 
 
 class ReductionRecord(FixedRecord):
@@ -54,11 +55,12 @@ class ReductionRecord(FixedRecord):
         self.log.reduction_done(slot)
 
 
-def start_sum(group: Any, tensor: torch.Tensor, site: str) -> Any:
+def start_sum(group: Any, tensor: torch.Tensor, site: str, step: int | None = None) -> Any:
     """All-reduce (sum) `tensor` in place on `group` without waiting: the Work. For a sum
     meshscope issues every window from one place: straight on the process group (the
     `torch.distributed` wrapper's checks cost more than gloo's launch) with a `FixedRecord`
-    kept per (group, shape, dtype, site), so the flight log still shows it."""
+    kept per (group, shape, dtype, site), so the flight log still shows it. `step`: the
+    training step the sum belongs to, when the service thread issues it after that step."""
     log = FlightLog._active
     if log is None:
         return group.allreduce([tensor])
@@ -68,7 +70,7 @@ def start_sum(group: Any, tensor: torch.Tensor, site: str) -> Any:
         shape = "x".join(map(str, tensor.shape)) or "scalar"
         dtype = str(tensor.dtype).removeprefix("torch.")
         record = log.fixed[key] = FixedRecord(log, group, "all_reduce", dtype, shape, site)
-    slot = record.begin()
+    slot = record.begin(step)
     try:
         work = group.allreduce([tensor])
     except BaseException as err:

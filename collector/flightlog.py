@@ -44,6 +44,7 @@ import re
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,10 @@ from meshscope.collector.stacks import (
     write_recorder_dump,
     write_stacks,
 )
+
+# a record's sequence, step and two times: what differs between records of one fixed collective
+_RECORD_HEAD = struct.Struct("<qqdd")
+_INT64 = struct.Struct("<q")
 
 # --- the log ----------------------------------------------------------------------------
 
@@ -150,6 +155,9 @@ class FlightLog:
         self.fixed: dict[tuple, Any] = {}  # `flightfixed.start_sum`'s records, packed once
         self._lock = threading.Lock()
         self._step, self._step_started, self._step_s = -1, 0.0, 0.0
+        # host step ends the training thread queued: (step, took, at, reduced slots)
+        self._ends: deque[tuple[int, float, float, Any]] = deque()
+        self.defer_ends = False  # True: a service calls `settle_ends` (the Monitor's drain)
         self._crash_file = None
         self._responder: StackResponder | None = None
         self._recorder: Callable[[], bytes] | None = None
@@ -234,9 +242,18 @@ class FlightLog:
         return self.append(name, group_bytes, size, op, dtype, shape, site)
 
     def append(
-        self, name: str, group: bytes, size: int, op: bytes, dtype: bytes, shape: bytes, site: bytes
+        self,
+        name: str,
+        group: bytes,
+        size: int,
+        op: bytes,
+        dtype: bytes,
+        shape: bytes,
+        site: bytes,
+        step: int | None = None,
     ) -> int:
-        """A record of packed fields, issued now, numbered in `name`'s sequence: its slot."""
+        """A record of packed fields, issued now, numbered in `name`'s sequence: its slot.
+        `step`: the training step it belongs to, when another thread issues it later."""
         with self._lock:
             seq = self._seq.get(name, 0)
             self._seq[name] = seq + 1
@@ -244,7 +261,8 @@ class FlightLog:
             RECORD.pack_into(
                 self._map,
                 HEADER_SIZE + slot * RECORD.size,
-                *(seq, self._step, time.time(), 0.0, group, op, STATE_ISSUED, dtype, shape, b""),
+                *(seq, self._step if step is None else step, time.time(), 0.0, group, op, STATE_ISSUED),
+                *(dtype, shape, b""),
                 *(site, -1, size),
             )
             self._written += 1
@@ -253,15 +271,40 @@ class FlightLog:
                 self._host_slots.add(slot)
         return slot
 
-    def reduction_done(self, slot: int) -> None:
-        """DDP reduced every bucket of the step: done now on the host; on a device, when an
-        event recorded after DDP's wait passes (DDP made the stream wait for its buckets)."""
+    @staticmethod
+    def fixed_tail(group: bytes, size: int, op: bytes, dtype: bytes, shape: bytes, site: bytes) -> bytes:
+        """A record's fields after its sequence, step and times, packed once for a collective
+        issued again and again alike (`flightfixed.FixedRecord`)."""
+        whole = RECORD.pack(0, 0, 0.0, 0.0, group, op, STATE_ISSUED, dtype, shape, b"", site, -1, size)
+        return whole[_RECORD_HEAD.size :]
+
+    def append_fixed(self, name: str, tail: bytes, step: int | None = None) -> int:
+        """`append` for a record whose other fields are packed already (`fixed_tail`): its slot."""
+        with self._lock:
+            seq = self._seq.get(name, 0)
+            self._seq[name] = seq + 1
+            slot = self._written % self.capacity
+            base = HEADER_SIZE + slot * RECORD.size
+            self._map[base + _RECORD_HEAD.size : base + RECORD.size] = tail
+            _RECORD_HEAD.pack_into(
+                self._map, base, seq, self._step if step is None else step, time.time(), 0.0
+            )
+            self._written += 1
+            _INT64.pack_into(self._map, WRITTEN_OFFSET, self._written)
+            if name in self._host_groups:
+                self._host_slots.add(slot)
+        return slot
+
+    def reduction_done(self, slot: int, at: float | None = None) -> None:
+        """DDP reduced every bucket of the step: done now (or `at`) on the host; on a device,
+        when an event recorded after DDP's wait passes (DDP made the stream wait for its
+        buckets)."""
         host = slot in self._host_slots
         self._host_slots.discard(slot)
         if self._device is not None and not host:
             self._device.watch(slot, None)
         else:
-            self.finish(slot)
+            self.finish(slot, at=at)
 
     def bucket_enqueued(self, slot: int, work: Any) -> torch.futures.Future:
         """The future DDP waits on for a bucket: the reduced buffer, and the record completed
@@ -273,10 +316,10 @@ class FlightLog:
             return work.get_future().then(_first_value)
         return work.get_future().then(functools.partial(_bucket_done, self, slot))
 
-    def finish(self, slot: int, error: BaseException | None = None) -> None:
-        """Mark a record completed (or failed), and the rank as making progress."""
+    def finish(self, slot: int, error: BaseException | None = None, at: float | None = None) -> None:
+        """Mark a record completed (or failed) now (or `at`), and the rank as making progress."""
         base = HEADER_SIZE + slot * RECORD.size
-        now = time.time()
+        now = time.time() if at is None else at
         struct.pack_into("<d", self._map, base + T_DONE_OFFSET, now)
         struct.pack_into("<b", self._map, base + STATE_OFFSET, STATE_DONE if error is None else STATE_FAILED)
         if error is None:
@@ -338,23 +381,39 @@ class FlightLog:
         self._step_started = time.perf_counter()
         struct.pack_into("<q", self._map, STEP_OFFSET, step)
 
-    def step_end(self, mark: Any = None) -> None:
-        """A step ended on the host: progress, and the typical step time the watchdog scales
-        by. On a device, `mark` (the step's end event) says when the device ended it."""
+    def step_end(self, mark: Any = None, reduced: Any = ()) -> None:
+        """A step ended: progress, the typical step time the watchdog scales by, and the
+        records of reductions the step finished (`reduced`: their slots). On a device, `mark`
+        (the step's end event) says when the device ended it. On the host the times are taken
+        now and, where a service settles them (`defer_ends`: the Monitor's service thread,
+        within its round), written then: the training thread only queues them."""
         if self._polled:
             self.settle_polled()
         if self._device is not None and mark is not None:
+            for slot in reduced:
+                self.reduction_done(slot)
             self._device.step_ended(self._step, mark)
             return
-        self.progressed(self._step, time.perf_counter() - self._step_started)
+        self._ends.append((self._step, time.perf_counter() - self._step_started, time.time(), reduced))
+        if not self.defer_ends:
+            self.settle_ends()
 
-    def progressed(self, step: int, took: float) -> None:
+    def settle_ends(self) -> None:
+        """Write the step ends the training thread queued (`step_end`), oldest first."""
+        ends = self._ends
+        while ends:
+            step, took, at, reduced = ends.popleft()
+            for slot in reduced:
+                self.reduction_done(slot, at)
+            self.progressed(step, took, at)
+
+    def progressed(self, step: int, took: float, at: float | None = None) -> None:
         """Step `step` is finished (by the host, or by the device) and took `took` seconds
-        (0: unknown, the first step a device reports)."""
+        (0: unknown, the first step a device reports); `at`: when (default now)."""
         # a slow EMA: one slow step (a checkpoint) must not raise the stall threshold much
         if took > 0:
             self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
-        struct.pack_into("<d", self._map, PROGRESS_OFFSET, time.time())
+        struct.pack_into("<d", self._map, PROGRESS_OFFSET, time.time() if at is None else at)
         struct.pack_into("<d", self._map, STEP_S_OFFSET, self._step_s)
         struct.pack_into("<q", self._map, DEVICE_STEP_OFFSET, step)
 
@@ -404,6 +463,7 @@ class FlightLog:
     def close(self) -> None:
         """A clean exit: the watchdog must not take this rank for dead."""
         self.settle_polled()
+        self.settle_ends()
         if self._responder is not None:
             self._responder.stop(wait=False)  # asleep in the kernel: it ends when it wakes
         if self._device is not None:

@@ -96,6 +96,7 @@ class Monitor:
         self._window_steps = 0
         self.experts = ExpertCounts(config.expert_every)
         self.experts.control = self.control
+        self.experts.host_counts = not self.probe.asynchronous  # may be summed off this thread
         # Called with (step, [layers, experts] tokens summed over ranks) on every rank, on the
         # device, one step after the window closed: what a trainer needs to act on the global
         # load (the aux-loss-free bias update) without reading it back.
@@ -109,6 +110,7 @@ class Monitor:
         self._described = self._ended = self._sdk_run = False
         self._compression = "none"  # what watch() was given, for an SDK run's run_start
         self._loss_was_finite = True
+        self._host_only = False  # the watched model computes on the host (no device scalars)
         self.flight = self._open_flight_log() if config.flight_log else None
         if config.metrics_port is not None:
             self._start_exporter()
@@ -132,6 +134,7 @@ class Monitor:
             capacity=self.config.flight_capacity,
             probe=self.probe,  # on a device: completion and progress from its events
         )
+        log.defer_ends = True  # step ends are written by the drain, off the training thread
         return log.install().start_responder()
 
     def _start_exporter(self) -> None:
@@ -226,6 +229,8 @@ class Monitor:
             counted = self.experts.forward_done if self.experts.layers else None
             self._backward = BackwardWatch(self.meter, record, after_forward=counted)
             self._backward.attach(model)
+        param = next(model.parameters(), None)
+        self._host_only = (param is None or param.device.type == "cpu") and not self.probe.asynchronous
         self._describe_host(model)
         return model
 
@@ -294,7 +299,8 @@ class Monitor:
         self._take_scalars(pending, scope.scalars)
         self._pending.append(pending)
         if self.flight is not None:
-            self.flight.step_end(pending.bounds[1])
+            reduced = self._backward.take_open() if self._backward is not None else ()
+            self.flight.step_end(pending.bounds[1], reduced)
         self.experts.step_ended(step)
         self._window_steps += 1
         if self._window_steps >= self.config.sync_every:
@@ -304,8 +310,6 @@ class Monitor:
         # buckets are timed on timed steps only: the next begin of one says whether
         comm = self.meter.take(sample_next=False)
         watch = self._backward
-        if watch is not None:
-            watch.step_ended()
         reduced = watch is not None and watch.take_reduced()
         if self._ddp_stats is not None:
             if reduced:  # a backward ran: DDP reduced every gradient once
@@ -320,6 +324,8 @@ class Monitor:
         """Kept as references, read by the drain: host values then, device tensors through the
         window's one buffer (a logged tensor must not change in place afterwards)."""
         p.scalars = scalars
+        if self._host_only:  # every value is on the host: the drain reads them
+            return
         on_device = [
             k for k, v in scalars.items() if v.__class__ is not float and readback.is_device_tensor(v)
         ]
@@ -352,6 +358,8 @@ class Monitor:
             for step, tokens in self.experts.landed_work(block):
                 self.metrics.observe_expert_work(tokens)
                 self.store.add_expert_work(step, self.env.rank, tokens)
+            if self.flight is not None:
+                self.flight.settle_ends()
 
     def _finished(self, p: PendingStep) -> bool:
         if p.window is not None and not p.window.ready():

@@ -1,0 +1,100 @@
+"""Where the Monitor's expert-load sum runs: on the host with no listener, the training thread
+only hands a closed window over and the service thread sums it on the plane's service group;
+a listener (a trainer's bias update) gets the sum on the training thread, at the step after
+the window closed, on every rank alike. Both give the same load."""
+
+from __future__ import annotations
+
+from fixtures.dist import run_ranks
+
+
+def _sums(rank: int, world_size: int, run_dir: str, listen: bool) -> dict:
+    import threading
+    import time
+    from pathlib import Path
+
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from meshscope.collector import expert_counts
+    from meshscope.collector.env import DistEnv
+    from meshscope.collector.monitor import Monitor
+    from meshscope.collector.monitor_config import MonitorConfig
+    from meshscope.collector.store import load_expert_load
+
+    issued: list[tuple[str, int]] = []  # (thread, group's id; -1: the control plane's) of every sum
+    real_start = expert_counts.start_sum
+
+    def start_sum(group, tensor, site, step=None):
+        issued.append((threading.current_thread().name, id(group)))
+        return real_start(group, tensor, site, step)
+
+    expert_counts.start_sum = start_sum
+    plane_start = expert_counts.ExpertCounts._start
+
+    def training_start(self, step):  # the training-thread path goes through the control plane
+        issued.append((threading.current_thread().name, -1))
+        return plane_start(self, step)
+
+    expert_counts.ExpertCounts._start = training_start
+
+    class Routed(torch.nn.Linear):  # speaks the MoE protocol: 4 experts, rank-dependent load
+        def forward(self, x):
+            self.expert_token_counts = torch.tensor([3, 1, 0, rank], dtype=torch.int64)
+            return super().forward(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Routed(8, 4))
+    model[1].expert_token_counts = torch.zeros(4, dtype=torch.int64)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    config = MonitorConfig(
+        run_dir=Path(run_dir) / str(rank), metrics_port=None, expert_every=2, drain_interval_s=0.01
+    )
+    mon = Monitor(config, env=env, registry=CollectorRegistry())
+    heard: list[tuple[int, int, list[int]]] = []  # (step heard at, window's step, load of layer 0)
+    if listen:
+        mon.expert_load_listeners.append(lambda step, load: heard.append((mon._step, step, load[0].tolist())))
+    mon.watch(ddp)
+    handed = []  # windows waiting for the service thread after each step
+    for _ in range(4):
+        with mon.step(tokens=4):
+            ddp(torch.randn(4, 8)).sum().backward()
+        handed.append(len(mon.experts._handed))
+        deadline = time.monotonic() + 30
+        while (mon.experts._handed or mon.experts._sums) and time.monotonic() < deadline:
+            time.sleep(0.005)  # the service thread's round, not close(), sums the window
+    mon.close()
+    load = load_expert_load(config.run_dir) if rank == 0 else None
+    return {
+        "issued": issued,
+        "service_group": id(mon.control.service_group),
+        "handed": handed,
+        "heard": heard,
+        "load": None if load is None else load.sort_values(["step", "expert"])["tokens"].tolist(),
+    }
+
+
+def test_without_a_listener_the_service_thread_sums_each_window_on_its_own_group(tmp_path):
+    results = run_ranks(_sums, 2, run_dir=str(tmp_path), listen=False)
+    for result in results:
+        # windows close at steps 1 and 3: each handed over as it closed, summed by the service
+        # thread on the service group (never the host group the training thread issues on)
+        assert result["issued"] == [("meshscope-monitor", result["service_group"])] * 2, result["issued"]
+        assert result["handed"] in ([0, 1, 0, 1], [0, 0, 0, 0]), result["handed"]
+        assert result["heard"] == []
+    # two forwards a window on two ranks: [3, 1, 0, rank] summed, for both windows
+    assert results[0]["load"] == [12, 4, 0, 2] * 2
+
+
+def test_a_listener_gets_the_sum_on_the_training_thread_a_step_after_the_window(tmp_path):
+    quiet, heard = (
+        run_ranks(_sums, 2, run_dir=str(tmp_path / mode), listen=mode == "listen")
+        for mode in ("quiet", "listen")
+    )
+    for result in heard:
+        assert [thread for thread, _ in result["issued"]] == ["MainThread"] * 2, result["issued"]
+        # every rank hears each window at the step after it closed (the last at close),
+        # summed over both ranks
+        assert result["heard"] == [(2, 1, [12, 4, 0, 2]), (3, 3, [12, 4, 0, 2])], result["heard"]
+    # the same load reaches the store either way
+    assert quiet[0]["load"] == heard[0]["load"] == [12, 4, 0, 2] * 2
