@@ -57,17 +57,13 @@ from meshscope.collector.devicetruth import DeviceTruth
 from meshscope.collector.flightops import OPS, RECORDED_AS, Op, arg_of, call_site, split_sizes, tensors_of
 from meshscope.collector.flightread import (
     CLOCK_DEVICE,
-    CLOCK_HOST,
     CLOCK_OFFSET,
     CLOSED,
     DEVICE_STEP_OFFSET,
     ERROR_OFFSET,
-    HEADER,
     HEADER_SIZE,
-    MAGIC,
     PROGRESS_OFFSET,
     RECORD,
-    RUNNING,
     STATE_DONE,
     STATE_FAILED,
     STATE_HDR_OFFSET,
@@ -81,6 +77,7 @@ from meshscope.collector.flightread import (
     fit,
     flight_path,
     groups_path,
+    write_header,
 )
 from meshscope.collector.stacks import (
     StackResponder,
@@ -124,25 +121,7 @@ class FlightLog:
             f.truncate(size)
         self._file = open(self.path, "r+b")
         self._map = mmap.mmap(self._file.fileno(), size)
-        HEADER.pack_into(
-            self._map,
-            0,
-            MAGIC,
-            rank,
-            world_size,
-            self.pid,
-            capacity,
-            0,
-            -1,
-            time.time(),
-            time.time(),
-            0.0,
-            RUNNING,
-            attempt,
-            -1,
-            CLOCK_HOST,
-            b"",
-        )
+        write_header(self._map, rank, world_size, self.pid, capacity, attempt)
         self._written = 0
         self._seq: dict[str, int] = {}
         self._groups: dict[int, tuple[str, int]] = {}
@@ -383,10 +362,9 @@ class FlightLog:
 
     def step_end(self, mark: Any = None, reduced: Any = ()) -> None:
         """A step ended: progress, the typical step time the watchdog scales by, and the
-        records of reductions the step finished (`reduced`: their slots). On a device, `mark`
-        (the step's end event) says when the device ended it. On the host the times are taken
-        now and, where a service settles them (`defer_ends`: the Monitor's service thread,
-        within its round), written then: the training thread only queues them."""
+        reductions it finished (`reduced`: their slots). On a device, `mark` (the step's end
+        event) says when the device ended it. On the host the times are taken now and, where
+        a service writes them (`defer_ends`: the Monitor's drain, within its round), queued."""
         if self._polled:
             self.settle_polled()
         if self._device is not None and mark is not None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MAGIC = b"MSFLT2\0\0"
 # magic, rank, world, pid, capacity, written, step (the host's), progress_t, started_t, step_s,
@@ -42,6 +44,29 @@ CLOCK_NAMES = {CLOCK_HOST: "host", CLOCK_DEVICE: "device events"}
 # point-to-point ops: numbered apart from the group's collectives, matched pairwise
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 ASYNC_P2P_OPS = frozenset({"isend", "irecv"})  # in flight is normal for them
+
+
+def write_header(buffer: Any, rank: int, world_size: int, pid: int, capacity: int, attempt: int) -> None:
+    """A new log's header: running, no record written, no step yet, on the host's clock."""
+    now = time.time()
+    fields = (
+        MAGIC,
+        rank,
+        world_size,
+        pid,
+        capacity,
+        0,
+        -1,
+        now,
+        now,
+        0.0,
+        RUNNING,
+        attempt,
+        -1,
+        CLOCK_HOST,
+        b"",
+    )
+    HEADER.pack_into(buffer, 0, *fields)
 
 
 def text_of(raw: bytes) -> str:
