@@ -51,6 +51,7 @@ class LiveDetection(Service):
     ) -> None:
         self.run_dir, self.run_id, self.poll_s = Path(run_dir), run_id, poll_s
         self.leader = leader or job_leader(self.run_dir)  # held(): this process judges the job
+        self._own_leader = leader is None  # taken here: given up at stop (a given one is shared)
         self.on_open, self.on_round = list(on_open), list(on_round)
         self.store: RunStore | None = None
         self.engine = DetectionEngine(
@@ -111,6 +112,8 @@ class LiveDetection(Service):
             self.engine.finish()
         if self.store is not None:
             self.store.close()
+        if self._own_leader:  # a later judge in this process (detect --run again) may take it
+            self.leader.release()
         return self.closed
 
     def _opened(self, ep: Episode) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from meshscope.cli.common import _readable_store, app, console, fail, store_errors
+from meshscope.cli.common import _readable_store, app, console, err_console, fail, store_errors
 from meshscope.collector.store import describe_store, load_steps
+from meshscope.detectors.thresholds import EngineConfig
 
 
 @app.command()
@@ -22,28 +24,74 @@ def detect(
         None, "--value-columns", help="CSV: columns to score, A,B (default: all)"
     ),
     output: Path | None = typer.Option(None, "--output", "-o", help="CSV: where to write"),
-    sensitivity: float = typer.Option(1.0, help="> 1 flags more, < 1 flags less"),
+    sensitivity: float | None = typer.Option(
+        None, help="> 1 flags more, < 1 flags less (default: detect.sensitivity, 1)"
+    ),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        "-c",
+        help="a TOML whose [detect] section applies (default with --run: the run's own config.json)",
+    ),
+    set_: list[str] | None = typer.Option(
+        None,
+        "--set",
+        help="a detect setting, repeatable: detect.PATH=VALUE, e.g. detect.series.alpha=1e-5 "
+        "(every one: `meshscope config`)",
+    ),
 ) -> None:
     """Judge a run (anomaly events into its store) or score a CSV (anomaly_score, is_anomaly)."""
     if (csv is None) == (run is None):
         fail("give either a CSV file or --run DIR")
+    settings = _detect_settings(run, config, set_ or [], sensitivity)
     if csv is not None:
-        _detect_csv(csv, time_column, value_columns, output, sensitivity)
+        _detect_csv(csv, time_column, value_columns, output, settings)
     else:
-        _detect_run(run, sensitivity)
+        _detect_run(run, settings)
+
+
+def _detect_settings(
+    run: Path | None, config: Path | None, settings: list[str], sensitivity: float | None
+) -> EngineConfig:
+    """The `[detect]` section that applies: `--config`'s (or the run's own, with `--run`), then
+    `--set`, then `--sensitivity`. Refused with the field's name before anything is read."""
+    from meshscope.cli.settings import apply_set_options
+    from meshscope.config import ConfigError, load_config
+
+    if other := [item for item in settings if not item.strip().startswith("detect.")]:
+        fail(f"--set {other[0]}: only detect.* settings apply to `meshscope detect`")
+    flags = {"detect": {"sensitivity": sensitivity}} if sensitivity is not None else {}
+    overrides = apply_set_options(settings, flags)
+    own = run / "config.json" if config is None and run is not None else None
+    try:
+        return load_config(config or (own if own and own.is_file() else None), overrides).detect
+    except ConfigError as err:
+        if config is not None or own is None:
+            fail(str(err))
+        why = escape(str(err))
+        err_console.print(f"[yellow]warning:[/] {why}; judging with the default \\[detect] settings")
+        try:
+            return load_config(None, overrides).detect
+        except ConfigError as err2:
+            fail(str(err2))
 
 
 def _detect_csv(
-    path: Path, time_column: str | None, value_columns: str | None, output: Path | None, sensitivity: float
+    path: Path,
+    time_column: str | None,
+    value_columns: str | None,
+    output: Path | None,
+    cfg: EngineConfig,
 ) -> None:
-    from meshscope.detectors.series import SeriesError, read_series, score_frame
+    from meshscope.detectors.series import SeriesConfig, SeriesError, read_series, score_frame
 
     try:
         cols = [c.strip() for c in value_columns.split(",")] if value_columns else None
         if cols is not None and (len(set(cols)) < len(cols) or "" in cols):
             fail(f"--value-columns {value_columns}: name each column once")
+        series = SeriesConfig.with_sensitivity(cfg.sensitivity, **cfg.series.model_dump())
         frame = read_series(str(path), time_column, cols)  # the time column first
-        scored = score_frame(frame, str(frame.columns[0]), sensitivity=sensitivity)
+        scored = score_frame(frame, str(frame.columns[0]), config=series)
     except SeriesError as err:
         fail(str(err))
     output = output or path.with_name(path.stem + ".scored.csv")
@@ -65,14 +113,12 @@ def _ship_to_job_store(run: Path) -> None:
         fail(f"{describe_store(run)} does not answer: the anomalies wait in {store_path(run)}", code=1)
 
 
-def _detect_run(run: Path, sensitivity: float) -> None:
+def _detect_run(run: Path, config: EngineConfig) -> None:
     from meshscope.detectors.live import LiveDetection
-    from meshscope.detectors.thresholds import EngineConfig
 
     _readable_store(run)
     try:
         steps = load_steps(run)
-        config = EngineConfig(sensitivity=sensitivity)
     except (FileNotFoundError, ValueError) as err:
         fail(str(err))
     except store_errors() as err:
