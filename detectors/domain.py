@@ -5,15 +5,16 @@ Each follows the estimator contract on its own input and can say who is to blame
 
 from __future__ import annotations
 
-import warnings
 from numbers import Integral, Real
 
 import numpy as np
+from scipy.stats import binom
 from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import check_is_fitted
 
 from meshscope.collector.figures import balancedness
 from meshscope.detectors.base import Detector, RingRows, WindowedDetector, as_matrix, percentile_by_column
+from meshscope.detectors.modes import MIX_ALPHA, MIX_LEARN, MIX_ROWS, MIX_SHIFT, paces_and_modes
 
 
 def _median_of_others(X: np.ndarray) -> np.ndarray:
@@ -111,48 +112,6 @@ step, while a worker that alternates between a usual and a slower mode (or a sha
 bursts) is slow on some; their lower quartile stays at the usual pace."""
 
 
-MODE_GAP, MODE_SHARE, MODE_SPREAD, MODE_WIDTH = 0.2, 0.05, 0.08, 0.1
-"""A rank has two known modes when its normal steps split in two groups `MODE_GAP` apart
-(relative to the faster), each tight (their median deviation within `MODE_SPREAD` of their
-centre), the slower holding at least `MODE_SHARE` of them and the faster at least a fifth: a
-worker that alternates between two step times, not a host's scattered bursts (which make no
-tight group). A step within `MODE_WIDTH` (or three of the mode's deviations) below the slower
-mode's centre is in that mode."""
-
-
-def paces_and_modes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per rank (columns of `rows`, its relative compute over normal steps): its usual pace
-    (the faster mode when it has two, else the median), its slower mode over that pace (inf
-    where it has none) and how far below that mode a step is still in it (`MODE_WIDTH`, or
-    three of the mode's own deviations if wider). A 1-D two-means, all ranks at once."""
-    low, high = np.percentile(rows, 10, axis=0), np.percentile(rows, 90, axis=0)
-    for _ in range(8):
-        upper = np.abs(rows - high) < np.abs(rows - low)
-        low = _masked_median(rows, ~upper, low)
-        high = _masked_median(rows, upper, high)
-    share = upper.mean(axis=0)
-    spread_low = _masked_median(np.abs(rows - low), ~upper, np.inf) / np.maximum(low, 1e-12)
-    spread_high = _masked_median(np.abs(rows - high), upper, np.inf) / np.maximum(high, 1e-12)
-    two = (
-        (high >= low * (1 + MODE_GAP))
-        & (share >= MODE_SHARE)
-        & (share <= 0.8)
-        & (np.maximum(spread_low, spread_high) <= MODE_SPREAD)
-    )
-    pace = np.where(two, low, np.median(rows, axis=0))
-    width = np.where(two, np.maximum(MODE_WIDTH, 3 * spread_high), MODE_WIDTH)
-    return pace, np.where(two, high / np.maximum(low, 1e-12), np.inf), width
-
-
-def _masked_median(rows: np.ndarray, mask: np.ndarray, empty: np.ndarray | float) -> np.ndarray:
-    """Per column: the median of `rows` where `mask`, `empty` where the mask is all false."""
-    values = np.where(mask, rows, np.nan)
-    with warnings.catch_warnings():  # an empty column is `empty`, not a warning
-        warnings.simplefilter("ignore", RuntimeWarning)
-        out = np.nanmedian(values, axis=0)
-    return np.where(mask.any(axis=0), out, empty)
-
-
 def span_stats(dev: np.ndarray, span: int) -> np.ndarray:
     """Row i: the `SPAN_Q` percentile of rows i - span + 1 .. i (fewer at the start)."""
     head = [np.percentile(dev[: i + 1], SPAN_Q, axis=0) for i in range(min(span - 1, len(dev)))]
@@ -219,6 +178,7 @@ class PersistentStraggler(WindowedDetector):
         X = as_matrix(X)[-self.window :]
         self.__dict__.pop("pace_", None)  # a new world: paces from the plain median first
         for _ in range(2):  # then once more against the pace-normalised level they give
+            self.__dict__.pop("slow_share_", None)  # learnt afresh, not moved a little
             self.rel_ = RingRows(self.window, X.shape[1]).extend(self.relative(X))
             self._learn_pace()
         return self
@@ -253,7 +213,17 @@ class PersistentStraggler(WindowedDetector):
     def _learn_pace(self) -> None:
         rows = self.rel_.last(len(self.rel_)).T  # oldest first: horizons need the order
         # each rank's usual pace against its peers, and its known slower mode if it has one
-        self.pace_, self.upper_, self.mode_width_ = paces_and_modes(rows)
+        self.pace_, self.upper_, self.mode_width_, share = paces_and_modes(rows)
+        # the usual mix, from the rows before the latest horizon (the first steps of a changed
+        # mix are normal rows until the horizon has seen enough of them), and learnt slowly
+        # (`MIX_LEARN` a relearn): a changed mix must not become the usual before it is told
+        older = rows[: max(len(rows) - MIX_ROWS, len(rows) // 2)] / np.maximum(self.pace_, 1e-12)
+        in_slow = (older >= self.upper_ * (1 - self.mode_width_)).mean(axis=0)
+        now = np.where(np.isfinite(share), in_slow, np.nan)
+        before = getattr(self, "slow_share_", None)
+        if before is not None and len(before) == len(now):
+            now = np.where(np.isfinite(before), before + MIX_LEARN * (now - before), now)
+        self.slow_share_ = now
         spans = span_stats(self._paced(rows), self.span) - 1
         self.noise_ = robust_noise(spans)
         self.worst_ = spans.max(axis=0)  # the largest horizon statistic the normal past showed
@@ -285,6 +255,33 @@ class PersistentStraggler(WindowedDetector):
         computes each step's relative pace once and keeps the recent ones)."""
         check_is_fitted(self)
         return np.percentile(self._paced(relative[-self.span :]), SPAN_Q, axis=0) - 1
+
+    def two_modes(self) -> np.ndarray:
+        """The ranks (column indices) with two known modes: the only ones whose mix can change."""
+        check_is_fitted(self)
+        return np.flatnonzero(np.isfinite(self.slow_share_))
+
+    def mix_excess(self, relative: np.ndarray, ranks: np.ndarray, held: np.ndarray) -> np.ndarray:
+        """Per rank of `ranks` (`two_modes`), given their columns of the last `MIX_ROWS` rows of
+        `relative(X)`: whether its mix of modes changed (`MIX_SHIFT`, `MIX_ALPHA`), as its mean
+        pace over those rows against its usual, minus 1; NaN where it did not. Each step in a
+        known mode looks usual to `latest_excess`; a worker now mostly in its slower mode is
+        not. `held`: per rank, already told; still changed while half the shift remains (a
+        chance dip does not end it)."""
+        if len(self.rel_) < self.window or len(relative) < MIX_ROWS:  # too few steps to tell a share
+            return np.full(len(ranks), np.nan)
+        rows = relative[-MIX_ROWS:] / np.maximum(self.pace_[ranks], 1e-12)
+        slow = (rows >= self.upper_[ranks] * (1 - self.mode_width_[ranks])).sum(axis=0)
+        # judged against the top of the usual share's own uncertainty (two standard errors)
+        usual = self.slow_share_[ranks]
+        usual = np.minimum(1.0, usual + 2 * np.sqrt(usual * (1 - usual) / (self.window - MIX_ROWS)))
+        changed = (slow >= (usual + MIX_SHIFT) * MIX_ROWS) & (binom.sf(slow - 1, MIX_ROWS, usual) < MIX_ALPHA)
+        changed |= held & (slow >= (usual + MIX_SHIFT / 2) * MIX_ROWS)
+        return np.where(changed, rows.mean(axis=0) - 1, np.nan)
+
+    def in_slower_mode(self, relative: np.ndarray, rank: int) -> np.ndarray:
+        """Per row of `relative` (one rank's column): whether that step is in the rank's slower mode."""
+        return relative / max(self.pace_[rank], 1e-12) >= self.upper_[rank] * (1 - self.mode_width_[rank])
 
     def score_samples(self, X) -> np.ndarray:
         return -(self.excess(X) / self.thresholds()).max(axis=1)

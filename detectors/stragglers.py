@@ -11,6 +11,7 @@ import numpy as np
 
 from meshscope.collector.env import HostShare
 from meshscope.detectors.domain import PersistentStraggler, Straggler
+from meshscope.detectors.modes import MIX_ROWS
 from meshscope.detectors.phases import PHASES, PhasePace
 from meshscope.detectors.rules import Flag, StepRule, Verdict
 
@@ -43,12 +44,15 @@ class StragglerRule(StepRule):
         self.persistent = persistent
         self.subtle = True  # the persistent detectors judge (not on an oversubscribed host)
         self.on_score = on_score
-        # the recent steps' compute relative to the other ranks, one row per step
-        self.recent: collections.deque[np.ndarray] = collections.deque(maxlen=max(p.span for p in persistent))
+        self.span_rows = max(p.span for p in persistent)  # what the horizons read
+        # the recent steps' compute relative to the other ranks, one row per step (the mix of
+        # modes is read over MIX_ROWS of them)
+        self.recent: collections.deque[np.ndarray] = collections.deque(maxlen=max(self.span_rows, MIX_ROWS))
         self.pace = pace or PhasePace()
         self.recent_phases: collections.deque[dict[str, np.ndarray]]
         self.recent_phases = collections.deque(maxlen=self.pace.span)
         self.recent_steps: collections.deque[float] = collections.deque(maxlen=self.pace.span)
+        self.mixed: set[int] = set()  # rank indices whose changed mix of modes is being told
 
     def judge_against(self, host: HostShare) -> None:
         """Ranks taking turns on too few cores differ in pace by up to the oversubscription:
@@ -121,7 +125,7 @@ class StragglerRule(StepRule):
         # straggler needs a majority of peers to be measured against.
         if len(row.ranks) < 3 or not self.subtle:
             return []
-        recent = np.vstack(self.recent)
+        recent = np.vstack(list(self.recent)[-self.span_rows :])
         shortest = min(self.persistent, key=lambda p: p.span)
         if len(recent) < shortest.span:
             return []
@@ -137,6 +141,7 @@ class StragglerRule(StepRule):
             for i in np.flatnonzero((excess > thresholds) & (lately > shortest.min_excess)):
                 if i not in slow or excess[i] > slow[i][0]:
                     slow[int(i)] = (float(excess[i]), p.span)
+        mixed = self._mix_changed(slow)
         if not slow or len(slow) > len(row.ranks) // 2:
             return []  # more than half slower than the median is not how a median works
         # One episode per rank, with a wider gap: several stragglers do not come and go as a
@@ -154,10 +159,34 @@ class StragglerRule(StepRule):
                     persistent=True,
                     over_steps=horizon,
                     usual_pace=round(float(shortest.pace_[i]), 3),
+                    **mixed.get(i, {}),
                 ),
             )
             for i, (excess, horizon) in sorted(slow.items())
         ]
+
+    def _mix_changed(self, slow: dict[int, tuple[float, int]]) -> dict[int, dict]:
+        """Ranks with two known modes whose mix changed over their last `MIX_ROWS` steps
+        (`PersistentStraggler.mix_excess`) join `slow`; their evidence says the shares. Only
+        their columns are read: at thousands of ranks most have one mode."""
+        longest = max(self.persistent, key=lambda p: p.span)
+        ranks = longest.two_modes()
+        if len(self.recent) < MIX_ROWS or not len(ranks) or not np.isfinite(longest.thresholds()).any():
+            self.mixed = set()
+            return {}
+        rows = np.array([row[ranks] for row in self.recent])
+        excess = longest.mix_excess(rows, ranks, np.isin(ranks, list(self.mixed)))
+        self.mixed = {int(ranks[j]) for j in np.flatnonzero(excess > longest.min_excess)}
+        mixed = {}
+        for j in np.flatnonzero(excess > longest.min_excess):  # NaN: no change of mix
+            i = int(ranks[j])
+            mixed[i] = {
+                "slow_mode_share": round(float(longest.in_slower_mode(rows[:, j], i).mean()), 2),
+                "usual_slow_mode_share": round(float(longest.slow_share_[i]), 2),
+            }
+            if i not in slow or excess[j] > slow[i][0]:
+                slow[i] = (float(excess[j]), longest.span)
+        return mixed
 
     @staticmethod
     def _evidence(row: Any, **extra: Any) -> dict[str, Any]:

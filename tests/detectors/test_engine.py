@@ -402,6 +402,30 @@ def test_a_trace_of_workers_with_two_step_time_modes_raises_nothing(alternating)
     assert [(e.type, e.ranks, e.start_step) for e in run(pd.DataFrame(rows))[1]] == []
 
 
+@pytest.mark.parametrize("until", [400, 330], ids=["lasting", "ending"])
+@pytest.mark.parametrize("seed", [7, 9])
+def test_a_worker_whose_mix_of_modes_changes_is_named_alone_while_it_lasts(seed, until):
+    """Workers in two modes (0.5 s, and 0.8 s on 30 % of steps at random): two modes are the
+    normal, and every step of a worker whose slow mode becomes its usual one (90 % of steps
+    from step 250) is in a known mode. Its mix changed: it is named alone, within 70 steps
+    (the share is read over `detectors.modes.MIX_ROWS` steps), for as long as the mix lasts."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(400):
+        share = np.where((np.arange(16) == 3) & (250 <= step < until), 0.9, 0.3)
+        step_s = 0.5 * (1 + 0.05 * rng.standard_normal(16)) * np.where(rng.random(16) < share, 1.6, 1.0)
+        rows += [
+            dict(rank=r, world_size=16, step=step, step_s=step_s[r], data_s=0.0, comm_exposed_s=0.0,
+                 comm_ratio=0.0, bytes_wire=0, loss=np.nan, grad_norm=np.nan, tokens=0, mem_rss=0.0,
+                 mem_allocated=0.0)
+            for r in range(16)
+        ]  # fmt: skip
+    found = [(e.type, e.ranks, e.start_step, e.end_step) for e in run(pd.DataFrame(rows))[1]]
+    assert found and all(kind == "straggler" and ranks == [3] for kind, ranks, *_ in found), found
+    assert 250 <= found[0][2] <= 320, found
+    assert found[-1][3] >= 390 if until == 400 else until <= found[-1][3] <= until + 50, found
+
+
 def _timed_one_in(df, every):
     """The run as a user's loop on the host records it: phases and the wait on one step in
     `every`, NaN between (`monitor.detail_every`)."""
