@@ -392,14 +392,20 @@ def test_a_trace_of_workers_with_two_step_time_modes_raises_nothing(alternating)
     rows = []
     for step in range(400):
         slow = (step + np.arange(16)) % 2 == 0 if alternating else rng.random(16) < 0.3
-        step_s = 0.5 * (1 + 0.05 * rng.standard_normal(16)) * np.where(slow, 1.6, 1.0)
-        rows += [
-            dict(rank=r, world_size=16, step=step, step_s=step_s[r], data_s=0.0, comm_exposed_s=0.0,
-                 comm_ratio=0.0, bytes_wire=0, loss=np.nan, grad_norm=np.nan, tokens=0, mem_rss=0.0,
-                 mem_allocated=0.0)
-            for r in range(16)
-        ]  # fmt: skip
+        rows += _worker_trace_rows(
+            step, 0.5 * (1 + 0.05 * rng.standard_normal(16)) * np.where(slow, 1.6, 1.0)
+        )
     assert [(e.type, e.ranks, e.start_step) for e in run(pd.DataFrame(rows))[1]] == []
+
+
+def _worker_trace_rows(step, step_s):
+    """One step of a per-worker step-time trace: each worker's own step time, nothing else."""
+    return [
+        dict(rank=r, world_size=len(step_s), step=step, step_s=step_s[r], data_s=0.0, comm_exposed_s=0.0,
+             comm_ratio=0.0, bytes_wire=0, loss=np.nan, grad_norm=np.nan, tokens=0, mem_rss=0.0,
+             mem_allocated=0.0)
+        for r in range(len(step_s))
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("until", [400, 330], ids=["lasting", "ending"])
@@ -414,12 +420,7 @@ def test_a_worker_whose_mix_of_modes_changes_is_named_alone_while_it_lasts(seed,
     for step in range(400):
         share = np.where((np.arange(16) == 3) & (250 <= step < until), 0.9, 0.3)
         step_s = 0.5 * (1 + 0.05 * rng.standard_normal(16)) * np.where(rng.random(16) < share, 1.6, 1.0)
-        rows += [
-            dict(rank=r, world_size=16, step=step, step_s=step_s[r], data_s=0.0, comm_exposed_s=0.0,
-                 comm_ratio=0.0, bytes_wire=0, loss=np.nan, grad_norm=np.nan, tokens=0, mem_rss=0.0,
-                 mem_allocated=0.0)
-            for r in range(16)
-        ]  # fmt: skip
+        rows += _worker_trace_rows(step, step_s)
     found = [(e.type, e.ranks, e.start_step, e.end_step) for e in run(pd.DataFrame(rows))[1]]
     assert found and all(kind == "straggler" and ranks == [3] for kind, ranks, *_ in found), found
     assert 250 <= found[0][2] <= 320, found
