@@ -181,6 +181,7 @@ def cost_per_step(ranks: int = 1024, warmup: int = 80, measured: int = 30) -> fl
                     "grad_norm": 1.0,
                     "tokens": 256,
                     "mem_rss": 1e9,
+                    "nonfinite": "",  # as the store has it: the scalars no rank found non-finite
                 }
             )
         )

@@ -208,7 +208,7 @@ class DetectionEngine:
             view.cols["loss"].reshape(1, -1),
             view.cols["mem_rss"].reshape(1, -1),
             view.cols["mem_allocated"].reshape(1, -1),
-            [int(r) for r in view.ranks],
+            np.asarray(view.ranks, dtype=np.int64).tolist(),  # Python ints, one C call
             view.cols["loss_bad"].reshape(1, -1),
             view.cols["grad_bad"].reshape(1, -1),
             view.cols["grad_norm"].reshape(1, -1),

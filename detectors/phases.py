@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshscope.detectors.base import RingRows
-from meshscope.detectors.domain import SPAN_Q, robust_noise, span_stats
+from meshscope.detectors.domain import robust_noise, span_quartile, span_stats
 
 # the phases judged: `forward` holds no wait for peers (without expert parallelism), `compute`
 # is the whole step less the exposed wait for communication and data
@@ -119,4 +119,4 @@ class PhasePace:
         """(the `SPAN_Q` percentile of the span, the least of the last 3) over the usual
         time, minus 1: slow on (nearly) every step, not on some (a second mode, a burst)."""
         rel = rows / np.maximum(self.usual[phase], 1e-12)
-        return np.percentile(rel[-self.span :], SPAN_Q, axis=0) - 1, rel[-3:].min(axis=0) - 1
+        return span_quartile(rel[-self.span :]) - 1, rel[-3:].min(axis=0) - 1

@@ -145,6 +145,9 @@ class NonFiniteRule(StepRule):
         # a loss that was never logged is absent, not NaN: only logged NaN/Inf count
         marked = row.loss if row.loss_bad is None else np.where(row.loss_bad > 0, np.nan, 0.0)
         bad = self.detector.culprits(marked)[0]
+        grads = [] if row.grad_bad is None else list(np.flatnonzero(row.grad_bad[0] > 0))
+        if not bad and not grads:
+            return []  # the common case: no evidence written (thousands of ranks a step)
         evidence = {"loss": [str(v) for v in row.loss[0]]}
         if row.grad_norm is not None:
             evidence["grad_norm"] = [str(v) for v in row.grad_norm[0]]
@@ -157,9 +160,6 @@ class NonFiniteRule(StepRule):
             return [
                 Flag("nan", 1.0, ranks=[] if everyone else [row.ranks[i] for i in bad], evidence=evidence)
             ]
-        grads = [] if row.grad_bad is None else list(np.flatnonzero(row.grad_bad[0] > 0))
-        if not grads:
-            return []
         # every loss finite, a gradient norm not: a NaN born in backward. Every rank's norm is
         # NaN once the reduction spread it: that names no culprit (the tracer names the module)
         spread = len(grads) == len(row.ranks) > 1
