@@ -245,6 +245,8 @@ class PersistentStraggler(WindowedDetector):
         slower mode taken against that mode (`paces_and_modes`): a step there is its usual."""
         paced = relative / np.maximum(self.pace_, 1e-12)
         upper = self.upper_
+        if not np.isfinite(upper).any():  # no rank has two modes (the usual job): nothing to take
+            return paced
         return np.where(paced >= upper * (1 - self.mode_width_), paced / upper, paced)
 
     def thresholds(self) -> np.ndarray:
