@@ -99,7 +99,9 @@ class Monitor:
         self.experts.host_counts = not self.probe.asynchronous  # may be summed off this thread
         # Called with (step, [layers, experts] tokens summed over ranks) on every rank, on the
         # device, one step after the window closed: what a trainer needs to act on the global
-        # load (the aux-loss-free bias update) without reading it back.
+        # load (the aux-loss-free bias update) without reading it back. Register before the
+        # first window closes: without a listener then, host windows are summed off the
+        # training thread for the whole run (`collector.expert_counts`).
         self.expert_load_listeners = self.experts.listeners
         self._step = -1
         self._server = None
