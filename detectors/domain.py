@@ -61,7 +61,7 @@ class Straggler(WindowedDetector):
         X = as_matrix(X)
         self.window_ = RingRows(self.window, X.shape[1]).extend(X)
         self._learn()
-        self.noise_ = RingRows(self.window, X.shape[1]).extend(self.ratios(X))
+        self.noise_ = RingRows(self.window, X.shape[1]).extend(_without_one_offs(self.ratios(X)))
         self._learn_noise()
         return self
 
@@ -137,6 +137,20 @@ def robust_noise(strays: np.ndarray) -> np.ndarray:
     deviation (1.4826 x the median absolute deviation), at least 1e-3."""
     spread = np.abs(strays - np.median(strays, axis=0))
     return np.maximum(1.4826 * np.median(spread, axis=0), 1e-3)
+
+
+ONE_OFFS = 2
+"""A warm-up's first steps pay one-off costs (lazy imports, first allocations, a first
+collective's set-up): up to `ONE_OFFS` of a rank's largest warm-up ratios are taken at its next
+largest, so two such steps of 20 do not set its noise line for the next 50 (a noisy rank shows
+its noise again, and the line is relearnt every 10 steps)."""
+
+
+def _without_one_offs(ratios: np.ndarray) -> np.ndarray:
+    """Warm-up ratios (rows x ranks) with each rank's `ONE_OFFS` largest clipped (see `ONE_OFFS`)."""
+    if len(ratios) <= 5 * ONE_OFFS:  # too few rows to tell a one-off from the noise
+        return ratios
+    return np.minimum(ratios, np.sort(ratios, axis=0)[-ONE_OFFS - 1])
 
 
 class PersistentStraggler(WindowedDetector):

@@ -341,6 +341,21 @@ def test_a_long_wait_on_the_last_step_is_still_a_stall():
     assert [(e.type, e.start_step, e.announced_step) for e in closed] == [("stall", 119, 119)]
 
 
+def test_one_off_costs_of_the_first_steps_do_not_hide_a_later_straggler():
+    """As a live 2-rank run on a busy host recorded it: rank 1's forward took 17x its peer's on
+    steps 1 and 5 (one-off costs: a lazy import, a first allocation), then it ran 3x slower
+    for 8 steps from step 40. Two one-offs in a 20-step warm-up are not its noise."""
+    df = synthetic_run(steps=60, ranks=2, slow=(1, 40, 48, 3.0))
+    for step in (1, 5):
+        at = (df["step"] == step) & (df["rank"] == 1)
+        extra = 1.6  # seconds of compute on rank 1 alone; rank 0 waits for it
+        df.loc[df["step"] == step, "step_s"] += extra
+        df.loc[(df["step"] == step) & (df["rank"] == 0), "comm_exposed_s"] += extra
+        df.loc[at, "comm_ratio"] = df.loc[at, "comm_exposed_s"] / df.loc[at, "step_s"]
+    found = [(e.type, e.ranks, e.start_step) for e in run(df)[1]]
+    assert [(kind, ranks) for kind, ranks, start in found if start >= 40] == [("straggler", [1])], found
+
+
 def test_a_blip_that_costs_the_job_a_few_milliseconds_is_no_anomaly():
     """Flags that say what they cost open an episode once they cost MIN_COST_S together: three
     flags of a millisecond on 2 ms steps are noise; three of 10 ms are a straggler."""
