@@ -30,11 +30,17 @@ def paces_and_modes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     where it has none), how far below that mode a step is still in it (`MODE_WIDTH`, or
     three of the mode's own deviations if wider) and the share of its steps in the slower mode
     (NaN where it has none). A 1-D two-means, all ranks at once."""
+    # Each column sorted once: a rank's two groups are the two runs of its sorted steps on
+    # either side of the split, so each group's median is an order statistic (a masked median
+    # per group and iteration took seconds a relearn at 16,384 ranks)
+    ordered = np.sort(rows, axis=0)
+    valid = (~np.isnan(rows)).sum(axis=0)
     low, high = np.percentile(rows, 10, axis=0), np.percentile(rows, 90, axis=0)
     for _ in range(8):
-        upper = np.abs(rows - high) < np.abs(rows - low)
-        low = _masked_median(rows, ~upper, low)
-        high = _masked_median(rows, upper, high)
+        split_by = (low, high)
+        split = valid - (np.abs(ordered - high) < np.abs(ordered - low)).sum(axis=0)
+        low, high = _median_between(ordered, 0, split, low), _median_between(ordered, split, valid, high)
+    upper = np.abs(rows - split_by[1]) < np.abs(rows - split_by[0])
     share = upper.mean(axis=0)
     spread_low = _masked_median(np.abs(rows - low), ~upper, np.inf) / np.maximum(low, 1e-12)
     spread_high = _masked_median(np.abs(rows - high), upper, np.inf) / np.maximum(high, 1e-12)
@@ -47,6 +53,16 @@ def paces_and_modes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     pace = np.where(two, low, np.median(rows, axis=0))
     width = np.where(two, np.maximum(MODE_WIDTH, 3 * spread_high), MODE_WIDTH)
     return pace, np.where(two, high / np.maximum(low, 1e-12), np.inf), width, np.where(two, share, np.nan)
+
+
+def _median_between(
+    ordered: np.ndarray, start: np.ndarray, stop: np.ndarray, empty: np.ndarray
+) -> np.ndarray:
+    """Per column of sorted `ordered`: the median of rows start..stop-1, `empty` where none."""
+    count, last = stop - start, len(ordered) - 1
+    below = np.take_along_axis(ordered, np.clip(start + (count - 1) // 2, 0, last)[None], axis=0)[0]
+    above = np.take_along_axis(ordered, np.clip(start + count // 2, 0, last)[None], axis=0)[0]
+    return np.where(count > 0, (below + above) / 2, empty)
 
 
 def _masked_median(rows: np.ndarray, mask: np.ndarray, empty: np.ndarray | float) -> np.ndarray:
