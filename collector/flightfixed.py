@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from meshscope.collector.flightlog import FlightLog
-from meshscope.collector.flightread import fit
+from meshscope.collector.flightread import RECORD, RECORD_HEAD, STATE_ISSUED, fit
 
 
 class FixedRecord:
@@ -31,8 +31,15 @@ class FixedRecord:
         packed = self._packed
         if packed is None:  # at first use: the group's name, and every field that never changes
             name, size = self.log.group_of(self.group)
-            packed = self._packed = (name, self.log.fixed_tail(fit(name, 16), size, *self.fields))
+            packed = self._packed = (name, fixed_tail(fit(name, 16), size, *self.fields))
         return self.log.append_fixed(*packed, step)
+
+
+def fixed_tail(group: bytes, size: int, op: bytes, dtype: bytes, shape: bytes, site: bytes) -> bytes:
+    """A record's fields after its sequence, step and times, packed once for a collective
+    issued again and again alike (`FlightLog.append_fixed` writes the rest)."""
+    whole = RECORD.pack(0, 0, 0.0, 0.0, group, op, STATE_ISSUED, dtype, shape, b"", site, -1, size)
+    return whole[RECORD_HEAD.size :]
 
 
 class ReductionRecord(FixedRecord):

@@ -64,6 +64,7 @@ from meshscope.collector.flightread import (
     HEADER_SIZE,
     PROGRESS_OFFSET,
     RECORD,
+    RECORD_HEAD,
     STATE_DONE,
     STATE_FAILED,
     STATE_HDR_OFFSET,
@@ -87,8 +88,6 @@ from meshscope.collector.stacks import (
     write_stacks,
 )
 
-# a record's sequence, step and two times: what differs between records of one fixed collective
-_RECORD_HEAD = struct.Struct("<qqdd")
 _INT64 = struct.Struct("<q")
 
 # --- the log ----------------------------------------------------------------------------
@@ -134,7 +133,7 @@ class FlightLog:
         self.fixed: dict[tuple, Any] = {}  # `flightfixed.start_sum`'s records, packed once
         self._lock = threading.Lock()
         self._step, self._step_started, self._step_s = -1, 0.0, 0.0
-        # host step ends the training thread queued: (step, took, at, reduced slots)
+        # host step ends the training thread queued: (step, took, at, reduced slots, written)
         self._ends: deque[tuple[int, float, float, Any]] = deque()
         self.defer_ends = False  # True: a service calls `settle_ends` (the Monitor's drain)
         self._crash_file = None
@@ -250,22 +249,16 @@ class FlightLog:
                 self._host_slots.add(slot)
         return slot
 
-    @staticmethod
-    def fixed_tail(group: bytes, size: int, op: bytes, dtype: bytes, shape: bytes, site: bytes) -> bytes:
-        """A record's fields after its sequence, step and times, packed once for a collective
-        issued again and again alike (`flightfixed.FixedRecord`)."""
-        whole = RECORD.pack(0, 0, 0.0, 0.0, group, op, STATE_ISSUED, dtype, shape, b"", site, -1, size)
-        return whole[_RECORD_HEAD.size :]
-
     def append_fixed(self, name: str, tail: bytes, step: int | None = None) -> int:
-        """`append` for a record whose other fields are packed already (`fixed_tail`): its slot."""
+        """`append` for a record whose other fields are packed already
+        (`flightfixed.fixed_tail`): its slot."""
         with self._lock:
             seq = self._seq.get(name, 0)
             self._seq[name] = seq + 1
             slot = self._written % self.capacity
             base = HEADER_SIZE + slot * RECORD.size
-            self._map[base + _RECORD_HEAD.size : base + RECORD.size] = tail
-            _RECORD_HEAD.pack_into(
+            self._map[base + RECORD_HEAD.size : base + RECORD.size] = tail
+            RECORD_HEAD.pack_into(
                 self._map, base, seq, self._step if step is None else step, time.time(), 0.0
             )
             self._written += 1
@@ -372,17 +365,21 @@ class FlightLog:
                 self.reduction_done(slot)
             self._device.step_ended(self._step, mark)
             return
-        self._ends.append((self._step, time.perf_counter() - self._step_started, time.time(), reduced))
+        took = time.perf_counter() - self._step_started
+        self._ends.append((self._step, took, time.time(), reduced, self._written))
         if not self.defer_ends:
             self.settle_ends()
 
     def settle_ends(self) -> None:
-        """Write the step ends the training thread queued (`step_end`), oldest first."""
+        """Write the step ends the training thread queued (`step_end`), oldest first. A slot
+        the ring has given to a newer record since is left alone: its reduction is gone."""
         ends = self._ends
         while ends:
-            step, took, at, reduced = ends.popleft()
+            step, took, at, reduced, written = ends.popleft()
             for slot in reduced:
-                self.reduction_done(slot, at)
+                issued = written - 1 - (written - 1 - slot) % self.capacity  # the record's index
+                if self._written - issued <= self.capacity:
+                    self.reduction_done(slot, at)
             self.progressed(step, took, at)
 
     def progressed(self, step: int, took: float, at: float | None = None) -> None:

@@ -23,6 +23,7 @@ HEADER = struct.Struct("<8siiiiqqdddiiqi128s")
 HEADER_SIZE = 256
 # seq, step, t_issue, t_done, group, op, state, dtype, shapes, splits, site, peer, group_size
 RECORD = struct.Struct("<qqdd16s24sb15s56s56s96sii")
+RECORD_HEAD = struct.Struct("<qqdd")  # seq, step, t_issue, t_done: what differs between records alike
 STATE_ISSUED, STATE_DONE, STATE_FAILED = 1, 2, 3
 STATE_NAMES = {STATE_ISSUED: "issued", STATE_DONE: "completed", STATE_FAILED: "failed"}
 # Not finished: issued (a Flight Recorder's "scheduled": enqueued, not yet begun on the device)

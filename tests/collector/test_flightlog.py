@@ -228,3 +228,36 @@ def test_fsdp2_and_dtensor_run_the_same_under_the_monitor_and_their_collectives_
             i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "funcol gather" in text
         )
         assert any(op == "all_gather_into_tensor" and f":{line} " in site for op, _, site in records), records
+
+
+def test_a_step_end_written_late_leaves_a_slot_the_ring_gave_away_alone(tmp_path):
+    """The Monitor's drain writes a host step's end a round late (`FlightLog.defer_ends`): the
+    reduction it completes is completed then, unless more records than the ring holds came in
+    between, when its slot holds a newer record that must stay as it is."""
+    from meshscope.collector.flightfixed import fixed_tail
+    from meshscope.collector.flightlog import FlightLog
+    from meshscope.collector.flightread import read_flight
+
+    log = FlightLog(tmp_path, rank=0, world_size=1, capacity=8)
+    log.defer_ends = True
+
+    def issue(site: str) -> int:
+        return log.append_fixed("g", fixed_tail(b"g", 1, b"all_reduce", b"float32", b"4", site.encode()))
+
+    def states() -> dict[str, str]:
+        return {r.site: r.state for r in read_flight(log.path).records}
+
+    kept = issue("reduction 0")
+    log.step_begin(0)
+    log.step_end(reduced=[kept])
+    assert states()["reduction 0"] == "issued"  # queued, not written yet
+    log.settle_ends()
+    assert states()["reduction 0"] == "completed"
+    gone = issue("reduction 1")
+    log.step_begin(1)
+    log.step_end(reduced=[gone])
+    for i in range(8):  # the ring (8 records) comes round: the slot now holds a newer record
+        issue(f"later {i}")
+    log.settle_ends()
+    assert "reduction 1" not in states() and states()["later 7"] == "issued", states()
+    log.close()
