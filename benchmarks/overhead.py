@@ -40,6 +40,8 @@ import time
 
 from _common import machine, run_ranks
 
+from meshscope.collector.scope import Untimed
+
 
 class CostMeter:
     """Thread CPU time spent inside wrapped callables (the Monitor's entry points)."""
@@ -98,7 +100,7 @@ class CostMeter:
 
 
 METER_PROBE = "StepScope.phase (untimed)"
-UNTIMED_PHASE = type(__import__("threading").Lock())  # `collector.scope.Untimed`'s contexts
+UNTIMED_PHASE = type(Untimed())  # the contexts of an untimed step's phases
 
 
 def meter_bias(entries: dict[str, tuple[float, float]]) -> float:

@@ -232,8 +232,9 @@ class Monitor:
             self._backward = BackwardWatch(self.meter, record, after_forward=counted)
             self._backward.attach(model)
         param = next(model.parameters(), None)
-        self._host_only = (param is None or param.device.type == "cpu") and not self.probe.asynchronous
-        self._describe_host(model)
+        on_host = param is None or param.device.type == "cpu"
+        self._host_only = on_host and not self.probe.asynchronous
+        self._describe_host(on_host)
         return model
 
     def _attach_control_plane(self) -> None:
@@ -259,14 +260,12 @@ class Monitor:
         self.describe_run(device=str(device), backend=backend, compression=self._compression)
         self._sdk_run = True  # its end is close(): nothing else will say the run ended
 
-    def _describe_host(self, model: torch.nn.Module) -> None:
+    def _describe_host(self, on_host: bool) -> None:
         """One `host` event per node (collector.env.HostShare): what its ranks share. A model on
         an accelerator computes there: each rank then keeps one host thread busy, not torch's
         intra-op pool, so a GPU node is not called oversubscribed for its CPU threads."""
         if self.env.local_rank != 0:
             return
-        param = next(model.parameters(), None)
-        on_host = param is None or param.device.type == "cpu"
         share = HostShare.measure(self.env.local_world_size, threads=None if on_host else 1)
         self.event("host", detail={"node": self.env.node, **share.detail()})
 
