@@ -16,16 +16,37 @@ the device and stores it per rank, with no collective.
 
 Experts held as one stacked tensor per weight (index 0 is the expert) have no submodule each:
 `stacked_experts` says how many a module holds, so an expert is named as `PATH.INDEX`.
+
+An expert-parallel layer may show a watcher each exchange as its own experts see it
+(`ExchangeSide`): what arrives for them, or what leaves from them, row by row. No re-run can
+localise a NaN there (it needs every EP peer); what a holder's experts took in and gave out
+can (`tracer.exchanges`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 PROTOCOL_ATTRIBUTE = "expert_token_counts"
 WORK_ATTRIBUTE = "expert_work"
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeSide:
+    """One expert-parallel exchange as this rank's experts see it, told to a watcher with what
+    was sent and what arrived: where a NaN under expert parallelism can still be placed."""
+
+    experts: torch.nn.Module  # the layer's experts: the module a finding names
+    phase: str  # "forward" or "backward"
+    feeds: bool  # what arrives goes into this rank's experts; else what leaves came out of them
+    runs: tuple[tuple[int, int], ...] = ()  # what leaves, in row order: (local expert, rows)
+
+    def row_experts(self) -> list[int]:
+        """The local expert of each row of what leaves."""
+        return [expert for expert, rows in self.runs for _ in range(rows)]
 
 
 def experts_on(placement: Sequence[int], ep: int, rank: int) -> list[int]:

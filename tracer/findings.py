@@ -145,3 +145,46 @@ class Finding:
             "note": self.note,
             "snapshot": self.snapshot,
         }
+
+
+def output_stats(forward: list[tuple[int, tuple, Any]], names: list[str], step: int, rank: int) -> list[dict]:
+    """Per-module output statistics of a hooked step (absmax, norm, mean, std, non-finite
+    count), reduced on the device and read at once: the `tensor_stats` rows."""
+    rows = []
+    outs = [(index, _floats(output)) for index, _a, output in forward]
+    outs = [(i, o[0]) for i, o in outs if o]
+    if not outs:
+        return []
+    ts = [t for _, t in outs]
+    absmax = torch._foreach_norm(ts, float("inf"))
+    norm = torch._foreach_norm(ts, 2)
+    stacked = torch.stack(
+        [
+            torch.stack(
+                [
+                    a.float(),
+                    n.float(),
+                    t.float().mean(),
+                    t.float().std() if t.numel() > 1 else t.new_zeros(()),
+                    (~torch.isfinite(t)).sum().float(),
+                ]
+            )
+            for a, n, t in zip(absmax, norm, ts)
+        ]
+    )
+    values = stacked.cpu().tolist()  # sync point: sampled stats steps only
+    for (index, _t), (a, n, mean, std, nonfinite) in zip(outs, values):
+        rows.append(
+            {
+                "step": step,
+                "rank": rank,
+                "module": names[index] or "model",
+                "where": "forward",
+                "absmax": a,
+                "norm": n,
+                "mean": mean,
+                "std": std,
+                "nonfinite": int(nonfinite),
+            }
+        )
+    return rows

@@ -13,6 +13,9 @@ Modes (`--trace`):
   skipped the bad update, so the re-run sees the step's weights (on an accelerator the flags
   land a step later, after the next update: a fault that was transient may then be gone, and
   the finding says so). The re-run's forward counts its MoE tokens a second time.
+  Under expert parallelism no re-run is possible (it would need every EP peer): a rank looks
+  at its own weights, then at what its experts took in and gave out at each exchange
+  (`tracer.exchanges`, a flag per exchange read with the loss).
 - `stats`: hooks on every `stats_every`-th step only: per-module absmax, norm, mean, std and
   non-finite count of each output, reduced on the device, into the run store (`tensor_stats`).
 - `full`: hooks on every step: stats every step, and findings judged from the step itself
@@ -37,6 +40,7 @@ import torch
 
 from meshscope.collector.readback import Readback
 from meshscope.tracer.config import TracerConfig
+from meshscope.tracer.exchanges import ExchangeWatch, made_here
 from meshscope.tracer.findings import (
     Finding,
     Report,
@@ -50,6 +54,7 @@ from meshscope.tracer.findings import (
     first_nonfinite_weights,
     held_experts,
     nonfinite_experts,
+    output_stats,
 )
 from meshscope.tracer.snapshot import write_snapshot
 
@@ -83,11 +88,14 @@ class TensorTracer:
         self._reported: dict[tuple[str, str, str], int] = {}
         self._snapshots = 0
         self._rng: tuple[torch.Tensor, Any] | None = None
-        self._flags: list[tuple[int, Readback, Callable[[], torch.Tensor] | None, Any]] = []
+        self._flags: list[tuple[int, Readback, Callable[[], torch.Tensor] | None, Any, bool, Any]] = []
         self._lag_note = ""  # while a late re-run is judged: what its findings must say
         self.no_rerun = "no re-run given to localise it"  # why, when a step brings none
         if self.config.mode == "full":
             self._attach()
+        # under expert parallelism, where no re-run can localise: what this rank's experts
+        # took in and gave out at each exchange (`tracer.exchanges`)
+        self._exchanges = ExchangeWatch.install(model) if self.config.mode in ("nonfinite", "stats") else None
 
     # --- hooks ----------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -126,9 +134,9 @@ class TensorTracer:
                 pending.readback.wait()
             self._judge(pending)
         self._pending = []
-        for step, flags, rerun, rng, has_loss in self._flags:
+        for step, flags, *rest in self._flags:
             flags.wait()
-            self._check_flags(step, flags, rerun, rng, has_loss)
+            self._check_flags(step, flags, *rest)
         self._flags = []
         self._detach()
 
@@ -137,6 +145,8 @@ class TensorTracer:
         """A step starts (before its forward)."""
         self._step = step
         self._forward, self._backward = [], []
+        if self._exchanges is not None:
+            self._exchanges.clear()
         if self.config.mode == "off":
             return
         if self.config.mode != "full":  # what a localising re-run restores
@@ -163,16 +173,14 @@ class TensorTracer:
             # the loss first: a rank whose own loss is finite but whose (all-reduced) gradient
             # norm is not only saw a peer's NaN, unless its own backward made it
             flags = [t.detach().float().reshape(()) for t in (loss, grad_norm) if isinstance(t, torch.Tensor)]
+            sides, exchanged = self._exchanges.take() if self._exchanges is not None else ([], None)
             if flags:
-                self._flags.append(
-                    (
-                        self._step,
-                        Readback(torch.stack(flags)),
-                        rerun,
-                        self._rng,
-                        isinstance(loss, torch.Tensor),
-                    )
-                )
+                values = torch.stack(flags)
+                if exchanged is not None:
+                    values = torch.cat([values, exchanged])
+                seen = (len(flags), sides)  # where the exchanges' flags start, and what they were
+                has_loss = isinstance(loss, torch.Tensor)
+                self._flags.append((self._step, Readback(values), rerun, self._rng, has_loss, seen))
             while self._flags and self._flags[0][1].ready():
                 self._check_flags(*self._flags.pop(0))
             # never drop an unjudged flag: past the window, wait for the device
@@ -220,14 +228,18 @@ class TensorTracer:
             return True
         return self.config.mode == "stats" and self._step % self.config.stats_every == 0
 
-    def _check_flags(self, step: int, flags: Readback, rerun: Any, rng: Any, has_loss: bool = False) -> None:
+    def _check_flags(
+        self, step: int, flags: Readback, rerun: Any, rng: Any, has_loss: bool = False, seen: Any = (0, [])
+    ) -> None:
         values = flags.value().tolist()  # host tensor: the landed copy
         if all(math.isfinite(v) for v in values):
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])
         if rerun is None:
             note = f"loss or gradient norm non-finite; {self.no_rerun}"
-            self._emit(self._in_own_weights(step) or self._unlocalised(step, note))
+            at, sides = seen
+            found = self._in_own_weights(step) or self._in_exchanges(step, sides, values[at:])
+            self._emit(found or self._unlocalised(step, note))
             return
         self._localise(step, rerun, rng, report_transient=own_loss_bad or not has_loss)
 
@@ -286,11 +298,25 @@ class TensorTracer:
             "parameter",
             step,
             self.rank,
-            f"{type(module).__module__}.{type(module).__qualname__}",
+            _class_of(module),
             seen,
         )
         params = list(module.parameters(recurse=False))
         finding.experts = held_experts(self.model, self.names[index], nonfinite_experts(module, params))
+        return finding
+
+    def _in_exchanges(self, step: int, sides: list[Any], flags: list[float]) -> Finding | None:
+        """Without a re-run (expert parallelism): this rank's experts that took finite values
+        in at an exchange and gave non-finite ones out (`tracer.exchanges`); else None."""
+        made = made_here(sides, flags)
+        if made is None:
+            return None
+        experts, where, local = made
+        index = self.modules.index(experts)
+        note = "seen at its expert-parallel exchanges: finite in, non-finite out on this rank"
+        tensor = "output" if where == "forward" else "gradient"
+        finding = Finding(self.names[index], where, tensor, step, self.rank, _class_of(experts), note)
+        finding.experts = held_experts(self.model, self.names[index], local)
         return finding
 
     def _unlocalised(self, step: int, note: str) -> Finding:
@@ -402,7 +428,7 @@ class TensorTracer:
             tensor,
             step,
             self.rank,
-            f"{type(module).__module__}.{type(module).__qualname__}",
+            _class_of(module),
             note,
         )
         bad = {"parameter": list(module.parameters(recurse=False)), "input": args, "output": output}
@@ -450,42 +476,10 @@ class TensorTracer:
     def _stats(self) -> None:
         """Per-module output statistics, reduced on the device and read at once (sampled
         steps only; `stats` and `full` accept this cost)."""
-        rows = []
-        outs = [(index, _floats(output)) for index, _a, output in self._forward]
-        outs = [(i, o[0]) for i, o in outs if o]
-        if not outs:
-            return
-        ts = [t for _, t in outs]
-        absmax = torch._foreach_norm(ts, float("inf"))
-        norm = torch._foreach_norm(ts, 2)
-        stacked = torch.stack(
-            [
-                torch.stack(
-                    [
-                        a.float(),
-                        n.float(),
-                        t.float().mean(),
-                        t.float().std() if t.numel() > 1 else t.new_zeros(()),
-                        (~torch.isfinite(t)).sum().float(),
-                    ]
-                )
-                for a, n, t in zip(absmax, norm, ts)
-            ]
-        )
-        values = stacked.cpu().tolist()  # sync point: sampled stats steps only
-        for (index, _t), (a, n, mean, std, nonfinite) in zip(outs, values):
-            rows.append(
-                {
-                    "step": self._step,
-                    "rank": self.rank,
-                    "module": self.names[index] or "model",
-                    "where": "forward",
-                    "absmax": a,
-                    "norm": n,
-                    "mean": mean,
-                    "std": std,
-                    "nonfinite": int(nonfinite),
-                }
-            )
-        if self.stats_sink is not None:
+        rows = output_stats(self._forward, self.names, self._step, self.rank)
+        if rows and self.stats_sink is not None:
             self.stats_sink(rows)
+
+
+def _class_of(module: torch.nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"

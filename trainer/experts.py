@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from meshscope.collector.moe import ExchangeSide
+
 EXCHANGE_KIND = "expert_all_to_all"  # the meter's kind for the dispatch and combine exchanges
 
 
@@ -53,6 +55,9 @@ class ExpertMesh:
     miscount: Callable[[list[int]], list[int]] | None = None  # fault injection: a router's wrong splits
     skip: Callable[[], bool] | None = None  # fault injection: this rank leaves this exchange out
     mid_move: Callable[[], None] | None = None  # fault injection: inside a re-placement, before agreeing
+    # told each exchange as this rank's experts see it, with what was sent and what arrived
+    # (the tensor tracer, which places a NaN by it: `collector.moe.ExchangeSide`)
+    watch: Callable[[ExchangeSide, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def world(self) -> int:
@@ -81,24 +86,46 @@ def expert_mesh(ep: int) -> ExpertMesh:
     )
 
 
+Sides = tuple[ExchangeSide | None, ExchangeSide | None]  # an exchange's (forward, backward) sides
+UNWATCHED: Sides = (None, None)
+
+
+def sides(mesh: ExpertMesh, experts: Any, dispatch: bool, runs: Callable[[], list[tuple[int, int]]]) -> Sides:
+    """How the mesh's watcher sees one exchange, forward and backward: a dispatch feeds this
+    rank's experts, and its gradient leaves them; a combine the other way round. `runs`: the
+    rows of what leaves, (local expert, rows) in order, computed only for a watcher."""
+    if mesh.watch is None:
+        return UNWATCHED
+    rows = tuple(runs())
+    return (
+        ExchangeSide(experts, "forward", dispatch, () if dispatch else rows),
+        ExchangeSide(experts, "backward", not dispatch, rows if dispatch else ()),
+    )
+
+
 class _Exchange(torch.autograd.Function):
     """An even all-to-all over the EP group whose gradient is the same all-to-all back."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: ExpertMesh) -> torch.Tensor:  # type: ignore[override]
-        ctx.mesh = mesh
-        return exchange(x, mesh)
+    def forward(ctx: Any, x: torch.Tensor, mesh: ExpertMesh, seen: Sides) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh, ctx.seen = mesh, seen
+        return exchange(x, mesh, side=seen[0])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return exchange(grad.contiguous(), ctx.mesh), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return exchange(grad.contiguous(), ctx.mesh, side=ctx.seen[1]), None, None
 
 
 def exchange(
-    x: torch.Tensor, mesh: ExpertMesh, send: list[int] | None = None, recv: list[int] | None = None
+    x: torch.Tensor,
+    mesh: ExpertMesh,
+    send: list[int] | None = None,
+    recv: list[int] | None = None,
+    side: ExchangeSide | None = None,
 ) -> torch.Tensor:
     """Chunk j of `x` along dim 0 to EP rank j, chunk i of the result from rank i: even chunks,
-    or `send` rows to each rank and `recv` rows from each."""
+    or `send` rows to each rank and `recv` rows from each. `side`: what the mesh's watcher is
+    told of it."""
     out = torch.empty_like(x) if recv is None else x.new_empty(sum(recv), *x.shape[1:])
     if mesh.count is not None:
         row = x[0].numel() * x.element_size() if x.shape[0] else 0
@@ -109,6 +136,8 @@ def exchange(
     timer = mesh.timer() if mesh.timer is not None else contextlib.nullcontext()
     with timer:
         dist.all_to_all_single(out, x, recv, send, group=mesh.ep_group)
+    if side is not None and mesh.watch is not None:
+        mesh.watch(side, x, out)
     return out
 
 
@@ -118,14 +147,15 @@ class _SplitExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, mesh: ExpertMesh, send: list[int], recv: list[int]
+        ctx: Any, x: torch.Tensor, mesh: ExpertMesh, send: list[int], recv: list[int], seen: Sides
     ) -> torch.Tensor:  # type: ignore[override]
-        ctx.mesh, ctx.send, ctx.recv = mesh, send, recv
-        return exchange(x, mesh, send, recv)
+        ctx.mesh, ctx.send, ctx.recv, ctx.seen = mesh, send, recv, seen
+        return exchange(x, mesh, send, recv, side=seen[0])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        return exchange(grad.contiguous(), ctx.mesh, ctx.recv, ctx.send), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+        back = exchange(grad.contiguous(), ctx.mesh, ctx.recv, ctx.send, side=ctx.seen[1])
+        return back, None, None, None, None
 
 
 def dropless_dispatch(
@@ -154,12 +184,17 @@ def dropless_dispatch(
     if mesh.miscount is not None:
         send = mesh.miscount(send)
     recv = [sum(got[s * per : (s + 1) * per]) for s in range(mesh.ep)]
-    arrived = _SplitExchange.apply(flat.repeat_interleave(k, dim=0)[order], mesh, send, recv)
+
+    def runs() -> list[tuple[int, int]]:  # rows from or to my experts: (sender, expert) pieces
+        return [(i, got[s * per + i]) for s in range(mesh.ep) for i in range(per)]
+
+    source = flat.repeat_interleave(k, dim=0)[order]
+    arrived = _SplitExchange.apply(source, mesh, send, recv, sides(mesh, experts, True, runs))
     pieces = arrived.split(got)  # (sender, expert) pieces, sender-major
     outputs = [experts.one(i, torch.cat([pieces[s * per + i] for s in range(mesh.ep)])) for i in range(per)]
     by_sender = [out.split([got[s * per + i] for s in range(mesh.ep)]) for i, out in enumerate(outputs)]
     back = torch.cat([by_sender[i][s] for s in range(mesh.ep) for i in range(per)])
-    returned = _SplitExchange.apply(back, mesh, recv, send)  # in the sorted order sent
+    returned = _SplitExchange.apply(back, mesh, recv, send, sides(mesh, experts, False, runs))  # sorted order
     unsorted = torch.empty_like(returned).index_copy(0, order, returned)
     out = (unsorted * weights.reshape(-1, 1)).view(tokens, k, d).sum(dim=1)
     # tokens each of my experts took, summed on the device (a tensor from the host's list
@@ -175,12 +210,16 @@ def dispatch_and_combine(
     rank's experts processed)."""
     e, cap, width = slots.shape
     per = e // mesh.ep
-    received = _Exchange.apply(slots, mesh).view(mesh.ep, per, cap, width)
+
+    def runs() -> list[tuple[int, int]]:  # one row per (sender, expert) slot table
+        return [(i, 1) for _ in range(mesh.ep) for i in range(per)]
+
+    received = _Exchange.apply(slots, mesh, sides(mesh, experts, True, runs)).view(mesh.ep, per, cap, width)
     mine = received.transpose(0, 1).reshape(per, mesh.ep * cap, width)
     processed = mine[..., -1].sum(dim=1)  # the filled slots of every sender: on the device
     out = experts(mine[..., :-1])  # [per, ep·C, d]
     back = out.view(per, mesh.ep, cap, width - 1).transpose(0, 1).contiguous()
-    return _Exchange.apply(back, mesh).view(e, cap, width - 1), processed
+    return _Exchange.apply(back, mesh, sides(mesh, experts, False, runs)).view(e, cap, width - 1), processed
 
 
 def shard_experts(model: nn.Module, mesh: ExpertMesh) -> list[str]:

@@ -46,6 +46,27 @@ def test_the_tracer_names_the_poisoned_module_and_rank(tmp_path, where, tensor, 
     assert module in replay.stdout
 
 
+def _ep_run(tmp_path, injection: str, *args: str):
+    """A 2-rank expert-parallel run with `injection`: its events, and the placed `nan`
+    findings as (rank, step, module, experts, where, tensor)."""
+    proc = start_run(
+        tmp_path,
+        "ep",
+        free_port_range(3),
+        *("--set", "parallel.ep=2", "--inject", injection, *args),
+    )
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    events = load_events(tmp_path / "ep")
+    nans = events[events["kind"] == "nan"]
+    placed = [
+        (int(r), int(s), d["module"], d["experts"], d["where"], d["tensor"])
+        for r, s, d in zip(nans["rank"], nans["step"], nans["detail"])
+        if d["module"]
+    ]
+    return events, placed
+
+
 def test_under_expert_parallelism_the_holder_finds_a_poisoned_expert_in_its_own_weights(tmp_path):
     """No re-run is possible under expert parallelism (it needs every EP peer), yet the rank
     holding expert 2 finds it in its own weights: the module and the layer's expert number.
@@ -53,23 +74,8 @@ def test_under_expert_parallelism_the_holder_finds_a_poisoned_expert_in_its_own_
     names no rank, root cause names the holder."""
     from meshscope.explain.ranking import explain
 
-    proc = start_run(
-        tmp_path,
-        "ep",
-        free_port_range(3),
-        *("--steps", "10", "--set", "parallel.ep=2"),
-        *("--inject", "nan@step=4,rank=1,module=blocks.1.moe.experts.2"),
-    )
-    out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 0, out[-3000:]
-    events = load_events(tmp_path / "ep")
-    nans = events[events["kind"] == "nan"]
-    placed = [
-        (int(r), d["module"], d["experts"], d["tensor"])
-        for r, d in zip(nans["rank"], nans["detail"])
-        if d["module"]
-    ]
-    assert placed == [(1, "blocks.1.moe.experts", [2], "parameter")], nans.to_dict("records")
+    events, placed = _ep_run(tmp_path, "nan@step=4,rank=1,module=blocks.1.moe.experts.2", "--steps", "10")
+    assert placed == [(1, 4, "blocks.1.moe.experts", [2], "forward", "parameter")], events
     anomalies = [d for d in events[events["kind"] == "anomaly"]["detail"] if d["type"] == "nan"]
     assert [a["ranks"] for a in anomalies] == [[]], anomalies
     causes = explain(tmp_path / "ep")
@@ -77,3 +83,20 @@ def test_under_expert_parallelism_the_holder_finds_a_poisoned_expert_in_its_own_
         (c.kind, c.ranks, c.title) for c in causes
     ]
     assert "expert 2" in causes[0].title
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])  # gloo, and NCCL's semantics (simnccl)
+def test_under_expert_parallelism_the_holder_places_a_nan_its_expert_made_in_backward(tmp_path, device):
+    """A NaN made in expert 1's backward on its holder (rank 0), from finite weights and a
+    finite incoming gradient: no re-run is possible and no weight is bad, yet the holder saw
+    its experts take a finite gradient in and give a NaN out at the layer's exchanges, and
+    names them. Every rank's loss and gradient norm go non-finite; only the holder is named."""
+    from meshscope.explain.ranking import explain
+
+    injection = "nan@step=3,rank=0,module=blocks.0.moe.experts.1,where=backward"
+    events, placed = _ep_run(tmp_path, injection, "--device", device, "--steps", "8")
+    assert placed == [(0, 3, "blocks.0.moe.experts", [1], "backward", "gradient")], events
+    causes = explain(tmp_path / "ep")
+    told = [(c.kind, c.ranks, c.title) for c in causes]
+    assert causes[0].kind == "nonfinite" and causes[0].ranks == [0], told
+    assert "expert 1" in causes[0].title
