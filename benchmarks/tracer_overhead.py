@@ -11,7 +11,12 @@ Variants (each its own model copy of the same architecture, built in rotating or
 Printed: each variant's median step time over the plain copies' (plain and control pooled),
 per model size.
 
-    .venv/bin/python benchmarks/tracer_overhead.py [--ranks 2 --blocks 6 --block-steps 8]
+`--ep 2`: the reference trainer's step with experts split over 2 ranks instead, `nonfinite`
+against no tracer on the same model, alternating blocks; under expert parallelism the tracer
+also reads what each exchange carried (`tracer.exchanges`), and that watch's CPU time a step
+is printed.
+
+    .venv/bin/python benchmarks/tracer_overhead.py [--ranks 2 --blocks 6 --block-steps 8] [--ep 2]
 """
 
 from __future__ import annotations
@@ -84,6 +89,70 @@ def bench(
     return times
 
 
+def bench_ep(
+    rank: int, world_size: int, blocks: int, block_steps: int, run_dir: str, d_model: int, ep: int
+) -> dict:
+    """The trainer's expert-parallel step without a tracer and with `nonfinite` (its exchange
+    watch on), alternating on one model; and the watch's own CPU time a step."""
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry
+
+    from meshscope.collector.env import DistEnv
+    from meshscope.collector.monitor import Monitor
+    from meshscope.collector.monitor_config import MonitorConfig
+    from meshscope.tracer.exchanges import ExchangeWatch
+    from meshscope.tracer.trace import TensorTracer, TracerConfig
+    from meshscope.trainer.config import TrainerConfig
+    from meshscope.trainer.device import Device
+    from meshscope.trainer.inject import Injector
+    from meshscope.trainer.loop import build, train_step
+
+    model = {"experts": 8, "d_model": d_model, "heads": 4, "layers": 2, "seq_len": 32, "vocab_size": 128}
+    cfg = TrainerConfig(nproc=world_size, parallel={"ep": ep}, model=model, train={"batch_size": 8})
+    env = DistEnv(
+        rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size, torchrun=True
+    )
+    config = MonitorConfig(run_dir=Path(run_dir) / str(rank), metrics_port=None, flight_log=False)
+    mon = Monitor(config, env=env, registry=CollectorRegistry())
+    dev = Device("cpu")
+    dev.activate()
+    state = build(cfg, dev, mon, rank=rank, world_size=world_size)
+    spent = [0.0]
+
+    def metered(fn):
+        def timed(*args):
+            start = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                spent[0] += time.thread_time() - start
+
+        return timed
+
+    ExchangeWatch.seen, ExchangeWatch.take = metered(ExchangeWatch.seen), metered(ExchangeWatch.take)
+    tracer = TensorTracer(state.model, TracerConfig(mode="nonfinite"), rank=rank)
+    meshes = [layer.expert_mesh for layer in state.model.moe_layers()]
+    watch = meshes[0].watch
+    injector = Injector([], rank, lambda inj, step: None)
+
+    def step(variant, *_):
+        state.tracer = tracer if variant == "nonfinite" else None
+        for mesh in meshes:
+            mesh.watch = watch if variant == "nonfinite" else None
+        train_step(state, mon, cfg, dev, injector)
+
+    variants = ("plain", "nonfinite")
+    for _ in range(3):
+        for v in variants:
+            step(v)
+    spent[0] = 0.0
+    times = timed_blocks(variants, {v: () for v in variants}, step, blocks, block_steps, {})
+    tracer.close()
+    mon.close()
+    return {**times, "watch_us": spent[0] / len(times["nonfinite"]) * 1e6}
+
+
 def nonfinite_cost_us(calls: int = 3000) -> float:
     """CPU time of the nonfinite tracer's per-step work (no hooks: RNG state, two scalars)."""
     import torch
@@ -108,7 +177,12 @@ def main() -> None:
     ap.add_argument("--block-steps", type=int, default=8)
     ap.add_argument("--copies", type=int, default=3, help="fresh model sets, rotating order")
     ap.add_argument("--d-model", type=int, nargs="+", default=[64, 256])
+    ap.add_argument(
+        "--ep", type=int, default=1, help="experts split over this many ranks (the trainer's step)"
+    )
     args = ap.parse_args()
+    if args.ep > 1:
+        return main_ep(args)
     print(
         f"# {machine()}\n# {args.ranks} gloo ranks, {args.copies} copies x {args.blocks} "
         f"blocks x {args.block_steps} steps per variant; rank 0's median step time"
@@ -137,6 +211,32 @@ def main() -> None:
         "targets: flight <= 1.01, nonfinite <= 1.01, stats <= 1.03, full <= 1.6 (control = the noise floor)"
     )
     print(f"nonfinite tracer's own cost: {nonfinite_cost_us():.1f} us of CPU per step")
+
+
+def main_ep(args: argparse.Namespace) -> None:
+    """`--ep`: nonfinite against no tracer on the trainer's expert-parallel step."""
+    print(
+        f"# {machine()}\n# {args.ranks} gloo ranks, ep={args.ep}, "
+        f"{args.blocks} blocks x {args.block_steps} steps per variant"
+    )
+    for d_model in args.d_model:
+        with tempfile.TemporaryDirectory() as run_dir:
+            got = run_ranks(
+                bench_ep,
+                args.ranks,
+                blocks=args.blocks,
+                block_steps=args.block_steps,
+                run_dir=run_dir,
+                d_model=d_model,
+                ep=args.ep,
+            )[0]
+        base = statistics.median(got["plain"])
+        ratio = statistics.median(got["nonfinite"]) / base
+        print(
+            f"d_model {d_model}: plain {base * 1e3:.2f} ms, nonfinite {ratio:.3f} "
+            f"(target <= 1.01); the exchange watch {got['watch_us']:.0f} us of CPU a step",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Modes (`--trace`):
   the finding says so). The re-run's forward counts its MoE tokens a second time.
   Under expert parallelism no re-run is possible (it would need every EP peer): a rank looks
   at its own weights, then at what its experts took in and gave out at each exchange
-  (`tracer.exchanges`, a flag per exchange read with the loss).
+  (`tracer.exchanges`, magnitudes per exchange read with the loss).
 - `stats`: hooks on every `stats_every`-th step only: per-module absmax, norm, mean, std and
   non-finite count of each output, reduced on the device, into the run store (`tensor_stats`).
 - `full`: hooks on every step: stats every step, and findings judged from the step itself
@@ -229,15 +229,15 @@ class TensorTracer:
         return self.config.mode == "stats" and self._step % self.config.stats_every == 0
 
     def _check_flags(
-        self, step: int, flags: Readback, rerun: Any, rng: Any, has_loss: bool = False, seen: Any = (0, [])
+        self, step: int, flags: Readback, rerun: Any, rng: Any, has_loss: bool = False, seen: Any = (None, [])
     ) -> None:
         values = flags.value().tolist()  # host tensor: the landed copy
-        if all(math.isfinite(v) for v in values):
+        at, sides = seen  # the exchanges' magnitudes follow the loss and the gradient norm
+        if all(math.isfinite(v) for v in values[:at]):
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])
         if rerun is None:
             note = f"loss or gradient norm non-finite; {self.no_rerun}"
-            at, sides = seen
             found = self._in_own_weights(step) or self._in_exchanges(step, sides, values[at:])
             self._emit(found or self._unlocalised(step, note))
             return
@@ -305,10 +305,10 @@ class TensorTracer:
         finding.experts = held_experts(self.model, self.names[index], nonfinite_experts(module, params))
         return finding
 
-    def _in_exchanges(self, step: int, sides: list[Any], flags: list[float]) -> Finding | None:
+    def _in_exchanges(self, step: int, sides: list[Any], magnitudes: list[float]) -> Finding | None:
         """Without a re-run (expert parallelism): this rank's experts that took finite values
         in at an exchange and gave non-finite ones out (`tracer.exchanges`); else None."""
-        made = made_here(sides, flags)
+        made = made_here(sides, magnitudes)
         if made is None:
             return None
         experts, where, local = made

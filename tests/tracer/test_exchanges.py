@@ -18,7 +18,7 @@ RUNS = ((0, 2), (1, 1), (0, 1), (1, 3))  # (local expert, rows) as two senders' 
 
 
 def _step(forward_out: list[float], backward_in: float, backward_out: list[float]) -> tuple[list, list]:
-    """One layer's four exchanges in execution order, and their flags (1: finite)."""
+    """One layer's four exchanges in execution order, and their largest magnitudes."""
     sides = [
         ExchangeSide(EXPERTS, "forward", True),
         ExchangeSide(EXPERTS, "forward", False, RUNS),
@@ -32,15 +32,15 @@ CLEAN = [1.0] * 7
 
 
 def test_rows_a_holders_experts_made_non_finite_from_finite_input_name_those_experts():
-    bad_in_expert_1 = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0]  # a row of the last piece: expert 1
+    bad_in_expert_1 = [1.0, 1.0, 1.0, 1.0, math.nan, 1.0, 1.0]  # a row of the last piece: expert 1
     assert made_here(*_step(CLEAN, 1.0, bad_in_expert_1)) == (EXPERTS, "backward", [1])
-    forward_bad = [0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]  # expert 0's rows
+    forward_bad = [math.inf, 2.0, 1.0, math.nan, 1.0, 1.0, 1.0]  # expert 0's rows
     assert made_here(*_step(forward_bad, 1.0, bad_in_expert_1)) == (EXPERTS, "forward", [0])
 
 
 def test_a_nan_that_arrived_non_finite_or_a_clean_step_names_nobody():
-    arrived_bad = [0.0] * 7  # the gradient reaching the experts was already NaN: made elsewhere
-    assert made_here(*_step(CLEAN, 0.0, arrived_bad)) is None
+    arrived_bad = [math.nan] * 7  # the gradient reaching the experts was already NaN: made elsewhere
+    assert made_here(*_step(CLEAN, math.nan, arrived_bad)) is None
     assert made_here(*_step(CLEAN, 1.0, CLEAN)) is None
     sides, flags = _step(CLEAN, 1.0, CLEAN)
     assert made_here(sides[1:2] + sides[3:], flags[1:8] + flags[9:]) is None  # nothing seen arrive
