@@ -27,6 +27,12 @@ class TracerConfig(BaseModel):
     repeat_after: int = Field(
         100, ge=1, le=10**9, description="the same module, phase and tensor is reported again N steps later"
     )
+    exchanges: bool = Field(
+        True,
+        description="under expert parallelism (where no re-run can place a NaN), sum what each "
+        "exchange carried for this rank's experts, so a holder names the experts that made one; "
+        "reads each exchanged value once (benchmarks/tracer_overhead.py --ep 2)",
+    )
     max_lag_steps: int = Field(
         32,
         ge=1,

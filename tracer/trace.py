@@ -15,7 +15,7 @@ Modes (`--trace`):
   the finding says so). The re-run's forward counts its MoE tokens a second time.
   Under expert parallelism no re-run is possible (it would need every EP peer): a rank looks
   at its own weights, then at what its experts took in and gave out at each exchange
-  (`tracer.exchanges`, magnitudes per exchange read with the loss).
+  (`tracer.exchanges`, sums per exchange read with the loss).
 - `stats`: hooks on every `stats_every`-th step only: per-module absmax, norm, mean, std and
   non-finite count of each output, reduced on the device, into the run store (`tensor_stats`).
 - `full`: hooks on every step: stats every step, and findings judged from the step itself
@@ -95,7 +95,8 @@ class TensorTracer:
             self._attach()
         # under expert parallelism, where no re-run can localise: what this rank's experts
         # took in and gave out at each exchange (`tracer.exchanges`)
-        self._exchanges = ExchangeWatch.install(model) if self.config.mode in ("nonfinite", "stats") else None
+        watched = self.config.exchanges and self.config.mode in ("nonfinite", "stats")
+        self._exchanges = ExchangeWatch.install(model) if watched else None
 
     # --- hooks ----------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -232,7 +233,7 @@ class TensorTracer:
         self, step: int, flags: Readback, rerun: Any, rng: Any, has_loss: bool = False, seen: Any = (None, [])
     ) -> None:
         values = flags.value().tolist()  # host tensor: the landed copy
-        at, sides = seen  # the exchanges' magnitudes follow the loss and the gradient norm
+        at, sides = seen  # the exchanges' sums follow the loss and the gradient norm
         if all(math.isfinite(v) for v in values[:at]):
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])
@@ -305,10 +306,10 @@ class TensorTracer:
         finding.experts = held_experts(self.model, self.names[index], nonfinite_experts(module, params))
         return finding
 
-    def _in_exchanges(self, step: int, sides: list[Any], magnitudes: list[float]) -> Finding | None:
+    def _in_exchanges(self, step: int, sides: list[Any], sums: list[float]) -> Finding | None:
         """Without a re-run (expert parallelism): this rank's experts that took finite values
         in at an exchange and gave non-finite ones out (`tracer.exchanges`); else None."""
-        made = made_here(sides, magnitudes)
+        made = made_here(sides, sums)
         if made is None:
             return None
         experts, where, local = made

@@ -18,7 +18,7 @@ RUNS = ((0, 2), (1, 1), (0, 1), (1, 3))  # (local expert, rows) as two senders' 
 
 
 def _step(forward_out: list[float], backward_in: float, backward_out: list[float]) -> tuple[list, list]:
-    """One layer's four exchanges in execution order, and their largest magnitudes."""
+    """One layer's four exchanges in execution order, and their sums."""
     sides = [
         ExchangeSide(EXPERTS, "forward", True),
         ExchangeSide(EXPERTS, "forward", False, RUNS),
@@ -46,19 +46,20 @@ def test_a_nan_that_arrived_non_finite_or_a_clean_step_names_nobody():
     assert made_here(sides[1:2] + sides[3:], flags[1:8] + flags[9:]) is None  # nothing seen arrive
 
 
-def _dropless_step(rank: int, world_size: int, run_dir: str, poisoned: int) -> list[dict]:
+def _dropless_step(rank: int, world_size: int, run_dir: str, poisoned: int, watch: bool = True) -> list[dict]:
     """Three dropless expert-parallel steps of the reference trainer with the tracer on; at
     step 1 a NaN is made inside backward of rank 0's local expert `poisoned` (its output's
     gradient, past the exchange that brought it): each rank's findings."""
-    from meshscope.tracer.trace import TensorTracer
+    from meshscope.tracer.trace import TensorTracer, TracerConfig
     from meshscope.trainer.inject import Injector
     from meshscope.trainer.loop import train_step
     from tests.trainer.test_experts import _trainer
 
     cfg, dev, mon, state, _ = _trainer(rank, world_size, 2, run_dir, "cpu", dispatch="dropless")
     found: list[dict] = []
+    config = TracerConfig(exchanges=watch)
     state.tracer = TensorTracer(
-        state.model, rank=rank, report=lambda kind, step, d: found.append({**d, "step": step})
+        state.model, config, rank=rank, report=lambda kind, step, d: found.append({**d, "step": step})
     )
     experts = state.model.blocks[0].moe.experts
     one = experts.one
@@ -89,3 +90,9 @@ def test_a_dropless_holder_names_the_expert_whose_backward_made_the_nan(tmp_path
     assert placed == [(0, 1, "blocks.0.moe.experts", [poisoned], "backward"), (1, 1, "", [], "forward")], (
         ranks
     )
+
+
+def test_with_the_exchanges_unwatched_the_holder_cannot_place_it(tmp_path):
+    """`tracer.exchanges = false`: nothing read at the exchanges, so no rank places the NaN."""
+    ranks = run_ranks(_dropless_step, world_size=2, run_dir=str(tmp_path), poisoned=1, watch=False)
+    assert [[f["module"] for f in found] for found in ranks] == [[""], [""]], ranks
