@@ -31,7 +31,8 @@ def test_the_tracer_names_the_poisoned_module_and_rank(tmp_path, where, tensor, 
     # The first finding is the fault. On the simulated device (the host runs ahead of its
     # stream) a busy host can let the poisoned update reach the peers before the flag lands;
     # their findings then come later and are downstream. On the CPU nothing spreads.
-    assert len(nans) == 1 if device == "cpu" else len(nans) >= 1 and (nans["step"].iloc[1:] > 4).all(), nans
+    told = nans[["rank", "step", "detail"]].to_dict("records")
+    assert len(nans) == 1 if device == "cpu" else len(nans) >= 1 and (nans["step"].iloc[1:] > 4).all(), told
     row = nans.iloc[0]
     detail = row["detail"]
     assert (row["rank"], row["step"]) == (1, 4)
