@@ -171,7 +171,6 @@ class Switch:
 
     def __init__(self, mon, ddp) -> None:
         self.mon, self.ddp = mon, ddp
-        self.hooks: list = []  # (hook, handle) of every forward hook watch() registered
         self.on = False
 
     def turn(self, on: bool) -> None:
@@ -179,40 +178,18 @@ class Switch:
         if on == self.on:
             return
         self.on = on
-        if on and not self.hooks:
-            self._watch()
-        elif on:
-            hooks = [_current(hook) for hook, _ in self.hooks]
-            self.hooks = [(hook, self.ddp.register_forward_hook(hook)) for hook in hooks]
+        if on and self.mon._backward is None:
+            self.mon.watch(self.ddp)
+        elif on:  # the watch's wrapper again, around the class's methods as they are now
+            self.mon._backward.attach(self.ddp)
             self._rate(self.mon.config.comm_sample_every)
         else:
-            for _, handle in self.hooks:
-                handle.remove()
+            self.ddp.__dict__.pop("forward", None)  # the watch's wrapper (`comm.after_forward`)
             self._rate(DDP_SAMPLE_RATE)
 
     def _rate(self, every: int) -> None:
         if not self.mon.probe.asynchronous:  # on a device the Monitor leaves DDP's rate alone
             self.ddp._set_ddp_runtime_logging_sample_rate(every)
-
-    def _watch(self) -> None:
-        register = self.ddp.register_forward_hook
-
-        def kept(hook, *args, **kwargs):
-            handle = register(hook, *args, **kwargs)
-            self.hooks.append((hook, handle))
-            return handle
-
-        self.ddp.register_forward_hook = kept
-        try:
-            self.mon.watch(self.ddp)
-        finally:
-            del self.ddp.register_forward_hook
-
-
-def _current(hook):
-    """A bound method as its class has it now (the account meters by patching the class)."""
-    owner, func = getattr(hook, "__self__", None), getattr(hook, "__func__", None)
-    return hook if owner is None or func is None else getattr(owner, func.__name__)
 
 
 def thread_cpu(thread) -> float:
@@ -328,7 +305,7 @@ def bench(
     cost = CostMeter()
     instrument_costs(mon, cost)
     watched.turn(False)
-    watched.turn(True)  # its hooks registered again, through the meter
+    watched.turn(True)  # its forward watched again, through the meter
     for i in range(account_steps):
         step_watched(model, ddp, opt, i)
     mon.close()

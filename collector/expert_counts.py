@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from meshscope.collector.comm import after_forward
 from meshscope.collector.flightfixed import start_sum
 from meshscope.collector.moe import expert_work, find_moe_layers
 from meshscope.collector.readback import Readback
@@ -85,14 +86,14 @@ class ExpertCounts:
 
     def attach(self, model: torch.nn.Module, hook: bool = True) -> None:
         """Count the tokens of every MoE layer of `model` (the `collector.moe` protocol) after
-        each of its forwards: one hook on the model, not one per layer (each Python hook costs
-        a step ~25 us, and a large MoE has dozens of layers). `hook=False`: the caller's own
-        hook on the model calls `forward_done`."""
+        each of its forwards: one watch on the model's forward, not a hook per layer (each
+        Python hook costs a step ~25 us, and a large MoE has dozens of layers). `hook=False`:
+        the caller's own watch on the model calls `forward_done`."""
         self.layers = find_moe_layers(model)
         self._seen = [_stamp(m.expert_token_counts) for m in self.layers]
         self._work = [None] * len(self.layers)
         if hook and self.layers:
-            model.register_forward_hook(self._on_forward)
+            after_forward(model, self._on_forward)
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.forward_done()

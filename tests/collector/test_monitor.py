@@ -143,10 +143,12 @@ class SkippingModel(torch.nn.Module):
         return x if skip else self.b(x)
 
 
-def test_expert_counts_take_one_hook_and_count_only_the_layers_that_ran(tmp_path):
+def test_expert_counts_take_one_watch_and_count_only_the_layers_that_ran(tmp_path):
     mon = make_monitor(tmp_path, expert_every=2)
     model = mon.watch(SkippingModel())
-    assert not model.a._forward_hooks and not model.b._forward_hooks  # one hook, on the model
+    # no forward hook anywhere (one sends every call through nn.Module's slow path): one
+    # wrapper around the model's forward, which keeps its keyword arguments
+    assert not any(m._forward_hooks for m in model.modules()) and "forward" in vars(model)
     for step in range(4):
         with mon.step(tokens=4):
             model(torch.randn(1, 4), skip=step % 2 == 1)  # b runs at steps 0 and 2 only
