@@ -74,7 +74,7 @@ class CommWindow:
     on sampled steps only."""
 
     spans: list[tuple[Any, Any]] = field(default_factory=list)
-    wait: list[Any] = field(default_factory=lambda: [None, None])
+    wait: list[Any] = field(default_factory=functools.partial(list, (None, None)))  # no Python frame
     measured_s: float | None = None
     sampled: bool = False
     bytes_raw: int = 0

@@ -296,8 +296,11 @@ class Monitor:
             self._memory = self.probe.memory()
         detailed = scope.detailed
         comm = self._take_comm(detailed)
-        pending = PendingStep(step, tokens, wall, (start, end), scope.phases, comm, self._memory, detailed)
-        self._take_scalars(pending, scope.scalars)
+        scalars = scope.scalars
+        pending = PendingStep(
+            step, tokens, wall, (start, end), scope.phases, comm, self._memory, detailed, scalars
+        )
+        self._take_scalars(pending, scalars)
         self._pending.append(pending)
         if self.flight is not None:
             reduced = self._backward.take_open() if self._backward is not None else ()
@@ -324,7 +327,6 @@ class Monitor:
     def _take_scalars(self, p: PendingStep, scalars: dict[str, Any]) -> None:
         """Kept as references, read by the drain: host values then, device tensors through the
         window's one buffer (a logged tensor must not change in place afterwards)."""
-        p.scalars = scalars
         if self._host_only:  # every value is on the host: the drain reads them
             return
         on_device = [

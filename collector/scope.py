@@ -29,8 +29,10 @@ class PendingStep:
     comm: CommWindow
     memory: dict[str, int]
     detailed: bool = True  # phases and the wait timed (`detail_every`); NaN otherwise
+    # what was logged: set by the Monitor as the step ends (no default dict or list built on
+    # the training thread for steps that log nothing on the device)
     scalars: dict[str, Any] = field(default_factory=dict)
-    device_keys: list[str] = field(default_factory=list)
+    device_keys: tuple[str, ...] | list[str] = ()
     window: ScalarWindow | None = None
     offset: int = 0
 
