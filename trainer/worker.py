@@ -12,6 +12,7 @@ import time
 STARTED_AT = time.time()  # before the heavy imports: recovery accounting counts them
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import os  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from datetime import timedelta  # noqa: E402
@@ -169,6 +170,7 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
         state.applier = applier  # checkpointed; a resume replays what came after its checkpoint
         applier.replay_applied(elastic.resumed_at, elastic.resumed_controls)
         try:
+            freeze_heap()
             reason = train(state, mon, cfg, device, elastic, injector, applier)
             if audit is not None:
                 audit.uninstall()  # the steps are over: what follows is shutdown
@@ -196,6 +198,16 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
         mon.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def freeze_heap() -> None:
+    """What is built before the first step (torch, pandas, the model, the Monitor) lives as
+    long as the run: collect once and freeze it, so Python's cyclic GC never walks it again.
+    Unfrozen, a full collection walks ~350,000 objects here (~150 ms on this 2-core host) at
+    a step no two ranks share: the others wait for it in the next collective, a straggler
+    that is the collector's (Megatron-LM's `--manual-gc` exists for the same stall)."""
+    gc.collect()
+    gc.freeze()
 
 
 ENTRY_ENV = "MESHSCOPE_WORKER_ENTRY"  # the module whose main() a worker runs
