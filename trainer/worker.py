@@ -178,9 +178,8 @@ def run_worker(cfg: TrainerConfig, env: DistEnv, make_tracer: TracerFactory | No
             mon.fail(err)
             elastic.mark_failed(err)  # we failed, we did not vanish: not the culprit
             raise
-        for looker in (state.tracer, state.inspector):
-            if looker is not None:
-                looker.close()
+        for looker in filter(None, (state.tracer, state.inspector)):
+            looker.close()
         mon.flush()
         elastic.finish(state, reason)
         # done, or stopped by SIGTERM: every rank agreed on the same step, so all end here
