@@ -318,6 +318,9 @@ class TensorTracer:
         tensor = "output" if where == "forward" else "gradient"
         finding = Finding(self.names[index], where, tensor, step, self.rank, _class_of(experts), note)
         finding.experts = held_experts(self.model, self.names[index], local)
+        last = self._reported.get((finding.module, where, tensor))
+        if last is not None and step - last < self.config.repeat_after:
+            finding.note = "repeat"  # the same place again: said once per `repeat_after` steps
         return finding
 
     def _unlocalised(self, step: int, note: str) -> Finding:

@@ -46,9 +46,11 @@ def test_a_nan_that_arrived_non_finite_or_a_clean_step_names_nobody():
     assert made_here(sides[1:2] + sides[3:], flags[1:8] + flags[9:]) is None  # nothing seen arrive
 
 
-def _dropless_step(rank: int, world_size: int, run_dir: str, poisoned: int, watch: bool = True) -> list[dict]:
+def _dropless_step(
+    rank: int, world_size: int, run_dir: str, poisoned: int, watch: bool = True, at: tuple[int, ...] = (1,)
+) -> list[dict]:
     """Three dropless expert-parallel steps of the reference trainer with the tracer on; at
-    step 1 a NaN is made inside backward of rank 0's local expert `poisoned` (its output's
+    the steps `at` a NaN is made inside backward of rank 0's local expert `poisoned` (its output's
     gradient, past the exchange that brought it): each rank's findings."""
     from meshscope.tracer.trace import TensorTracer, TracerConfig
     from meshscope.trainer.inject import Injector
@@ -66,7 +68,7 @@ def _dropless_step(rank: int, world_size: int, run_dir: str, poisoned: int, watc
 
     def poisoned_one(index: int, x: torch.Tensor) -> torch.Tensor:
         y = one(index, x)
-        if rank == 0 and index == poisoned and state.step == 1 and y.requires_grad:
+        if rank == 0 and index == poisoned and state.step in at and y.requires_grad:
             y.register_hook(lambda g: g * math.nan)
         return y
 
@@ -96,3 +98,11 @@ def test_with_the_exchanges_unwatched_the_holder_cannot_place_it(tmp_path):
     """`tracer.exchanges = false`: nothing read at the exchanges, so no rank places the NaN."""
     ranks = run_ranks(_dropless_step, world_size=2, run_dir=str(tmp_path), poisoned=1, watch=False)
     assert [[f["module"] for f in found] for found in ranks] == [[""], [""]], ranks
+
+
+def test_the_same_expert_made_again_is_placed_once(tmp_path):
+    """A NaN made in the same expert at steps 1 and 2 is one finding (`repeat_after`), not one
+    a step; the peer reports each non-finite step unplaced."""
+    ranks = run_ranks(_dropless_step, world_size=2, run_dir=str(tmp_path), poisoned=1, at=(1, 2))
+    placed = [(r, f["step"], f["module"]) for r, found in enumerate(ranks) for f in found]
+    assert placed == [(0, 1, "blocks.0.moe.experts"), (1, 1, ""), (1, 2, "")], ranks
