@@ -42,8 +42,9 @@ def test_a_nan_that_arrived_non_finite_or_a_clean_step_names_nobody():
     arrived_bad = [math.nan] * 7  # the gradient reaching the experts was already NaN: made elsewhere
     assert made_here(*_step(CLEAN, math.nan, arrived_bad)) is None
     assert made_here(*_step(CLEAN, 1.0, CLEAN)) is None
-    sides, flags = _step(CLEAN, 1.0, CLEAN)
-    assert made_here(sides[1:2] + sides[3:], flags[1:8] + flags[9:]) is None  # nothing seen arrive
+    sides, sums = _step(CLEAN, 1.0, [math.nan] * 7)
+    assert made_here(sides, sums) == (EXPERTS, "backward", [0, 1])
+    assert made_here(sides[1:2] + sides[3:], sums[1:8] + sums[9:]) is None  # nothing seen arrive
 
 
 def _dropless_step(
