@@ -189,16 +189,7 @@ def main() -> None:
     )
     print(f"{'d_model':>7} {'plain ms':>9} " + " ".join(f"{v:>10}" for v in VARIANTS[1:]))
     for d_model in args.d_model:
-        with tempfile.TemporaryDirectory() as run_dir:
-            times = run_ranks(
-                bench,
-                args.ranks,
-                blocks=args.blocks,
-                block_steps=args.block_steps,
-                run_dir=run_dir,
-                d_model=d_model,
-                copies=args.copies,
-            )[0]
+        times = rank0(bench, args, d_model, copies=args.copies)
         # two identical plain copies differ by a few percent (memory layout): the baseline is
         # both, and `control` shows how far one of them strays from it
         base = statistics.median(times["plain"] + times["control"])
@@ -213,6 +204,13 @@ def main() -> None:
     print(f"nonfinite tracer's own cost: {nonfinite_cost_us():.1f} us of CPU per step")
 
 
+def rank0(fn, args: argparse.Namespace, d_model: int, **extra) -> dict:
+    """What rank 0 of `fn` returns, run on `args.ranks` ranks in a fresh run directory."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        kw = {"blocks": args.blocks, "block_steps": args.block_steps, "run_dir": run_dir, "d_model": d_model}
+        return run_ranks(fn, args.ranks, **kw, **extra)[0]
+
+
 def main_ep(args: argparse.Namespace) -> None:
     """`--ep`: nonfinite against no tracer on the trainer's expert-parallel step."""
     print(
@@ -220,16 +218,7 @@ def main_ep(args: argparse.Namespace) -> None:
         f"{args.blocks} blocks x {args.block_steps} steps per variant"
     )
     for d_model in args.d_model:
-        with tempfile.TemporaryDirectory() as run_dir:
-            got = run_ranks(
-                bench_ep,
-                args.ranks,
-                blocks=args.blocks,
-                block_steps=args.block_steps,
-                run_dir=run_dir,
-                d_model=d_model,
-                ep=args.ep,
-            )[0]
+        got = rank0(bench_ep, args, d_model, ep=args.ep)
         base = statistics.median(got["plain"])
         ratio = statistics.median(got["nonfinite"]) / base
         print(
