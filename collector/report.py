@@ -86,6 +86,17 @@ def after_abort(last_seen: float | None, aborts: list[float]) -> bool:
     return last_seen is not None and any(t - 1.0 <= float(last_seen) <= t + ABORT_WITHIN_S for t in aborts)
 
 
+def ranks_of(steps: pd.DataFrame, events: pd.DataFrame) -> int:
+    """How many ranks the run had: the largest world rank 0 announced at a start, or the ranks
+    that wrote steps (a node lost before its steps reached the job store still counts)."""
+    wrote = int(steps["rank"].nunique()) if not steps.empty else 0
+    if events.empty:
+        return wrote
+    starts = events.loc[events["kind"] == "run_start", "detail"]
+    worlds = [d.get("world_size") for d in starts if isinstance(d, dict)]
+    return max([wrote, *(int(w) for w in worlds if isinstance(w, int))])
+
+
 def busiest_host(events: pd.DataFrame) -> HostShare | None:
     """The most shared node, from the `host` events each node writes as it starts (None: no
     such event, a store from before them)."""

@@ -19,7 +19,7 @@ import pandas as pd
 
 from meshscope.collector.figures import balancedness as balancedness_of
 from meshscope.collector.figures import tokens_per_second, with_compute
-from meshscope.collector.report import after_abort, watchdog_aborts
+from meshscope.collector.report import after_abort, ranks_of, watchdog_aborts
 from meshscope.collector.rundir import STORE_LOCATOR
 from meshscope.collector.schema import anomaly_link
 from meshscope.collector.store import (
@@ -78,7 +78,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
         status = "ended before its first step"
     row.update(
         status=status,
-        ranks=int(steps["rank"].nunique()) if len(steps) else 0,
+        ranks=ranks_of(steps, events),
         steps=int(steps["step"].max()) + 1 if len(steps) else 0,
         step_s_p50=float(steps["step_s"].median()) if len(steps) else math.nan,
         tokens_per_s=tokens_per_second(steps),

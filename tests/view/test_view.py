@@ -314,3 +314,18 @@ def test_the_run_page_shows_where_the_time_went_as_the_account_has_it(runs, monk
     assert drawn["hang"]["job"] == pytest.approx(account.job["hang"]) and account.job["hang"] > 0
     colours = {t["name"]: t["marker"]["color"] for t in bars["data"]}
     assert colours["hang"] == "#8c564b" and colours["compute"] == "#2ca02c"  # fixed, whatever the run
+
+
+def test_a_job_that_lost_a_node_before_its_steps_were_stored_still_counts_its_ranks(tmp_path):
+    """Rank 0 announced a world of 4; only ranks 0 and 1 wrote steps (the other node lost power
+    before its first batch reached the job store): the job had 4 ranks, not 2."""
+    from meshscope.collector.schema import Event, StepRecord
+    from meshscope.collector.store import RunStore
+
+    run = tmp_path / "job"
+    store = RunStore(run)
+    store.add_event(Event(kind="run_start", run_id="job", rank=0, detail={"world_size": 4}))
+    for rank in (0, 1):
+        store.add_step(StepRecord(run_id="job", rank=rank, world_size=4, step=0, time=1e9, step_s=0.1))
+    store.close()
+    assert data.run_summary(run)["ranks"] == 4
