@@ -13,8 +13,11 @@ Online: each row is judged from the rows before it only. Per value column:
    own range and level, so a series that sits still does not divide by zero. A row judged
    anomalous adds its residual clipped to the size that flags: the scale learns the noise, not
    the anomalies (a larger anomaly after a smaller one is still news).
-3. **Score** with a tail probability, `anomaly_score` = 1 - P(|residual| this large), in [0, 1];
-   with several columns the row takes the most surprising one, Bonferroni-corrected.
+3. **Score** with a tail probability, 1 - P(|residual| this large), in [0, 1]; with several
+   columns the row takes the most surprising one, Bonferroni-corrected. `anomaly_score` ranks
+   rows as news: that score, halved on the rows of an episode after its onset. Those rows are
+   the episode's own, already said by its onset, so any threshold that keeps the onset keeps
+   one row of it, not every row until the scale has learnt the new level.
 4. **Flag onsets**: `is_anomaly` marks the first row of an anomalous episode; `in_episode`
    stays true until the series has been unsurprising for `quiet_rows` rows, so a level shift
    or a burst of spikes gives one flag, not one per row.
@@ -313,8 +316,9 @@ def _median(values: list[float]) -> float:
 def score_frame(
     df: pd.DataFrame, time_column: str, *, sensitivity: float = 1.0, config: SeriesConfig | None = None
 ) -> pd.DataFrame:
-    """Return `df` with `anomaly_score` (1 - tail probability, in [0, 1]), `is_anomaly` (the
-    onset of an anomalous episode) and `in_episode` per row. Online: rows are judged in time
+    """Return `df` with `anomaly_score` (1 - tail probability, in [0, 1]; halved after an
+    episode's onset, module doc), `is_anomaly` (the onset of an anomalous episode) and
+    `in_episode` per row. Online: rows are judged in time
     order, each from the rows before it only; the result keeps `df`'s own row order."""
     config = config or SeriesConfig.with_sensitivity(sensitivity)
     columns = [c for c in df.columns if c != time_column]
@@ -326,8 +330,9 @@ def score_frame(
         worst = min(d.update(float(v)) for d, v in zip(detectors, row, strict=True))
         tails[i] = min(1.0, worst * len(columns))
     onset, episode = flag_episodes(tails, config)
+    news = np.where(episode & ~onset, (1.0 - tails) / 2, 1.0 - tails)
     out = df.copy()
-    for name, by_time in (("anomaly_score", 1.0 - tails), ("is_anomaly", onset), ("in_episode", episode)):
+    for name, by_time in (("anomaly_score", news), ("is_anomaly", onset), ("in_episode", episode)):
         column = np.empty_like(by_time)
         column[order] = by_time  # back to the input's rows
         out[name] = column

@@ -120,6 +120,23 @@ def test_two_unusual_rows_in_a_row_open_an_episode_one_does_not():
     assert not flag_episodes(tails, config.model_copy(update={"pair_alpha": config.alpha}))[0][201]
 
 
+def test_the_score_ranks_an_episodes_onset_above_the_rows_that_follow_it():
+    """A level shift is news once: a threshold that keeps its onset keeps no later row of the
+    same episode, while a spike after the episode ranks as news again."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(50, 2, N)
+    x[1000:] += 10  # the episode: a new level the scale takes rows to learn
+    x[1900] += 40  # later news
+    scored = _score(x)
+    onsets = np.flatnonzero(scored["is_anomaly"].to_numpy())
+    assert 1000 <= onsets[0] <= 1005 and 1900 in onsets, onsets
+    score, episode = scored["anomaly_score"].to_numpy(), scored["in_episode"].to_numpy()
+    after_onset = np.flatnonzero(episode[:1900])
+    after_onset = after_onset[after_onset > onsets[0]]
+    assert len(after_onset) > 5 and score[after_onset].max() < score[onsets[0]], score[after_onset].max()
+    assert score[1900] >= score[onsets[0]] * 0.99
+
+
 def test_online_a_row_is_judged_from_the_rows_before_it_only():
     rng = np.random.default_rng(5)
     x = _daily() + rng.normal(0, 1, N)
