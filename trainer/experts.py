@@ -133,11 +133,14 @@ def exchange(
         mesh.count(x.numel() * x.element_size() - own)  # what leaves this rank
     if mesh.skip is not None and mesh.skip():  # a wrong branch: its own rows stay, peers wait
         return out.copy_(x) if out.shape == x.shape else out.zero_()
+    watch = mesh.watch if side is not None else None
+    if watch is not None and not side.feeds:  # what leaves: summed while the experts' output is warm
+        watch(side, x, out)
     timer = mesh.timer() if mesh.timer is not None else contextlib.nullcontext()
     with timer:
         dist.all_to_all_single(out, x, recv, send, group=mesh.ep_group)
-    if side is not None and mesh.watch is not None:
-        mesh.watch(side, x, out)
+    if watch is not None and side.feeds:
+        watch(side, x, out)
     return out
 
 
