@@ -48,6 +48,10 @@ class ExchangeSide:
         """The local expert of each row of what leaves."""
         return [expert for expert, rows in self.runs for _ in range(rows)]
 
+    def rows(self) -> int:
+        """Rows of what leaves the experts."""
+        return sum(rows for _, rows in self.runs)
+
 
 def experts_on(placement: Sequence[int], ep: int, rank: int) -> list[int]:
     """The experts `rank` holds under expert parallelism: slot s lives on EP rank s // (E/ep)

@@ -30,8 +30,8 @@ class TracerConfig(BaseModel):
     exchanges: bool = Field(
         True,
         description="under expert parallelism (where no re-run can place a NaN), sum what each "
-        "exchange carried for this rank's experts, so a holder names the experts that made one; "
-        "reads each exchanged value once (benchmarks/tracer_overhead.py --ep 2)",
+        "exchange sent and received, so the rank whose experts or own layers made one names "
+        "them; reads each exchanged value once (benchmarks/tracer_overhead.py --ep 2)",
     )
     max_lag_steps: int = Field(
         32,

@@ -13,24 +13,42 @@ Between what arrives for a rank's experts and what leaves from them in the same 
 those experts compute. So when what arrived was finite and rows that left are not, these
 experts made the NaN, on this rank: the holder names the layer's experts and which of them.
 A NaN made anywhere else reaches these experts non-finite, or never, and names nothing here.
+
+The other half of each exchange is this rank's own layers' (outside the experts): what they
+send to the experts (a dispatch forward, a combine's gradient) and what comes back to them (a
+combine forward, a dispatch's gradient), one sum each. This rank's own layers compute from
+its data, its weights and what came back to them. So when everything that came back so far
+was finite and what they send is not, this rank made the NaN (its weights are checked first):
+it names the layer whose exchange first carried it, tensor `input`. A NaN that came back from
+a peer's experts names nobody here.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from meshscope.collector.moe import ExchangeSide
 
+SENT, RECEIVED = True, False  # which half of an exchange a mark sums
+OWN_LAYERS_NOTE = (
+    "seen at its expert-parallel exchanges: the first non-finite thing this rank's own layers "
+    "sent to the experts (forward: this layer's input; backward: its output's gradient), while "
+    "all that came back to them was finite: made on this rank, outside the experts, before this "
+    "exchange (or its data)"
+)
+"""A finding's note when this rank's own layers made the NaN (`Made.local` None)."""
+
 
 class ExchangeWatch:
-    """This rank's look at its experts' exchanges in one step: the sum of what arrived for
-    them, and of each row that left from them."""
+    """This rank's look at its exchanges in one step: per exchange, the sum of what was sent
+    (one a row where it left this rank's experts) and of what arrived."""
 
     def __init__(self) -> None:
-        self._marks: list[tuple[ExchangeSide, torch.Tensor]] = []
+        self._marks: list[tuple[ExchangeSide, bool, torch.Tensor]] = []
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> ExchangeWatch | None:
@@ -43,26 +61,28 @@ class ExchangeWatch:
             mesh.watch = watch.seen
         return watch
 
-    def seen(self, side: ExchangeSide, sent: torch.Tensor, received: torch.Tensor) -> None:
-        """An exchange happened (called by the layer): its sums, on the device, no sync."""
-        if side.feeds:
-            flag = received.detach().sum(dtype=torch.float32).reshape(1)
-        else:
-            rows = sum(count for _, count in side.runs)
+    def seen(self, side: ExchangeSide, sent: torch.Tensor | None, received: torch.Tensor | None) -> None:
+        """Half an exchange (called by the layer): what it sends, before the exchange (still
+        warm), or what arrived, after it; its sums on the device, no sync."""
+        if sent is not None and not side.feeds:  # rows that left the experts: one sum a row
+            rows = side.rows()
             flat = sent.detach().reshape(rows, -1) if rows else sent.new_zeros(0, 1)
-            flag = flat.sum(dim=1, dtype=torch.float32)
-        self._marks.append((side, flag))
+            self._marks.append((side, SENT, flat.sum(dim=1, dtype=torch.float32)))
+            return
+        half = sent if sent is not None else received
+        assert half is not None
+        self._marks.append((side, sent is not None, half.detach().sum(dtype=torch.float32).reshape(1)))
 
     def clear(self) -> None:
         """A step starts: what an earlier forward (an evaluation) exchanged is not its own."""
         self._marks = []
 
-    def take(self) -> tuple[list[ExchangeSide], torch.Tensor | None]:
-        """The step's exchanges in order and their sums as one float tensor."""
+    def take(self) -> tuple[list[tuple[ExchangeSide, bool]], torch.Tensor | None]:
+        """The step's marks in order, (side, `SENT` or `RECEIVED`), and their sums as one tensor."""
         marks, self._marks = self._marks, []
         if not marks:
             return [], None
-        return [side for side, _ in marks], torch.cat([flag for _, flag in marks])
+        return [(side, half) for side, half, _ in marks], torch.cat([flag for _, _, flag in marks])
 
 
 def _split(module: torch.nn.Module) -> bool:
@@ -70,22 +90,37 @@ def _split(module: torch.nn.Module) -> bool:
     return mesh is not None and getattr(mesh, "ep", 1) > 1 and hasattr(mesh, "watch")
 
 
-def made_here(sides: list[ExchangeSide], sums: list[float]) -> tuple[Any, str, list[int]] | None:
-    """The first exchange, in execution order, whose rows left this rank's experts non-finite
-    while what arrived for them in that phase was finite: (the experts module, the phase, the
-    local experts of the bad rows); None when no experts of this rank made a NaN."""
+@dataclass(frozen=True)
+class Made:
+    """Where a NaN was made, as this rank's exchanges show it: by this rank's `experts` (the
+    local experts in `local`), or by this rank's own layers before the exchange (`local` None)."""
+
+    experts: Any
+    phase: str
+    local: list[int] | None
+
+
+def made_here(marks: list[tuple[ExchangeSide, bool]], sums: list[float]) -> Made | None:
+    """The first half-exchange, in execution order, that shows this rank made a NaN (module
+    doc): rows that left its experts non-finite while what fed them in that phase was finite,
+    or what its own layers sent non-finite while everything that came back to them so far was
+    finite; None when neither shows."""
     fed: dict[tuple[int, str], bool] = {}
-    at = 0
-    for side in sides:
-        count = 1 if side.feeds else sum(rows for _, rows in side.runs)
+    came_back_finite, at = True, 0
+    for side, half in marks:
+        count = side.rows() if half == SENT and not side.feeds else 1
         values, at = sums[at : at + count], at + count
+        finite = all(math.isfinite(v) for v in values)
         key = (id(side.experts), side.phase)
-        if side.feeds:
-            fed[key] = all(math.isfinite(v) for v in values)
-            continue
-        if not fed.pop(key, False):  # what they took in was bad already, or never seen
-            continue
-        bad = sorted({e for e, v in zip(side.row_experts(), values, strict=True) if not math.isfinite(v)})
-        if bad:
-            return side.experts, side.phase, bad
+        if side.feeds and half == RECEIVED:  # what fed this rank's experts
+            fed[key] = finite
+        elif not side.feeds and half == RECEIVED:  # what came back to this rank's own layers
+            came_back_finite = came_back_finite and finite
+        elif side.feeds:  # what this rank's own layers sent
+            if not finite and came_back_finite:
+                return Made(side.experts, side.phase, None)
+        elif fed.pop(key, False):  # rows that left the experts, fed finite in this phase
+            bad = sorted({e for e, v in zip(side.row_experts(), values, strict=True) if not math.isfinite(v)})
+            if bad:
+                return Made(side.experts, side.phase, bad)
     return None

@@ -14,8 +14,8 @@ Modes (`--trace`):
   land a step later, after the next update: a fault that was transient may then be gone, and
   the finding says so). The re-run's forward counts its MoE tokens a second time.
   Under expert parallelism no re-run is possible (it would need every EP peer): a rank looks
-  at its own weights, then at what its experts took in and gave out at each exchange
-  (`tracer.exchanges`, sums per exchange read with the loss).
+  at its own weights, then at what its experts and its own layers sent and received at each
+  exchange (`tracer.exchanges`, sums per exchange read with the loss).
 - `stats`: hooks on every `stats_every`-th step only: per-module absmax, norm, mean, std and
   non-finite count of each output, reduced on the device, into the run store (`tensor_stats`).
 - `full`: hooks on every step: stats every step, and findings judged from the step itself
@@ -40,7 +40,7 @@ import torch
 
 from meshscope.collector.readback import Readback
 from meshscope.tracer.config import TracerConfig
-from meshscope.tracer.exchanges import ExchangeWatch, made_here
+from meshscope.tracer.exchanges import OWN_LAYERS_NOTE, ExchangeWatch, made_here
 from meshscope.tracer.findings import (
     Finding,
     Report,
@@ -174,12 +174,12 @@ class TensorTracer:
             # the loss first: a rank whose own loss is finite but whose (all-reduced) gradient
             # norm is not only saw a peer's NaN, unless its own backward made it
             flags = [t.detach().float().reshape(()) for t in (loss, grad_norm) if isinstance(t, torch.Tensor)]
-            sides, exchanged = self._exchanges.take() if self._exchanges is not None else ([], None)
+            marks, exchanged = self._exchanges.take() if self._exchanges is not None else ([], None)
             if flags:
                 values = torch.stack(flags)
                 if exchanged is not None:
                     values = torch.cat([values, exchanged])
-                seen = (len(flags), sides)  # where the exchanges' flags start, and what they were
+                seen = (len(flags), marks)  # where the exchanges' flags start, and what they were
                 has_loss = isinstance(loss, torch.Tensor)
                 self._flags.append((self._step, Readback(values), rerun, self._rng, has_loss, seen))
             while self._flags and self._flags[0][1].ready():
@@ -233,13 +233,13 @@ class TensorTracer:
         self, step: int, flags: Readback, rerun: Any, rng: Any, has_loss: bool = False, seen: Any = (None, [])
     ) -> None:
         values = flags.value().tolist()  # host tensor: the landed copy
-        at, sides = seen  # the exchanges' sums follow the loss and the gradient norm
+        at, marks = seen  # the exchanges' sums follow the loss and the gradient norm
         if all(math.isfinite(v) for v in values[:at]):
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])
         if rerun is None:
             note = f"loss or gradient norm non-finite; {self.no_rerun}"
-            found = self._in_own_weights(step) or self._in_exchanges(step, sides, values[at:])
+            found = self._in_own_weights(step) or self._in_exchanges(step, marks, values[at:])
             self._emit(found or self._unlocalised(step, note))
             return
         self._localise(step, rerun, rng, report_transient=own_loss_bad or not has_loss)
@@ -306,18 +306,24 @@ class TensorTracer:
         finding.experts = held_experts(self.model, self.names[index], nonfinite_experts(module, params))
         return finding
 
-    def _in_exchanges(self, step: int, sides: list[Any], sums: list[float]) -> Finding | None:
-        """Without a re-run (expert parallelism): this rank's experts that took finite values
-        in at an exchange and gave non-finite ones out (`tracer.exchanges`); else None."""
-        made = made_here(sides, sums)
+    def _in_exchanges(self, step: int, marks: list[Any], sums: list[float]) -> Finding | None:
+        """Without a re-run (expert parallelism): what this rank's exchanges show it made
+        (`tracer.exchanges.made_here`): its experts, or its own layers; else None."""
+        made = made_here(marks, sums)
         if made is None:
             return None
-        experts, where, local = made
-        index = self.modules.index(experts)
-        note = "seen at its expert-parallel exchanges: finite in, non-finite out on this rank"
-        tensor = "output" if where == "forward" else "gradient"
-        finding = Finding(self.names[index], where, tensor, step, self.rank, _class_of(experts), note)
-        finding.experts = held_experts(self.model, self.names[index], local)
+        experts, where = made.experts, made.phase
+        name = self.names[self.modules.index(experts)]
+        if made.local is None:  # this rank's own layers sent it: named at the layer that carried it
+            name = name.rpartition(".")[0] or name
+            module: torch.nn.Module = self.model.get_submodule(name)
+            tensor, note = "input", OWN_LAYERS_NOTE
+        else:
+            module, tensor = experts, "output" if where == "forward" else "gradient"
+            note = "seen at its expert-parallel exchanges: finite in, non-finite out on this rank"
+        finding = Finding(name, where, tensor, step, self.rank, _class_of(module), note)
+        if made.local is not None:
+            finding.experts = held_experts(self.model, name, made.local)
         last = self._reported.get((finding.module, where, tensor))
         if last is not None and step - last < self.config.repeat_after:
             finding.note = "repeat"  # the same place again: said once per `repeat_after` steps

@@ -55,9 +55,10 @@ class ExpertMesh:
     miscount: Callable[[list[int]], list[int]] | None = None  # fault injection: a router's wrong splits
     skip: Callable[[], bool] | None = None  # fault injection: this rank leaves this exchange out
     mid_move: Callable[[], None] | None = None  # fault injection: inside a re-placement, before agreeing
-    # told each exchange as this rank's experts see it, with what was sent and what arrived
-    # (the tensor tracer, which places a NaN by it: `collector.moe.ExchangeSide`)
-    watch: Callable[[ExchangeSide, torch.Tensor, torch.Tensor], None] | None = None
+    # told each exchange as this rank's experts see it: what it sends (before), then what
+    # arrived (after), one of them None (the tensor tracer, which places a NaN by it:
+    # `collector.moe.ExchangeSide`)
+    watch: Callable[[ExchangeSide, torch.Tensor | None, torch.Tensor | None], None] | None = None
 
     @property
     def world(self) -> int:
@@ -134,13 +135,13 @@ def exchange(
     if mesh.skip is not None and mesh.skip():  # a wrong branch: its own rows stay, peers wait
         return out.copy_(x) if out.shape == x.shape else out.zero_()
     watch = mesh.watch if side is not None else None
-    if watch is not None and not side.feeds:  # what leaves: summed while the experts' output is warm
-        watch(side, x, out)
+    if watch is not None:  # what leaves, summed while it is still warm
+        watch(side, x, None)
     timer = mesh.timer() if mesh.timer is not None else contextlib.nullcontext()
     with timer:
         dist.all_to_all_single(out, x, recv, send, group=mesh.ep_group)
-    if watch is not None and side.feeds:
-        watch(side, x, out)
+    if watch is not None:
+        watch(side, None, out)
     return out
 
 

@@ -86,6 +86,23 @@ def test_under_expert_parallelism_the_holder_finds_a_poisoned_expert_in_its_own_
     assert "expert 2" in causes[0].title
 
 
+def test_under_expert_parallelism_the_rank_whose_own_layers_made_a_nan_in_backward_is_named(tmp_path):
+    """A NaN made outside the experts (in `blocks.1.attn`'s backward) on rank 1, from finite
+    weights: no re-run is possible, but rank 1 saw its own layers send a NaN gradient to the
+    experts while all that came back to them was finite, and names the layer whose exchange
+    first carried it (`blocks.0.moe`, the next below in backward order). Rank 0, whose layers
+    only saw what came back, places nothing; root cause names rank 1."""
+    from meshscope.explain.ranking import explain
+
+    events, found = _ep_run(tmp_path, "nan@step=3,rank=1,module=blocks.1.attn,where=backward", "--steps", "6")
+    nans = events[events["kind"] == "nan"][["rank", "step", "detail"]].to_string()
+    assert found == [(1, 3, "blocks.0.moe", [], "backward", "input")], nans
+    causes = explain(tmp_path / "ep")
+    assert causes[0].kind == "nonfinite" and causes[0].ranks == [1], [
+        (c.kind, c.ranks, c.title) for c in causes
+    ]
+
+
 @pytest.mark.parametrize("device", ["cpu", "sim"])  # gloo, and NCCL's semantics (simnccl)
 def test_under_expert_parallelism_the_holder_places_a_nan_its_expert_made_in_backward(tmp_path, device):
     """A NaN made in expert 1's backward on its holder (rank 0), from finite weights and a
