@@ -296,6 +296,8 @@ def _nonfinite(facts: RunFacts, w: Window) -> list[Cause]:
             f"{d.get('tensor', 'output')} of {where} ({d.get('class', '')}) on "
             f"{_who(ranks)}, the first module in execution order"
         ]
+        if d.get("note") and d["note"] != "repeat":  # how it was placed (a re-run, weights, exchanges)
+            evidence.append(d["note"])
     else:
         what, value = d.get("what", "loss"), d.get("value")
         title = f"{what} became {value or 'non-finite'} at step {step}"
