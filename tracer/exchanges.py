@@ -85,6 +85,23 @@ class ExchangeWatch:
         return [(side, half) for side, half, _ in marks], torch.cat([flag for _, _, flag in marks])
 
 
+ARRIVED_NOTE = (
+    "non-finite at its experts' input, which arrived from its expert-parallel peers while "
+    "every module before it on this rank gave finite outputs: made on another rank"
+)
+"""A finding's note when a NaN reached this rank's experts from a peer (no place, no rank)."""
+
+
+def fed_by_peers(model: torch.nn.Module) -> set[int]:
+    """The modules (ids) whose input arrives through an expert-parallel exchange: each split
+    layer's experts. A NaN first seen at their input was made on a peer."""
+    return {
+        id(m.experts)
+        for m in model.modules()
+        if _split(m) and isinstance(getattr(m, "experts", None), torch.nn.Module)
+    }
+
+
 def _split(module: torch.nn.Module) -> bool:
     mesh = getattr(module, "expert_mesh", None)
     return mesh is not None and getattr(mesh, "ep", 1) > 1 and hasattr(mesh, "watch")

@@ -40,7 +40,7 @@ import torch
 
 from meshscope.collector.readback import Readback
 from meshscope.tracer.config import TracerConfig
-from meshscope.tracer.exchanges import OWN_LAYERS_NOTE, ExchangeWatch, made_here
+from meshscope.tracer.exchanges import ARRIVED_NOTE, OWN_LAYERS_NOTE, ExchangeWatch, fed_by_peers, made_here
 from meshscope.tracer.findings import (
     Finding,
     Report,
@@ -97,6 +97,7 @@ class TensorTracer:
         # took in and gave out at each exchange (`tracer.exchanges`)
         watched = self.config.exchanges and self.config.mode in ("nonfinite", "stats")
         self._exchanges = ExchangeWatch.install(model) if watched else None
+        self._fed_by_peers = fed_by_peers(model)
 
     # --- hooks ----------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -404,6 +405,8 @@ class TensorTracer:
         if not _finite(list(module.parameters(recurse=False))):
             return self._make(step, index, "forward", "parameter", args=args, output=output)
         if not _finite(list(args)):
+            if id(module) in self._fed_by_peers:  # it came through the exchange: not this rank's
+                return self._unlocalised(step, ARRIVED_NOTE)
             return self._make(
                 step,
                 index,

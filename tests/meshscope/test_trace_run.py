@@ -86,6 +86,22 @@ def test_under_expert_parallelism_the_holder_finds_a_poisoned_expert_in_its_own_
     assert "expert 2" in causes[0].title
 
 
+def test_full_tracing_under_expert_parallelism_never_names_the_rank_a_nan_only_reached(tmp_path):
+    """`--trace full` hooks every module on every step: rank 0's poisoned attention is found
+    there, and rank 1, whose experts only received the NaN through the exchange, names no
+    module (before, it named its experts' input, and root cause named both ranks)."""
+    from meshscope.explain.ranking import explain
+
+    events, found = _ep_run(
+        tmp_path, "nan@step=3,rank=0,module=blocks.0.attn", "--steps", "6", "--trace", "full"
+    )
+    assert found == [(0, 3, "blocks.0.attn", [], "forward", "parameter")], events[events["kind"] == "nan"]
+    causes = explain(tmp_path / "ep")
+    assert causes[0].kind == "nonfinite" and causes[0].ranks == [0], [
+        (c.kind, c.ranks, c.title) for c in causes
+    ]
+
+
 def test_under_expert_parallelism_the_rank_whose_own_layers_made_a_nan_in_backward_is_named(tmp_path):
     """A NaN made outside the experts (in `blocks.1.attn`'s backward) on rank 1, from finite
     weights: no re-run is possible, but rank 1 saw its own layers send a NaN gradient to the
