@@ -117,11 +117,15 @@ class Made:
     local: list[int] | None
 
 
-def made_here(marks: list[tuple[ExchangeSide, bool]], sums: list[float]) -> Made | None:
+def made_here(
+    marks: list[tuple[ExchangeSide, bool]], sums: list[float], loss_finite: bool = True
+) -> Made | None:
     """The first half-exchange, in execution order, that shows this rank made a NaN (module
     doc): rows that left its experts non-finite while what fed them in that phase was finite,
     or what its own layers sent non-finite while everything that came back to them so far was
-    finite; None when neither shows."""
+    finite; None when neither shows. `loss_finite`: this rank's own loss is known finite; else
+    its own layers' backward may start from a non-finite loss, and is not shown to be where the
+    NaN was made."""
     fed: dict[tuple[int, str], bool] = {}
     came_back_finite, at = True, 0
     for side, half in marks:
@@ -134,7 +138,7 @@ def made_here(marks: list[tuple[ExchangeSide, bool]], sums: list[float]) -> Made
         elif not side.feeds and half == RECEIVED:  # what came back to this rank's own layers
             came_back_finite = came_back_finite and finite
         elif side.feeds:  # what this rank's own layers sent
-            if not finite and came_back_finite:
+            if not finite and came_back_finite and (loss_finite or side.phase == "forward"):
                 return Made(side.experts, side.phase, None)
         elif fed.pop(key, False):  # rows that left the experts, fed finite in this phase
             bad = sorted({e for e, v in zip(side.row_experts(), values, strict=True) if not math.isfinite(v)})

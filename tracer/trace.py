@@ -238,10 +238,11 @@ class TensorTracer:
         if all(math.isfinite(v) for v in values[:at]):
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])
-        if rerun is None:
-            note = f"loss or gradient norm non-finite; {self.no_rerun}"
-            found = self._in_own_weights(step) or self._in_exchanges(step, marks, values[at:])
-            self._emit(found or self._unlocalised(step, note))
+        if rerun is None:  # the loss known finite: a NaN seen in backward began there
+            found = self._in_own_weights(step) or self._in_exchanges(
+                step, marks, values[at:], has_loss and not own_loss_bad
+            )
+            self._emit(found or self._unlocalised(step, f"loss or gradient norm non-finite; {self.no_rerun}"))
             return
         self._localise(step, rerun, rng, report_transient=own_loss_bad or not has_loss)
 
@@ -294,23 +295,17 @@ class TensorTracer:
         module = self.modules[index]
         lag = max(0, self._step - step)
         seen = f"found in this rank's own weights{f' {lag} steps later' if lag else ''}, without a re-run"
-        finding = Finding(
-            self.names[index],
-            "forward",
-            "parameter",
-            step,
-            self.rank,
-            _class_of(module),
-            seen,
-        )
+        finding = Finding(self.names[index], "forward", "parameter", step, self.rank, _class_of(module), seen)
         params = list(module.parameters(recurse=False))
         finding.experts = held_experts(self.model, self.names[index], nonfinite_experts(module, params))
         return finding
 
-    def _in_exchanges(self, step: int, marks: list[Any], sums: list[float]) -> Finding | None:
+    def _in_exchanges(
+        self, step: int, marks: list[Any], sums: list[float], loss_finite: bool
+    ) -> Finding | None:
         """Without a re-run (expert parallelism): what this rank's exchanges show it made
         (`tracer.exchanges.made_here`): its experts, or its own layers; else None."""
-        made = made_here(marks, sums)
+        made = made_here(marks, sums, loss_finite)
         if made is None:
             return None
         experts, where = made.experts, made.phase

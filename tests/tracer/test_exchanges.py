@@ -57,20 +57,20 @@ CLEAN = [FINE] * 7
 
 def test_rows_a_holders_experts_made_non_finite_from_finite_input_name_those_experts():
     bad_in_expert_1 = [1.0, 1.0, 1.0, 1.0, math.nan, 1.0, 1.0]  # a row of the last piece: expert 1
-    assert made_here(*_step(CLEAN, 1.0, bad_in_expert_1)) == Made(EXPERTS, "backward", [1])
+    assert made_here(*_step(CLEAN, 1.0, bad_in_expert_1), True) == Made(EXPERTS, "backward", [1])
     forward_bad = [math.inf, 2.0, 1.0, math.nan, 1.0, 1.0, 1.0]  # expert 0's rows
-    assert made_here(*_step(forward_bad, 1.0, bad_in_expert_1)) == Made(EXPERTS, "forward", [0])
+    assert made_here(*_step(forward_bad, 1.0, bad_in_expert_1), True) == Made(EXPERTS, "forward", [0])
 
 
 def test_a_nan_that_arrived_non_finite_or_a_clean_step_names_nobody():
     arrived_bad = [math.nan] * 7  # the gradient reaching the experts was already NaN: made elsewhere
-    assert made_here(*_step(CLEAN, math.nan, arrived_bad)) is None
-    assert made_here(*_step(CLEAN, 1.0, CLEAN)) is None
+    assert made_here(*_step(CLEAN, math.nan, arrived_bad), True) is None
+    assert made_here(*_step(CLEAN, 1.0, CLEAN), True) is None
     marks, sums = _step(CLEAN, 1.0, [math.nan] * 7)
-    assert made_here(marks, sums) == Made(EXPERTS, "backward", [0, 1])
+    assert made_here(marks, sums, True) == Made(EXPERTS, "backward", [0, 1])
     kept = [i for i, (side, half) in enumerate(marks) if not (side.feeds and half == RECEIVED)]
     values = _flat(marks, sums)  # without what fed the experts: nothing seen arrive
-    assert made_here([marks[i] for i in kept], [v for i in kept for v in values[i]]) is None
+    assert made_here([marks[i] for i in kept], [v for i in kept for v in values[i]], True) is None
 
 
 def _flat(marks: list, sums: list[float]) -> list:
@@ -86,18 +86,34 @@ def _flat(marks: list, sums: list[float]) -> list:
 def test_what_this_ranks_own_layers_sent_non_finite_names_the_layer_that_carried_it():
     """Its own layers computed from what came back (finite) and sent a NaN: this rank made it,
     forward or backward, before any expert of its own made one later."""
-    assert made_here(*_step(CLEAN, 1.0, CLEAN, own_sent=(math.nan, FINE))) == Made(EXPERTS, "forward", None)
-    assert made_here(*_step(CLEAN, 1.0, CLEAN, own_sent=(FINE, math.inf))) == Made(EXPERTS, "backward", None)
+    assert made_here(*_step(CLEAN, 1.0, CLEAN, own_sent=(math.nan, FINE)), True) == Made(
+        EXPERTS, "forward", None
+    )
+    assert made_here(*_step(CLEAN, 1.0, CLEAN, own_sent=(FINE, math.inf)), True) == Made(
+        EXPERTS, "backward", None
+    )
     # its own layers sent it before its experts' rows left non-finite: the first is the verdict
     later = [math.nan] * 7
-    assert made_here(*_step(later, 1.0, CLEAN, own_sent=(math.nan, FINE))) == Made(EXPERTS, "forward", None)
+    assert made_here(*_step(later, 1.0, CLEAN, own_sent=(math.nan, FINE)), True) == Made(
+        EXPERTS, "forward", None
+    )
+
+
+def test_a_nan_this_ranks_backward_sent_names_nobody_when_its_loss_was_not_finite():
+    """Its own loss already non-finite (a NaN made after its last expert layer, in forward):
+    the NaN its backward sends began in forward, not in backward: no place from here."""
+    own_backward_bad = _step(CLEAN, 1.0, CLEAN, own_sent=(FINE, math.nan))
+    assert made_here(*own_backward_bad, False) is None
+    assert made_here(*_step(CLEAN, 1.0, CLEAN, own_sent=(math.nan, FINE)), False) == Made(
+        EXPERTS, "forward", None
+    )
 
 
 def test_a_nan_that_came_back_from_a_peer_names_nobody_here():
     """What came back to this rank's own layers was already non-finite: what they send next
     is not theirs to answer for."""
     came_back_bad = _step(CLEAN, 1.0, CLEAN, own_sent=(FINE, math.nan), came_back=(math.nan, FINE))
-    assert made_here(*came_back_bad) is None
+    assert made_here(*came_back_bad, True) is None
 
 
 def _dropless_step(
@@ -155,8 +171,10 @@ def test_the_same_expert_made_again_is_placed_once(tmp_path):
     assert placed == [(0, 1, "blocks.0.moe.experts"), (1, 1, ""), (1, 2, "")], ranks
 
 
-def _attention_nan_step(rank: int, world_size: int, run_dir: str, dispatch: str) -> list[dict]:
-    """Three expert-parallel steps; at step 1 rank 0's `blocks.1.attn` gives a NaN output from
+def _overflow_step(
+    rank: int, world_size: int, run_dir: str, dispatch: str, module: str = "blocks.1.attn"
+) -> list[dict]:
+    """Three expert-parallel steps; at step 1 rank 0's `module` gives an Inf output from
     finite weights (an overflow): each rank's findings."""
     from meshscope.tracer.trace import TensorTracer, TracerConfig
     from tests.trainer.test_experts import _trainer
@@ -167,12 +185,12 @@ def _attention_nan_step(rank: int, world_size: int, run_dir: str, dispatch: str)
         state.model, TracerConfig(), rank=rank, report=lambda kind, step, d: found.append({**d, "step": step})
     )
 
-    def overflow(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    def overflow(hooked: torch.nn.Module, args: Any, output: Any) -> Any:
         if rank == 0 and state.step == 1:
-            return (output[0] * math.inf, *output[1:])
+            return (output[0] * math.inf, *output[1:]) if isinstance(output, tuple) else output * math.inf
         return output
 
-    state.model.blocks[1].attn.register_forward_hook(overflow)
+    state.model.get_submodule(module).register_forward_hook(overflow)
     return _three_steps(rank, cfg, dev, mon, state, found)
 
 
@@ -194,9 +212,18 @@ def _three_steps(rank: int, cfg: Any, dev: Any, mon: Any, state: Any, found: lis
 def test_a_rank_whose_attention_made_a_nan_in_forward_names_the_layer_that_carried_it(tmp_path, dispatch):
     """Rank 0's attention overflows with finite weights: rank 0 alone places it, at the input
     of the next expert layer (`blocks.1.moe`); rank 1 reports its non-finite step unplaced."""
-    ranks = run_ranks(_attention_nan_step, world_size=2, run_dir=str(tmp_path), dispatch=dispatch)
+    ranks = run_ranks(_overflow_step, world_size=2, run_dir=str(tmp_path), dispatch=dispatch)
     placed = [
         (r, f["step"], f["module"], f["where"], f["tensor"]) for r, found in enumerate(ranks) for f in found
     ]
     assert placed[0] == (0, 1, "blocks.1.moe", "forward", "input"), ranks
     assert all(module == "" for r, _, module, _, _ in placed[1:] if r == 1), ranks
+
+
+def test_a_nan_made_after_the_last_expert_layer_in_forward_is_not_placed_in_backward(tmp_path):
+    """Rank 0's final norm overflows: nothing it sent in forward was non-finite, and its
+    backward then sends NaN from a non-finite loss. That began in forward, so no rank places
+    it at an exchange (before, rank 0 named `blocks.1.moe` in backward: the wrong phase)."""
+    ranks = run_ranks(_overflow_step, world_size=2, run_dir=str(tmp_path), dispatch="dropless", module="ln_f")
+    told = [(r, f["step"], f["module"]) for r, found in enumerate(ranks) for f in found]
+    assert told == [(0, 1, ""), (1, 1, "")], ranks
