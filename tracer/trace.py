@@ -238,7 +238,7 @@ class TensorTracer:
         if all(math.isfinite(v) for v in values[:at]):
             return
         own_loss_bad = has_loss and not math.isfinite(values[0])
-        if rerun is None:  # the loss known finite: a NaN seen in backward began there
+        if rerun is None:  # own weights, then exchanges (backward ones count with a finite loss)
             found = self._in_own_weights(step) or self._in_exchanges(
                 step, marks, values[at:], has_loss and not own_loss_bad
             )
