@@ -203,8 +203,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     at = tuple(args.at)
-    score = skab_scorer(args.skab)
+    if not all(sens > 0 for sens in at):
+        parser.error(f"--at: sensitivities must be > 0, got {list(at)}")
     files = load_corpus(args.skab)
+    if not files or not (args.skab / "core" / "metrics.py").is_file():
+        parser.error(f"--skab: {args.skab} is not a SKAB checkout (data/*/*.csv and core/metrics.py)")
+    score = skab_scorer(args.skab)
     rows = []
     t0 = time.perf_counter()
     ours = [score_frame(f.sensors.reset_index(), "datetime") for f in files]
