@@ -40,6 +40,7 @@ import time
 
 from _common import machine, run_ranks
 
+from meshscope.collector.monitor import _fast
 from meshscope.collector.scope import Untimed
 
 
@@ -49,12 +50,19 @@ class CostMeter:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.by_entry: dict[str, list[float]] = {}  # name -> [seconds, calls]: where it goes
+        self.self_metered: set[str] = set()  # entries metered in C (`add_metered`)
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds += seconds
         spent = self.by_entry.setdefault(name, [0.0, 0])
         spent[0] += seconds
         spent[1] += 1
+
+    def add_metered(self, name: str, seconds: float, calls: int) -> None:
+        """An entry metered where it runs (in C): no meter of ours around it to take off."""
+        self.seconds += seconds
+        self.by_entry[name] = [seconds, calls]
+        self.self_metered.add(name)
 
     def wrap(self, fn):
         name = fn.__qualname__
@@ -80,8 +88,10 @@ class CostMeter:
                 self.value = self.inner.__enter__()
                 # a phase of an untimed step is a C no-op (`collector.scope`): what the meter
                 # says its exit cost is the meter's own cost (`meter_bias`)
-                self.name = METER_PROBE if type(self.inner) is UNTIMED_PHASE else name
+                self.name = METER_PROBE if type(self.inner) in UNTIMED_PHASES else name
                 meter.add(f"{self.name} enter", time.thread_time() - start)
+                if _fast is not None and type(self.value) is _fast.Steps:  # an untimed step in C
+                    self.value = MeteredScope(self.value, meter)
 
             def __enter__(self):
                 return self.value
@@ -99,8 +109,18 @@ class CostMeter:
         return enter
 
 
+class MeteredScope:
+    """The scope of an untimed step C runs (`collector/_fast.c`), its `phase` and `log`
+    metered as the Python scope's are."""
+
+    def __init__(self, scope, meter: CostMeter) -> None:
+        self.phase = meter.wrap_context(scope.phase)
+        self.log = meter.wrap(scope.log)
+
+
 METER_PROBE = "StepScope.phase (untimed)"
-UNTIMED_PHASE = type(Untimed())  # the contexts of an untimed step's phases
+# the contexts of an untimed step's phases: Python's, and C's
+UNTIMED_PHASES = (type(Untimed()),) + ((_fast.NoOp,) if _fast is not None else ())
 
 
 def meter_bias(entries: dict[str, tuple[float, float]]) -> float:
@@ -306,8 +326,14 @@ def bench(
     instrument_costs(mon, cost)
     watched.turn(False)
     watched.turn(True)  # its forward watched again, through the meter
+    if _fast is not None:  # C meters the forward watch's body it runs (no Python entry to wrap)
+        _fast.meter(True)
     for i in range(account_steps):
         step_watched(model, ddp, opt, i)
+    if _fast is not None:
+        for name, (seconds, calls) in _fast.metered().items():
+            cost.add_metered(name, seconds, calls)
+        _fast.meter(False)
     mon.close()
     parts = {
         "in_step": cost.seconds / account_steps,
@@ -322,6 +348,7 @@ def bench(
         "cost_per_step": sum(parts.values()),
         "parts": parts,
         "entries": {k: (sec / account_steps, n / account_steps) for k, (sec, n) in cost.by_entry.items()},
+        "self_metered": sorted(cost.self_metered),
     }
 
 
@@ -447,7 +474,8 @@ def main() -> None:
             "    in step by entry, us/step (calls/step): "
             + ", ".join(f"{k} {sec * 1e6:.0f} ({calls:.1f})" for k, (sec, calls) in entries)
         )
-        bias, calls = meter_bias(results[0]["entries"]), sum(n for _, n in results[0]["entries"].values())
+        entries, in_c = results[0]["entries"], set(results[0]["self_metered"])
+        bias, calls = meter_bias(entries), sum(n for k, (_, n) in entries.items() if k not in in_c)
         net = results[0]["parts"]["in_step"] - bias * calls
         print(
             f"    training thread less the meter: {net * 1e6:.0f} us/step (the meter: {bias * 1e6:.1f} us "

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshscope.collector.native import fast as _fast
 from meshscope.collector.probe import DeviceProbe
 from meshscope.collector.schema import HOP_KINDS
 
@@ -118,6 +119,9 @@ class CommMeter:
         self.probe = probe
         self._lock = threading.Lock()  # completions arrive on the backend's threads
         self._window = CommWindow(sampled=True)
+        # something was put in the window since the last take: an untimed step that ends with
+        # it clean leaves it in place (`collector/_fast.c` swaps no window then)
+        self._dirty = False
 
     @property
     def sampling(self) -> bool:
@@ -127,6 +131,7 @@ class CommMeter:
     def count(self, raw: int, wire: int, inter: int = 0) -> None:
         """Add a bucket's raw, on-the-wire and across-nodes bytes to this window."""
         with self._lock:
+            self._dirty = True
             self._window.bytes_raw += raw
             self._window.bytes_wire += wire
             self._window.bytes_inter += inter
@@ -134,6 +139,7 @@ class CommMeter:
     def count_exchange(self, wire: int) -> None:
         """Add the bytes one expert all-to-all sent to this window."""
         with self._lock:
+            self._dirty = True
             self._window.bytes_a2a += wire
 
     def launched(self, raw: int, wire: int, inter: int = 0) -> list[Any]:
@@ -141,6 +147,7 @@ class CommMeter:
         mark = self.probe.mark()
         span = [mark, None]
         with self._lock:
+            self._dirty = True
             self._window.bytes_raw += raw
             self._window.bytes_wire += wire
             self._window.bytes_inter += inter
@@ -156,6 +163,7 @@ class CommMeter:
     def add_hop(self, kind: str, start: Any, end: Any) -> None:
         """A timed hop's marks, into the step in progress."""
         with self._lock:
+            self._dirty = True
             self._window.hops.append((kind, start, end))
 
     def completed(self, span: list[Any]) -> None:
@@ -164,16 +172,19 @@ class CommMeter:
 
     def compute_done(self) -> None:
         """Backward finished: the wait for communication starts."""
+        self._dirty = True
         self._window.wait[0] = self.probe.mark()
 
     def reduced(self) -> None:
         """Every bucket is reduced: the wait for communication ends."""
+        self._dirty = True
         self._window.wait[1] = self.probe.mark()
 
     def take(self, sample_next: bool = True) -> CommWindow:
         """This step's window; the next one is sampled when `sample_next`."""
         with self._lock:
             window, self._window = self._window, CommWindow(sampled=sample_next)
+            self._dirty = False
         return window
 
 
@@ -245,10 +256,13 @@ class BackwardWatch:
         self._token: Any = None
         self._open: list[Any] = []  # records opened at a forward's end on an untimed step
         self._reduced = False  # a backward that reduces gradients ran since the last take
+        # (Steps, this watch, ExpertCounts): the Monitor's untimed steps watch in C
+        # (`collector/_fast.c` does what `_on_forward` does on such a step)
+        self.fast: tuple[Any, BackwardWatch, Any] | None = None
 
     def attach(self, model: torch.nn.Module) -> None:
         """Watch `model`'s forwards so the end of its backward is seen."""
-        after_forward(model, self._on_forward)
+        after_forward(model, self._on_forward, self.fast)
 
     def take_reduced(self) -> bool:
         """Whether a forward whose backward reduces gradients ran since the last call (on a
@@ -301,12 +315,17 @@ class BackwardWatch:
             self.record.end(token)
 
 
-def after_forward(model: torch.nn.Module, hook: Callable[[torch.nn.Module, Any, Any], None]) -> None:
+def after_forward(
+    model: torch.nn.Module, hook: Callable[[torch.nn.Module, Any, Any], None], fast: Any = None
+) -> None:
     """Call `hook(model, args, output)` after each forward of `model`, as a forward hook would,
     by wrapping its `forward`: any forward hook sends every call of the module through
     nn.Module's slow path (~7 us a call more on a 2-core host, `benchmarks/forward_watch.py`),
-    where the wrapper costs one Python frame."""
+    where the wrapper costs one Python frame, or none in C. `fast`: `BackwardWatch.fast`."""
     forward = model.forward
+    if _fast is not None:
+        model.forward = _fast.Forward(forward, hook, model, fast)
+        return
 
     @functools.wraps(forward)
     def watched(*args: Any, **kwargs: Any) -> Any:

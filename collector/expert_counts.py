@@ -76,6 +76,7 @@ class ExpertCounts:
         self._in_flight: tuple[int, torch.Tensor, Any] | None = None
         self._reads: list[tuple[int, Readback]] = []
         self._work: list[torch.Tensor | None] = []  # this rank's experts' tokens, per layer
+        self._idle_work: list[Any] = []
         self._work_reads: list[tuple[int, Readback]] = []
         # Host counts may be summed off the training thread (module doc): set by the Monitor,
         # decided at the first window (listeners are registered after the Monitor is built)
@@ -92,20 +93,23 @@ class ExpertCounts:
         self.layers = find_moe_layers(model)
         self._seen = [_stamp(m.expert_token_counts) for m in self.layers]
         self._work = [None] * len(self.layers)
+        self._idle_work: list[Any] = [None] * len(self.layers)  # C's: each layer's empty `expert_work`
         if hook and self.layers:
             after_forward(model, self._on_forward)
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.forward_done()
 
-    def forward_done(self) -> None:
+    def forward_done(self, start: int = 0) -> None:
         """Note the counts of every layer that ran in the forward just finished: a reference
         to a layer's new tensor, summed with the rest once a window (`_window_sum`), or a copy
         when the layer updates one tensor in place. No device op per forward for a layer that
         hands out new counts (each op costs the step a dispatch), and no sync either way. A
-        layer run twice in one forward counts its last run (the protocol's "last forward")."""
+        layer run twice in one forward counts its last run (the protocol's "last forward").
+        `start`: the first layer to look at (C noted those before, `collector/_fast.c`)."""
         noted, seen_by_layer = self._noted, self._seen
-        for layer, module in enumerate(self.layers):
+        for layer in range(start, len(self.layers)):
+            module = self.layers[layer]
             counts = module.expert_token_counts
             seen, version = seen_by_layer[layer]
             if counts is not seen and not counts.is_inference():  # new counts: a reference
@@ -118,8 +122,12 @@ class ExpertCounts:
                 noted.append((layer, _copy(counts), None))
             else:
                 continue  # the layer did not run
-            if (work := expert_work(module)) is not None:  # expert parallelism: this rank's experts
-                self._add_work(layer, work)
+            self._note_work(layer, module)
+
+    def _note_work(self, layer: int, module: torch.nn.Module) -> None:
+        """Under expert parallelism, the tokens this rank's experts of `layer` processed."""
+        if (work := expert_work(module)) is not None:
+            self._add_work(layer, work)
 
     def _add_work(self, layer: int, work: torch.Tensor) -> None:
         with torch.inference_mode(False):  # the window's sums stay normal tensors

@@ -80,6 +80,7 @@ from meshscope.collector.flightread import (
     groups_path,
     write_header,
 )
+from meshscope.collector.native import fast as _fast
 from meshscope.collector.stacks import (
     StackResponder,
     crash_path,
@@ -251,7 +252,9 @@ class FlightLog:
 
     def append_fixed(self, name: str, tail: bytes, step: int | None = None) -> int:
         """`append` for a record whose other fields are packed already
-        (`flightfixed.fixed_tail`): its slot."""
+        (`flightfixed.fixed_tail`): its slot. In C where built (`collector/_fast.c`)."""
+        if _fast is not None:
+            return _fast.append_fixed(self, name, tail, step)
         with self._lock:
             seq = self._seq.get(name, 0)
             self._seq[name] = seq + 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -37,18 +36,20 @@ from meshscope.collector.comm import (
     instrument_hook,
 )
 from meshscope.collector.control import ControlPlane
+from meshscope.collector.drain import READ_MEMORY, StepDrain
 from meshscope.collector.env import DistEnv, HostShare, process_start_time
 from meshscope.collector.expert_counts import ExpertCounts
 from meshscope.collector.exporter import RANK_JOB, PortInUseError, port_for, serve_metrics, write_targets
 from meshscope.collector.flightfixed import ReductionRecord
 from meshscope.collector.flightlog import FlightLog
+from meshscope.collector.flightread import STEP_OFFSET
 from meshscope.collector.metrics import MeshscopeMetrics
 from meshscope.collector.monitor_config import MonitorConfig
-from meshscope.collector.probe import DeviceProbe, HostProbe, mark_ready, wait_mark
+from meshscope.collector.native import fast as _fast
+from meshscope.collector.probe import DeviceProbe, HostProbe
 from meshscope.collector.readback import ScalarWindow
-from meshscope.collector.schema import Event, StepRecord
-from meshscope.collector.scope import PendingStep, StepContext, StepScope
-from meshscope.collector.service import Service
+from meshscope.collector.schema import Event
+from meshscope.collector.scope import PendingStep, StepContext, StepCounter, StepScope
 from meshscope.collector.store import RunStore
 from meshscope.collector.version import VERSION
 
@@ -89,9 +90,17 @@ class Monitor:
         # Built here on every rank (a side group is collective) unless the caller shares one.
         self.control = control if control is not None else ControlPlane.maybe()
         # steps the training thread finished, oldest first: it appends, the drain pops
-        self._pending: deque[PendingStep] = deque()
-        self._drain_lock = threading.Lock()  # the service's rounds against flush and close
-        self._memory: dict[str, int] = {}  # the latest memory read (one step in memory_every)
+        self._pending: deque[PendingStep | tuple] = deque()  # a tuple: a step C took
+        # Untimed host steps run in C (`_route_steps`): `mon.step` is then its context
+        self._steps = (
+            None
+            if _fast is None
+            else _fast.Steps(self, self._pending, self._detail_every, self._memory_every, STEP_OFFSET)
+        )
+        self._counter: Any = self._steps if self._steps is not None else StepCounter()
+        if self._steps is not None:
+            self.step = self._steps.step  # type: ignore[method-assign]
+        self._memory: dict[str, int] = {}  # a device's latest memory read (one step in memory_every)
         self._window = ScalarWindow()
         self._window_steps = 0
         self.experts = ExpertCounts(config.expert_every)
@@ -103,15 +112,11 @@ class Monitor:
         # first window closes: without a listener then, host windows are summed off the
         # training thread for the whole run (`collector.expert_counts`).
         self.expert_load_listeners = self.experts.listeners
-        self._step = -1
         self._server = None
         self._closed = False
-        self._logged_keys: set[str] = set()
-        self._unreadable: set[str] = set()  # logged keys whose value was no number (said once)
         # run_start and run_end written (by the trainer, else at the first step and at close)
         self._described = self._ended = self._sdk_run = False
         self._compression = "none"  # what watch() was given, for an SDK run's run_start
-        self._loss_was_finite = True
         self._host_only = False  # the watched model computes on the host (no device scalars)
         self.flight = self._open_flight_log() if config.flight_log else None
         if config.metrics_port is not None:
@@ -168,6 +173,7 @@ class Monitor:
         """Fill `meshscope_run_info` and write a run_start event; `started_at`: when this worker
         started (default: the process's start), where the run's start-up time is counted from."""
         self._described = True
+        self._route_steps()
         self.metrics.describe_run(
             device=device,
             backend=backend,
@@ -230,11 +236,14 @@ class Monitor:
                 model.register_comm_hook(hook_state, timed)
             counted = self.experts.forward_done if self.experts.layers else None
             self._backward = BackwardWatch(self.meter, record, after_forward=counted)
+            if self._steps is not None:  # untimed steps' forwards watched in C
+                self._backward.fast = (self._steps, self._backward, self.experts)
             self._backward.attach(model)
         param = next(model.parameters(), None)
         on_host = param is None or param.device.type == "cpu"
         self._host_only = on_host and not self.probe.asynchronous
         self._describe_host(on_host)
+        self._route_steps()
         return model
 
     def _attach_control_plane(self) -> None:
@@ -275,6 +284,31 @@ class Monitor:
         previous one plus one."""
         return StepContext(self, tokens, step)
 
+    @property
+    def _step(self) -> int:
+        """The latest step begun (kept where the steps run: in C when they do)."""
+        return self._counter.current
+
+    @_step.setter
+    def _step(self, step: int) -> None:
+        self._counter.current = step
+
+    def _route_steps(self) -> None:
+        """Let untimed steps run in C where they can: on the host, with every logged value
+        there (a watched host model), the run described and its flight log's step ends
+        written by the drain. Called whenever one of those changes."""
+        if self._steps is None:
+            return
+        flight = self.flight
+        ok = (
+            not self.probe.asynchronous
+            and self._host_only
+            and self._described
+            and not self._closed
+            and (flight is None or (flight.defer_ends and flight._device is None))
+        )
+        self._steps.attach(flight, self._backward, self.meter, self.experts, ok)
+
     def _begin(self, tokens: int, step: int | None) -> tuple[StepScope, float, Any]:
         if not self._described:
             self._describe_sdk_run()
@@ -292,14 +326,17 @@ class Monitor:
         # the training thread's part: marks and references. Records, gauges and rows are the
         # service thread's (`StepDrain`), a window late.
         step, end = self._step, self.probe.mark()
-        if step % self._memory_every == 0:
-            self._memory = self.probe.memory()
+        due = step % self._memory_every == 0
+        if self.probe.asynchronous:  # a device's memory is read here, where it is current
+            if due:
+                self._memory = self.probe.memory()
+            memory: Any = self._memory
+        else:  # the host's RSS by the drain, off this thread (`_memory_of`)
+            memory = READ_MEMORY if due else None
         detailed = scope.detailed
         comm = self._take_comm(detailed)
         scalars = scope.scalars
-        pending = PendingStep(
-            step, tokens, wall, (start, end), scope.phases, comm, self._memory, detailed, scalars
-        )
+        pending = PendingStep(step, tokens, wall, (start, end), scope.phases, comm, memory, detailed, scalars)
         self._take_scalars(pending, scalars)
         self._pending.append(pending)
         if self.flight is not None:
@@ -341,75 +378,8 @@ class Monitor:
         self._window, self._window_steps = ScalarWindow(), 0
 
     def _drain(self, block: bool) -> None:
-        """Emit finished steps in order; without `block`, stop at the first unfinished one."""
-        with self._drain_lock:
-            finished = []
-            while self._pending:
-                p = self._pending[0]
-                if block:
-                    self._wait(p)
-                elif not self._finished(p):
-                    break
-                finished.append(self._pending.popleft())
-            records = [self._record(p) for p in finished]
-            if records:
-                self.metrics.observe_steps(records, self._comm_every, self._logged_keys, self._detail_every)
-            for rec in records:
-                self._emit(rec)
-            for step, table in self.experts.landed(block):
-                self._emit_experts(step, table)
-            for step, tokens in self.experts.landed_work(block):
-                self.metrics.observe_expert_work(tokens)
-                self.store.add_expert_work(step, self.env.rank, tokens)
-            if self.flight is not None:
-                self.flight.settle_ends()
-
-    def _finished(self, p: PendingStep) -> bool:
-        if p.window is not None and not p.window.ready():
-            return False
-        if not self.probe.asynchronous:  # host marks are times already taken
-            return True
-        return all(mark_ready(self.probe, m) for m in p.marks())
-
-    def _wait(self, p: PendingStep) -> None:
-        """Block until a step's numbers are on the host: flush and close only."""
-        if p.window is not None:
-            p.window.wait()
-        for m in p.marks():
-            wait_mark(self.probe, m)  # sync point: flush and close only
-
-    def _emit_experts(self, step: int, table: list[list[float]]) -> None:
-        if self.env.rank == 0:  # summed over ranks: one rank exports (layer x expert series)
-            self.metrics.observe_experts(table)
-            self.store.add_expert_load(step, table)
-
-    def _record(self, p: PendingStep) -> StepRecord:
-        scalars = {k: self._host_float(k, v) for k, v in p.scalars.items() if k not in p.device_keys}
-        if p.window is not None:
-            scalars.update(zip(p.device_keys, p.window.values(p.offset, len(p.device_keys))))
-        self._logged_keys = set(scalars)
-        return p.record(self.probe, scalars, self.config.run_id, self.env)
-
-    def _host_float(self, key: str, value: Any) -> float:
-        """A logged host value as a float; NaN, said once per key, for one that is not a number."""
-        try:
-            return float(value)  # host tensor (or a number): no wait
-        except (TypeError, ValueError, RuntimeError) as err:
-            if key not in self._unreadable:
-                self._unreadable.add(key)
-                log.warning("meshscope: logged %r is not a number (%s); recorded as NaN", key, err)
-            return math.nan
-
-    def _emit(self, rec: StepRecord) -> None:
-        self.store.add_step(rec)
-        finite = math.isfinite(rec.loss) or "loss" not in self._logged_keys
-        if not finite and self._loss_was_finite and self.config.nan_events:
-            # one event when the loss turns non-finite
-            self.metrics.faults.labels(kind="nonfinite").inc()
-            self.event(
-                "nan", severity="critical", step=rec.step, detail={"what": "loss", "value": str(rec.loss)}
-            )
-        self._loss_was_finite = finite
+        """Emit finished steps in order (`StepDrain.drain`)."""
+        self._service.drain(block)
 
     # --- events and shutdown ----------------------------------------------------------------
     def event(
@@ -456,6 +426,7 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
+        self._route_steps()
         self._service.stop()
         self._close_window()
         self._drain(block=True)
@@ -475,16 +446,3 @@ class Monitor:
     def __exit__(self, *exc: Any) -> None:
         self._ended = self._ended or exc[0] is not None  # a loop that raised did not finish
         self.close()
-
-
-class StepDrain(Service):
-    """The Monitor's service thread: finished steps become records, gauges and store rows, a
-    window late, off the training thread."""
-
-    def __init__(self, monitor: Monitor, interval_s: float) -> None:
-        super().__init__("meshscope-monitor", interval_s, join_s=10.0)
-        self.monitor = monitor
-
-    def round(self) -> None:
-        """Drain what has finished."""
-        self.monitor._drain(block=False)

@@ -27,7 +27,7 @@ class PendingStep:
     bounds: tuple[Any, Any]
     phases: dict[str, tuple[Any, Any]]
     comm: CommWindow
-    memory: dict[str, int]
+    memory: dict[str, int] | None  # None: the latest reading (the Monitor's `_memory_of`)
     detailed: bool = True  # phases and the wait timed (`detail_every`); NaN otherwise
     # what was logged: set by the Monitor as the step ends (no default dict or list built on
     # the training thread for steps that log nothing on the device)
@@ -159,6 +159,16 @@ class StepContext:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if exc_type is None:  # a step that raised is not a step
             self.mon._end(self.scope, self.tokens, self.wall, self.start)
+
+
+class StepCounter:
+    """Where the latest step begun is kept when steps run in Python only (no C built; with C,
+    its `Steps` keeps it)."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current = -1
 
 
 class OpenStep:

@@ -1,0 +1,147 @@
+"""The Monitor's service thread: the steps the training thread finished become records, gauges
+and store rows, in step order, a drain round later (`monitor.drain_interval_s`).
+
+The training thread hands over marks and references only: a `PendingStep` from the Python path
+(timed steps, a device's steps), or a tuple from C (`collector/_fast.c`: untimed host steps).
+Here both become the same record; the host's memory is read here where a step is due."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import TYPE_CHECKING, Any
+
+from meshscope.collector.comm import CommWindow
+from meshscope.collector.probe import mark_ready, wait_mark
+from meshscope.collector.schema import StepRecord
+from meshscope.collector.scope import PendingStep
+from meshscope.collector.service import Service
+
+if TYPE_CHECKING:
+    from meshscope.collector.monitor import Monitor
+
+log = logging.getLogger("meshscope.monitor")
+
+# A host step whose memory is due: read by the drain, off the training thread (`_memory_of`)
+READ_MEMORY: dict[str, int] = {}
+
+
+class StepDrain(Service):
+    """The Monitor's service thread (module doc)."""
+
+    def __init__(self, monitor: Monitor, interval_s: float) -> None:
+        super().__init__("meshscope-monitor", interval_s, join_s=10.0)
+        self.monitor = monitor
+        self._lock = threading.Lock()  # rounds against flush and close
+        self._memory: dict[str, int] = {}  # the host's latest memory reading
+        self.logged_keys: set[str] = set()  # what the latest step logged
+        self._unreadable: set[str] = set()  # logged keys whose value was no number (said once)
+        self._loss_was_finite = True
+
+    def round(self) -> None:
+        """Drain what has finished."""
+        self.drain(block=False)
+
+    def drain(self, block: bool) -> None:
+        """Emit finished steps in order; without `block`, stop at the first unfinished one."""
+        mon = self.monitor
+        with self._lock:
+            finished = []
+            while mon._pending:
+                p = mon._pending[0]
+                if block:
+                    self._wait(p)
+                elif not self._finished(p):
+                    break
+                finished.append(self._as_pending(mon._pending.popleft()))
+            records = [self._record(p) for p in finished]
+            if records:
+                mon.metrics.observe_steps(records, mon._comm_every, self.logged_keys, mon._detail_every)
+            for rec in records:
+                self._emit(rec)
+            for step, table in mon.experts.landed(block):
+                self._emit_experts(step, table)
+            for step, tokens in mon.experts.landed_work(block):
+                mon.metrics.observe_expert_work(tokens)
+                mon.store.add_expert_work(step, mon.env.rank, tokens)
+            if mon.flight is not None:
+                mon.flight.settle_ends()
+
+    def _as_pending(self, item: PendingStep | tuple) -> PendingStep:
+        """A step C took (untimed, on the host) as the Python path keeps one: its
+        communication window is the meter's only when a hook counted in it."""
+        if item.__class__ is not tuple:
+            item.memory = self._memory_of(item.memory)  # type: ignore[union-attr]
+            return item  # type: ignore[return-value]
+        step, tokens, wall, start, end, scalars, comm, reduced, memory = item  # type: ignore[misc]
+        mon = self.monitor
+        if comm is None:
+            comm = CommWindow(sampled=False)
+        if reduced and mon._ddp_stats is not None:  # a backward ran: DDP reduced every gradient once
+            comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = mon._ddp_bytes
+        memory = self._memory_of(memory)
+        return PendingStep(step, tokens, wall, (start, end), {}, comm, memory, False, scalars or {})
+
+    def _memory_of(self, memory: Any) -> dict[str, int]:
+        """A step's memory: read now where the host's is due (`READ_MEMORY`, in step order, a
+        drain round after the step), the latest reading for a step between reads (None)."""
+        if memory is READ_MEMORY:
+            self._memory = self.monitor.probe.memory()
+            return self._memory
+        return self._memory if memory is None else memory
+
+    def _finished(self, p: PendingStep | tuple) -> bool:
+        probe = self.monitor.probe
+        if p.__class__ is tuple:  # C takes host steps only: their marks are times taken
+            return True
+        if p.window is not None and not p.window.ready():  # type: ignore[union-attr]
+            return False
+        if not probe.asynchronous:  # host marks are times already taken
+            return True
+        return all(mark_ready(probe, m) for m in p.marks())  # type: ignore[union-attr]
+
+    def _wait(self, p: PendingStep | tuple) -> None:
+        """Block until a step's numbers are on the host: flush and close only."""
+        if p.__class__ is tuple:
+            return
+        if p.window is not None:  # type: ignore[union-attr]
+            p.window.wait()  # type: ignore[union-attr]
+        for m in p.marks():  # type: ignore[union-attr]
+            wait_mark(self.monitor.probe, m)  # sync point: flush and close only
+
+    def _emit_experts(self, step: int, table: list[list[float]]) -> None:
+        mon = self.monitor
+        if mon.env.rank == 0:  # summed over ranks: one rank exports (layer x expert series)
+            mon.metrics.observe_experts(table)
+            mon.store.add_expert_load(step, table)
+
+    def _record(self, p: PendingStep) -> StepRecord:
+        mon = self.monitor
+        scalars = {k: self._host_float(k, v) for k, v in p.scalars.items() if k not in p.device_keys}
+        if p.window is not None:
+            scalars.update(zip(p.device_keys, p.window.values(p.offset, len(p.device_keys))))
+        self.logged_keys = set(scalars)
+        return p.record(mon.probe, scalars, mon.config.run_id, mon.env)
+
+    def _host_float(self, key: str, value: Any) -> float:
+        """A logged host value as a float; NaN, said once per key, for one that is not a number."""
+        try:
+            return float(value)  # host tensor (or a number): no wait
+        except (TypeError, ValueError, RuntimeError) as err:
+            if key not in self._unreadable:
+                self._unreadable.add(key)
+                log.warning("meshscope: logged %r is not a number (%s); recorded as NaN", key, err)
+            return math.nan
+
+    def _emit(self, rec: StepRecord) -> None:
+        mon = self.monitor
+        mon.store.add_step(rec)
+        finite = math.isfinite(rec.loss) or "loss" not in self.logged_keys
+        if not finite and self._loss_was_finite and mon.config.nan_events:
+            # one event when the loss turns non-finite
+            mon.metrics.faults.labels(kind="nonfinite").inc()
+            mon.event(
+                "nan", severity="critical", step=rec.step, detail={"what": "loss", "value": str(rec.loss)}
+            )
+        self._loss_was_finite = finite
