@@ -38,7 +38,8 @@ static PyObject *s_requires_grad, *s_detach, *s_begin, *s_end, *s_step_ended, *s
     *s_reduced, *s_open, *s_memory, *s_polled, *s_settle_polled, *s_written, *s_step, *s_timing,
     *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_is_inference, *s_seen,
     *s_noted, *s_work_attr, *s_forward_done, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock,
-    *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work;
+    *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work,
+    *s_opens;
 
 /* --- a phase of an untimed step: a context that does nothing ------------------------------ */
 typedef struct {
@@ -63,6 +64,73 @@ static PyTypeObject NoOpType = {
 };
 
 static PyObject *the_noop;
+
+/* --- a phase of a timed host step: its two marks into the step's phases ------------------- */
+typedef struct {
+    PyObject_HEAD
+    PyObject *phases; /* the step's {name: (start, end)} */
+    PyObject *name;
+    double start;
+} Phase;
+
+static int phase_traverse(Phase *self, visitproc visit, void *arg) {
+    Py_VISIT(self->phases);
+    Py_VISIT(self->name);
+    return 0;
+}
+
+static int phase_clear(Phase *self) {
+    Py_CLEAR(self->phases);
+    Py_CLEAR(self->name);
+    return 0;
+}
+
+static void phase_dealloc(Phase *self) {
+    PyObject_GC_UnTrack(self);
+    phase_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int phase_init(Phase *self, PyObject *args, PyObject *kwds) {
+    PyObject *phases, *name;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &phases, &name)) return -1;
+    Py_XSETREF(self->phases, Py_NewRef(phases));
+    Py_XSETREF(self->name, Py_NewRef(name));
+    return 0;
+}
+
+static PyObject *phase_enter(Phase *self, PyObject *unused) {
+    self->start = clock_seconds(CLOCK_MONOTONIC);
+    Py_RETURN_NONE;
+}
+
+static PyObject *phase_exit(Phase *self, PyObject *const *args, Py_ssize_t n) {
+    PyObject *span = Py_BuildValue("(dd)", self->start, clock_seconds(CLOCK_MONOTONIC));
+    if (span == NULL || PyDict_SetItem(self->phases, self->name, span) < 0) {
+        Py_XDECREF(span);
+        return NULL;
+    }
+    Py_DECREF(span);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef phase_methods[] = {
+    {"__enter__", (PyCFunction)phase_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))phase_exit, METH_FASTCALL, NULL},
+    {NULL}};
+
+static PyTypeObject PhaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "meshscope.collector._fast.Phase",
+    .tp_basicsize = sizeof(Phase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Phase(phases, name): a timed host step's phase, its perf_counter marks into phases[name].",
+    .tp_traverse = (traverseproc)phase_traverse,
+    .tp_clear = (inquiry)phase_clear,
+    .tp_dealloc = (destructor)phase_dealloc,
+    .tp_init = (initproc)phase_init,
+    .tp_new = PyType_GenericNew,
+    .tp_methods = phase_methods,
+};
 
 /* --- the steps of one Monitor ------------------------------------------------------------ */
 typedef struct {
@@ -357,7 +425,8 @@ static int fast_end(Steps *self) {
     } else
         opened = Py_NewRef(Py_None);
     if (opened == NULL) goto done;
-    memory = Py_NewRef(Py_None);  /* not due (`memory_every`): the drain's latest reading */
+    memory = PyObject_GetAttr(self->mon, s_memory);  /* not due (`memory_every`): the latest reading */
+    if (memory == NULL) goto done;
     /* the tuple (and its floats) is the step's one allocation */
     item = Py_BuildValue(
         "(LLdddOOOO)", self->step, self->tokens, self->wall, self->start, end,
@@ -625,6 +694,9 @@ typedef struct {
     PyObject *model;
     PyObject *fast;     /* None, or (steps, watch, experts): untimed steps' watch in C */
     PyObject *dict;     /* __name__, __doc__, __wrapped__, as functools.wraps leaves them */
+    /* DDP's reduction record, from its first packing on (`FixedRecord._packed`): its name and
+       tail, and its flight log's sequence numbers, lock and queue of opens for the drain */
+    PyObject *name, *tail, *seqs, *lock, *opens_append;
 } Forward;
 
 static int forward_traverse(Forward *self, visitproc visit, void *arg) {
@@ -633,6 +705,11 @@ static int forward_traverse(Forward *self, visitproc visit, void *arg) {
     Py_VISIT(self->model);
     Py_VISIT(self->fast);
     Py_VISIT(self->dict);
+    Py_VISIT(self->name);
+    Py_VISIT(self->tail);
+    Py_VISIT(self->seqs);
+    Py_VISIT(self->lock);
+    Py_VISIT(self->opens_append);
     return 0;
 }
 
@@ -642,6 +719,11 @@ static int forward_clear(Forward *self) {
     Py_CLEAR(self->model);
     Py_CLEAR(self->fast);
     Py_CLEAR(self->dict);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->tail);
+    Py_CLEAR(self->seqs);
+    Py_CLEAR(self->lock);
+    Py_CLEAR(self->opens_append);
     return 0;
 }
 
@@ -796,6 +878,81 @@ static int watch_counts(PyObject *watch, PyObject *experts) {
     return 0;
 }
 
+/* Once DDP's reduction record has packed its fields (its first use, in Python): what opening
+   it takes from then on, kept here. */
+static int learn_record(Forward *self, PyObject *record) {
+    PyObject *packed = PyObject_GetAttr(record, s_packed), *log = NULL;
+    int ok = -1;
+    if (packed == NULL) return -1;
+    if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != 2) {
+        ok = 0;  /* not packed yet */
+        goto done;
+    }
+    if ((log = PyObject_GetAttr(record, s_log)) == NULL) goto done;
+    PyObject *seqs = PyObject_GetAttr(log, s_seq), *lock = PyObject_GetAttr(log, s_lock);
+    PyObject *opens = PyObject_GetAttr(log, s_opens);
+    PyObject *append = opens == NULL ? NULL : PyObject_GetAttrString(opens, "append");
+    Py_XDECREF(opens);
+    if (seqs == NULL || lock == NULL || append == NULL || !PyDict_Check(seqs)) {
+        if (seqs != NULL && !PyDict_Check(seqs)) PyErr_SetString(PyExc_TypeError, "FlightLog._seq must be a dict");
+        Py_XDECREF(seqs);
+        Py_XDECREF(lock);
+        Py_XDECREF(append);
+        goto done;
+    }
+    self->name = Py_NewRef(PyTuple_GET_ITEM(packed, 0));
+    self->tail = Py_NewRef(PyTuple_GET_ITEM(packed, 1));
+    self->seqs = seqs;
+    self->lock = lock;
+    self->opens_append = append;
+    ok = 0;
+done:
+    Py_DECREF(packed);
+    Py_XDECREF(log);
+    return ok;
+}
+
+/* DDP's reduction opened now, in step `step`: its sequence number taken under the flight log's
+   lock, the record itself queued for the drain to write (`StepMarks.write_opens`): writing
+   into the ring after a forward's compute cost the step ~10 us of cache misses here. Returns
+   the entry, which the step's end completes. */
+static PyObject *issue_open(Forward *self, long long step) {
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    long long seq = -1;
+    PyObject *had = PyDict_GetItemWithError(self->seqs, self->name), *next = NULL;
+    if (had != NULL || !PyErr_Occurred()) {
+        seq = had == NULL ? 0 : PyLong_AsLongLong(had);
+        if (!(seq == -1 && PyErr_Occurred()) && (next = PyLong_FromLongLong(seq + 1)) != NULL &&
+            PyDict_SetItem(self->seqs, self->name, next) < 0)
+            seq = -1;
+    }
+    Py_XDECREF(next);
+    PyObject *type, *val, *tb;
+    PyErr_Fetch(&type, &val, &tb);
+    r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    if (r == NULL) {
+        Py_XDECREF(type);
+        Py_XDECREF(val);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(type, val, tb);
+    if (PyErr_Occurred()) return NULL;
+    /* (name, seq, tail, step, issued): `FlightLog._opens` */
+    PyObject *entry = Py_BuildValue("(OLOLd)", self->name, seq, self->tail, step, clock_seconds(CLOCK_REALTIME));
+    if (entry == NULL) return NULL;
+    r = PyObject_CallOneArg(self->opens_append, entry);
+    if (r == NULL) {
+        Py_DECREF(entry);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return entry;
+}
+
 /* `BackwardWatch._on_forward` on an untimed step: counts noted, DDP's reduction record opened */
 static int fast_forward(Forward *self) {
     PyObject *watch = PyTuple_GET_ITEM(self->fast, 1), *experts = PyTuple_GET_ITEM(self->fast, 2);
@@ -822,25 +979,21 @@ static int fast_forward(Forward *self) {
         Py_DECREF(record);
         return 0;
     }
-    PyObject *packed = PyObject_GetAttr(record, s_packed), *slot = NULL;
-    if (packed == NULL) {
+    PyObject *opened;
+    if (self->opens_append == NULL && learn_record(self, record) < 0) {
         Py_DECREF(record);
         return -1;
     }
-    if (PyTuple_Check(packed) && PyTuple_GET_SIZE(packed) == 2) {
-        PyObject *log = PyObject_GetAttr(record, s_log);
-        if (log != NULL)
-            slot = append_fixed_c(log, PyTuple_GET_ITEM(packed, 0), PyTuple_GET_ITEM(packed, 1), Py_None);
-        Py_XDECREF(log);
-    } else  /* its first use packs the fields: Python */
-        slot = PyObject_CallMethodNoArgs(record, s_begin);
-    Py_DECREF(packed);
+    if (self->opens_append == NULL)  /* its first use packs the fields: Python writes it */
+        opened = PyObject_CallMethodNoArgs(record, s_begin);
+    else
+        opened = issue_open(self, ((Steps *)PyTuple_GET_ITEM(self->fast, 0))->step);
     Py_DECREF(record);
-    if (slot == NULL) return -1;
-    PyObject *opened = PyObject_GetAttr(watch, s_open);
-    int r = opened == NULL ? -1 : PyList_Check(opened) ? PyList_Append(opened, slot) : -2;
-    Py_XDECREF(opened);
-    Py_DECREF(slot);
+    if (opened == NULL) return -1;
+    PyObject *open = PyObject_GetAttr(watch, s_open);
+    int r = open == NULL ? -1 : PyList_Check(open) ? PyList_Append(open, opened) : -2;
+    Py_XDECREF(open);
+    Py_DECREF(opened);
     if (r == -2) PyErr_SetString(PyExc_TypeError, "BackwardWatch._open must be a list");
     return r < 0 ? -1 : 0;
 }
@@ -975,14 +1128,18 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_host_slots, "_host_slots");
     INTERN(s_after_forward, "after_forward");
     INTERN(s_idle_work, "_idle_work");
-    if (PyType_Ready(&NoOpType) < 0 || PyType_Ready(&StepsType) < 0 || PyType_Ready(&ForwardType) < 0) return NULL;
+    INTERN(s_opens, "_opens");
+    if (PyType_Ready(&NoOpType) < 0 || PyType_Ready(&PhaseType) < 0 || PyType_Ready(&StepsType) < 0 ||
+        PyType_Ready(&ForwardType) < 0)
+        return NULL;
     the_noop = PyObject_CallNoArgs((PyObject *)&NoOpType);
     if (the_noop == NULL) return NULL;
     PyObject *m = PyModule_Create(&fast_module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Steps", (PyObject *)&StepsType) < 0 ||
         PyModule_AddObjectRef(m, "NoOp", (PyObject *)&NoOpType) < 0 ||
-        PyModule_AddObjectRef(m, "Forward", (PyObject *)&ForwardType) < 0) {
+        PyModule_AddObjectRef(m, "Forward", (PyObject *)&ForwardType) < 0 ||
+        PyModule_AddObjectRef(m, "Phase", (PyObject *)&PhaseType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -3,7 +3,7 @@ and store rows, in step order, a drain round later (`monitor.drain_interval_s`).
 
 The training thread hands over marks and references only: a `PendingStep` from the Python path
 (timed steps, a device's steps), or a tuple from C (`collector/_fast.c`: untimed host steps).
-Here both become the same record; the host's memory is read here where a step is due."""
+Here both become the same record."""
 
 from __future__ import annotations
 
@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshscope.monitor")
 
-# A host step whose memory is due: read by the drain, off the training thread (`_memory_of`)
-READ_MEMORY: dict[str, int] = {}
-
 
 class StepDrain(Service):
     """The Monitor's service thread (module doc)."""
@@ -34,7 +31,6 @@ class StepDrain(Service):
         super().__init__("meshscope-monitor", interval_s, join_s=10.0)
         self.monitor = monitor
         self._lock = threading.Lock()  # rounds against flush and close
-        self._memory: dict[str, int] = {}  # the host's latest memory reading
         self.logged_keys: set[str] = set()  # what the latest step logged
         self._unreadable: set[str] = set()  # logged keys whose value was no number (said once)
         self._loss_was_finite = True
@@ -72,7 +68,6 @@ class StepDrain(Service):
         """A step C took (untimed, on the host) as the Python path keeps one: its
         communication window is the meter's only when a hook counted in it."""
         if item.__class__ is not tuple:
-            item.memory = self._memory_of(item.memory)  # type: ignore[union-attr]
             return item  # type: ignore[return-value]
         step, tokens, wall, start, end, scalars, comm, reduced, memory = item  # type: ignore[misc]
         mon = self.monitor
@@ -80,16 +75,7 @@ class StepDrain(Service):
             comm = CommWindow(sampled=False)
         if reduced and mon._ddp_stats is not None:  # a backward ran: DDP reduced every gradient once
             comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = mon._ddp_bytes
-        memory = self._memory_of(memory)
         return PendingStep(step, tokens, wall, (start, end), {}, comm, memory, False, scalars or {})
-
-    def _memory_of(self, memory: Any) -> dict[str, int]:
-        """A step's memory: read now where the host's is due (`READ_MEMORY`, in step order, a
-        drain round after the step), the latest reading for a step between reads (None)."""
-        if memory is READ_MEMORY:
-            self._memory = self.monitor.probe.memory()
-            return self._memory
-        return self._memory if memory is None else memory
 
     def _finished(self, p: PendingStep | tuple) -> bool:
         probe = self.monitor.probe

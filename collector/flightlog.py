@@ -59,7 +59,6 @@ from meshscope.collector.flightread import (
     CLOCK_DEVICE,
     CLOCK_OFFSET,
     CLOSED,
-    DEVICE_STEP_OFFSET,
     ERROR_OFFSET,
     HEADER_SIZE,
     PROGRESS_OFFSET,
@@ -70,8 +69,6 @@ from meshscope.collector.flightread import (
     STATE_HDR_OFFSET,
     STATE_ISSUED,
     STATE_OFFSET,
-    STEP_OFFSET,
-    STEP_S_OFFSET,
     STOPPING,
     T_DONE_OFFSET,
     WRITTEN_OFFSET,
@@ -80,6 +77,7 @@ from meshscope.collector.flightread import (
     groups_path,
     write_header,
 )
+from meshscope.collector.flightsteps import StepMarks
 from meshscope.collector.native import fast as _fast
 from meshscope.collector.stacks import (
     StackResponder,
@@ -94,7 +92,7 @@ _INT64 = struct.Struct("<q")
 # --- the log ----------------------------------------------------------------------------
 
 
-class FlightLog:
+class FlightLog(StepMarks):
     """One rank's ring of collective records in a memory-mapped file (see the module doc)."""
 
     _active: FlightLog | None = None
@@ -136,6 +134,9 @@ class FlightLog:
         self._step, self._step_started, self._step_s = -1, 0.0, 0.0
         # host step ends the training thread queued: (step, took, at, reduced slots, written)
         self._ends: deque[tuple[int, float, float, Any]] = deque()
+        # records C issued on the training thread for the drain to write (`StepMarks.write_opens`)
+        self._opens: deque[tuple[str, int, bytes, int, float]] = deque()
+        self._opened: dict[tuple[str, int], tuple[int, int]] = {}  # (name, seq) -> (slot, index)
         self.defer_ends = False  # True: a service calls `settle_ends` (the Monitor's drain)
         self._crash_file = None
         self._responder: StackResponder | None = None
@@ -258,16 +259,18 @@ class FlightLog:
         with self._lock:
             seq = self._seq.get(name, 0)
             self._seq[name] = seq + 1
-            slot = self._written % self.capacity
-            base = HEADER_SIZE + slot * RECORD.size
-            self._map[base + RECORD_HEAD.size : base + RECORD.size] = tail
-            RECORD_HEAD.pack_into(
-                self._map, base, seq, self._step if step is None else step, time.time(), 0.0
-            )
-            self._written += 1
-            _INT64.pack_into(self._map, WRITTEN_OFFSET, self._written)
-            if name in self._host_groups:
-                self._host_slots.add(slot)
+            return self._put(name, tail, seq, self._step if step is None else step, time.time())
+
+    def _put(self, name: str, tail: bytes, seq: int, step: int, issued: float) -> int:
+        """A fixed record numbered `seq` of `name` into the next slot, under `_lock`: its slot."""
+        slot = self._written % self.capacity
+        base = HEADER_SIZE + slot * RECORD.size
+        self._map[base + RECORD_HEAD.size : base + RECORD.size] = tail
+        RECORD_HEAD.pack_into(self._map, base, seq, step, issued, 0.0)
+        self._written += 1
+        _INT64.pack_into(self._map, WRITTEN_OFFSET, self._written)
+        if name in self._host_groups:
+            self._host_slots.add(slot)
         return slot
 
     def reduction_done(self, slot: int, at: float | None = None) -> None:
@@ -344,56 +347,6 @@ class FlightLog:
             # gloo prefixes its source path: "[/__w/.../pair.cc:537] Read error ..."
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
             struct.pack_into("128s", self._map, ERROR_OFFSET, fit(f"{type(error).__name__}: {text}", 127))
-
-    @property
-    def step(self) -> int:
-        """The step the Monitor said is running (-1 before the first)."""
-        return self._step
-
-    def step_begin(self, step: int) -> None:
-        """The Monitor says a step starts: records carry it."""
-        self._step = step
-        self._step_started = time.perf_counter()
-        struct.pack_into("<q", self._map, STEP_OFFSET, step)
-
-    def step_end(self, mark: Any = None, reduced: Any = ()) -> None:
-        """A step ended: progress, the typical step time the watchdog scales by, and the
-        reductions it finished (`reduced`: their slots). On a device, `mark` (the step's end
-        event) says when the device ended it. On the host the times are taken now and, where
-        a service writes them (`defer_ends`: the Monitor's drain, within its round), queued."""
-        if self._polled:
-            self.settle_polled()
-        if self._device is not None and mark is not None:
-            for slot in reduced:
-                self.reduction_done(slot)
-            self._device.step_ended(self._step, mark)
-            return
-        took = time.perf_counter() - self._step_started
-        self._ends.append((self._step, took, time.time(), reduced, self._written))
-        if not self.defer_ends:
-            self.settle_ends()
-
-    def settle_ends(self) -> None:
-        """Write the step ends the training thread queued (`step_end`), oldest first. A slot
-        the ring has given to a newer record since is left alone: its reduction is gone."""
-        ends = self._ends
-        while ends:
-            step, took, at, reduced, written = ends.popleft()
-            for slot in reduced:
-                issued = written - 1 - (written - 1 - slot) % self.capacity  # the record's index
-                if self._written - issued <= self.capacity:
-                    self.reduction_done(slot, at)
-            self.progressed(step, took, at)
-
-    def progressed(self, step: int, took: float, at: float | None = None) -> None:
-        """Step `step` is finished (by the host, or by the device) and took `took` seconds
-        (0: unknown, the first step a device reports); `at`: when (default now)."""
-        # a slow EMA: one slow step (a checkpoint) must not raise the stall threshold much
-        if took > 0:
-            self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
-        struct.pack_into("<d", self._map, PROGRESS_OFFSET, time.time() if at is None else at)
-        struct.pack_into("<d", self._map, STEP_S_OFFSET, self._step_s)
-        struct.pack_into("<q", self._map, DEVICE_STEP_OFFSET, step)
 
     # --- wrapping torch.distributed ---------------------------------------------------------
     def install(self) -> FlightLog:

@@ -36,7 +36,7 @@ from meshscope.collector.comm import (
     instrument_hook,
 )
 from meshscope.collector.control import ControlPlane
-from meshscope.collector.drain import READ_MEMORY, StepDrain
+from meshscope.collector.drain import StepDrain
 from meshscope.collector.env import DistEnv, HostShare, process_start_time
 from meshscope.collector.expert_counts import ExpertCounts
 from meshscope.collector.exporter import RANK_JOB, PortInUseError, port_for, serve_metrics, write_targets
@@ -100,7 +100,7 @@ class Monitor:
         self._counter: Any = self._steps if self._steps is not None else StepCounter()
         if self._steps is not None:
             self.step = self._steps.step  # type: ignore[method-assign]
-        self._memory: dict[str, int] = {}  # a device's latest memory read (one step in memory_every)
+        self._memory: dict[str, int] = {}  # the latest memory read (one step in memory_every)
         self._window = ScalarWindow()
         self._window_steps = 0
         self.experts = ExpertCounts(config.expert_every)
@@ -326,17 +326,14 @@ class Monitor:
         # the training thread's part: marks and references. Records, gauges and rows are the
         # service thread's (`StepDrain`), a window late.
         step, end = self._step, self.probe.mark()
-        due = step % self._memory_every == 0
-        if self.probe.asynchronous:  # a device's memory is read here, where it is current
-            if due:
-                self._memory = self.probe.memory()
-            memory: Any = self._memory
-        else:  # the host's RSS by the drain, off this thread (`_memory_of`)
-            memory = READ_MEMORY if due else None
+        if step % self._memory_every == 0:  # read where the step ends: a leak shows step by step
+            self._memory = self.probe.memory()
         detailed = scope.detailed
         comm = self._take_comm(detailed)
         scalars = scope.scalars
-        pending = PendingStep(step, tokens, wall, (start, end), scope.phases, comm, memory, detailed, scalars)
+        pending = PendingStep(
+            step, tokens, wall, (start, end), scope.phases, comm, self._memory, detailed, scalars
+        )
         self._take_scalars(pending, scalars)
         self._pending.append(pending)
         if self.flight is not None:

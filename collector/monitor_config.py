@@ -74,9 +74,8 @@ class MonitorSettings(BaseModel):
         gt=0,
         le=10**6,
         description="read memory (host RSS, device allocated and reserved) on one step in N; the "
-        "steps between carry the last reading. None: on the timed steps (`detail_every`). A "
-        "device's is read on the training thread; the host's RSS by the Monitor's service thread "
-        "as it writes the step (up to `drain_interval_s` later), ~20 us off the training thread",
+        "steps between carry the last reading. None: on the timed steps (`detail_every`); an RSS "
+        "read costs ~20 us a step on a busy host",
     )
     drain_interval_s: float = Field(
         0.2,

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from meshscope.collector.comm import CommWindow, step_comm_seconds
+from meshscope.collector.native import fast as _fast
 from meshscope.collector.probe import DeviceProbe
 from meshscope.collector.readback import ScalarWindow, is_nonfinite
 from meshscope.collector.schema import StepRecord
@@ -27,7 +29,7 @@ class PendingStep:
     bounds: tuple[Any, Any]
     phases: dict[str, tuple[Any, Any]]
     comm: CommWindow
-    memory: dict[str, int] | None  # None: the latest reading (the Monitor's `_memory_of`)
+    memory: dict[str, int]
     detailed: bool = True  # phases and the wait timed (`detail_every`); NaN otherwise
     # what was logged: set by the Monitor as the step ends (no default dict or list built on
     # the training thread for steps that log nothing on the device)
@@ -134,7 +136,11 @@ class StepScope:
 
     def phase(self, name: str) -> PhaseTimer | Any:
         """`with s.phase("forward"): ...` times a named part of the step (on a timed step)."""
-        return PhaseTimer(self, name) if self.detailed else Untimed()
+        if not self.detailed:
+            return Untimed()
+        if self._probe.mark is time.perf_counter and _fast is not None:  # the host's marks, in C
+            return _fast.Phase(self.phases, name)
+        return PhaseTimer(self, name)
 
     def log(self, **scalars: Any) -> None:
         """Record loss, grad_norm, ...: tensors are kept as they are and read later."""

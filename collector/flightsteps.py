@@ -1,0 +1,95 @@
+"""The flight log's step marks: the step a rank is in, its progress and typical step time
+(what the hang watchdog scales its patience by), and the records of DDP's reduction that each
+step completes. On the host the training thread queues these, and the Monitor's drain writes
+them within its round (`defer_ends`); C's untimed steps leave their reduction's record itself
+to the drain (`write_opens`)."""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import Any
+
+from meshscope.collector.flightread import DEVICE_STEP_OFFSET, PROGRESS_OFFSET, STEP_OFFSET, STEP_S_OFFSET
+
+
+class StepMarks:
+    """`FlightLog`'s step marks (module doc): they use its map, lock and ring."""
+
+    _map: Any
+    _step: int
+    _step_started: float
+    _step_s: float
+    _polled: list
+    _device: Any
+    _ends: Any
+    _opens: Any
+    _opened: dict
+    _written: int
+    _lock: Any
+    capacity: int
+    defer_ends: bool
+
+    @property
+    def step(self) -> int:
+        """The step the Monitor said is running (-1 before the first)."""
+        return self._step
+
+    def step_begin(self, step: int) -> None:
+        """The Monitor says a step starts: records carry it."""
+        self._step = step
+        self._step_started = time.perf_counter()
+        struct.pack_into("<q", self._map, STEP_OFFSET, step)
+
+    def step_end(self, mark: Any = None, reduced: Any = ()) -> None:
+        """A step ended: progress, the typical step time the watchdog scales by, and the
+        reductions it finished (`reduced`: their slots). On a device, `mark` (the step's end
+        event) says when the device ended it. On the host the times are taken now and, where
+        a service writes them (`defer_ends`: the Monitor's drain, within its round), queued."""
+        if self._polled:
+            self.settle_polled()
+        if self._device is not None and mark is not None:
+            for slot in reduced:
+                self.reduction_done(slot)
+            self._device.step_ended(self._step, mark)
+            return
+        took = time.perf_counter() - self._step_started
+        self._ends.append((self._step, took, time.time(), reduced, self._written))
+        if not self.defer_ends:
+            self.settle_ends()
+
+    def settle_ends(self) -> None:
+        """Write the step ends the training thread queued (`step_end`), oldest first. A slot
+        the ring has given to a newer record since is left alone: its reduction is gone."""
+        self.write_opens()
+        ends = self._ends
+        while ends:
+            step, took, at, reduced, written = ends.popleft()
+            for item in reduced:
+                if item.__class__ is tuple:  # an open C left to the drain: written above
+                    slot, issued = self._opened.pop(item[:2], (-1, -self.capacity - 1))
+                else:  # a slot, written as it was issued
+                    slot, issued = item, written - 1 - (written - 1 - item) % self.capacity
+                if self._written - issued <= self.capacity:
+                    self.reduction_done(slot, at)
+            self.progressed(step, took, at)
+
+    def write_opens(self) -> None:
+        """Write the records C issued on the training thread and left to the drain, in the
+        order issued (`collector/_fast.c`: DDP's reduction opened by an untimed step's
+        forward, its sequence number taken then): each one's slot and index are kept for its
+        step's end. A rank stuck in that reduction has it written by the next round."""
+        while self._opens:
+            name, seq, tail, step, issued = entry = self._opens.popleft()
+            with self._lock:
+                self._opened[entry[:2]] = (self._put(name, tail, seq, step, issued), self._written - 1)
+
+    def progressed(self, step: int, took: float, at: float | None = None) -> None:
+        """Step `step` is finished (by the host, or by the device) and took `took` seconds
+        (0: unknown, the first step a device reports); `at`: when (default now)."""
+        # a slow EMA: one slow step (a checkpoint) must not raise the stall threshold much
+        if took > 0:
+            self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
+        struct.pack_into("<d", self._map, PROGRESS_OFFSET, time.time() if at is None else at)
+        struct.pack_into("<d", self._map, STEP_S_OFFSET, self._step_s)
+        struct.pack_into("<q", self._map, DEVICE_STEP_OFFSET, step)
