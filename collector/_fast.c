@@ -39,7 +39,7 @@ static PyObject *s_requires_grad, *s_detach, *s_begin, *s_end, *s_step_ended, *s
     *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_is_inference, *s_seen,
     *s_noted, *s_work_attr, *s_forward_done, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock,
     *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work,
-    *s_opens;
+    *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append;
 
 /* --- a phase of an untimed step: a context that does nothing ------------------------------ */
 typedef struct {
@@ -146,6 +146,7 @@ typedef struct {
     PyObject *scalars;        /* what an untimed step logged, or NULL */
     PyObject *next_step;      /* the `step` given to the next step, or NULL */
     long long step, tokens, next_tokens, detail_every, memory_every;
+    long long expert_layers, expert_every; /* the watched model's MoE layers, steps per window */
     Py_ssize_t step_offset;   /* where the flight log's header keeps the current step */
     double wall, start;
     int fast_ok;              /* the Monitor allows untimed steps in C (set by it) */
@@ -233,7 +234,18 @@ static PyObject *steps_attach(Steps *self, PyObject *args) {
     Py_XSETREF(self->flight, Py_NewRef(flight));
     Py_XSETREF(self->watch, Py_NewRef(watch));
     Py_XSETREF(self->meter, Py_NewRef(meter));
+    PyObject *layers = PyObject_GetAttr(experts, s_layers), *every = PyObject_GetAttr(experts, s_every);
+    Py_ssize_t n = layers == NULL ? -1 : PyObject_Length(layers);
+    long long e = every == NULL ? -1 : PyLong_AsLongLong(every);
+    Py_XDECREF(layers);
+    Py_XDECREF(every);
+    if (n < 0 || e < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ExpertCounts.every must be at least 1");
+        return NULL;
+    }
     Py_XSETREF(self->experts, Py_NewRef(experts));
+    self->expert_layers = n;
+    self->expert_every = e;
     self->fast_ok = ok;
     Py_RETURN_NONE;
 }
@@ -374,28 +386,61 @@ static int flight_end(Steps *self, double end, PyObject *opened) {
     return 0;
 }
 
-/* `ExpertCounts.step_ended(step)` when it has something to do: a sum to settle, a window closing */
+/* A window the service thread sums (`ExpertCounts._off_thread`, decided at the first window in
+   Python): its noted counts handed over. 1 when done, 0 to leave it to Python (no decision
+   yet, or this rank's experts' work to take), -1 on error. */
+static int hand_over(Steps *self) {
+    PyObject *off = PyObject_GetAttr(self->experts, s_off_thread), *work = NULL, *noted = NULL, *handed = NULL;
+    PyObject *fresh = NULL, *entry = NULL, *r = NULL;
+    int ok = -1;
+    if (off == NULL) return -1;
+    if (off != Py_True) {
+        ok = 0;
+        goto done;
+    }
+    if ((work = PyObject_GetAttr(self->experts, s_work)) == NULL) goto done;
+    if (!PyList_Check(work)) {
+        ok = 0;
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(work); i++)
+        if (PyList_GET_ITEM(work, i) != Py_None) {  /* expert parallelism: Python takes it */
+            ok = 0;
+            goto done;
+        }
+    if ((noted = PyObject_GetAttr(self->experts, s_noted)) == NULL || (fresh = PyList_New(0)) == NULL ||
+        PyObject_SetAttr(self->experts, s_noted, fresh) < 0)
+        goto done;
+    if ((handed = PyObject_GetAttr(self->experts, s_handed)) == NULL ||
+        (entry = Py_BuildValue("(LO)", self->step, noted)) == NULL ||
+        (r = PyObject_CallMethodOneArg(handed, s_append, entry)) == NULL)
+        goto done;
+    ok = 1;
+done:
+    Py_XDECREF(off);
+    Py_XDECREF(work);
+    Py_XDECREF(noted);
+    Py_XDECREF(handed);
+    Py_XDECREF(fresh);
+    Py_XDECREF(entry);
+    Py_XDECREF(r);
+    return ok;
+}
+
+/* `ExpertCounts.step_ended(step)`: nothing on most steps; a closed window handed over to the
+   service thread here (`_handed`) when nothing else is due; the rest in Python */
 static int experts_end(Steps *self) {
+    if (self->expert_layers == 0) return 0;
     PyObject *flying = PyObject_GetAttr(self->experts, s_in_flight);
     if (flying == NULL) return -1;
-    int due = flying != Py_None;
+    int settle = flying != Py_None;
     Py_DECREF(flying);
-    if (!due) {
-        PyObject *layers = PyObject_GetAttr(self->experts, s_layers);
-        if (layers == NULL) return -1;
-        Py_ssize_t n = PyObject_Length(layers);
-        Py_DECREF(layers);
-        if (n < 0) return -1;
-        if (n > 0) {
-            PyObject *every = PyObject_GetAttr(self->experts, s_every);
-            if (every == NULL) return -1;
-            long long e = PyLong_AsLongLong(every);
-            Py_DECREF(every);
-            if (e == -1 && PyErr_Occurred()) return -1;
-            due = e > 0 && (self->step + 1) % e == 0;
-        }
+    int closes = (self->step + 1) % self->expert_every == 0;
+    if (!settle && !closes) return 0;
+    if (!settle) {
+        int handed = hand_over(self);
+        if (handed != 0) return handed < 0 ? -1 : 0;
     }
-    if (!due) return 0;
     PyObject *r = PyObject_CallMethod(self->experts, "step_ended", "L", self->step);
     if (r == NULL) return -1;
     Py_DECREF(r);
@@ -999,22 +1044,26 @@ static int fast_forward(Forward *self) {
 }
 
 static PyObject *forward_call(Forward *self, PyObject *args, PyObject *kwargs) {
-    PyObject *output = PyObject_Call(self->forward, args, kwargs);
+    PyObject *output = PyObject_Call(self->forward, args, kwargs), *r;
     if (output == NULL) return NULL;
-    if (self->fast != Py_None && ((Steps *)PyTuple_GET_ITEM(self->fast, 0))->fast_now) {
+    if (self->fast == Py_None) {  /* a plain watch: the hook does it all */
+        r = PyObject_CallFunctionObjArgs(self->hook, self->model, args, output, NULL);
+    } else {  /* the Monitor's: counts noted here; on an untimed step in C, all of it */
+        int untimed = ((Steps *)PyTuple_GET_ITEM(self->fast, 0))->fast_now;
         double started = metering ? clock_seconds(CLOCK_THREAD_CPUTIME_ID) : 0.0;
-        int failed = fast_forward(self) < 0;
+        int failed = untimed ? fast_forward(self) < 0
+                             : watch_counts(PyTuple_GET_ITEM(self->fast, 1), PyTuple_GET_ITEM(self->fast, 2)) < 0;
         if (metering) {
             metered_seconds += clock_seconds(CLOCK_THREAD_CPUTIME_ID) - started;
             metered_calls++;
         }
-        if (failed) {
-            Py_DECREF(output);
-            return NULL;
-        }
-        return output;
+        if (failed)
+            r = NULL;
+        else if (untimed)
+            r = Py_NewRef(Py_None);
+        else  /* a timed step (or a forward outside a step): its hook and callbacks, in Python */
+            r = PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(self->fast, 1), s_forward_ended, self->model, output, NULL);
     }
-    PyObject *r = PyObject_CallFunctionObjArgs(self->hook, self->model, args, output, NULL);
     if (r == NULL) {
         Py_DECREF(output);
         return NULL;
@@ -1069,7 +1118,7 @@ static PyObject *meter(PyObject *mod, PyObject *on) {
 }
 
 static PyObject *metered(PyObject *mod, PyObject *unused) {
-    return Py_BuildValue("{s(dL)}", "Forward (untimed step, C)", metered_seconds, metered_calls);
+    return Py_BuildValue("{s(dL)}", "Forward (C)", metered_seconds, metered_calls);
 }
 
 static PyMethodDef module_methods[] = {
@@ -1129,6 +1178,11 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_after_forward, "after_forward");
     INTERN(s_idle_work, "_idle_work");
     INTERN(s_opens, "_opens");
+    INTERN(s_forward_ended, "forward_ended");
+    INTERN(s_off_thread, "_off_thread");
+    INTERN(s_append, "append");
+    INTERN(s_work, "_work");
+    INTERN(s_handed, "_handed");
     if (PyType_Ready(&NoOpType) < 0 || PyType_Ready(&PhaseType) < 0 || PyType_Ready(&StepsType) < 0 ||
         PyType_Ready(&ForwardType) < 0)
         return NULL;

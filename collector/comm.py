@@ -77,6 +77,7 @@ class CommWindow:
     spans: list[tuple[Any, Any]] = field(default_factory=list)
     wait: list[Any] = field(default_factory=functools.partial(list, (None, None)))  # no Python frame
     measured_s: float | None = None
+    ddp_due: bool = False  # DDP's own figure to be read for this step, by the Monitor's drain
     sampled: bool = False
     bytes_raw: int = 0
     bytes_wire: int = 0
@@ -273,6 +274,11 @@ class BackwardWatch:
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.after_forward is not None:
             self.after_forward()
+        self.forward_ended(module, output)
+
+    def forward_ended(self, module: torch.nn.Module, output: Any) -> None:
+        """After a forward, once its expert counts are noted (C notes them itself): DDP's
+        reduction record, or on a timed step the hook that marks the backward's end."""
         if not torch.is_grad_enabled():
             return
         # under no_sync() DDP reduces nothing this backward: nothing to record
@@ -355,7 +361,8 @@ class DDPRuntimeStats:
     """DDP's own sampled communication time, for models whose reduction runs in C++ (no hook).
 
     DDP times its all-reduce on sampled iterations (the first 10, then one in `every`); a
-    figure is new when its end time moves, and belongs to the step that first sees it. On
+    figure is new when its end time moves, and belongs to the timed steps of the Monitor's
+    drain round that first sees it (`collector.drain`). On
     accelerators DDP reads its timers by waiting at its next sampled forward, so there the
     Monitor leaves DDP's own rate (1 in 100) alone."""
 

@@ -354,8 +354,9 @@ class Monitor:
                 comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = self._ddp_bytes
             if detailed and (comm.sampled or self._step % self.config.comm_sample_every == 1):
                 # DDP's figure of a sampled step shows up at its next forward: look on the
-                # sampled step and the one after (its dict costs tens of us)
-                comm.measured_s = self._ddp_stats.fresh_seconds()
+                # sampled step and the one after; the drain reads it (its dict costs tens of
+                # us, under DDP's reducer lock: safe from another thread)
+                comm.ddp_due = True
         return comm
 
     def _take_scalars(self, p: PendingStep, scalars: dict[str, Any]) -> None:
