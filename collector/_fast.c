@@ -31,15 +31,22 @@ static PyObject *tensor_type;  /* torch.Tensor, set by `configure` */
 /* `meter(True)`: thread CPU time of the forward watch's C body, for the overhead account
    (`benchmarks/overhead.py` meters the Python entry points around C itself) */
 static int metering;
-static double metered_seconds;
-static long long metered_calls;
+static double metered_seconds, marks_seconds;
+static long long metered_calls, marks_calls;
+#define METER_START() (metering ? clock_seconds(CLOCK_THREAD_CPUTIME_ID) : 0.0)
+#define METER_ADD(seconds, calls, started)                                     \
+    if (metering) {                                                            \
+        seconds += clock_seconds(CLOCK_THREAD_CPUTIME_ID) - (started);         \
+        calls++;                                                               \
+    }
 static PyObject *is_grad_enabled;  /* torch.is_grad_enabled */
 static PyObject *s_requires_grad, *s_detach, *s_begin, *s_end, *s_step_ended, *s_take, *s_dirty,
     *s_reduced, *s_open, *s_memory, *s_polled, *s_settle_polled, *s_written, *s_step, *s_timing,
     *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_is_inference, *s_seen,
     *s_noted, *s_work_attr, *s_forward_done, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock,
     *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work,
-    *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append;
+    *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait,
+    *s_grad_fn, *s_register_prehook;
 
 /* --- a phase of an untimed step: a context that does nothing ------------------------------ */
 typedef struct {
@@ -150,6 +157,7 @@ typedef struct {
     Py_ssize_t step_offset;   /* where the flight log's header keeps the current step */
     double wall, start;
     int fast_ok;              /* the Monitor allows untimed steps in C (set by it) */
+    int host_marks;           /* the Monitor's marks are perf_counter's: a timed step's backward marks in C */
     int fast_now;             /* an untimed step in C is open */
     int in_step;
 } Steps;
@@ -216,11 +224,11 @@ static int steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* `attach(flight, watch, meter, experts, fast_ok)`: what the Monitor watches now */
+/* `attach(flight, watch, meter, experts, fast_ok, host_marks)`: what the Monitor watches now */
 static PyObject *steps_attach(Steps *self, PyObject *args) {
     PyObject *flight, *watch, *meter, *experts;
-    int ok;
-    if (!PyArg_ParseTuple(args, "OOOOp", &flight, &watch, &meter, &experts, &ok)) return NULL;
+    int ok, host_marks;
+    if (!PyArg_ParseTuple(args, "OOOOpp", &flight, &watch, &meter, &experts, &ok, &host_marks)) return NULL;
     PyObject *ends_append = Py_NewRef(Py_None);
     if (flight != Py_None) {
         PyObject *ends = PyObject_GetAttrString(flight, "_ends");
@@ -247,6 +255,7 @@ static PyObject *steps_attach(Steps *self, PyObject *args) {
     self->expert_layers = n;
     self->expert_every = e;
     self->fast_ok = ok;
+    self->host_marks = host_marks;
     Py_RETURN_NONE;
 }
 
@@ -588,7 +597,7 @@ static PyMethodDef steps_methods[] = {
     {"step", (PyCFunction)(void (*)(void))steps_call_step, METH_FASTCALL | METH_KEYWORDS,
      "step(tokens=0, step=None): the context of the next step."},
     {"attach", (PyCFunction)steps_attach, METH_VARARGS,
-     "attach(flight, watch, meter, experts, fast_ok): what the Monitor watches now."},
+     "attach(flight, watch, meter, experts, fast_ok, host_marks): what the Monitor watches now."},
     {"__enter__", (PyCFunction)steps_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))steps_exit, METH_FASTCALL, NULL},
     {"phase", (PyCFunction)steps_phase, METH_O, "phase(name): an untimed step's phase (a no-op context)."},
@@ -742,6 +751,8 @@ typedef struct {
     /* DDP's reduction record, from its first packing on (`FixedRecord._packed`): its name and
        tail, and its flight log's sequence numbers, lock and queue of opens for the drain */
     PyObject *name, *tail, *seqs, *lock, *opens_append;
+    /* a timed host step's backward marks (`BackwardWatch`'s callbacks, bound to this object) */
+    PyObject *on_start, *on_local, *on_graph_done, *on_reduced;
 } Forward;
 
 static int forward_traverse(Forward *self, visitproc visit, void *arg) {
@@ -755,6 +766,10 @@ static int forward_traverse(Forward *self, visitproc visit, void *arg) {
     Py_VISIT(self->seqs);
     Py_VISIT(self->lock);
     Py_VISIT(self->opens_append);
+    Py_VISIT(self->on_start);
+    Py_VISIT(self->on_local);
+    Py_VISIT(self->on_graph_done);
+    Py_VISIT(self->on_reduced);
     return 0;
 }
 
@@ -769,6 +784,10 @@ static int forward_clear(Forward *self) {
     Py_CLEAR(self->seqs);
     Py_CLEAR(self->lock);
     Py_CLEAR(self->opens_append);
+    Py_CLEAR(self->on_start);
+    Py_CLEAR(self->on_local);
+    Py_CLEAR(self->on_graph_done);
+    Py_CLEAR(self->on_reduced);
     return 0;
 }
 
@@ -777,6 +796,8 @@ static void forward_dealloc(Forward *self) {
     forward_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
+
+static PyMethodDef callback_defs[4]; /* a timed step's backward callbacks, defined below */
 
 static int forward_init(Forward *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"forward", "hook", "model", "fast", NULL};
@@ -804,6 +825,9 @@ static int forward_init(Forward *self, PyObject *args, PyObject *kwds) {
         Py_DECREF(v);
         if (r < 0) return -1;
     }
+    PyObject **callbacks[] = {&self->on_start, &self->on_local, &self->on_graph_done, &self->on_reduced};
+    for (int i = 0; i < 4; i++)
+        if ((*callbacks[i] = PyCFunction_New(&callback_defs[i], (PyObject *)self)) == NULL) return -1;
     return PyDict_SetItemString(self->dict, "__wrapped__", forward);
 }
 
@@ -998,42 +1022,15 @@ static PyObject *issue_open(Forward *self, long long step) {
     return entry;
 }
 
-/* `BackwardWatch._on_forward` on an untimed step: counts noted, DDP's reduction record opened */
-static int fast_forward(Forward *self) {
-    PyObject *watch = PyTuple_GET_ITEM(self->fast, 1), *experts = PyTuple_GET_ITEM(self->fast, 2);
-    if (watch_counts(watch, experts) < 0) return -1;
-    PyObject *on = PyObject_CallNoArgs(is_grad_enabled);
-    int grad = on == NULL ? -1 : PyObject_IsTrue(on);
-    Py_XDECREF(on);
-    if (grad <= 0) return grad;
-    PyObject *sync = PyObject_GetAttr(self->model, s_sync);
-    int syncs = 1;
-    if (sync == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-        PyErr_Clear();
-    } else {
-        syncs = PyObject_IsTrue(sync);
-        Py_DECREF(sync);
-        if (syncs < 0) return -1;
-    }
-    if (!syncs) return 0;  /* under no_sync() DDP reduces nothing this backward */
-    if (PyObject_SetAttr(watch, s_reduced, Py_True) < 0) return -1;
-    PyObject *record = PyObject_GetAttr(watch, s_record);
-    if (record == NULL) return -1;
-    if (record == Py_None) {
-        Py_DECREF(record);
-        return 0;
-    }
+/* DDP's reduction record opened now, into the watch's opens that the step's end completes
+   (`BackwardWatch.take_open`) */
+static int open_reduction(Forward *self, PyObject *watch, PyObject *record) {
     PyObject *opened;
-    if (self->opens_append == NULL && learn_record(self, record) < 0) {
-        Py_DECREF(record);
-        return -1;
-    }
+    if (self->opens_append == NULL && learn_record(self, record) < 0) return -1;
     if (self->opens_append == NULL)  /* its first use packs the fields: Python writes it */
         opened = PyObject_CallMethodNoArgs(record, s_begin);
     else
         opened = issue_open(self, ((Steps *)PyTuple_GET_ITEM(self->fast, 0))->step);
-    Py_DECREF(record);
     if (opened == NULL) return -1;
     PyObject *open = PyObject_GetAttr(watch, s_open);
     int r = open == NULL ? -1 : PyList_Check(open) ? PyList_Append(open, opened) : -2;
@@ -1043,6 +1040,147 @@ static int fast_forward(Forward *self) {
     return r < 0 ? -1 : 0;
 }
 
+/* Whether the backward after this forward reduces gradients: 1 yes, 0 no (DDP's no_sync()),
+   -2 no backward at all (grad mode off), -1 on error */
+static int backward_syncs(Forward *self) {
+    PyObject *on = PyObject_CallNoArgs(is_grad_enabled);
+    int grad = on == NULL ? -1 : PyObject_IsTrue(on);
+    Py_XDECREF(on);
+    if (grad <= 0) return grad < 0 ? -1 : -2;
+    PyObject *sync = PyObject_GetAttr(self->model, s_sync);
+    if (sync == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        return 1;
+    }
+    int syncs = PyObject_IsTrue(sync);
+    Py_DECREF(sync);
+    return syncs;
+}
+
+/* `BackwardWatch._on_forward` on an untimed step: counts noted, DDP's reduction record opened */
+static int fast_forward(Forward *self) {
+    PyObject *watch = PyTuple_GET_ITEM(self->fast, 1), *experts = PyTuple_GET_ITEM(self->fast, 2);
+    if (watch_counts(watch, experts) < 0) return -1;
+    int syncs = backward_syncs(self);  /* under no_sync() DDP reduces nothing: nothing to record */
+    if (syncs <= 0) return syncs == -2 ? 0 : syncs;
+    if (PyObject_SetAttr(watch, s_reduced, Py_True) < 0) return -1;
+    PyObject *record = PyObject_GetAttr(watch, s_record);
+    if (record == NULL) return -1;
+    if (record == Py_None) {
+        Py_DECREF(record);
+        return 0;
+    }
+    int r = open_reduction(self, watch, record);
+    Py_DECREF(record);
+    return r;
+}
+
+/* --- a timed host step's backward: `BackwardWatch`'s hook and callbacks, in C --------------
+   The pre-hook on the output's node fires as backward starts: DDP's reduction record opened
+   (left to the drain, completed as the step ends) and an autograd-engine callback queued; the
+   engine runs it once the graph is done (compute over), before DDP's finalizer; it marks the
+   wait's start and queues one more, which runs after the finalizer (all reduced). */
+static PyObject *queue_callback;  /* the autograd engine's `queue_callback`, set by `configure` */
+
+static int queue(PyObject *callback) {
+    PyObject *r = PyObject_CallOneArg(queue_callback, callback);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* the meter's wait for communication: its start (0) or end (1), now (`CommMeter.compute_done`) */
+static int mark_wait(Forward *self, Py_ssize_t end) {
+    PyObject *watch = PyTuple_GET_ITEM(self->fast, 1);
+    int timing = truthy_attr(watch, s_timing);
+    if (timing <= 0) return timing;
+    PyObject *meter = PyObject_GetAttr(watch, s_meter), *window = NULL, *wait = NULL, *now = NULL;
+    int ok = -1;
+    if (meter == NULL || (window = PyObject_GetAttr(meter, s_window)) == NULL ||
+        (wait = PyObject_GetAttr(window, s_wait)) == NULL)
+        goto done;
+    if (!PyList_Check(wait) || PyList_GET_SIZE(wait) != 2) {
+        PyErr_SetString(PyExc_TypeError, "CommWindow.wait must be a list of two marks");
+        goto done;
+    }
+    if ((now = PyFloat_FromDouble(clock_seconds(CLOCK_MONOTONIC))) == NULL ||
+        PyObject_SetAttr(meter, s_dirty, Py_True) < 0)
+        goto done;
+    PyList_SetItem(wait, end, now);  /* takes `now` */
+    now = NULL;
+    ok = 0;
+done:
+    Py_XDECREF(meter);
+    Py_XDECREF(window);
+    Py_XDECREF(wait);
+    Py_XDECREF(now);
+    return ok;
+}
+
+static PyObject *on_backward_start(Forward *self, PyObject *grad_outputs) {
+    double started = METER_START();
+    PyObject *watch = PyTuple_GET_ITEM(self->fast, 1), *result = NULL;
+    PyObject *record = PyObject_GetAttr(watch, s_record);
+    if (record == NULL) goto done;
+    if (record != Py_None && open_reduction(self, watch, record) < 0) goto done;
+    if (queue(self->on_graph_done) < 0) goto done;
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(record);
+    METER_ADD(marks_seconds, marks_calls, started);
+    return result;
+}
+
+static PyObject *on_local_backward(Forward *self, PyObject *grad_outputs) {
+    double started = METER_START();
+    PyObject *result = queue(self->on_graph_done) < 0 ? NULL : Py_NewRef(Py_None);
+    METER_ADD(marks_seconds, marks_calls, started);
+    return result;
+}
+
+static PyObject *on_graph_done(Forward *self, PyObject *unused) {
+    double started = METER_START();
+    PyObject *result = mark_wait(self, 0) < 0 || queue(self->on_reduced) < 0 ? NULL : Py_NewRef(Py_None);
+    METER_ADD(marks_seconds, marks_calls, started);
+    return result;
+}
+
+static PyObject *on_reduced(Forward *self, PyObject *unused) {
+    double started = METER_START();
+    PyObject *result = mark_wait(self, 1) < 0 ? NULL : Py_NewRef(Py_None);
+    METER_ADD(marks_seconds, marks_calls, started);
+    return result;
+}
+
+static PyMethodDef callback_defs[4] = {
+    {"on_backward_start", (PyCFunction)on_backward_start, METH_O, NULL},
+    {"on_local_backward", (PyCFunction)on_local_backward, METH_O, NULL},
+    {"on_graph_done", (PyCFunction)on_graph_done, METH_NOARGS, NULL},
+    {"on_reduced", (PyCFunction)on_reduced, METH_NOARGS, NULL},
+};
+
+/* `BackwardWatch.forward_ended` on a timed host step, its common case (a tensor out): 0 when
+   done, 1 to leave it to Python, -1 on error */
+static int timed_forward(Forward *self, PyObject *output) {
+    Steps *steps = (Steps *)PyTuple_GET_ITEM(self->fast, 0);
+    PyObject *watch = PyTuple_GET_ITEM(self->fast, 1);
+    if (!steps->host_marks || !steps->in_step || tensor_type == NULL ||
+        !PyObject_TypeCheck(output, (PyTypeObject *)tensor_type))
+        return 1;
+    int timing = truthy_attr(watch, s_timing);
+    if (timing <= 0) return timing < 0 ? -1 : 1;  /* an untimed step in Python: its record there */
+    int syncs = backward_syncs(self);
+    if (syncs < 0) return syncs == -2 ? 0 : syncs;
+    if (syncs && PyObject_SetAttr(watch, s_reduced, Py_True) < 0) return -1;
+    PyObject *node = PyObject_GetAttr(output, s_grad_fn);
+    if (node == NULL) return -1;
+    PyObject *r = node == Py_None ? Py_NewRef(Py_None)
+                                  : PyObject_CallMethodOneArg(node, s_register_prehook, syncs ? self->on_start : self->on_local);
+    Py_DECREF(node);
+    Py_XDECREF(r);  /* the hook's handle: it goes with the graph */
+    return r == NULL ? -1 : 0;
+}
+
 static PyObject *forward_call(Forward *self, PyObject *args, PyObject *kwargs) {
     PyObject *output = PyObject_Call(self->forward, args, kwargs), *r;
     if (output == NULL) return NULL;
@@ -1050,18 +1188,15 @@ static PyObject *forward_call(Forward *self, PyObject *args, PyObject *kwargs) {
         r = PyObject_CallFunctionObjArgs(self->hook, self->model, args, output, NULL);
     } else {  /* the Monitor's: counts noted here; on an untimed step in C, all of it */
         int untimed = ((Steps *)PyTuple_GET_ITEM(self->fast, 0))->fast_now;
-        double started = metering ? clock_seconds(CLOCK_THREAD_CPUTIME_ID) : 0.0;
-        int failed = untimed ? fast_forward(self) < 0
-                             : watch_counts(PyTuple_GET_ITEM(self->fast, 1), PyTuple_GET_ITEM(self->fast, 2)) < 0;
-        if (metering) {
-            metered_seconds += clock_seconds(CLOCK_THREAD_CPUTIME_ID) - started;
-            metered_calls++;
-        }
-        if (failed)
+        double started = METER_START();
+        int done = untimed ? fast_forward(self) : watch_counts(PyTuple_GET_ITEM(self->fast, 1), PyTuple_GET_ITEM(self->fast, 2));
+        if (done == 0 && !untimed) done = timed_forward(self, output);  /* 1: left to Python */
+        METER_ADD(metered_seconds, metered_calls, started);
+        if (done < 0)
             r = NULL;
-        else if (untimed)
+        else if (done == 0)
             r = Py_NewRef(Py_None);
-        else  /* a timed step (or a forward outside a step): its hook and callbacks, in Python */
+        else  /* a forward outside a step, or on a device: its hook and callbacks, in Python */
             r = PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(self->fast, 1), s_forward_ended, self->model, output, NULL);
     }
     if (r == NULL) {
@@ -1094,9 +1229,9 @@ static PyTypeObject ForwardType = {
 
 /* --- module ------------------------------------------------------------------------------ */
 static PyObject *configure(PyObject *mod, PyObject *args) {
-    PyObject *tensor, *grad_enabled, *work;
-    if (!PyArg_ParseTuple(args, "OOUnnnn", &tensor, &grad_enabled, &work, &header_size, &record_size, &head_size,
-                          &written_offset))
+    PyObject *tensor, *grad_enabled, *queue, *work;
+    if (!PyArg_ParseTuple(args, "OOOUnnnn", &tensor, &grad_enabled, &queue, &work, &header_size, &record_size,
+                          &head_size, &written_offset))
         return NULL;
     if (head_size != 32 || record_size <= head_size) {
         PyErr_SetString(PyExc_ValueError, "meshscope: a record's head is (seq, step, issued, done): 32 bytes");
@@ -1105,6 +1240,7 @@ static PyObject *configure(PyObject *mod, PyObject *args) {
     Py_XSETREF(tensor_type, Py_NewRef(tensor));
     Py_XSETREF(is_grad_enabled, Py_NewRef(grad_enabled));
     Py_XSETREF(work_attribute, Py_NewRef(work));
+    Py_XSETREF(queue_callback, Py_NewRef(queue));
     Py_RETURN_NONE;
 }
 
@@ -1112,20 +1248,22 @@ static PyObject *meter(PyObject *mod, PyObject *on) {
     int t = PyObject_IsTrue(on);
     if (t < 0) return NULL;
     metering = t;
-    metered_seconds = 0.0;
-    metered_calls = 0;
+    metered_seconds = marks_seconds = 0.0;
+    metered_calls = marks_calls = 0;
     Py_RETURN_NONE;
 }
 
 static PyObject *metered(PyObject *mod, PyObject *unused) {
-    return Py_BuildValue("{s(dL)}", "Forward (C)", metered_seconds, metered_calls);
+    return Py_BuildValue("{s(dL)s(dL)}", "Forward (C)", metered_seconds, metered_calls, "Backward marks (C)",
+                         marks_seconds, marks_calls);
 }
 
 static PyMethodDef module_methods[] = {
     {"meter", meter, METH_O, "meter(on): meter the forward watch's C body from now (a benchmark's account)."},
     {"metered", metered, METH_NOARGS, "{entry: (thread CPU seconds, calls)} since meter(True)."},
     {"configure", configure, METH_VARARGS,
-     "configure(torch.Tensor, torch.is_grad_enabled, WORK_ATTRIBUTE, HEADER_SIZE, RECORD.size, RECORD_HEAD.size, "
+     "configure(torch.Tensor, torch.is_grad_enabled, queue_callback, WORK_ATTRIBUTE, HEADER_SIZE, RECORD.size, "
+     "RECORD_HEAD.size, "
      "WRITTEN_OFFSET): what C checks against and writes."},
     {"append_fixed", (PyCFunction)(void (*)(void))append_fixed, METH_FASTCALL,
      "append_fixed(log, name, tail, step=None): FlightLog.append_fixed, its slot."},
@@ -1181,6 +1319,11 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_forward_ended, "forward_ended");
     INTERN(s_off_thread, "_off_thread");
     INTERN(s_append, "append");
+    INTERN(s_meter, "meter");
+    INTERN(s_window, "_window");
+    INTERN(s_wait, "wait");
+    INTERN(s_grad_fn, "grad_fn");
+    INTERN(s_register_prehook, "register_prehook");
     INTERN(s_work, "_work");
     INTERN(s_handed, "_handed");
     if (PyType_Ready(&NoOpType) < 0 || PyType_Ready(&PhaseType) < 0 || PyType_Ready(&StepsType) < 0 ||

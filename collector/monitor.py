@@ -307,7 +307,8 @@ class Monitor:
             and not self._closed
             and (flight is None or (flight.defer_ends and flight._device is None))
         )
-        self._steps.attach(flight, self._backward, self.meter, self.experts, ok)
+        host_marks = self.probe.mark is time.perf_counter  # a timed step's backward marks in C
+        self._steps.attach(flight, self._backward, self.meter, self.experts, ok, host_marks)
 
     def _begin(self, tokens: int, step: int | None) -> tuple[StepScope, float, Any]:
         if not self._described:

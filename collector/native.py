@@ -17,12 +17,6 @@ try:
 except ImportError:  # built without a C compiler (setup.py marks the extension optional)
     fast = None
 else:
-    fast.configure(
-        torch.Tensor,
-        torch.is_grad_enabled,
-        WORK_ATTRIBUTE,
-        HEADER_SIZE,
-        RECORD.size,
-        RECORD_HEAD.size,
-        WRITTEN_OFFSET,
-    )
+    queue = torch.autograd.Variable._execution_engine.queue_callback  # the autograd engine's
+    layout = (HEADER_SIZE, RECORD.size, RECORD_HEAD.size, WRITTEN_OFFSET)  # the flight log's
+    fast.configure(torch.Tensor, torch.is_grad_enabled, queue, WORK_ATTRIBUTE, *layout)

@@ -1,5 +1,6 @@
 """The Monitor's untimed host steps in C (`collector/_fast.c`) against its Python path: the same
-records, expert load and flight log, from the same DDP MoE loop on two gloo ranks."""
+records, expert load and flight log, from the same DDP MoE loop on two gloo ranks (with
+accumulation under no_sync() and evaluations between steps)."""
 
 import math
 from pathlib import Path
@@ -48,6 +49,9 @@ def _loop(rank: int, world_size: int, run_dir: str, native: bool) -> dict:
             in_c += fast is not None and type(s) is fast.Steps
             with s.phase("data"):
                 x, y = data.batch(i)
+            if i % 2:  # accumulation: a micro-batch under no_sync() first (nothing to reduce)
+                with ddp.no_sync():
+                    model.loss(ddp(x), y)[0].backward()
             with s.phase("forward"):
                 loss, lm = model.loss(ddp(x), y)
             with s.phase("backward"):
@@ -57,6 +61,9 @@ def _loop(rank: int, world_size: int, run_dir: str, native: bool) -> dict:
                 opt.step()
                 opt.zero_grad()
             s.log(loss=lm, grad_norm=norm)
+        if i % 7 == 3:  # an evaluation between steps: no graph, nothing to reduce
+            with torch.no_grad():
+                ddp(x)
     mon.close()
     return {"in_c": in_c}
 
