@@ -231,6 +231,7 @@ def bench(
     floor: bool = False,
     account_steps: int = 200,
     settings: dict | None = None,
+    python_only: bool = False,
 ) -> dict:
     import torch
     from prometheus_client import CollectorRegistry
@@ -241,6 +242,11 @@ def bench(
     from meshscope.trainer.data import SyntheticTokens
     from meshscope.trainer.model import MoELM
 
+    if python_only:  # the Monitor's Python path only, as where no C compiler built `_fast`
+        from meshscope.collector import comm, flightlog, monitor, scope
+
+        for module in (comm, flightlog, monitor, scope):
+            module._fast = None
     cfg = ModelConfig(vocab_size=128, seq_len=32, layers=layers, d_model=d_model, heads=4, experts=8, top_k=2)
     env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
     mon = Monitor(
@@ -333,7 +339,8 @@ def bench(
         step_watched(model, ddp, opt, i)
     if _fast is not None:
         for name, (seconds, calls) in _fast.metered().items():
-            cost.add_metered(name, seconds, calls)
+            if calls:
+                cost.add_metered(name, seconds, calls)
         _fast.meter(False)
     mon.close()
     parts = {
@@ -423,6 +430,11 @@ def main() -> None:
         "--account-steps", type=int, default=200, help="watched steps metered one entry at a time, after"
     )
     ap.add_argument(
+        "--python-only",
+        action="store_true",
+        help="the Monitor without its C path (`collector/_fast.c`), as where no compiler built it",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -433,7 +445,8 @@ def main() -> None:
     if args.account_steps < 1:
         ap.error("--account-steps must be at least 1")
     settings = _settings(ap, args.set)
-    print(f"machine: {machine()}" + (f"  settings: {settings}" if settings else ""))
+    path = "  Python path only" if args.python_only or _fast is None else ""
+    print(f"machine: {machine()}" + (f"  settings: {settings}" if settings else "") + path)
     print(
         f"ranks={args.ranks} models={args.models} blocks={args.blocks}x{args.block_steps} "
         "steps per mode per rank"
@@ -454,6 +467,7 @@ def main() -> None:
                 floor=args.floor,
                 account_steps=args.account_steps,
                 settings=settings,
+                python_only=args.python_only,
             )
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
         on, control = ratio_interval(results, "on"), ratio_interval(results, "control")

@@ -77,7 +77,6 @@ class CommWindow:
     spans: list[tuple[Any, Any]] = field(default_factory=list)
     wait: list[Any] = field(default_factory=functools.partial(list, (None, None)))  # no Python frame
     measured_s: float | None = None
-    ddp_due: bool = False  # DDP's own figure to be read for this step, by the Monitor's drain
     sampled: bool = False
     bytes_raw: int = 0
     bytes_wire: int = 0
@@ -361,8 +360,7 @@ class DDPRuntimeStats:
     """DDP's own sampled communication time, for models whose reduction runs in C++ (no hook).
 
     DDP times its all-reduce on sampled iterations (the first 10, then one in `every`); a
-    figure is new when its end time moves, and belongs to the timed steps of the Monitor's
-    drain round that first sees it (`collector.drain`). On
+    figure is new when its end time moves, and belongs to the step that first sees it. On
     accelerators DDP reads its timers by waiting at its next sampled forward, so there the
     Monitor leaves DDP's own rate (1 in 100) alone."""
 

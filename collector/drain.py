@@ -51,7 +51,6 @@ class StepDrain(Service):
                 elif not self._finished(p):
                     break
                 finished.append(self._as_pending(mon._pending.popleft()))
-            self._ddp_figure([p for p in finished if p.comm.ddp_due])
             records = [self._record(p) for p in finished]
             if records:
                 mon.metrics.observe_steps(records, mon._comm_every, self.logged_keys, mon._detail_every)
@@ -64,15 +63,6 @@ class StepDrain(Service):
                 mon.store.add_expert_work(step, mon.env.rank, tokens)
             if mon.flight is not None:
                 mon.flight.settle_ends()
-
-    def _ddp_figure(self, due: list[PendingStep]) -> None:
-        """DDP's own sampled reduction time, read once a round (a dict of tens of us, built
-        under DDP's reducer lock: safe from this thread), for the round's timed steps that
-        look for it: a new figure is theirs, one already given is nobody's."""
-        stats = self.monitor._ddp_stats
-        figure = stats.fresh_seconds() if due and stats is not None else None
-        for p in due:
-            p.comm.measured_s = figure
 
     def _as_pending(self, item: PendingStep | tuple) -> PendingStep:
         """A step C took (untimed, on the host) as the Python path keeps one: its

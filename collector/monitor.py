@@ -355,9 +355,10 @@ class Monitor:
                 comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = self._ddp_bytes
             if detailed and (comm.sampled or self._step % self.config.comm_sample_every == 1):
                 # DDP's figure of a sampled step shows up at its next forward: look on the
-                # sampled step and the one after; the drain reads it (its dict costs tens of
-                # us, under DDP's reducer lock: safe from another thread)
-                comm.ddp_due = True
+                # sampled step and the one after (its dict costs tens of us). Read here: DDP
+                # builds it under its reducer's lock, which a rank stuck in the reduction holds,
+                # so the drain would wait with it and write nothing for the watchdog
+                comm.measured_s = self._ddp_stats.fresh_seconds()
         return comm
 
     def _take_scalars(self, p: PendingStep, scalars: dict[str, Any]) -> None:
