@@ -141,8 +141,8 @@ def instrument_costs(mon, cost: CostMeter) -> None:
     # expert counts: their own forward hook on a plain model, inside the backward watch's on DDP
     expert_counts.ExpertCounts._on_forward = cost.wrap(expert_counts.ExpertCounts._on_forward)
     # the backward watch, with the flight log's one record of DDP's reduction a step
-    names = ("_on_forward", "forward_ended", "_on_backward_start", "_on_local_backward", "_on_graph_done")
-    for name in (*names, "_on_reduced"):
+    # (`forward_ended` is `_on_forward`'s tail: C calls it only where it leaves a step to Python)
+    for name in ("_on_forward", "_on_backward_start", "_on_local_backward", "_on_graph_done", "_on_reduced"):
         setattr(comm.BackwardWatch, name, cost.wrap(getattr(comm.BackwardWatch, name)))
     # the per-bucket path, where a Python comm hook runs: its record and completion callbacks
     flightlog._bucket_done = cost.wrap(flightlog._bucket_done)
