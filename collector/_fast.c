@@ -279,8 +279,10 @@ static PyObject *steps_call_step(Steps *self, PyObject *const *args, Py_ssize_t 
         }
     }
     long long n = 0;
-    if (tokens != NULL) {
-        n = PyLong_AsLongLong(tokens);
+    if (tokens != NULL) {  /* any number, as a whole count (a float from a user's sum too) */
+        PyObject *whole = PyNumber_Long(tokens);
+        n = whole == NULL ? -1 : PyLong_AsLongLong(whole);
+        Py_XDECREF(whole);
         if (n == -1 && PyErr_Occurred()) return NULL;
     }
     self->next_tokens = n;

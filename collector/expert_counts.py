@@ -93,7 +93,7 @@ class ExpertCounts:
         self.layers = find_moe_layers(model)
         self._seen = [_stamp(m.expert_token_counts) for m in self.layers]
         self._work = [None] * len(self.layers)
-        self._idle_work: list[Any] = [None] * len(self.layers)  # C's: each layer's empty `expert_work`
+        self._idle_work = [None] * len(self.layers)  # C's: each layer's empty `expert_work`
         if hook and self.layers:
             after_forward(model, self._on_forward)
 

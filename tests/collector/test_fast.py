@@ -149,14 +149,14 @@ def test_a_step_that_raises_in_c_is_no_step_and_the_next_goes_on(tmp_path):
         assert type(s) is fast.Steps
         s.log(loss=1.0)
         raise ValueError("the user's")
-    with mon.step() as s:
+    with mon.step(tokens=8.0) as s:  # a count given as a float is kept as a whole count
         s.log(loss=2.0)
     with pytest.raises(TypeError, match="keyword"):
         s.log(3.0)
     mon.close()
     steps = load_steps(tmp_path / "run")
     assert steps["step"].tolist() == [0, 2]
-    assert steps["loss"].tolist()[1] == 2.0
+    assert steps["loss"].tolist()[1] == 2.0 and steps["tokens"].tolist()[1] == 8
 
 
 def test_a_loss_logged_in_c_is_kept_without_its_graph(tmp_path):
