@@ -7,7 +7,7 @@ STAMP := $(VENV)/.meshscope-installed
 
 .PHONY: demo test system-deps bench clean
 
-$(STAMP): pyproject.toml setup.py collector/_fast.c
+$(STAMP): pyproject.toml setup.py $(wildcard collector/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned, so pip takes the CPU wheel on this machine's disk and not a CUDA build.

@@ -110,7 +110,7 @@ class CostMeter:
 
 
 class MeteredScope:
-    """The scope of an untimed step C runs (`collector/_fast.c`), its `phase` and `log`
+    """The scope of an untimed step C runs (`collector/csrc/`), its `phase` and `log`
     metered as the Python scope's are."""
 
     def __init__(self, scope, meter: CostMeter) -> None:
@@ -432,7 +432,7 @@ def main() -> None:
     ap.add_argument(
         "--python-only",
         action="store_true",
-        help="the Monitor without its C path (`collector/_fast.c`), as where no compiler built it",
+        help="the Monitor without its C path (`collector/csrc/`), as where no compiler built it",
     )
     ap.add_argument(
         "--set",

@@ -120,7 +120,7 @@ class CommMeter:
         self._lock = threading.Lock()  # completions arrive on the backend's threads
         self._window = CommWindow(sampled=True)
         # something was put in the window since the last take: an untimed step that ends with
-        # it clean leaves it in place (`collector/_fast.c` swaps no window then)
+        # it clean leaves it in place (`collector/csrc/` swaps no window then)
         self._dirty = False
 
     @property
@@ -257,7 +257,7 @@ class BackwardWatch:
         self._open: list[Any] = []  # records opened at a forward's end on an untimed step
         self._reduced = False  # a backward that reduces gradients ran since the last take
         # (Steps, this watch, ExpertCounts): the Monitor's untimed steps watch in C
-        # (`collector/_fast.c` does what `_on_forward` does on such a step)
+        # (`collector/csrc/` does what `_on_forward` does on such a step)
         self.fast: tuple[Any, BackwardWatch, Any] | None = None
 
     def attach(self, model: torch.nn.Module) -> None:

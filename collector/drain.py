@@ -2,7 +2,7 @@
 and store rows, in step order, a drain round later (`monitor.drain_interval_s`).
 
 The training thread hands over marks and references only: a `PendingStep` from the Python path
-(timed steps, a device's steps), or a tuple from C (`collector/_fast.c`: untimed host steps).
+(timed steps, a device's steps), or a tuple from C (`collector/csrc/`: untimed host steps).
 Here both become the same record."""
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class ExpertCounts:
         when the layer updates one tensor in place. No device op per forward for a layer that
         hands out new counts (each op costs the step a dispatch), and no sync either way. A
         layer run twice in one forward counts its last run (the protocol's "last forward").
-        `start`: the first layer to look at (C noted those before, `collector/_fast.c`)."""
+        `start`: the first layer to look at (C noted those before, `collector/csrc/`)."""
         noted, seen_by_layer = self._noted, self._seen
         for layer in range(start, len(self.layers)):
             module = self.layers[layer]

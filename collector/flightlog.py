@@ -253,7 +253,7 @@ class FlightLog(StepMarks):
 
     def append_fixed(self, name: str, tail: bytes, step: int | None = None) -> int:
         """`append` for a record whose other fields are packed already
-        (`flightfixed.fixed_tail`): its slot. In C where built (`collector/_fast.c`)."""
+        (`flightfixed.fixed_tail`): its slot. In C where built (`collector/csrc/`)."""
         if _fast is not None:
             return _fast.append_fixed(self, name, tail, step)
         with self._lock:

@@ -76,7 +76,7 @@ class StepMarks:
 
     def write_opens(self) -> None:
         """Write the records C issued on the training thread and left to the drain, in the
-        order issued (`collector/_fast.c`: DDP's reduction opened by an untimed step's
+        order issued (`collector/csrc/`: DDP's reduction opened by an untimed step's
         forward, its sequence number taken then): each one's slot and index are kept for its
         step's end. A rank stuck in that reduction has it written by the next round."""
         while self._opens:

@@ -1,4 +1,4 @@
-"""The Monitor's compiled part (`collector/_fast.c`: untimed host steps, the forward watch and
+"""The Monitor's compiled part (`collector/csrc/`: untimed host steps, the forward watch and
 the flight log's fixed records in C), configured once; None where no C compiler built it, and
 then every step takes the Python path."""
 

@@ -1,4 +1,4 @@
-"""The Monitor's untimed host steps in C (`collector/_fast.c`) against its Python path: the same
+"""The Monitor's untimed host steps in C (`collector/csrc/`) against its Python path: the same
 records, expert load and flight log, from the same DDP MoE loop on two gloo ranks (with
 accumulation under no_sync() and evaluations between steps)."""
 

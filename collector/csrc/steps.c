@@ -1,0 +1,346 @@
+/* The steps of one Monitor: `mon.step(...)`'s context, untimed host steps in C (see fast.h). */
+#include "fast.h"
+
+
+static int steps_traverse(Steps *self, visitproc visit, void *arg) {
+    Py_VISIT(self->mon);
+    Py_VISIT(self->pending_append);
+    Py_VISIT(self->flight);
+    Py_VISIT(self->ends_append);
+    Py_VISIT(self->watch);
+    Py_VISIT(self->meter);
+    Py_VISIT(self->experts);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->scalars);
+    Py_VISIT(self->next_step);
+    return 0;
+}
+
+static int steps_clear(Steps *self) {
+    Py_CLEAR(self->mon);
+    Py_CLEAR(self->pending_append);
+    Py_CLEAR(self->flight);
+    Py_CLEAR(self->ends_append);
+    Py_CLEAR(self->watch);
+    Py_CLEAR(self->meter);
+    Py_CLEAR(self->experts);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->scalars);
+    Py_CLEAR(self->next_step);
+    return 0;
+}
+
+static void steps_dealloc(Steps *self) {
+    PyObject_GC_UnTrack(self);
+    steps_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int steps_init(Steps *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"monitor", "pending", "detail_every", "memory_every", "step_offset", NULL};
+    PyObject *mon, *pending;
+    long long detail, memory;
+    Py_ssize_t offset;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLLn", kwlist, &mon, &pending, &detail, &memory, &offset))
+        return -1;
+    if (detail < 1 || memory < 1) {
+        PyErr_SetString(PyExc_ValueError, "detail_every and memory_every must be at least 1");
+        return -1;
+    }
+    PyObject *append = PyObject_GetAttrString(pending, "append");
+    if (append == NULL) return -1;
+    steps_clear(self);
+    self->mon = Py_NewRef(mon);
+    self->pending_append = append;
+    self->flight = Py_NewRef(Py_None);
+    self->ends_append = Py_NewRef(Py_None);
+    self->watch = Py_NewRef(Py_None);
+    self->meter = Py_NewRef(Py_None);
+    self->experts = Py_NewRef(Py_None);
+    self->detail_every = detail;
+    self->memory_every = memory;
+    self->step_offset = offset;
+    self->step = -1;
+    return 0;
+}
+
+/* `attach(flight, watch, meter, experts, fast_ok, host_marks)`: what the Monitor watches now */
+static PyObject *steps_attach(Steps *self, PyObject *args) {
+    PyObject *flight, *watch, *meter, *experts;
+    int ok, host_marks;
+    if (!PyArg_ParseTuple(args, "OOOOpp", &flight, &watch, &meter, &experts, &ok, &host_marks)) return NULL;
+    PyObject *ends_append = Py_NewRef(Py_None);
+    if (flight != Py_None) {
+        PyObject *ends = PyObject_GetAttrString(flight, "_ends");
+        if (ends == NULL) return NULL;
+        Py_DECREF(ends_append);
+        ends_append = PyObject_GetAttrString(ends, "append");
+        Py_DECREF(ends);
+        if (ends_append == NULL) return NULL;
+    }
+    Py_XSETREF(self->ends_append, ends_append);
+    Py_XSETREF(self->flight, Py_NewRef(flight));
+    Py_XSETREF(self->watch, Py_NewRef(watch));
+    Py_XSETREF(self->meter, Py_NewRef(meter));
+    PyObject *layers = PyObject_GetAttr(experts, s_layers), *every = PyObject_GetAttr(experts, s_every);
+    Py_ssize_t n = layers == NULL ? -1 : PyObject_Length(layers);
+    long long e = every == NULL ? -1 : PyLong_AsLongLong(every);
+    Py_XDECREF(layers);
+    Py_XDECREF(every);
+    if (n < 0 || e < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ExpertCounts.every must be at least 1");
+        return NULL;
+    }
+    Py_XSETREF(self->experts, Py_NewRef(experts));
+    self->expert_layers = n;
+    self->expert_every = e;
+    self->fast_ok = ok;
+    self->host_marks = host_marks;
+    Py_RETURN_NONE;
+}
+
+/* `mon.step(tokens=0, step=None)`: the context of the next step (this object) */
+static PyObject *steps_call_step(Steps *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *tokens = nargs > 0 ? args[0] : NULL, *step = nargs > 1 ? args[1] : NULL;
+    if (nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "step() takes at most 2 positional arguments (tokens, step)");
+        return NULL;
+    }
+    Py_ssize_t nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(name, "tokens") == 0 && tokens == NULL)
+            tokens = args[nargs + i];
+        else if (PyUnicode_CompareWithASCIIString(name, "step") == 0 && step == NULL)
+            step = args[nargs + i];
+        else {
+            PyErr_Format(PyExc_TypeError, "step() got an unexpected or repeated keyword %R", name);
+            return NULL;
+        }
+    }
+    long long n = 0;
+    if (tokens != NULL) {  /* any number, as a whole count (a float from a user's sum too) */
+        PyObject *whole = PyNumber_Long(tokens);
+        n = whole == NULL ? -1 : PyLong_AsLongLong(whole);
+        Py_XDECREF(whole);
+        if (n == -1 && PyErr_Occurred()) return NULL;
+    }
+    self->next_tokens = n;
+    Py_XSETREF(self->next_step, step == NULL || step == Py_None ? NULL : Py_NewRef(step));
+    return Py_NewRef(self);
+}
+
+static int set_flight_step(Steps *self, long long step) {
+    PyObject *value = PyLong_FromLongLong(step);
+    if (value == NULL || PyObject_SetAttr(self->flight, s_step, value) < 0) {
+        Py_XDECREF(value);
+        return -1;
+    }
+    Py_DECREF(value);
+    PyObject *map = PyObject_GetAttr(self->flight, s_map);
+    if (map == NULL) return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(map, &view, PyBUF_WRITABLE) < 0) {  /* a closed log: nothing to tell */
+        Py_DECREF(map);
+        PyErr_Clear();
+        return 0;
+    }
+    if (view.len >= self->step_offset + 8) {
+        int64_t s = step;
+        memcpy((char *)view.buf + self->step_offset, &s, 8);  /* little-endian hosts only (x86, arm) */
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(map);
+    return 0;
+}
+
+static PyObject *steps_enter(Steps *self, PyObject *unused) {
+    if (self->in_step) {
+        PyErr_SetString(PyExc_RuntimeError, "meshscope: a step is already open (steps do not nest)");
+        return NULL;
+    }
+    long long step;
+    if (self->next_step != NULL) {
+        step = PyLong_AsLongLong(self->next_step);
+        if (step == -1 && PyErr_Occurred()) return NULL;
+    } else
+        step = self->step + 1;
+    self->tokens = self->next_tokens;
+    int fast = self->fast_ok && step % self->detail_every != 0 && step % self->memory_every != 0;
+    if (!fast) {  /* the Python path: it sets the step through the Monitor's `_step` */
+        PyObject *res = PyObject_CallMethod(
+            self->mon, "_begin", "LO", self->tokens, self->next_step ? self->next_step : Py_None);
+        if (res == NULL) return NULL;
+        if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) != 3) {
+            Py_DECREF(res);
+            PyErr_SetString(PyExc_TypeError, "Monitor._begin must return (scope, wall, start)");
+            return NULL;
+        }
+        Py_XSETREF(self->slow, res);
+        self->in_step = 1;
+        return Py_NewRef(PyTuple_GET_ITEM(res, 0));
+    }
+    self->step = step;
+    self->wall = clock_seconds(CLOCK_REALTIME);
+    self->start = clock_seconds(CLOCK_MONOTONIC);
+    if (self->flight != Py_None && set_flight_step(self, step) < 0) return NULL;
+    if (self->watch != Py_None && PyObject_SetAttr(self->watch, s_timing, Py_False) < 0) return NULL;
+    Py_CLEAR(self->scalars);
+    self->fast_now = self->in_step = 1;
+    return Py_NewRef(self);
+}
+
+static int fast_end(Steps *self) {
+    double end = clock_seconds(CLOCK_MONOTONIC);
+    PyObject *comm = NULL, *opened = NULL, *memory = NULL, *item = NULL;
+    int reduced = 0, ok = -1;
+    int dirty = truthy_attr(self->meter, s_dirty);  /* a hook counted: the window is this step's */
+    if (dirty < 0) goto done;
+    comm = dirty ? PyObject_CallMethod(self->meter, "take", "O", Py_False) : Py_NewRef(Py_None);
+    if (comm == NULL) goto done;
+    if (self->watch != Py_None) {
+        reduced = truthy_attr(self->watch, s_reduced);
+        if (reduced < 0 || (reduced && PyObject_SetAttr(self->watch, s_reduced, Py_False) < 0)) goto done;
+        opened = take_open(self);
+    } else
+        opened = Py_NewRef(Py_None);
+    if (opened == NULL) goto done;
+    memory = PyObject_GetAttr(self->mon, s_memory);  /* not due (`memory_every`): the latest reading */
+    if (memory == NULL) goto done;
+    /* the tuple (and its floats) is the step's one allocation */
+    item = Py_BuildValue(
+        "(LLdddOOOO)", self->step, self->tokens, self->wall, self->start, end,
+        self->scalars ? self->scalars : Py_None, comm, reduced ? Py_True : Py_False, memory);
+    if (item == NULL) goto done;
+    PyObject *r = PyObject_CallOneArg(self->pending_append, item);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+    if (self->flight != Py_None && flight_end(self, end, opened) < 0) goto done;
+    if (experts_end(self) < 0) goto done;
+    ok = 0;
+done:
+    Py_XDECREF(comm);
+    Py_XDECREF(opened);
+    Py_XDECREF(memory);
+    Py_XDECREF(item);
+    Py_CLEAR(self->scalars);
+    return ok;
+}
+
+static PyObject *steps_exit(Steps *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *exc_type = nargs > 0 ? args[0] : Py_None;
+    self->in_step = 0;
+    if (self->slow != NULL) {
+        PyObject *slow = self->slow;
+        self->slow = NULL;
+        PyObject *r = Py_NewRef(Py_None);
+        if (exc_type == Py_None) {  /* a step that raised is not a step */
+            Py_DECREF(r);
+            r = PyObject_CallMethod(
+                self->mon, "_end", "OLOO", PyTuple_GET_ITEM(slow, 0), self->tokens, PyTuple_GET_ITEM(slow, 1),
+                PyTuple_GET_ITEM(slow, 2));
+        }
+        Py_DECREF(slow);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+        Py_RETURN_FALSE;
+    }
+    self->fast_now = 0;
+    if (exc_type != Py_None) {
+        Py_CLEAR(self->scalars);
+        Py_RETURN_FALSE;
+    }
+    if (fast_end(self) < 0) return NULL;
+    Py_RETURN_FALSE;
+}
+
+/* `s.phase(name)` of an untimed step */
+static PyObject *steps_phase(Steps *self, PyObject *name) { return Py_NewRef(the_noop); }
+
+/* `s.log(**scalars)` of an untimed step: references, without a loss's graph */
+static PyObject *steps_log(Steps *self, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "log() takes keyword arguments only: log(loss=..., grad_norm=...)");
+        return NULL;
+    }
+    if (kwargs == NULL) Py_RETURN_NONE;
+    if (!self->fast_now) {
+        PyErr_SetString(PyExc_RuntimeError, "meshscope: log() outside the step it belongs to");
+        return NULL;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(kwargs, &pos, &key, &value)) {
+        if (tensor_type == NULL || !PyObject_TypeCheck(value, (PyTypeObject *)tensor_type)) continue;
+        int graph = truthy_attr(value, s_requires_grad);
+        if (graph < 0) return NULL;
+        if (graph) {
+            PyObject *bare = PyObject_CallMethodNoArgs(value, s_detach);
+            /* replacing the value of a key present does not resize: PyDict_Next stays valid */
+            if (bare == NULL || PyDict_SetItem(kwargs, key, bare) < 0) {
+                Py_XDECREF(bare);
+                return NULL;
+            }
+            Py_DECREF(bare);
+        }
+    }
+    if (self->scalars == NULL)
+        self->scalars = Py_NewRef(kwargs);  /* a fresh dict of this call's: kept as it is */
+    else if (PyDict_Update(self->scalars, kwargs) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *steps_get_step(Steps *self, void *unused) { return PyLong_FromLongLong(self->step); }
+
+static int steps_set_step(Steps *self, PyObject *value, void *unused) {
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "step cannot be deleted");
+        return -1;
+    }
+    long long s = PyLong_AsLongLong(value);
+    if (s == -1 && PyErr_Occurred()) return -1;
+    self->step = s;
+    return 0;
+}
+
+static PyObject *steps_get_false(Steps *self, void *unused) { Py_RETURN_FALSE; }
+static PyObject *steps_get_phases(Steps *self, void *unused) { return PyDict_New(); }
+static PyObject *steps_get_scalars(Steps *self, void *unused) {
+    return self->scalars ? Py_NewRef(self->scalars) : PyDict_New();
+}
+static PyObject *steps_get_fast_now(Steps *self, void *unused) { return PyBool_FromLong(self->fast_now); }
+
+static PyGetSetDef steps_getset[] = {
+    {"current", (getter)steps_get_step, (setter)steps_set_step, "The latest step begun.", NULL},
+    {"detailed", (getter)steps_get_false, NULL, "An untimed step's phases are not timed.", NULL},
+    {"phases", (getter)steps_get_phases, NULL, "An untimed step times no phase.", NULL},
+    {"scalars", (getter)steps_get_scalars, NULL, "What the open untimed step logged.", NULL},
+    {"fast_now", (getter)steps_get_fast_now, NULL, "Whether an untimed step in C is open.", NULL},
+    {NULL}};
+
+static PyMethodDef steps_methods[] = {
+    {"step", (PyCFunction)(void (*)(void))steps_call_step, METH_FASTCALL | METH_KEYWORDS,
+     "step(tokens=0, step=None): the context of the next step."},
+    {"attach", (PyCFunction)steps_attach, METH_VARARGS,
+     "attach(flight, watch, meter, experts, fast_ok, host_marks): what the Monitor watches now."},
+    {"__enter__", (PyCFunction)steps_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))steps_exit, METH_FASTCALL, NULL},
+    {"phase", (PyCFunction)steps_phase, METH_O, "phase(name): an untimed step's phase (a no-op context)."},
+    {"log", (PyCFunction)(void (*)(void))steps_log, METH_VARARGS | METH_KEYWORDS,
+     "log(**scalars): kept as references, read by the Monitor's service thread."},
+    {NULL}};
+
+PyTypeObject StepsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "meshscope.collector._fast.Steps",
+    .tp_basicsize = sizeof(Steps),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "One Monitor's steps: untimed host steps in C, the rest through the Monitor's Python path.",
+    .tp_traverse = (traverseproc)steps_traverse,
+    .tp_clear = (inquiry)steps_clear,
+    .tp_dealloc = (destructor)steps_dealloc,
+    .tp_init = (initproc)steps_init,
+    .tp_new = PyType_GenericNew,
+    .tp_methods = steps_methods,
+    .tp_getset = steps_getset,
+};
