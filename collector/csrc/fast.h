@@ -98,7 +98,9 @@ int truthy_attr(PyObject *obj, PyObject *name);                               /*
 PyObject *take_open(Steps *self);                                             /* handover.c */
 int flight_end(Steps *self, double end, PyObject *opened);
 int experts_end(Steps *self);
-PyObject *append_fixed_c(PyObject *log, PyObject *name, PyObject *tail, PyObject *step); /* flight.c */
+int take_seq(PyObject *seqs, PyObject *name, long long *seq);                 /* flight.c */
+int release(PyObject *lock);
+PyObject *append_fixed_c(PyObject *log, PyObject *name, PyObject *tail, PyObject *step);
 PyObject *append_fixed(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
 int open_reduction(Forward *self, PyObject *watch, PyObject *record);        /* forward.c */
 int backward_syncs(Forward *self);

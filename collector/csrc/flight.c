@@ -12,18 +12,42 @@ static int put_int64(Py_buffer *view, Py_ssize_t at, int64_t v) {
     return 0;
 }
 
+/* The next sequence number of `name` in a flight log's `seqs` (under its lock), counted on */
+int take_seq(PyObject *seqs, PyObject *name, long long *seq) {
+    PyObject *had = PyDict_GetItemWithError(seqs, name);
+    if (had == NULL && PyErr_Occurred()) return -1;
+    *seq = had == NULL ? 0 : PyLong_AsLongLong(had);
+    if (*seq == -1 && PyErr_Occurred()) return -1;
+    PyObject *next = PyLong_FromLongLong(*seq + 1);
+    int r = next == NULL ? -1 : PyDict_SetItem(seqs, name, next);
+    Py_XDECREF(next);
+    return r;
+}
+
+/* Release a flight log's lock whatever happened under it: an error set stays set; -1 when the
+   release itself failed (its error replaces any other) */
+int release(PyObject *lock) {
+    PyObject *type, *val, *tb;
+    PyErr_Fetch(&type, &val, &tb);
+    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
+    if (r == NULL) {
+        Py_XDECREF(type);
+        Py_XDECREF(val);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(type, val, tb);
+    return 0;
+}
+
 static int fill_record(PyObject *log, PyObject *name, PyObject *tail, PyObject *step, long long *slot_out) {
     PyObject *seqs = PyObject_GetAttr(log, s_seq), *written = NULL, *capacity = NULL, *map = NULL;
     PyObject *groups = NULL, *at_step = NULL, *value = NULL;
     Py_buffer view = {0};
     int ok = -1;
-    if (seqs == NULL || !PyDict_Check(seqs)) goto done;
-    PyObject *seq_obj = PyDict_GetItemWithError(seqs, name);
-    if (seq_obj == NULL && PyErr_Occurred()) goto done;
-    long long seq = seq_obj == NULL ? 0 : PyLong_AsLongLong(seq_obj);
-    if (seq == -1 && PyErr_Occurred()) goto done;
-    if ((value = PyLong_FromLongLong(seq + 1)) == NULL || PyDict_SetItem(seqs, name, value) < 0) goto done;
-    Py_CLEAR(value);
+    long long seq;
+    if (seqs == NULL || !PyDict_Check(seqs) || take_seq(seqs, name, &seq) < 0) goto done;
     if ((written = PyObject_GetAttr(log, s_written)) == NULL || (capacity = PyObject_GetAttr(log, s_capacity)) == NULL)
         goto done;
     long long w = PyLong_AsLongLong(written), cap = PyLong_AsLongLong(capacity);
@@ -95,19 +119,9 @@ PyObject *append_fixed_c(PyObject *log, PyObject *name, PyObject *tail, PyObject
     Py_DECREF(r);
     long long slot = -1;
     int filled = fill_record(log, name, tail, step, &slot);
-    PyObject *type, *val, *tb;
-    PyErr_Fetch(&type, &val, &tb);  /* release whatever happened */
-    r = PyObject_CallMethodNoArgs(lock, s_release);
+    int released = release(lock);
     Py_DECREF(lock);
-    if (r == NULL) {
-        Py_XDECREF(type);
-        Py_XDECREF(val);
-        Py_XDECREF(tb);
-        return NULL;
-    }
-    Py_DECREF(r);
-    PyErr_Restore(type, val, tb);
-    if (filled < 0) return NULL;
+    if (released < 0 || filled < 0) return NULL;
     return PyLong_FromLongLong(slot);
 }
 

@@ -236,26 +236,8 @@ static PyObject *issue_open(Forward *self, long long step) {
     if (r == NULL) return NULL;
     Py_DECREF(r);
     long long seq = -1;
-    PyObject *had = PyDict_GetItemWithError(self->seqs, self->name), *next = NULL;
-    if (had != NULL || !PyErr_Occurred()) {
-        seq = had == NULL ? 0 : PyLong_AsLongLong(had);
-        if (!(seq == -1 && PyErr_Occurred()) && (next = PyLong_FromLongLong(seq + 1)) != NULL &&
-            PyDict_SetItem(self->seqs, self->name, next) < 0)
-            seq = -1;
-    }
-    Py_XDECREF(next);
-    PyObject *type, *val, *tb;
-    PyErr_Fetch(&type, &val, &tb);
-    r = PyObject_CallMethodNoArgs(self->lock, s_release);
-    if (r == NULL) {
-        Py_XDECREF(type);
-        Py_XDECREF(val);
-        Py_XDECREF(tb);
-        return NULL;
-    }
-    Py_DECREF(r);
-    PyErr_Restore(type, val, tb);
-    if (PyErr_Occurred()) return NULL;
+    int taken = take_seq(self->seqs, self->name, &seq);
+    if (release(self->lock) < 0 || taken < 0) return NULL;
     /* (name, seq, tail, step, issued): `FlightLog._opens` */
     PyObject *entry = Py_BuildValue("(OLOLd)", self->name, seq, self->tail, step, clock_seconds(CLOCK_REALTIME));
     if (entry == NULL) return NULL;

@@ -1,7 +1,6 @@
 /* The steps of one Monitor: `mon.step(...)`'s context, untimed host steps in C (see fast.h). */
 #include "fast.h"
 
-
 static int steps_traverse(Steps *self, visitproc visit, void *arg) {
     Py_VISIT(self->mon);
     Py_VISIT(self->pending_append);
