@@ -89,6 +89,8 @@ class CostMeter:
                 # a phase of an untimed step is a C no-op (`collector.scope`): what the meter
                 # says its exit cost is the meter's own cost (`meter_bias`)
                 self.name = METER_PROBE if type(self.inner) in UNTIMED_PHASES else name
+                if _fast is not None and type(self.inner) is _fast.Steps:  # timed or not, in C
+                    self.name += " (C, timed)" if self.inner.detailed else " (C)"
                 meter.add(f"{self.name} enter", time.thread_time() - start)
                 if _fast is not None and type(self.value) is _fast.Steps:  # an untimed step in C
                     self.value = MeteredScope(self.value, meter)
@@ -203,7 +205,7 @@ class Switch:
             self.mon.watch(self.ddp)
         elif on:  # the watch's wrapper again, around the class's methods as they are now
             self.mon._backward.attach(self.ddp)
-            self._rate(self.mon.config.comm_sample_every)
+            self._rate(self.mon._comm_every)
         else:
             self.ddp.__dict__.pop("forward", None)  # the watch's wrapper (`comm.after_forward`)
             self._rate(DDP_SAMPLE_RATE)

@@ -2,7 +2,7 @@
 and store rows, in step order, a drain round later (`monitor.drain_interval_s`).
 
 The training thread hands over marks and references only: a `PendingStep` from the Python path
-(timed steps, a device's steps), or a tuple from C (`collector/csrc/`: untimed host steps).
+(a device's steps, or where C was not built), or a tuple from C (`collector/csrc/`: host steps).
 Here both become the same record."""
 
 from __future__ import annotations
@@ -65,17 +65,19 @@ class StepDrain(Service):
                 mon.flight.settle_ends()
 
     def _as_pending(self, item: PendingStep | tuple) -> PendingStep:
-        """A step C took (untimed, on the host) as the Python path keeps one: its
-        communication window is the meter's only when a hook counted in it."""
+        """A step C took (on the host) as the Python path keeps one. A timed step's phases
+        are a dict (None untimed); an untimed step's communication window is the meter's only
+        when a hook counted in it."""
         if item.__class__ is not tuple:
             return item  # type: ignore[return-value]
-        step, tokens, wall, start, end, scalars, comm, reduced, memory = item  # type: ignore[misc]
+        step, tokens, wall, start, end, scalars, comm, reduced, memory, phases = item  # type: ignore[misc]
         mon = self.monitor
         if comm is None:
             comm = CommWindow(sampled=False)
         if reduced and mon._ddp_stats is not None:  # a backward ran: DDP reduced every gradient once
             comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = mon._ddp_bytes
-        return PendingStep(step, tokens, wall, (start, end), {}, comm, memory, False, scalars or {})
+        timed = phases is not None
+        return PendingStep(step, tokens, wall, (start, end), phases or {}, comm, memory, timed, scalars or {})
 
     def _finished(self, p: PendingStep | tuple) -> bool:
         probe = self.monitor.probe

@@ -221,7 +221,7 @@ class Monitor:
             if comm_hook is None:
                 # DDP reads its timers by waiting on the device: on accelerators keep its own
                 # (rare) sampling instead of adding waits; on the host sampling is free.
-                every = None if self.probe.asynchronous else self.config.comm_sample_every
+                every = None if self.probe.asynchronous else self._comm_every
                 self._ddp_stats = DDPRuntimeStats(model, every)
                 sent = allreduce_sent_bytes(ddp_gradient_bytes(model.module), world)
                 inter = flat_inter_bytes(sent, world, self.env.ranks_per_node)
@@ -307,8 +307,11 @@ class Monitor:
             and not self._closed
             and (flight is None or (flight.defer_ends and flight._device is None))
         )
-        host_marks = self.probe.mark is time.perf_counter  # a timed step's backward marks in C
-        self._steps.attach(flight, self._backward, self.meter, self.experts, ok, host_marks)
+        host_marks = self.probe.mark is time.perf_counter  # a timed step's marks in C
+        host_memory = type(self.probe) is HostProbe  # its memory read too (`_fast.rss`)
+        self._steps.attach(
+            flight, self._backward, self.meter, self.experts, ok, host_marks, self._comm_every, host_memory
+        )
 
     def _begin(self, tokens: int, step: int | None) -> tuple[StepScope, float, Any]:
         if not self._described:
@@ -353,11 +356,12 @@ class Monitor:
         if self._ddp_stats is not None:
             if reduced:  # a backward ran: DDP reduced every gradient once
                 comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = self._ddp_bytes
-            if detailed and (comm.sampled or self._step % self.config.comm_sample_every == 1):
-                # DDP's figure of a sampled step shows up at its next forward: look on the
-                # sampled step and the one after (its dict costs tens of us). Read here: DDP
-                # builds it under its reducer's lock, which a rank stuck in the reduction holds,
-                # so the drain would wait with it and write nothing for the watchdog
+            if detailed and comm.sampled:
+                # DDP samples at this rate too: one new figure between two reads, standing for
+                # `_comm_every` steps as a bucket timing does (reading costs tens of us). Read
+                # here: DDP builds it under its reducer's lock, which a rank stuck in the
+                # reduction holds, so the drain would wait with it and write nothing for the
+                # watchdog
                 comm.measured_s = self._ddp_stats.fresh_seconds()
         return comm
 

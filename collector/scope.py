@@ -145,9 +145,10 @@ class StepScope:
     def log(self, **scalars: Any) -> None:
         """Record loss, grad_norm, ...: tensors are kept as they are and read later."""
         for key, value in scalars.items():
-            # kept without its graph (a loss holds the step's); a tensor with none is kept as is
+            # kept without its graph (a loss holds the step's); a tensor with none is kept as is.
+            # `.data`, not `detach()`: the same storage, without a trip through the dispatcher
             graph = isinstance(value, torch.Tensor) and value.requires_grad
-            self.scalars[key] = value.detach() if graph else value
+            self.scalars[key] = value.data if graph else value
 
 
 class StepContext:

@@ -51,7 +51,7 @@ extern long long metered_calls, marks_calls;
     }
 
 /* attribute and method names, interned once (module.c) */
-extern PyObject *s_requires_grad, *s_detach, *s_begin, *s_dirty, *s_reduced, *s_open, *s_memory, *s_polled, *s_settle_polled, *s_written, *s_step, *s_timing, *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_seen, *s_noted, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock, *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work, *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait, *s_grad_fn, *s_register_prehook;
+extern PyObject *s_requires_grad, *s_data, *s_begin, *s_dirty, *s_reduced, *s_open, *s_memory, *s_polled, *s_settle_polled, *s_written, *s_step, *s_timing, *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_seen, *s_noted, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock, *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work, *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait, *s_grad_fn, *s_register_prehook, *s_take, *s_take_comm;
 
 /* --- the steps of one Monitor ------------------------------------------------------------ */
 typedef struct {
@@ -66,13 +66,16 @@ typedef struct {
     PyObject *slow;           /* (scope, wall, start) of a step the Python path took, or NULL */
     PyObject *scalars;        /* what an untimed step logged, or NULL */
     PyObject *next_step;      /* the `step` given to the next step, or NULL */
-    long long step, tokens, next_tokens, detail_every, memory_every;
+    PyObject *phases;         /* a timed step's {name: (start, end)}, or NULL (untimed) */
+    long long step, tokens, next_tokens, detail_every, memory_every, comm_every;
     long long expert_layers, expert_every; /* the watched model's MoE layers, steps per window */
     Py_ssize_t step_offset;   /* where the flight log's header keeps the current step */
     double wall, start;
     int fast_ok;              /* the Monitor allows untimed steps in C (set by it) */
-    int host_marks;           /* the Monitor's marks are perf_counter's: a timed step's backward marks in C */
-    int fast_now;             /* an untimed step in C is open */
+    int host_marks;           /* the Monitor's marks are perf_counter's: timed steps in C */
+    int host_memory;          /* the Monitor reads host RSS only: a memory read in C */
+    int fast_now;             /* a step in C is open (timed where `phases` is set) */
+    int memory_due;           /* the open step in C reads memory as it ends (`memory_every`) */
     int in_step;
 } Steps;
 
@@ -95,6 +98,7 @@ extern PyObject *the_noop;               /* an untimed step's phase (phases.c) *
 extern PyMethodDef callback_defs[4];     /* a timed step's backward callbacks (backward.c) */
 
 int truthy_attr(PyObject *obj, PyObject *name);                               /* module.c */
+long long rss_bytes(void);                                                    /* module.c */
 PyObject *take_open(Steps *self);                                             /* handover.c */
 int flight_end(Steps *self, double end, PyObject *opened);
 int experts_end(Steps *self);

@@ -310,7 +310,8 @@ static PyObject *forward_call(Forward *self, PyObject *args, PyObject *kwargs) {
     if (self->fast == Py_None) {  /* a plain watch: the hook does it all */
         r = PyObject_CallFunctionObjArgs(self->hook, self->model, args, output, NULL);
     } else {  /* the Monitor's: counts noted here; on an untimed step in C, all of it */
-        int untimed = ((Steps *)PyTuple_GET_ITEM(self->fast, 0))->fast_now;
+        Steps *steps = (Steps *)PyTuple_GET_ITEM(self->fast, 0);
+        int untimed = steps->fast_now && steps->phases == NULL;
         double started = METER_START();
         int done = untimed ? fast_forward(self) : watch_counts(PyTuple_GET_ITEM(self->fast, 1), PyTuple_GET_ITEM(self->fast, 2));
         if (done == 0 && !untimed) done = timed_forward(self, output);  /* 1: left to Python */

@@ -1,12 +1,15 @@
 /* The module: configuration, the meter, interned names, the types (see fast.h). */
 #include "fast.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 PyObject *tensor_type, *is_grad_enabled, *queue_callback, *work_attribute;
 Py_ssize_t header_size, record_size, head_size, written_offset;
 int metering;
 double metered_seconds, marks_seconds;
 long long metered_calls, marks_calls;
-PyObject *s_requires_grad, *s_detach, *s_begin, *s_dirty, *s_reduced, *s_open, *s_memory, *s_polled, *s_settle_polled, *s_written, *s_step, *s_timing, *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_seen, *s_noted, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock, *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work, *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait, *s_grad_fn, *s_register_prehook;
+PyObject *s_requires_grad, *s_data, *s_begin, *s_dirty, *s_reduced, *s_open, *s_memory, *s_polled, *s_settle_polled, *s_written, *s_step, *s_timing, *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_seen, *s_noted, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock, *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work, *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait, *s_grad_fn, *s_register_prehook, *s_take, *s_take_comm;
 
 int truthy_attr(PyObject *obj, PyObject *name) {
     PyObject *v = PyObject_GetAttr(obj, name);
@@ -15,6 +18,31 @@ int truthy_attr(PyObject *obj, PyObject *name) {
     Py_DECREF(v);
     return t;
 }
+
+/* This process's resident set, as `probe.host_rss_bytes` reads it (/proc/self/statm, one
+   pread on a descriptor kept open; reopened in a forked child); 0 where there is no /proc. */
+long long rss_bytes(void) {
+    static int fd = -1;
+    static pid_t owner;
+    pid_t pid = getpid();
+    if (fd >= 0 && owner != pid) {  /* inherited: it reads the parent's */
+        close(fd);
+        fd = -1;
+    }
+    if (fd < 0) {
+        if ((fd = open("/proc/self/statm", O_RDONLY | O_CLOEXEC)) < 0) return 0;
+        owner = pid;
+    }
+    char buf[128];
+    ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    unsigned long long size, resident;
+    if (sscanf(buf, "%llu %llu", &size, &resident) != 2) return 0;
+    return (long long)resident * sysconf(_SC_PAGESIZE);
+}
+
+static PyObject *rss(PyObject *mod, PyObject *unused) { return PyLong_FromLongLong(rss_bytes()); }
 
 /* --- module ------------------------------------------------------------------------------ */
 static PyObject *configure(PyObject *mod, PyObject *args) {
@@ -50,6 +78,7 @@ static PyObject *metered(PyObject *mod, PyObject *unused) {
 static PyMethodDef module_methods[] = {
     {"meter", meter, METH_O, "meter(on): meter the forward watch's C body from now (a benchmark's account)."},
     {"metered", metered, METH_NOARGS, "{entry: (thread CPU seconds, calls)} since meter(True)."},
+    {"rss", rss, METH_NOARGS, "rss(): this process's resident set in bytes, as C reads it on a step."},
     {"configure", configure, METH_VARARGS,
      "configure(torch.Tensor, torch.is_grad_enabled, queue_callback, WORK_ATTRIBUTE, HEADER_SIZE, RECORD.size, "
      "RECORD_HEAD.size, "
@@ -67,7 +96,7 @@ static struct PyModuleDef fast_module = {
 
 PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_requires_grad, "requires_grad");
-    INTERN(s_detach, "detach");
+    INTERN(s_data, "data");
     INTERN(s_begin, "begin");
     INTERN(s_dirty, "_dirty");
     INTERN(s_reduced, "_reduced");
@@ -104,6 +133,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_off_thread, "_off_thread");
     INTERN(s_append, "append");
     INTERN(s_meter, "meter");
+    INTERN(s_take, "take");
+    INTERN(s_take_comm, "_take_comm");
     INTERN(s_window, "_window");
     INTERN(s_wait, "wait");
     INTERN(s_grad_fn, "grad_fn");

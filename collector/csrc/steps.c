@@ -12,6 +12,7 @@ static int steps_traverse(Steps *self, visitproc visit, void *arg) {
     Py_VISIT(self->slow);
     Py_VISIT(self->scalars);
     Py_VISIT(self->next_step);
+    Py_VISIT(self->phases);
     return 0;
 }
 
@@ -26,6 +27,7 @@ static int steps_clear(Steps *self) {
     Py_CLEAR(self->slow);
     Py_CLEAR(self->scalars);
     Py_CLEAR(self->next_step);
+    Py_CLEAR(self->phases);
     return 0;
 }
 
@@ -63,11 +65,19 @@ static int steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* `attach(flight, watch, meter, experts, fast_ok, host_marks)`: what the Monitor watches now */
+/* `attach(flight, watch, meter, experts, fast_ok, host_marks, comm_every, host_memory)`: what
+   the Monitor watches now */
 static PyObject *steps_attach(Steps *self, PyObject *args) {
     PyObject *flight, *watch, *meter, *experts;
-    int ok, host_marks;
-    if (!PyArg_ParseTuple(args, "OOOOpp", &flight, &watch, &meter, &experts, &ok, &host_marks)) return NULL;
+    int ok, host_marks, host_memory;
+    long long comm_every;
+    if (!PyArg_ParseTuple(args, "OOOOppLp", &flight, &watch, &meter, &experts, &ok, &host_marks, &comm_every,
+                          &host_memory))
+        return NULL;
+    if (comm_every < 1) {
+        PyErr_SetString(PyExc_ValueError, "comm_every must be at least 1");
+        return NULL;
+    }
     PyObject *ends_append = Py_NewRef(Py_None);
     if (flight != Py_None) {
         PyObject *ends = PyObject_GetAttrString(flight, "_ends");
@@ -95,6 +105,8 @@ static PyObject *steps_attach(Steps *self, PyObject *args) {
     self->expert_every = e;
     self->fast_ok = ok;
     self->host_marks = host_marks;
+    self->host_memory = host_memory;
+    self->comm_every = comm_every;
     Py_RETURN_NONE;
 }
 
@@ -153,6 +165,45 @@ static int set_flight_step(Steps *self, long long step) {
     return 0;
 }
 
+/* A timed step's start (`Monitor._begin`'s): communication outside a step is not its own
+   (e.g. DDP's init broadcast), its buckets timed when sampled; its phases timed into a dict */
+static int begin_timed(Steps *self) {
+    PyObject *sample = self->step % self->comm_every == 0 ? Py_True : Py_False;
+    PyObject *r = PyObject_CallMethodOneArg(self->meter, s_take, sample);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return (self->phases = PyDict_New()) == NULL ? -1 : 0;
+}
+
+/* A memory read due on this step, as the host probe's (`HostProbe.memory`): the steps until
+   the next carry it (`Monitor._memory`) */
+static int read_memory(Steps *self) {
+    PyObject *memory = Py_BuildValue("{s:i,s:i,s:L}", "allocated", 0, "reserved", 0, "rss", rss_bytes());
+    if (memory == NULL) return -1;
+    int r = PyObject_SetAttr(self->mon, s_memory, memory);
+    Py_DECREF(memory);
+    return r;
+}
+
+/* This step's communication: a timed step's window through `Monitor._take_comm` (DDP's figure,
+   its bytes); an untimed one's the meter's only where a hook counted in it. Sets `reduced`
+   where the drain adds DDP's bytes. */
+static PyObject *take_comm(Steps *self, int *reduced) {
+    *reduced = 0;
+    if (self->phases != NULL) return PyObject_CallMethodOneArg(self->mon, s_take_comm, Py_True);
+    int dirty = truthy_attr(self->meter, s_dirty);  /* a hook counted: the window is this step's */
+    if (dirty < 0) return NULL;
+    PyObject *comm = dirty ? PyObject_CallMethodOneArg(self->meter, s_take, Py_False) : Py_NewRef(Py_None);
+    if (comm == NULL || self->watch == Py_None) return comm;
+    int was = truthy_attr(self->watch, s_reduced);
+    if (was < 0 || (was && PyObject_SetAttr(self->watch, s_reduced, Py_False) < 0)) {
+        Py_DECREF(comm);
+        return NULL;
+    }
+    *reduced = was;
+    return comm;
+}
+
 static PyObject *steps_enter(Steps *self, PyObject *unused) {
     if (self->in_step) {
         PyErr_SetString(PyExc_RuntimeError, "meshscope: a step is already open (steps do not nest)");
@@ -165,7 +216,8 @@ static PyObject *steps_enter(Steps *self, PyObject *unused) {
     } else
         step = self->step + 1;
     self->tokens = self->next_tokens;
-    int fast = self->fast_ok && step % self->detail_every != 0 && step % self->memory_every != 0;
+    int detailed = step % self->detail_every == 0, memory = step % self->memory_every == 0;
+    int fast = self->fast_ok && (!detailed || self->host_marks) && (!memory || self->host_memory);
     if (!fast) {  /* the Python path: it sets the step through the Monitor's `_step` */
         PyObject *res = PyObject_CallMethod(
             self->mon, "_begin", "LO", self->tokens, self->next_step ? self->next_step : Py_None);
@@ -180,11 +232,15 @@ static PyObject *steps_enter(Steps *self, PyObject *unused) {
         return Py_NewRef(PyTuple_GET_ITEM(res, 0));
     }
     self->step = step;
+    if (self->flight != Py_None && set_flight_step(self, step) < 0) return NULL;
+    if (self->watch != Py_None && PyObject_SetAttr(self->watch, s_timing, detailed ? Py_True : Py_False) < 0)
+        return NULL;
+    Py_CLEAR(self->scalars);
+    Py_CLEAR(self->phases);
+    if (detailed && begin_timed(self) < 0) return NULL;
+    self->memory_due = memory;
     self->wall = clock_seconds(CLOCK_REALTIME);
     self->start = clock_seconds(CLOCK_MONOTONIC);
-    if (self->flight != Py_None && set_flight_step(self, step) < 0) return NULL;
-    if (self->watch != Py_None && PyObject_SetAttr(self->watch, s_timing, Py_False) < 0) return NULL;
-    Py_CLEAR(self->scalars);
     self->fast_now = self->in_step = 1;
     return Py_NewRef(self);
 }
@@ -193,23 +249,17 @@ static int fast_end(Steps *self) {
     double end = clock_seconds(CLOCK_MONOTONIC);
     PyObject *comm = NULL, *opened = NULL, *memory = NULL, *item = NULL;
     int reduced = 0, ok = -1;
-    int dirty = truthy_attr(self->meter, s_dirty);  /* a hook counted: the window is this step's */
-    if (dirty < 0) goto done;
-    comm = dirty ? PyObject_CallMethod(self->meter, "take", "O", Py_False) : Py_NewRef(Py_None);
-    if (comm == NULL) goto done;
-    if (self->watch != Py_None) {
-        reduced = truthy_attr(self->watch, s_reduced);
-        if (reduced < 0 || (reduced && PyObject_SetAttr(self->watch, s_reduced, Py_False) < 0)) goto done;
-        opened = take_open(self);
-    } else
-        opened = Py_NewRef(Py_None);
+    if (self->memory_due && read_memory(self) < 0) goto done;
+    if ((comm = take_comm(self, &reduced)) == NULL) goto done;
+    opened = self->watch != Py_None ? take_open(self) : Py_NewRef(Py_None);
     if (opened == NULL) goto done;
-    memory = PyObject_GetAttr(self->mon, s_memory);  /* not due (`memory_every`): the latest reading */
+    memory = PyObject_GetAttr(self->mon, s_memory);  /* this step's reading, or the latest */
     if (memory == NULL) goto done;
-    /* the tuple (and its floats) is the step's one allocation */
+    /* the tuple (and its floats) is an untimed step's one allocation */
     item = Py_BuildValue(
-        "(LLdddOOOO)", self->step, self->tokens, self->wall, self->start, end,
-        self->scalars ? self->scalars : Py_None, comm, reduced ? Py_True : Py_False, memory);
+        "(LLdddOOOOO)", self->step, self->tokens, self->wall, self->start, end,
+        self->scalars ? self->scalars : Py_None, comm, reduced ? Py_True : Py_False, memory,
+        self->phases ? self->phases : Py_None);
     if (item == NULL) goto done;
     PyObject *r = PyObject_CallOneArg(self->pending_append, item);
     if (r == NULL) goto done;
@@ -223,6 +273,7 @@ done:
     Py_XDECREF(memory);
     Py_XDECREF(item);
     Py_CLEAR(self->scalars);
+    Py_CLEAR(self->phases);
     return ok;
 }
 
@@ -247,16 +298,21 @@ static PyObject *steps_exit(Steps *self, PyObject *const *args, Py_ssize_t nargs
     self->fast_now = 0;
     if (exc_type != Py_None) {
         Py_CLEAR(self->scalars);
+        Py_CLEAR(self->phases);
         Py_RETURN_FALSE;
     }
     if (fast_end(self) < 0) return NULL;
     Py_RETURN_FALSE;
 }
 
-/* `s.phase(name)` of an untimed step */
-static PyObject *steps_phase(Steps *self, PyObject *name) { return Py_NewRef(the_noop); }
+/* `s.phase(name)`: a timed step's two marks, an untimed step's no-op */
+static PyObject *steps_phase(Steps *self, PyObject *name) {
+    if (self->phases != NULL && self->fast_now)
+        return PyObject_CallFunctionObjArgs((PyObject *)&PhaseType, self->phases, name, NULL);
+    return Py_NewRef(the_noop);
+}
 
-/* `s.log(**scalars)` of an untimed step: references, without a loss's graph */
+/* `s.log(**scalars)`: references, without a loss's graph */
 static PyObject *steps_log(Steps *self, PyObject *args, PyObject *kwargs) {
     if (PyTuple_GET_SIZE(args) != 0) {
         PyErr_SetString(PyExc_TypeError, "log() takes keyword arguments only: log(loss=..., grad_norm=...)");
@@ -274,7 +330,7 @@ static PyObject *steps_log(Steps *self, PyObject *args, PyObject *kwargs) {
         int graph = truthy_attr(value, s_requires_grad);
         if (graph < 0) return NULL;
         if (graph) {
-            PyObject *bare = PyObject_CallMethodNoArgs(value, s_detach);
+            PyObject *bare = PyObject_GetAttr(value, s_data); /* no dispatch, unlike detach() */
             /* replacing the value of a key present does not resize: PyDict_Next stays valid */
             if (bare == NULL || PyDict_SetItem(kwargs, key, bare) < 0) {
                 Py_XDECREF(bare);
@@ -303,8 +359,10 @@ static int steps_set_step(Steps *self, PyObject *value, void *unused) {
     return 0;
 }
 
-static PyObject *steps_get_false(Steps *self, void *unused) { Py_RETURN_FALSE; }
-static PyObject *steps_get_phases(Steps *self, void *unused) { return PyDict_New(); }
+static PyObject *steps_get_detailed(Steps *self, void *unused) { return PyBool_FromLong(self->phases != NULL); }
+static PyObject *steps_get_phases(Steps *self, void *unused) {
+    return self->phases ? Py_NewRef(self->phases) : PyDict_New();
+}
 static PyObject *steps_get_scalars(Steps *self, void *unused) {
     return self->scalars ? Py_NewRef(self->scalars) : PyDict_New();
 }
@@ -312,17 +370,18 @@ static PyObject *steps_get_fast_now(Steps *self, void *unused) { return PyBool_F
 
 static PyGetSetDef steps_getset[] = {
     {"current", (getter)steps_get_step, (setter)steps_set_step, "The latest step begun.", NULL},
-    {"detailed", (getter)steps_get_false, NULL, "An untimed step's phases are not timed.", NULL},
-    {"phases", (getter)steps_get_phases, NULL, "An untimed step times no phase.", NULL},
-    {"scalars", (getter)steps_get_scalars, NULL, "What the open untimed step logged.", NULL},
-    {"fast_now", (getter)steps_get_fast_now, NULL, "Whether an untimed step in C is open.", NULL},
+    {"detailed", (getter)steps_get_detailed, NULL, "Whether the open step's phases are timed.", NULL},
+    {"phases", (getter)steps_get_phases, NULL, "The open step's timed phases ({} untimed).", NULL},
+    {"scalars", (getter)steps_get_scalars, NULL, "What the open step in C logged.", NULL},
+    {"fast_now", (getter)steps_get_fast_now, NULL, "Whether a step in C is open.", NULL},
     {NULL}};
 
 static PyMethodDef steps_methods[] = {
     {"step", (PyCFunction)(void (*)(void))steps_call_step, METH_FASTCALL | METH_KEYWORDS,
      "step(tokens=0, step=None): the context of the next step."},
     {"attach", (PyCFunction)steps_attach, METH_VARARGS,
-     "attach(flight, watch, meter, experts, fast_ok, host_marks): what the Monitor watches now."},
+     "attach(flight, watch, meter, experts, fast_ok, host_marks, comm_every, host_memory): what the Monitor "
+     "watches now."},
     {"__enter__", (PyCFunction)steps_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))steps_exit, METH_FASTCALL, NULL},
     {"phase", (PyCFunction)steps_phase, METH_O, "phase(name): an untimed step's phase (a no-op context)."},
@@ -334,7 +393,7 @@ PyTypeObject StepsType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "meshscope.collector._fast.Steps",
     .tp_basicsize = sizeof(Steps),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "One Monitor's steps: untimed host steps in C, the rest through the Monitor's Python path.",
+    .tp_doc = "One Monitor's steps: host steps in C, the rest through the Monitor's Python path.",
     .tp_traverse = (traverseproc)steps_traverse,
     .tp_clear = (inquiry)steps_clear,
     .tp_dealloc = (destructor)steps_dealloc,
