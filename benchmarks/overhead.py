@@ -168,11 +168,11 @@ def empty_bodies() -> None:
         self._step += 1
         detailed = self._step % self._detail_every == 0  # phases timed one step in N, as the Monitor's
         if self._backward is not None:
-            self._backward.timing = detailed
+            self._counter.timing = detailed
         return StepScope(self.probe, detailed), time.time(), time.perf_counter()
 
     def _on_forward(self, module, args, output):  # the backward's hook on timed steps only
-        if self.timing and torch.is_grad_enabled() and (node := comm._grad_node(output)) is not None:
+        if self.state.timing and torch.is_grad_enabled() and (node := comm._grad_node(output)) is not None:
             node.register_prehook(self._on_backward_start)
 
     monitor.Monitor._begin = begin

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from meshscope.collector.native import fast as _fast
 from meshscope.collector.probe import DeviceProbe
 from meshscope.collector.schema import HOP_KINDS
+from meshscope.collector.service import Service
+from meshscope.collector.stepstate import StepState
 
 Hook = Callable[[Any, "dist.GradBucket"], torch.futures.Future]
 WireBytes = Callable[[Any, "dist.GradBucket", int], int]
@@ -115,13 +117,13 @@ class CommMeter:
     Bucket hooks cost a Python call per bucket, so per-bucket marks are taken on sampled steps
     only (`sampling`); bytes are counted always."""
 
-    def __init__(self, probe: DeviceProbe) -> None:
+    def __init__(self, probe: DeviceProbe, state: StepState | None = None) -> None:
         self.probe = probe
         self._lock = threading.Lock()  # completions arrive on the backend's threads
         self._window = CommWindow(sampled=True)
-        # something was put in the window since the last take: an untimed step that ends with
-        # it clean leaves it in place (`collector/csrc/` swaps no window then)
-        self._dirty = False
+        # `state.dirty`: something was put in the window since the last take. An untimed step
+        # that ends with it clean leaves it in place (`collector/csrc/` swaps no window then).
+        self.state = state if state is not None else StepState()
 
     @property
     def sampling(self) -> bool:
@@ -131,7 +133,7 @@ class CommMeter:
     def count(self, raw: int, wire: int, inter: int = 0) -> None:
         """Add a bucket's raw, on-the-wire and across-nodes bytes to this window."""
         with self._lock:
-            self._dirty = True
+            self.state.dirty = True
             self._window.bytes_raw += raw
             self._window.bytes_wire += wire
             self._window.bytes_inter += inter
@@ -139,7 +141,7 @@ class CommMeter:
     def count_exchange(self, wire: int) -> None:
         """Add the bytes one expert all-to-all sent to this window."""
         with self._lock:
-            self._dirty = True
+            self.state.dirty = True
             self._window.bytes_a2a += wire
 
     def launched(self, raw: int, wire: int, inter: int = 0) -> list[Any]:
@@ -147,7 +149,7 @@ class CommMeter:
         mark = self.probe.mark()
         span = [mark, None]
         with self._lock:
-            self._dirty = True
+            self.state.dirty = True
             self._window.bytes_raw += raw
             self._window.bytes_wire += wire
             self._window.bytes_inter += inter
@@ -163,7 +165,7 @@ class CommMeter:
     def add_hop(self, kind: str, start: Any, end: Any) -> None:
         """A timed hop's marks, into the step in progress."""
         with self._lock:
-            self._dirty = True
+            self.state.dirty = True
             self._window.hops.append((kind, start, end))
 
     def completed(self, span: list[Any]) -> None:
@@ -172,19 +174,19 @@ class CommMeter:
 
     def compute_done(self) -> None:
         """Backward finished: the wait for communication starts."""
-        self._dirty = True
+        self.state.dirty = True
         self._window.wait[0] = self.probe.mark()
 
     def reduced(self) -> None:
         """Every bucket is reduced: the wait for communication ends."""
-        self._dirty = True
+        self.state.dirty = True
         self._window.wait[1] = self.probe.mark()
 
     def take(self, sample_next: bool = True) -> CommWindow:
         """This step's window; the next one is sampled when `sample_next`."""
         with self._lock:
             window, self._window = self._window, CommWindow(sampled=sample_next)
-            self._dirty = False
+            self.state.dirty = False
         return window
 
 
@@ -252,10 +254,11 @@ class BackwardWatch:
         self.meter = meter
         self.record = record
         self.after_forward = after_forward  # more to do after each forward, in the same hook
-        self.timing = True  # the step in progress is timed (`detail_every`): mark the wait
+        # the meter's step state (`collector.stepstate`): `timing` (the step in progress is
+        # timed: mark the wait), `reduced` (a backward that reduces gradients ran since the last
+        # take), `opened` (records opened at a forward's end on an untimed step)
+        self.state = meter.state
         self._token: Any = None
-        self._open: list[Any] = []  # records opened at a forward's end on an untimed step
-        self._reduced = False  # a backward that reduces gradients ran since the last take
         # (Steps, this watch, ExpertCounts): the Monitor's untimed steps watch in C
         # (`collector/csrc/` does what `_on_forward` does on such a step)
         self.fast: tuple[Any, BackwardWatch, Any] | None = None
@@ -267,7 +270,8 @@ class BackwardWatch:
     def take_reduced(self) -> bool:
         """Whether a forward whose backward reduces gradients ran since the last call (on a
         step that is not timed, the bytes DDP sent are known from this alone)."""
-        reduced, self._reduced = self._reduced, False
+        state = self.state
+        reduced, state.reduced = state.reduced, False
         return reduced
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -282,10 +286,11 @@ class BackwardWatch:
             return
         # under no_sync() DDP reduces nothing this backward: nothing to record
         syncs = getattr(module, "require_backward_grad_sync", True)
-        self._reduced = self._reduced or syncs
-        if not self.timing:  # no hook, no callback: the record spans to the step's end
+        state = self.state
+        state.reduced = state.reduced or syncs
+        if not state.timing:  # no hook, no callback: the record spans to the step's end
             if syncs and self.record is not None:
-                self._open.append(self.record.begin())
+                state.opened.append(self.record.begin())
             return
         node = _grad_node(output)
         if node is not None:  # a pre-hook on the output's node: C++, cheaper than a tensor hook
@@ -294,9 +299,10 @@ class BackwardWatch:
     def take_open(self) -> list[Any]:
         """The step is over: the records its untimed forwards opened, all reduced now (the
         flight log completes them, `FlightLog.step_end`)."""
-        opened = self._open
+        state = self.state
+        opened = state.opened
         if opened:
-            self._open = []
+            state.opened = []
         return opened
 
     def _on_backward_start(self, grad_outputs: Any) -> None:
@@ -308,12 +314,12 @@ class BackwardWatch:
         torch.autograd.Variable._execution_engine.queue_callback(self._on_graph_done)
 
     def _on_graph_done(self) -> None:
-        if self.timing:
+        if self.state.timing:
             self.meter.compute_done()
         torch.autograd.Variable._execution_engine.queue_callback(self._on_reduced)
 
     def _on_reduced(self) -> None:
-        if self.timing:
+        if self.state.timing:
             self.meter.reduced()
         token, self._token = self._token, None
         if token is not None:
@@ -356,38 +362,51 @@ def _first_node(values: Any) -> Any:
     return next((t.grad_fn for t in values if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
 
 
-class DDPRuntimeStats:
+class DDPRuntimeStats(Service):
     """DDP's own sampled communication time, for models whose reduction runs in C++ (no hook).
 
-    DDP times its all-reduce on sampled iterations (the first 10, then one in `every`); a
-    figure is new when its end time moves, and belongs to the step that first sees it. On
-    accelerators DDP reads its timers by waiting at its next sampled forward, so there the
-    Monitor leaves DDP's own rate (1 in 100) alone."""
+    DDP times its all-reduce on sampled iterations (the first 10, then one in `every`). Its
+    figure is read on a thread of its own, when the Monitor's drain asks (`refresh`): DDP
+    builds it under its reducer's lock, which the reduction holds while it waits for every
+    bucket, so a rank stuck there stalls whoever reads; here that is this thread alone (the
+    binding lets go of the GIL while it waits), not the training thread or the drain, which
+    writes the flight records the hang watchdog reads. On accelerators DDP reads its timers
+    by waiting at its next sampled forward, so there the Monitor leaves DDP's own rate (1 in
+    100) alone."""
 
     def __init__(self, ddp: torch.nn.Module, every: int | None) -> None:
+        super().__init__("meshscope-ddp-stats", interval_s=3600.0, join_s=1.0)  # rounds when asked
         self.ddp = ddp
-        self._last_end: int | None = None
+        self.latest: float | None = None  # seconds: the latest sampled span read, once there is one
+        self._read = threading.Event()
         setter = getattr(ddp, "_set_ddp_runtime_logging_sample_rate", None)
         if setter is not None and every is not None:  # None: DDP's default (1 in 100)
             setter(every)
 
-    def _read(self) -> dict[str, Any]:
+    def round(self) -> None:
+        """Read DDP's figure once."""
+        data = self._data()
+        if "backward_comm_time" in data and data.get("backward_comm_time_end"):
+            self.latest = data["backward_comm_time"] / 1e9
+        self._read.set()
+
+    def refresh(self, wait_s: float) -> float | None:
+        """DDP's latest figure, read again on this service's thread and waited for at most
+        `wait_s`; a reduction that holds DDP's lock longer leaves the figure read before."""
+        if self.running:
+            self._read.clear()
+            self.wake()
+            self._read.wait(wait_s)
+        return self.latest
+
+    def _data(self) -> dict[str, Any]:
         # the logger's integers only: DDP's own `_get_ddp_logging_data()` also converts its
-        # strings and merges both (~2x the cost, on the training thread)
+        # strings and merges both (~2x the cost)
         logger = getattr(self.ddp, "logger", None)
         if logger is not None and hasattr(logger, "_get_ddp_logging_data"):
             return logger._get_ddp_logging_data().ints_map
         reader = getattr(self.ddp, "_get_ddp_logging_data", None)
         return reader() if reader is not None else {}
-
-    def fresh_seconds(self) -> float | None:
-        """The latest sampled communication span, once; None when nothing new was sampled."""
-        data = self._read()
-        end = data.get("backward_comm_time_end")
-        if end is None or end == self._last_end or "backward_comm_time" not in data:
-            return None
-        self._last_end = end
-        return data["backward_comm_time"] / 1e9
 
 
 def ddp_gradient_bytes(model: torch.nn.Module) -> int:

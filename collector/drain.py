@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshscope.monitor")
 
+# how long a round waits for DDP's figure; a reduction that holds DDP's lock longer (a hang)
+# leaves the figure read before
+DDP_READ_WAIT_S = 0.05
+
 
 class StepDrain(Service):
     """The Monitor's service thread (module doc)."""
@@ -51,6 +55,7 @@ class StepDrain(Service):
                 elif not self._finished(p):
                     break
                 finished.append(self._as_pending(mon._pending.popleft()))
+            self._measure_ddp(finished)
             records = [self._record(p) for p in finished]
             if records:
                 mon.metrics.observe_steps(records, mon._comm_every, self.logged_keys, mon._detail_every)
@@ -78,6 +83,19 @@ class StepDrain(Service):
             comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = mon._ddp_bytes
         timed = phases is not None
         return PendingStep(step, tokens, wall, (start, end), phases or {}, comm, memory, timed, scalars or {})
+
+    def _measure_ddp(self, steps: list[PendingStep]) -> None:
+        """DDP's sampled communication time (a model it reduces in C++) onto this round's
+        sampled steps: its latest figure, read on a thread of neither the training loop's nor
+        this one's (`DDPRuntimeStats`). DDP samples as often as they come (`_comm_every`), so
+        each stands for the steps a bucket timing would."""
+        stats = self.monitor._ddp_stats
+        sampled = [p for p in steps if p.detailed and p.comm.sampled]
+        if stats is None or not sampled:
+            return
+        seconds = stats.refresh(DDP_READ_WAIT_S)
+        for p in sampled:
+            p.comm.measured_s = seconds
 
     def _finished(self, p: PendingStep | tuple) -> bool:
         probe = self.monitor.probe

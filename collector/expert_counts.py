@@ -165,8 +165,7 @@ class ExpertCounts:
                 self._off_thread = self._can_hand_over()
             if self._off_thread:
                 self._take_work(step)
-                noted, self._noted = self._noted, []
-                self._handed.append((step, noted))
+                self._handed.append((step, self._take_noted()))
             else:
                 self._start(step)
 
@@ -176,9 +175,16 @@ class ExpertCounts:
         group = getattr(self.control, "service_group", None)
         return self.host_counts and not self.listeners and group is not None
 
+    def _take_noted(self) -> list[tuple[int, torch.Tensor, int | None]]:
+        """The closed window's noted counts. The list itself stays: C appends to it
+        (`collector/csrc/`, which keeps it from the Monitor's `_route_steps`)."""
+        noted = self._noted[:]
+        self._noted.clear()
+        return noted
+
     def _start(self, step: int) -> None:
         self._take_work(step)
-        noted, self._noted = self._noted, []
+        noted = self._take_noted()
         acc = self._window_acc(noted)
         if acc is None:
             return

@@ -131,7 +131,7 @@ class FlightLog(StepMarks):
         self._buckets: dict[tuple[int, int, int], tuple] = {}  # (group, index, numel) -> packed
         self.fixed: dict[tuple, Any] = {}  # `flightfixed.start_sum`'s records, packed once
         self._lock = threading.Lock()
-        self._step, self._step_started, self._step_s = -1, 0.0, 0.0
+        self._step_started, self._step_s = 0.0, 0.0  # the step itself: the header's (`step`)
         # host step ends the training thread queued: (step, took, at, reduced slots, written)
         self._ends: deque[tuple[int, float, float, Any]] = deque()
         # records C issued on the training thread for the drain to write (`StepMarks.write_opens`)
@@ -187,7 +187,7 @@ class FlightLog(StepMarks):
                 self._map,
                 HEADER_SIZE + slot * RECORD.size,
                 seq,
-                self._step,
+                self.step,
                 time.time(),
                 0.0,
                 fit(group, 16),
@@ -241,7 +241,7 @@ class FlightLog(StepMarks):
             RECORD.pack_into(
                 self._map,
                 HEADER_SIZE + slot * RECORD.size,
-                *(seq, self._step if step is None else step, time.time(), 0.0, group, op, STATE_ISSUED),
+                *(seq, self.step if step is None else step, time.time(), 0.0, group, op, STATE_ISSUED),
                 *(dtype, shape, b""),
                 *(site, -1, size),
             )
@@ -259,7 +259,7 @@ class FlightLog(StepMarks):
         with self._lock:
             seq = self._seq.get(name, 0)
             self._seq[name] = seq + 1
-            return self._put(name, tail, seq, self._step if step is None else step, time.time())
+            return self._put(name, tail, seq, self.step if step is None else step, time.time())
 
     def _put(self, name: str, tail: bytes, seq: int, step: int, issued: float) -> int:
         """A fixed record numbered `seq` of `name` into the next slot, under `_lock`: its slot."""
@@ -329,7 +329,8 @@ class FlightLog(StepMarks):
     def settle_polled(self) -> None:
         """Works without a future (gloo's isend/irecv) are finished once they say they
         completed: asked at every call this log records and at every step's end."""
-        waiting, self._polled = self._polled, []
+        waiting = self._polled[:]  # the list itself stays: C keeps it (`collector/csrc/`)
+        self._polled.clear()
         for slot, work in waiting:
             try:
                 done = work.is_completed()
@@ -384,7 +385,7 @@ class FlightLog(StepMarks):
         backend's Flight Recorder where it keeps one."""
         if self._recorder is not None:
             write_recorder_dump(self.path, request_id, self._recorder)
-        return write_stacks(self.path, request_id, self._step)
+        return write_stacks(self.path, request_id, self.step)
 
     def stopping(self) -> None:
         """Told to stop (SIGTERM from its agent or the user): a stall on the way out, or an

@@ -12,12 +12,13 @@ from typing import Any
 
 from meshscope.collector.flightread import DEVICE_STEP_OFFSET, PROGRESS_OFFSET, STEP_OFFSET, STEP_S_OFFSET
 
+_STEP = struct.Struct("<q")
+
 
 class StepMarks:
     """`FlightLog`'s step marks (module doc): they use its map, lock and ring."""
 
     _map: Any
-    _step: int
     _step_started: float
     _step_s: float
     _polled: list
@@ -32,14 +33,14 @@ class StepMarks:
 
     @property
     def step(self) -> int:
-        """The step the Monitor said is running (-1 before the first)."""
-        return self._step
+        """The step the Monitor said is running (-1 before the first): the header's, the one
+        place it is kept (C writes it there alone, `collector/csrc/`)."""
+        return _STEP.unpack_from(self._map, STEP_OFFSET)[0]
 
     def step_begin(self, step: int) -> None:
         """The Monitor says a step starts: records carry it."""
-        self._step = step
         self._step_started = time.perf_counter()
-        struct.pack_into("<q", self._map, STEP_OFFSET, step)
+        _STEP.pack_into(self._map, STEP_OFFSET, step)
 
     def step_end(self, mark: Any = None, reduced: Any = ()) -> None:
         """A step ended: progress, the typical step time the watchdog scales by, and the
@@ -51,10 +52,10 @@ class StepMarks:
         if self._device is not None and mark is not None:
             for slot in reduced:
                 self.reduction_done(slot)
-            self._device.step_ended(self._step, mark)
+            self._device.step_ended(self.step, mark)
             return
         took = time.perf_counter() - self._step_started
-        self._ends.append((self._step, took, time.time(), reduced, self._written))
+        self._ends.append((self.step, took, time.time(), reduced, self._written))
         if not self.defer_ends:
             self.settle_ends()
 

@@ -49,7 +49,8 @@ from meshscope.collector.native import fast as _fast
 from meshscope.collector.probe import DeviceProbe, HostProbe
 from meshscope.collector.readback import ScalarWindow
 from meshscope.collector.schema import Event
-from meshscope.collector.scope import PendingStep, StepContext, StepCounter, StepScope
+from meshscope.collector.scope import PendingStep, StepContext, StepScope
+from meshscope.collector.stepstate import StepState
 from meshscope.collector.store import RunStore
 from meshscope.collector.version import VERSION
 
@@ -78,7 +79,6 @@ class Monitor:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = MeshscopeMetrics(self.registry)
         self.store = store or RunStore(config.run_dir)
-        self.meter = CommMeter(self.probe)
         # steps timed in full (phases, the wait for communication), and memory reads
         self._detail_every = config.detail_period(on_device=self.probe.asynchronous)
         self._memory_every = config.memory_every or self._detail_every
@@ -91,16 +91,17 @@ class Monitor:
         self.control = control if control is not None else ControlPlane.maybe()
         # steps the training thread finished, oldest first: it appends, the drain pops
         self._pending: deque[PendingStep | tuple] = deque()  # a tuple: a step C took
-        # Untimed host steps run in C (`_route_steps`): `mon.step` is then its context
+        # Host steps run in C (`_route_steps`): `mon.step` is then its context
         self._steps = (
             None
             if _fast is None
             else _fast.Steps(self, self._pending, self._detail_every, self._memory_every, STEP_OFFSET)
         )
-        self._counter: Any = self._steps if self._steps is not None else StepCounter()
+        # the step state the entry points share (`collector.stepstate`): C's struct, or Python's
+        self._counter: Any = self._steps if self._steps is not None else StepState()
         if self._steps is not None:
             self.step = self._steps.step  # type: ignore[method-assign]
-        self._memory: dict[str, int] = {}  # the latest memory read (one step in memory_every)
+        self.meter = CommMeter(self.probe, self._counter)
         self._window = ScalarWindow()
         self._window_steps = 0
         self.experts = ExpertCounts(config.expert_every)
@@ -222,7 +223,9 @@ class Monitor:
                 # DDP reads its timers by waiting on the device: on accelerators keep its own
                 # (rare) sampling instead of adding waits; on the host sampling is free.
                 every = None if self.probe.asynchronous else self._comm_every
-                self._ddp_stats = DDPRuntimeStats(model, every)
+                if self._ddp_stats is not None:  # a model watched before: its reader goes
+                    self._ddp_stats.stop(wait=False)
+                self._ddp_stats = DDPRuntimeStats(model, every).start()
                 sent = allreduce_sent_bytes(ddp_gradient_bytes(model.module), world)
                 inter = flat_inter_bytes(sent, world, self.env.ranks_per_node)
                 self._ddp_bytes = (sent, sent, inter)  # no compression: raw and wire are one count
@@ -322,8 +325,7 @@ class Monitor:
         detailed = step % self._detail_every == 0
         if detailed:  # communication outside a step (e.g. DDP's init broadcast) is not ours
             self.meter.take(sample_next=step % self._comm_every == 0)
-        if self._backward is not None:
-            self._backward.timing = detailed
+        self._counter.timing = detailed
         return StepScope(self.probe, detailed), time.time(), self.probe.mark()
 
     def _end(self, scope: StepScope, tokens: int, wall: float, start: Any) -> None:
@@ -331,12 +333,12 @@ class Monitor:
         # service thread's (`StepDrain`), a window late.
         step, end = self._step, self.probe.mark()
         if step % self._memory_every == 0:  # read where the step ends: a leak shows step by step
-            self._memory = self.probe.memory()
+            self._counter.memory = self.probe.memory()
         detailed = scope.detailed
-        comm = self._take_comm(detailed)
+        comm = self._take_comm()
         scalars = scope.scalars
         pending = PendingStep(
-            step, tokens, wall, (start, end), scope.phases, comm, self._memory, detailed, scalars
+            step, tokens, wall, (start, end), scope.phases, comm, self._counter.memory, detailed, scalars
         )
         self._take_scalars(pending, scalars)
         self._pending.append(pending)
@@ -348,21 +350,13 @@ class Monitor:
         if self._window_steps >= self.config.sync_every:
             self._close_window()
 
-    def _take_comm(self, detailed: bool) -> CommWindow:
+    def _take_comm(self) -> CommWindow:
         # buckets are timed on timed steps only: the next begin of one says whether
         comm = self.meter.take(sample_next=False)
         watch = self._backward
         reduced = watch is not None and watch.take_reduced()
-        if self._ddp_stats is not None:
-            if reduced:  # a backward ran: DDP reduced every gradient once
-                comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = self._ddp_bytes
-            if detailed and comm.sampled:
-                # DDP samples at this rate too: one new figure between two reads, standing for
-                # `_comm_every` steps as a bucket timing does (reading costs tens of us). Read
-                # here: DDP builds it under its reducer's lock, which a rank stuck in the
-                # reduction holds, so the drain would wait with it and write nothing for the
-                # watchdog
-                comm.measured_s = self._ddp_stats.fresh_seconds()
+        if self._ddp_stats is not None and reduced:  # a backward ran: DDP reduced every gradient once
+            comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = self._ddp_bytes
         return comm
 
     def _take_scalars(self, p: PendingStep, scalars: dict[str, Any]) -> None:
@@ -434,6 +428,8 @@ class Monitor:
         self._service.stop()
         self._close_window()
         self._drain(block=True)
+        if self._ddp_stats is not None:
+            self._ddp_stats.stop()
         if self._sdk_run and not self._ended and self.env.rank == 0:  # an SDK run ends here
             self.event("run_end", detail={"steps": self._step + 1, "reason": "closed"})
         self.store.close()

@@ -168,16 +168,6 @@ class StepContext:
             self.mon._end(self.scope, self.tokens, self.wall, self.start)
 
 
-class StepCounter:
-    """Where the latest step begun is kept when steps run in Python only (no C built; with C,
-    its `Steps` keeps it)."""
-
-    __slots__ = ("current",)
-
-    def __init__(self) -> None:
-        self.current = -1
-
-
 class OpenStep:
     """A step whose bounds and phases are separate calls rather than `with` blocks: a
     framework's callbacks (`collector.hf`, `collector.lightning`) see only hook boundaries.

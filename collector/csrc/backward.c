@@ -15,9 +15,9 @@ static int queue(PyObject *callback) {
 
 /* the meter's wait for communication: its start (0) or end (1), now (`CommMeter.compute_done`) */
 static int mark_wait(Forward *self, Py_ssize_t end) {
+    Steps *steps = (Steps *)PyTuple_GET_ITEM(self->fast, 0);
     PyObject *watch = PyTuple_GET_ITEM(self->fast, 1);
-    int timing = truthy_attr(watch, s_timing);
-    if (timing <= 0) return timing;
+    if (!steps->timing) return 0;
     PyObject *meter = PyObject_GetAttr(watch, s_meter), *window = NULL, *wait = NULL, *now = NULL;
     int ok = -1;
     if (meter == NULL || (window = PyObject_GetAttr(meter, s_window)) == NULL ||
@@ -27,9 +27,8 @@ static int mark_wait(Forward *self, Py_ssize_t end) {
         PyErr_SetString(PyExc_TypeError, "CommWindow.wait must be a list of two marks");
         goto done;
     }
-    if ((now = PyFloat_FromDouble(clock_seconds(CLOCK_MONOTONIC))) == NULL ||
-        PyObject_SetAttr(meter, s_dirty, Py_True) < 0)
-        goto done;
+    if ((now = PyFloat_FromDouble(clock_seconds(CLOCK_MONOTONIC))) == NULL) goto done;
+    steps->dirty = 1;
     PyList_SetItem(wait, end, now);  /* takes `now` */
     now = NULL;
     ok = 0;
@@ -43,14 +42,11 @@ done:
 
 static PyObject *on_backward_start(Forward *self, PyObject *grad_outputs) {
     double started = METER_START();
-    PyObject *watch = PyTuple_GET_ITEM(self->fast, 1), *result = NULL;
-    PyObject *record = PyObject_GetAttr(watch, s_record);
-    if (record == NULL) goto done;
-    if (record != Py_None && open_reduction(self, watch, record) < 0) goto done;
+    PyObject *record = ((Steps *)PyTuple_GET_ITEM(self->fast, 0))->record, *result = NULL;
+    if (record != Py_None && open_reduction(self, record) < 0) goto done;
     if (queue(self->on_graph_done) < 0) goto done;
     result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(record);
     METER_ADD(marks_seconds, marks_calls, started);
     return result;
 }
@@ -87,15 +83,13 @@ PyMethodDef callback_defs[4] = {
    done, 1 to leave it to Python, -1 on error */
 int timed_forward(Forward *self, PyObject *output) {
     Steps *steps = (Steps *)PyTuple_GET_ITEM(self->fast, 0);
-    PyObject *watch = PyTuple_GET_ITEM(self->fast, 1);
     if (!steps->host_marks || !steps->in_step || tensor_type == NULL ||
         !PyObject_TypeCheck(output, (PyTypeObject *)tensor_type))
         return 1;
-    int timing = truthy_attr(watch, s_timing);
-    if (timing <= 0) return timing < 0 ? -1 : 1;  /* an untimed step in Python: its record there */
+    if (!steps->timing) return 1;  /* an untimed step in Python: its record there */
     int syncs = backward_syncs(self);
     if (syncs < 0) return syncs == -2 ? 0 : syncs;
-    if (syncs && PyObject_SetAttr(watch, s_reduced, Py_True) < 0) return -1;
+    if (syncs) steps->reduced = 1;
     PyObject *node = PyObject_GetAttr(output, s_grad_fn);
     if (node == NULL) return -1;
     PyObject *r = node == Py_None ? Py_NewRef(Py_None)

@@ -51,7 +51,7 @@ extern long long metered_calls, marks_calls;
     }
 
 /* attribute and method names, interned once (module.c) */
-extern PyObject *s_requires_grad, *s_data, *s_begin, *s_dirty, *s_reduced, *s_open, *s_memory, *s_polled, *s_settle_polled, *s_written, *s_step, *s_timing, *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_seen, *s_noted, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock, *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work, *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait, *s_grad_fn, *s_register_prehook, *s_take, *s_take_comm;
+extern PyObject *s_requires_grad, *s_data, *s_begin, *s_polled, *s_settle_polled, *s_written, *s_step, *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_seen, *s_noted, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock, *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_idle_work, *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait, *s_grad_fn, *s_register_prehook, *s_take;
 
 /* --- the steps of one Monitor ------------------------------------------------------------ */
 typedef struct {
@@ -67,6 +67,16 @@ typedef struct {
     PyObject *scalars;        /* what an untimed step logged, or NULL */
     PyObject *next_step;      /* the `step` given to the next step, or NULL */
     PyObject *phases;         /* a timed step's {name: (start, end)}, or NULL (untimed) */
+    PyObject *polled;         /* the flight log's works to settle (`FlightLog._polled`), or None */
+    PyObject *map;            /* the flight log's map, whose header holds the step, or None */
+    /* the step state the entry points share (`collector.stepstate`), here a field each: read
+       after a step's compute, an attribute costs a dictionary lookup of cold memory */
+    PyObject *memory;         /* the latest memory reading (a dict) */
+    PyObject *opened;         /* flight records the step's untimed forwards opened (a list) */
+    /* what the forward's watch reads, kept from `attach`: the expert counts' lists (each one
+       list for the attachment's life: `ExpertCounts._take_noted`), and DDP's reduction record */
+    PyObject *layers, *seen, *noted, *idle, *record;
+    int timing, reduced, dirty;
     long long step, tokens, next_tokens, detail_every, memory_every, comm_every;
     long long expert_layers, expert_every; /* the watched model's MoE layers, steps per window */
     Py_ssize_t step_offset;   /* where the flight log's header keeps the current step */
@@ -76,6 +86,7 @@ typedef struct {
     int host_memory;          /* the Monitor reads host RSS only: a memory read in C */
     int fast_now;             /* a step in C is open (timed where `phases` is set) */
     int memory_due;           /* the open step in C reads memory as it ends (`memory_every`) */
+    int expert_sum_due;       /* an expert window's sum may be in flight: see at this step's end */
     int in_step;
 } Steps;
 
@@ -106,7 +117,7 @@ int take_seq(PyObject *seqs, PyObject *name, long long *seq);                 /*
 int release(PyObject *lock);
 PyObject *append_fixed_c(PyObject *log, PyObject *name, PyObject *tail, PyObject *step);
 PyObject *append_fixed(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
-int open_reduction(Forward *self, PyObject *watch, PyObject *record);        /* forward.c */
+int open_reduction(Forward *self, PyObject *record);                         /* forward.c */
 int backward_syncs(Forward *self);
 int timed_forward(Forward *self, PyObject *output);                           /* backward.c */
 

@@ -81,17 +81,16 @@ static int forward_init(Forward *self, PyObject *args, PyObject *kwds) {
    elements (`moe.expert_work`). An empty one is remembered per layer (`_idle_work`): a model
    not under expert parallelism keeps one such tensor, so after the first forward this is an
    identity check, no call into torch. */
-static int note_work(PyObject *experts, Py_ssize_t layer, PyObject *module) {
+static int note_work(Steps *steps, Py_ssize_t layer, PyObject *module) {
     PyObject *work = PyObject_GetAttr(module, work_attribute);
     if (work == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
         PyErr_Clear();
         return 0;
     }
-    PyObject *idle = PyObject_GetAttr(experts, s_idle_work);
+    PyObject *idle = steps->idle, *experts = steps->experts;
     int ok = -1;
-    if (idle == NULL) goto done;
-    int known = PyList_Check(idle) && layer < PyList_GET_SIZE(idle);
+    int known = layer < PyList_GET_SIZE(idle);
     if (work == Py_None || (known && PyList_GET_ITEM(idle, layer) == work)) {
         ok = 0;
         goto done;
@@ -111,20 +110,16 @@ static int note_work(PyObject *experts, Py_ssize_t layer, PyObject *module) {
     Py_DECREF(r);
     ok = 0;
 done:
-    Py_XDECREF(idle);
     Py_DECREF(work);
     return ok;
 }
 
 /* `ExpertCounts.forward_done`, its common case: every layer that ran handed out new counts.
    Returns 1 when done, 0 to hand the rest to Python from layer `*from`, -1 on error. */
-static int note_counts(PyObject *experts, Py_ssize_t *from) {
-    PyObject *layers = PyObject_GetAttr(experts, s_layers), *seen = PyObject_GetAttr(experts, s_seen);
-    PyObject *noted = PyObject_GetAttr(experts, s_noted);
+static int note_counts(Steps *steps, Py_ssize_t *from) {
+    PyObject *layers = steps->layers, *seen = steps->seen, *noted = steps->noted;
     int ok = -1;
-    if (layers == NULL || seen == NULL || noted == NULL) goto done;
-    if (!PyList_Check(layers) || !PyList_Check(seen) || !PyList_Check(noted) ||
-        PyList_GET_SIZE(seen) != PyList_GET_SIZE(layers)) {
+    if (PyList_GET_SIZE(seen) != PyList_GET_SIZE(layers)) {
         ok = 0;
         goto done;
     }
@@ -163,31 +158,21 @@ static int note_counts(PyObject *experts, Py_ssize_t *from) {
         int appended = PyList_Append(noted, entry);
         Py_DECREF(entry);
         if (appended < 0) goto done;
-        if (note_work(experts, i, module) < 0) goto done;
+        if (note_work(steps, i, module) < 0) goto done;
     }
     ok = 1;
 done:
-    Py_XDECREF(layers);
-    Py_XDECREF(seen);
-    Py_XDECREF(noted);
     return ok;
 }
 
-static int watch_counts(PyObject *watch, PyObject *experts) {
-    PyObject *after = PyObject_GetAttr(watch, s_after_forward);
-    if (after == NULL) return -1;
-    if (after == Py_None) {
-        Py_DECREF(after);
-        return 0;
-    }
+/* the watch's `after_forward` (`ExpertCounts.forward_done`, where the model has MoE layers) */
+static int watch_counts(Steps *steps) {
+    if (steps->expert_layers == 0) return 0;
     Py_ssize_t from = 0;
-    int done = note_counts(experts, &from);
-    PyObject *r = NULL;
-    if (done == 0)  /* the unusual case, from the layer it was met at */
-        r = PyObject_CallMethod(experts, "forward_done", "n", from);
-    else if (done > 0)
-        r = Py_NewRef(Py_None);
-    Py_DECREF(after);
+    int done = note_counts(steps, &from);
+    if (done != 0) return done < 0 ? -1 : 0;
+    /* the unusual case, from the layer it was met at */
+    PyObject *r = PyObject_CallMethod(steps->experts, "forward_done", "n", from);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
@@ -252,20 +237,18 @@ static PyObject *issue_open(Forward *self, long long step) {
 
 /* DDP's reduction record opened now, into the watch's opens that the step's end completes
    (`BackwardWatch.take_open`) */
-int open_reduction(Forward *self, PyObject *watch, PyObject *record) {
+int open_reduction(Forward *self, PyObject *record) {
+    Steps *steps = (Steps *)PyTuple_GET_ITEM(self->fast, 0);
     PyObject *opened;
     if (self->opens_append == NULL && learn_record(self, record) < 0) return -1;
     if (self->opens_append == NULL)  /* its first use packs the fields: Python writes it */
         opened = PyObject_CallMethodNoArgs(record, s_begin);
     else
-        opened = issue_open(self, ((Steps *)PyTuple_GET_ITEM(self->fast, 0))->step);
+        opened = issue_open(self, steps->step);
     if (opened == NULL) return -1;
-    PyObject *open = PyObject_GetAttr(watch, s_open);
-    int r = open == NULL ? -1 : PyList_Check(open) ? PyList_Append(open, opened) : -2;
-    Py_XDECREF(open);
+    int r = PyList_Append(steps->opened, opened);
     Py_DECREF(opened);
-    if (r == -2) PyErr_SetString(PyExc_TypeError, "BackwardWatch._open must be a list");
-    return r < 0 ? -1 : 0;
+    return r;
 }
 
 /* Whether the backward after this forward reduces gradients: 1 yes, 0 no (DDP's no_sync()),
@@ -288,20 +271,12 @@ int backward_syncs(Forward *self) {
 
 /* `BackwardWatch._on_forward` on an untimed step: counts noted, DDP's reduction record opened */
 static int fast_forward(Forward *self) {
-    PyObject *watch = PyTuple_GET_ITEM(self->fast, 1), *experts = PyTuple_GET_ITEM(self->fast, 2);
-    if (watch_counts(watch, experts) < 0) return -1;
+    Steps *steps = (Steps *)PyTuple_GET_ITEM(self->fast, 0);
+    if (watch_counts(steps) < 0) return -1;
     int syncs = backward_syncs(self);  /* under no_sync() DDP reduces nothing: nothing to record */
     if (syncs <= 0) return syncs == -2 ? 0 : syncs;
-    if (PyObject_SetAttr(watch, s_reduced, Py_True) < 0) return -1;
-    PyObject *record = PyObject_GetAttr(watch, s_record);
-    if (record == NULL) return -1;
-    if (record == Py_None) {
-        Py_DECREF(record);
-        return 0;
-    }
-    int r = open_reduction(self, watch, record);
-    Py_DECREF(record);
-    return r;
+    steps->reduced = 1;
+    return steps->record == Py_None ? 0 : open_reduction(self, steps->record);
 }
 
 static PyObject *forward_call(Forward *self, PyObject *args, PyObject *kwargs) {
@@ -313,7 +288,7 @@ static PyObject *forward_call(Forward *self, PyObject *args, PyObject *kwargs) {
         Steps *steps = (Steps *)PyTuple_GET_ITEM(self->fast, 0);
         int untimed = steps->fast_now && steps->phases == NULL;
         double started = METER_START();
-        int done = untimed ? fast_forward(self) : watch_counts(PyTuple_GET_ITEM(self->fast, 1), PyTuple_GET_ITEM(self->fast, 2));
+        int done = untimed ? fast_forward(self) : watch_counts(steps);
         if (done == 0 && !untimed) done = timed_forward(self, output);  /* 1: left to Python */
         METER_ADD(metered_seconds, metered_calls, started);
         if (done < 0)

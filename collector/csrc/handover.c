@@ -3,34 +3,31 @@
 
 /* the slots of the records an untimed forward opened (`BackwardWatch.take_open`), or NULL */
 PyObject *take_open(Steps *self) {
-    PyObject *opened = PyObject_GetAttr(self->watch, s_open);
-    if (opened == NULL) return NULL;
-    if (PyList_Check(opened) && PyList_GET_SIZE(opened) == 0) {
-        Py_DECREF(opened);
-        return Py_NewRef(Py_None);
-    }
+    if (PyList_Check(self->opened) && PyList_GET_SIZE(self->opened) == 0) return Py_NewRef(Py_None);
     PyObject *fresh = PyList_New(0);
-    if (fresh == NULL || PyObject_SetAttr(self->watch, s_open, fresh) < 0) {
-        Py_XDECREF(fresh);
-        Py_DECREF(opened);
-        return NULL;
-    }
-    Py_DECREF(fresh);
+    if (fresh == NULL) return NULL;
+    PyObject *opened = self->opened;
+    self->opened = fresh;
     return opened;
 }
 
+/* The flight log's count of records written, where the step's end needs it: a slot written
+   as it was issued (not C's own open, a tuple) is found in the ring by it */
+static PyObject *written_for(Steps *self, PyObject *opened) {
+    int slots = 0;
+    if (opened != Py_None)
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(opened); i++)
+            slots |= !PyTuple_Check(PySequence_Fast_GET_ITEM(opened, i));
+    return slots ? PyObject_GetAttr(self->flight, s_written) : PyLong_FromLong(0);
+}
+
 int flight_end(Steps *self, double end, PyObject *opened) {
-    PyObject *polled = PyObject_GetAttr(self->flight, s_polled);
-    if (polled == NULL) return -1;
-    int waiting = PyObject_IsTrue(polled);
-    Py_DECREF(polled);
-    if (waiting < 0) return -1;
-    if (waiting) {
+    if (PyList_Check(self->polled) && PyList_GET_SIZE(self->polled) > 0) {
         PyObject *r = PyObject_CallMethodNoArgs(self->flight, s_settle_polled);
         if (r == NULL) return -1;
         Py_DECREF(r);
     }
-    PyObject *written = PyObject_GetAttr(self->flight, s_written);
+    PyObject *written = written_for(self, opened);
     if (written == NULL) return -1;
     PyObject *slots = opened == Py_None ? PyTuple_New(0) : Py_NewRef(opened);
     if (slots == NULL) {
@@ -53,7 +50,7 @@ int flight_end(Steps *self, double end, PyObject *opened) {
    yet, or this rank's experts' work to take), -1 on error. */
 static int hand_over(Steps *self) {
     PyObject *off = PyObject_GetAttr(self->experts, s_off_thread), *work = NULL, *noted = NULL, *handed = NULL;
-    PyObject *fresh = NULL, *entry = NULL, *r = NULL;
+    PyObject *entry = NULL, *r = NULL;
     int ok = -1;
     if (off == NULL) return -1;
     if (off != Py_True) {
@@ -70,8 +67,9 @@ static int hand_over(Steps *self) {
             ok = 0;
             goto done;
         }
-    if ((noted = PyObject_GetAttr(self->experts, s_noted)) == NULL || (fresh = PyList_New(0)) == NULL ||
-        PyObject_SetAttr(self->experts, s_noted, fresh) < 0)
+    /* the window's counts, taken out of the one list (`ExpertCounts._take_noted`) */
+    if ((noted = PyList_GetSlice(self->noted, 0, PY_SSIZE_T_MAX)) == NULL ||
+        PyList_SetSlice(self->noted, 0, PY_SSIZE_T_MAX, NULL) < 0)
         goto done;
     if ((handed = PyObject_GetAttr(self->experts, s_handed)) == NULL ||
         (entry = Py_BuildValue("(LO)", self->step, noted)) == NULL ||
@@ -83,7 +81,6 @@ done:
     Py_XDECREF(work);
     Py_XDECREF(noted);
     Py_XDECREF(handed);
-    Py_XDECREF(fresh);
     Py_XDECREF(entry);
     Py_XDECREF(r);
     return ok;
@@ -93,10 +90,14 @@ done:
    service thread here (`_handed`) when nothing else is due; the rest in Python */
 int experts_end(Steps *self) {
     if (self->expert_layers == 0) return 0;
-    PyObject *flying = PyObject_GetAttr(self->experts, s_in_flight);
-    if (flying == NULL) return -1;
-    int settle = flying != Py_None;
-    Py_DECREF(flying);
+    int settle = 0;
+    if (self->expert_sum_due) {  /* Python may have started a window's sum: settled here */
+        PyObject *flying = PyObject_GetAttr(self->experts, s_in_flight);
+        if (flying == NULL) return -1;
+        settle = flying != Py_None;
+        Py_DECREF(flying);
+        self->expert_sum_due = 0;
+    }
     int closes = (self->step + 1) % self->expert_every == 0;
     if (!settle && !closes) return 0;
     if (!settle) {
@@ -106,5 +107,6 @@ int experts_end(Steps *self) {
     PyObject *r = PyObject_CallMethod(self->experts, "step_ended", "L", self->step);
     if (r == NULL) return -1;
     Py_DECREF(r);
+    self->expert_sum_due = 1;  /* it may have started one */
     return 0;
 }

@@ -9,7 +9,7 @@ Py_ssize_t header_size, record_size, head_size, written_offset;
 int metering;
 double metered_seconds, marks_seconds;
 long long metered_calls, marks_calls;
-PyObject *s_requires_grad, *s_data, *s_begin, *s_dirty, *s_reduced, *s_open, *s_memory, *s_polled, *s_settle_polled, *s_written, *s_step, *s_timing, *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_seen, *s_noted, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock, *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_after_forward, *s_idle_work, *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait, *s_grad_fn, *s_register_prehook, *s_take, *s_take_comm;
+PyObject *s_requires_grad, *s_data, *s_begin, *s_polled, *s_settle_polled, *s_written, *s_step, *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_seen, *s_noted, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock, *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_idle_work, *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait, *s_grad_fn, *s_register_prehook, *s_take;
 
 int truthy_attr(PyObject *obj, PyObject *name) {
     PyObject *v = PyObject_GetAttr(obj, name);
@@ -98,15 +98,10 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_requires_grad, "requires_grad");
     INTERN(s_data, "data");
     INTERN(s_begin, "begin");
-    INTERN(s_dirty, "_dirty");
-    INTERN(s_reduced, "_reduced");
-    INTERN(s_open, "_open");
-    INTERN(s_memory, "_memory");
     INTERN(s_polled, "_polled");
     INTERN(s_settle_polled, "settle_polled");
     INTERN(s_written, "_written");
-    INTERN(s_step, "_step");
-    INTERN(s_timing, "timing");
+    INTERN(s_step, "step");
     INTERN(s_in_flight, "_in_flight");
     INTERN(s_layers, "layers");
     INTERN(s_every, "every");
@@ -126,7 +121,6 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_capacity, "capacity");
     INTERN(s_host_groups, "_host_groups");
     INTERN(s_host_slots, "_host_slots");
-    INTERN(s_after_forward, "after_forward");
     INTERN(s_idle_work, "_idle_work");
     INTERN(s_opens, "_opens");
     INTERN(s_forward_ended, "forward_ended");
@@ -134,7 +128,6 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_append, "append");
     INTERN(s_meter, "meter");
     INTERN(s_take, "take");
-    INTERN(s_take_comm, "_take_comm");
     INTERN(s_window, "_window");
     INTERN(s_wait, "wait");
     INTERN(s_grad_fn, "grad_fn");

@@ -13,6 +13,15 @@ static int steps_traverse(Steps *self, visitproc visit, void *arg) {
     Py_VISIT(self->scalars);
     Py_VISIT(self->next_step);
     Py_VISIT(self->phases);
+    Py_VISIT(self->polled);
+    Py_VISIT(self->memory);
+    Py_VISIT(self->opened);
+    Py_VISIT(self->layers);
+    Py_VISIT(self->seen);
+    Py_VISIT(self->noted);
+    Py_VISIT(self->idle);
+    Py_VISIT(self->record);
+    Py_VISIT(self->map);
     return 0;
 }
 
@@ -28,6 +37,15 @@ static int steps_clear(Steps *self) {
     Py_CLEAR(self->scalars);
     Py_CLEAR(self->next_step);
     Py_CLEAR(self->phases);
+    Py_CLEAR(self->polled);
+    Py_CLEAR(self->memory);
+    Py_CLEAR(self->opened);
+    Py_CLEAR(self->layers);
+    Py_CLEAR(self->seen);
+    Py_CLEAR(self->noted);
+    Py_CLEAR(self->idle);
+    Py_CLEAR(self->record);
+    Py_CLEAR(self->map);
     return 0;
 }
 
@@ -62,6 +80,36 @@ static int steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     self->memory_every = memory;
     self->step_offset = offset;
     self->step = -1;
+    self->timing = 1;
+    self->expert_sum_due = 1;
+    self->polled = Py_NewRef(Py_None);
+    if ((self->memory = PyDict_New()) == NULL || (self->opened = PyList_New(0)) == NULL) return -1;
+    return 0;
+}
+
+/* The expert counts the forward's watch notes into: their lists, kept (see `layers`) */
+static int attach_experts(Steps *self, PyObject *experts) {
+    PyObject *every = PyObject_GetAttr(experts, s_every);
+    long long e = every == NULL ? -1 : PyLong_AsLongLong(every);
+    Py_XDECREF(every);
+    if (e < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ExpertCounts.every must be at least 1");
+        return -1;
+    }
+    PyObject *names[4] = {s_layers, s_seen, s_noted, s_idle_work}, *lists[4] = {NULL};
+    for (int i = 0; i < 4; i++)
+        if ((lists[i] = PyObject_GetAttr(experts, names[i])) == NULL || !PyList_Check(lists[i])) {
+            if (lists[i] != NULL) PyErr_Format(PyExc_TypeError, "ExpertCounts.%U must be a list", names[i]);
+            for (int j = 0; j <= i; j++) Py_XDECREF(lists[j]);
+            return -1;
+        }
+    Py_XSETREF(self->layers, lists[0]);
+    Py_XSETREF(self->seen, lists[1]);
+    Py_XSETREF(self->noted, lists[2]);
+    Py_XSETREF(self->idle, lists[3]);
+    Py_XSETREF(self->experts, Py_NewRef(experts));
+    self->expert_layers = PyList_GET_SIZE(self->layers);
+    self->expert_every = e;
     return 0;
 }
 
@@ -78,31 +126,35 @@ static PyObject *steps_attach(Steps *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "comm_every must be at least 1");
         return NULL;
     }
-    PyObject *ends_append = Py_NewRef(Py_None);
+    PyObject *ends_append = Py_NewRef(Py_None), *polled = Py_NewRef(Py_None), *map = Py_NewRef(Py_None);
     if (flight != Py_None) {
         PyObject *ends = PyObject_GetAttrString(flight, "_ends");
         if (ends == NULL) return NULL;
         Py_DECREF(ends_append);
         ends_append = PyObject_GetAttrString(ends, "append");
         Py_DECREF(ends);
-        if (ends_append == NULL) return NULL;
+        Py_DECREF(polled);
+        polled = PyObject_GetAttr(flight, s_polled);  /* one list for the log's life */
+        Py_DECREF(map);
+        map = PyObject_GetAttr(flight, s_map);  /* one map for the log's life */
+        if (ends_append == NULL || polled == NULL || map == NULL || !PyList_Check(polled)) {
+            if (polled != NULL && !PyList_Check(polled)) PyErr_SetString(PyExc_TypeError, "FlightLog._polled must be a list");
+            Py_XDECREF(ends_append);
+            Py_XDECREF(polled);
+            Py_XDECREF(map);
+            return NULL;
+        }
     }
+    Py_XSETREF(self->map, map);
     Py_XSETREF(self->ends_append, ends_append);
+    Py_XSETREF(self->polled, polled);
     Py_XSETREF(self->flight, Py_NewRef(flight));
     Py_XSETREF(self->watch, Py_NewRef(watch));
     Py_XSETREF(self->meter, Py_NewRef(meter));
-    PyObject *layers = PyObject_GetAttr(experts, s_layers), *every = PyObject_GetAttr(experts, s_every);
-    Py_ssize_t n = layers == NULL ? -1 : PyObject_Length(layers);
-    long long e = every == NULL ? -1 : PyLong_AsLongLong(every);
-    Py_XDECREF(layers);
-    Py_XDECREF(every);
-    if (n < 0 || e < 1) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ExpertCounts.every must be at least 1");
-        return NULL;
-    }
-    Py_XSETREF(self->experts, Py_NewRef(experts));
-    self->expert_layers = n;
-    self->expert_every = e;
+    if (attach_experts(self, experts) < 0) return NULL;
+    PyObject *record = watch == Py_None ? Py_NewRef(Py_None) : PyObject_GetAttr(watch, s_record);
+    if (record == NULL) return NULL;
+    Py_XSETREF(self->record, record);
     self->fast_ok = ok;
     self->host_marks = host_marks;
     self->host_memory = host_memory;
@@ -141,18 +193,10 @@ static PyObject *steps_call_step(Steps *self, PyObject *const *args, Py_ssize_t 
     return Py_NewRef(self);
 }
 
+/* The step, into the flight log's header: where the log keeps it (`StepMarks.step`) */
 static int set_flight_step(Steps *self, long long step) {
-    PyObject *value = PyLong_FromLongLong(step);
-    if (value == NULL || PyObject_SetAttr(self->flight, s_step, value) < 0) {
-        Py_XDECREF(value);
-        return -1;
-    }
-    Py_DECREF(value);
-    PyObject *map = PyObject_GetAttr(self->flight, s_map);
-    if (map == NULL) return -1;
     Py_buffer view;
-    if (PyObject_GetBuffer(map, &view, PyBUF_WRITABLE) < 0) {  /* a closed log: nothing to tell */
-        Py_DECREF(map);
+    if (PyObject_GetBuffer(self->map, &view, PyBUF_WRITABLE) < 0) {  /* a closed log: nothing to tell */
         PyErr_Clear();
         return 0;
     }
@@ -161,7 +205,6 @@ static int set_flight_step(Steps *self, long long step) {
         memcpy((char *)view.buf + self->step_offset, &s, 8);  /* little-endian hosts only (x86, arm) */
     }
     PyBuffer_Release(&view);
-    Py_DECREF(map);
     return 0;
 }
 
@@ -180,27 +223,20 @@ static int begin_timed(Steps *self) {
 static int read_memory(Steps *self) {
     PyObject *memory = Py_BuildValue("{s:i,s:i,s:L}", "allocated", 0, "reserved", 0, "rss", rss_bytes());
     if (memory == NULL) return -1;
-    int r = PyObject_SetAttr(self->mon, s_memory, memory);
-    Py_DECREF(memory);
-    return r;
+    Py_SETREF(self->memory, memory);
+    return 0;
 }
 
-/* This step's communication: a timed step's window through `Monitor._take_comm` (DDP's figure,
-   its bytes); an untimed one's the meter's only where a hook counted in it. Sets `reduced`
-   where the drain adds DDP's bytes. */
+/* This step's communication (`Monitor._take_comm`): a timed step's window, an untimed one's
+   only where a hook counted in it (None: the drain makes an empty one). Sets `reduced` where
+   the drain adds DDP's bytes. */
 static PyObject *take_comm(Steps *self, int *reduced) {
     *reduced = 0;
-    if (self->phases != NULL) return PyObject_CallMethodOneArg(self->mon, s_take_comm, Py_True);
-    int dirty = truthy_attr(self->meter, s_dirty);  /* a hook counted: the window is this step's */
-    if (dirty < 0) return NULL;
-    PyObject *comm = dirty ? PyObject_CallMethodOneArg(self->meter, s_take, Py_False) : Py_NewRef(Py_None);
+    PyObject *comm = self->phases != NULL || self->dirty ? PyObject_CallMethodOneArg(self->meter, s_take, Py_False)
+                                                         : Py_NewRef(Py_None);
     if (comm == NULL || self->watch == Py_None) return comm;
-    int was = truthy_attr(self->watch, s_reduced);
-    if (was < 0 || (was && PyObject_SetAttr(self->watch, s_reduced, Py_False) < 0)) {
-        Py_DECREF(comm);
-        return NULL;
-    }
-    *reduced = was;
+    *reduced = self->reduced;
+    self->reduced = 0;
     return comm;
 }
 
@@ -219,6 +255,7 @@ static PyObject *steps_enter(Steps *self, PyObject *unused) {
     int detailed = step % self->detail_every == 0, memory = step % self->memory_every == 0;
     int fast = self->fast_ok && (!detailed || self->host_marks) && (!memory || self->host_memory);
     if (!fast) {  /* the Python path: it sets the step through the Monitor's `_step` */
+        self->expert_sum_due = 1;  /* its end may start an expert window's sum */
         PyObject *res = PyObject_CallMethod(
             self->mon, "_begin", "LO", self->tokens, self->next_step ? self->next_step : Py_None);
         if (res == NULL) return NULL;
@@ -233,8 +270,7 @@ static PyObject *steps_enter(Steps *self, PyObject *unused) {
     }
     self->step = step;
     if (self->flight != Py_None && set_flight_step(self, step) < 0) return NULL;
-    if (self->watch != Py_None && PyObject_SetAttr(self->watch, s_timing, detailed ? Py_True : Py_False) < 0)
-        return NULL;
+    self->timing = detailed;
     Py_CLEAR(self->scalars);
     Py_CLEAR(self->phases);
     if (detailed && begin_timed(self) < 0) return NULL;
@@ -253,8 +289,7 @@ static int fast_end(Steps *self) {
     if ((comm = take_comm(self, &reduced)) == NULL) goto done;
     opened = self->watch != Py_None ? take_open(self) : Py_NewRef(Py_None);
     if (opened == NULL) goto done;
-    memory = PyObject_GetAttr(self->mon, s_memory);  /* this step's reading, or the latest */
-    if (memory == NULL) goto done;
+    memory = Py_NewRef(self->memory);  /* this step's reading, or the latest */
     /* the tuple (and its floats) is an untimed step's one allocation */
     item = Py_BuildValue(
         "(LLdddOOOOO)", self->step, self->tokens, self->wall, self->start, end,
@@ -359,6 +394,41 @@ static int steps_set_step(Steps *self, PyObject *value, void *unused) {
     return 0;
 }
 
+/* the step state's fields (`collector.stepstate.StepState`), for the Python path */
+static PyObject *steps_get_memory(Steps *self, void *unused) { return Py_NewRef(self->memory); }
+static int steps_set_memory(Steps *self, PyObject *value, void *unused) {
+    if (value == NULL || !PyDict_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "memory must be a dict");
+        return -1;
+    }
+    Py_SETREF(self->memory, Py_NewRef(value));
+    return 0;
+}
+static PyObject *steps_get_opened(Steps *self, void *unused) { return Py_NewRef(self->opened); }
+static int steps_set_opened(Steps *self, PyObject *value, void *unused) {
+    if (value == NULL || !PyList_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "opened must be a list");
+        return -1;
+    }
+    Py_SETREF(self->opened, Py_NewRef(value));
+    return 0;
+}
+static int set_flag(int *flag, PyObject *value) {
+    int t = value == NULL ? -1 : PyObject_IsTrue(value);
+    if (t < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a flag cannot be deleted");
+        return -1;
+    }
+    *flag = t;
+    return 0;
+}
+static PyObject *steps_get_timing(Steps *self, void *unused) { return PyBool_FromLong(self->timing); }
+static int steps_set_timing(Steps *self, PyObject *v, void *unused) { return set_flag(&self->timing, v); }
+static PyObject *steps_get_reduced(Steps *self, void *unused) { return PyBool_FromLong(self->reduced); }
+static int steps_set_reduced(Steps *self, PyObject *v, void *unused) { return set_flag(&self->reduced, v); }
+static PyObject *steps_get_dirty(Steps *self, void *unused) { return PyBool_FromLong(self->dirty); }
+static int steps_set_dirty(Steps *self, PyObject *v, void *unused) { return set_flag(&self->dirty, v); }
+
 static PyObject *steps_get_detailed(Steps *self, void *unused) { return PyBool_FromLong(self->phases != NULL); }
 static PyObject *steps_get_phases(Steps *self, void *unused) {
     return self->phases ? Py_NewRef(self->phases) : PyDict_New();
@@ -370,6 +440,11 @@ static PyObject *steps_get_fast_now(Steps *self, void *unused) { return PyBool_F
 
 static PyGetSetDef steps_getset[] = {
     {"current", (getter)steps_get_step, (setter)steps_set_step, "The latest step begun.", NULL},
+    {"memory", (getter)steps_get_memory, (setter)steps_set_memory, "The latest memory reading.", NULL},
+    {"timing", (getter)steps_get_timing, (setter)steps_set_timing, "The step in progress is timed.", NULL},
+    {"reduced", (getter)steps_get_reduced, (setter)steps_set_reduced, "A backward reduced since the last take.", NULL},
+    {"opened", (getter)steps_get_opened, (setter)steps_set_opened, "Records untimed forwards opened.", NULL},
+    {"dirty", (getter)steps_get_dirty, (setter)steps_set_dirty, "The comm window holds something.", NULL},
     {"detailed", (getter)steps_get_detailed, NULL, "Whether the open step's phases are timed.", NULL},
     {"phases", (getter)steps_get_phases, NULL, "The open step's timed phases ({} untimed).", NULL},
     {"scalars", (getter)steps_get_scalars, NULL, "What the open step in C logged.", NULL},
