@@ -1,17 +1,20 @@
 /* The Monitor's per-step host path in C (`meshscope.collector._fast`): what its parts share.
 
-Why C: a step the Monitor does not time in full (`monitor.detail_every`, 9 in 10 on the host)
-only takes two clock reads and hands references over; the Monitor's service thread turns them
-into records (`collector/drain.py`). In Python, the frames of the step's context, its phases,
-`log` and the model's forward watch cost the training thread ~110 us a step on a 2-core host
-(each line 0.5-3 us cold after a step's compute); here they are a few C calls.
+Why C: a host step only takes clock reads and hands references over; the Monitor's service
+thread turns them into records (`collector/drain.py`). In Python, the frames of the step's
+context, its phases, `log` and the model's forward watch cost the training thread ~110 us a
+step on a 2-core host (each line 0.5-3 us cold after a step's compute); here they are a few C
+calls. What the entry points tell each other (the step state, `collector/stepstate.py`) lives
+in the `Steps` struct, and what they touch of the flight log, the expert counts and the watch
+is kept from `attach`: after a step's compute an attribute lookup costs ~1 us of cold memory,
+a struct field one cache line.
 
 What it does is what the Python path (`Monitor._begin`, `Monitor._end`, `BackwardWatch`,
-`ExpertCounts.forward_done`, `FlightLog.append_fixed`) does on such a step; anything else (a
-timed step's entry and exit, a memory read, an unusual counts tensor, a device) is handed to
-that Python code. `tests/collector/test_fast.py` holds the two paths to the same records.
-Without a C compiler the package installs without this module and every step takes the
-Python path.
+`ExpertCounts.forward_done`, `FlightLog.append_fixed`) does on such a step, timed
+(`monitor.detail_every`) or not; anything else (the run's first step, which describes it, an
+unusual counts tensor, a device) is handed to that Python code. `tests/collector/test_fast.py`
+holds the two paths to the same records. Without a C compiler the package installs without
+this module and every step takes the Python path.
 
 The parts: module.c (configuration, the meter, the module), phases.c (a step's phase
 contexts), steps.c (the step's context), handover.c (what a step's end hands over), flight.c
@@ -64,7 +67,7 @@ typedef struct {
     PyObject *meter;          /* CommMeter */
     PyObject *experts;        /* ExpertCounts */
     PyObject *slow;           /* (scope, wall, start) of a step the Python path took, or NULL */
-    PyObject *scalars;        /* what an untimed step logged, or NULL */
+    PyObject *scalars;        /* what the step in C logged, or NULL */
     PyObject *next_step;      /* the `step` given to the next step, or NULL */
     PyObject *phases;         /* a timed step's {name: (start, end)}, or NULL (untimed) */
     PyObject *polled;         /* the flight log's works to settle (`FlightLog._polled`), or None */
@@ -81,7 +84,7 @@ typedef struct {
     long long expert_layers, expert_every; /* the watched model's MoE layers, steps per window */
     Py_ssize_t step_offset;   /* where the flight log's header keeps the current step */
     double wall, start;
-    int fast_ok;              /* the Monitor allows untimed steps in C (set by it) */
+    int fast_ok;              /* the Monitor allows host steps in C (set by it) */
     int host_marks;           /* the Monitor's marks are perf_counter's: timed steps in C */
     int host_memory;          /* the Monitor reads host RSS only: a memory read in C */
     int fast_now;             /* a step in C is open (timed where `phases` is set) */
@@ -95,7 +98,7 @@ typedef struct {
     PyObject *forward;  /* the model's own forward */
     PyObject *hook;     /* hook(model, args, output), as a forward hook is called */
     PyObject *model;
-    PyObject *fast;     /* None, or (steps, watch, experts): untimed steps' watch in C */
+    PyObject *fast;     /* None, or (steps, watch, experts): the Monitor's watch in C */
     PyObject *dict;     /* __name__, __doc__, __wrapped__, as functools.wraps leaves them */
     /* DDP's reduction record, from its first packing on (`FixedRecord._packed`): its name and
        tail, and its flight log's sequence numbers, lock and queue of opens for the drain */

@@ -1,4 +1,4 @@
-/* What an untimed step's end hands over: DDP's records to complete, the flight log's step end, a closed expert window (see fast.h). */
+/* What a step's end in C hands over: DDP's records to complete, the flight log's step end, a closed expert window (see fast.h). */
 #include "fast.h"
 
 /* the slots of the records an untimed forward opened (`BackwardWatch.take_open`), or NULL */

@@ -89,7 +89,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef fast_module = {
     PyModuleDef_HEAD_INIT, "meshscope.collector._fast",
-    "The Monitor's untimed host steps in C (see the source's head).", -1, module_methods};
+    "The Monitor's host steps in C (see the source's head).", -1, module_methods};
 
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL

@@ -1,4 +1,4 @@
-/* The steps of one Monitor: `mon.step(...)`'s context, untimed host steps in C (see fast.h). */
+/* The steps of one Monitor: `mon.step(...)`'s context, host steps in C (see fast.h). */
 #include "fast.h"
 
 static int steps_traverse(Steps *self, visitproc visit, void *arg) {
@@ -113,6 +113,30 @@ static int attach_experts(Steps *self, PyObject *experts) {
     return 0;
 }
 
+/* The flight log whose header gets the step and whose queues get the step's end: what a step
+   touches of it, kept (each object one for the log's life) */
+static int attach_flight(Steps *self, PyObject *flight) {
+    PyObject *ends_append = Py_NewRef(Py_None), *polled = Py_NewRef(Py_None), *map = Py_NewRef(Py_None);
+    if (flight != Py_None) {
+        Py_SETREF(polled, PyObject_GetAttr(flight, s_polled));
+        Py_SETREF(map, PyObject_GetAttr(flight, s_map));
+        PyObject *ends = PyObject_GetAttrString(flight, "_ends");
+        Py_SETREF(ends_append, ends == NULL ? NULL : PyObject_GetAttrString(ends, "append"));
+        Py_XDECREF(ends);
+        if (ends_append == NULL || polled == NULL || map == NULL || !PyList_Check(polled)) {
+            if (polled != NULL && !PyList_Check(polled)) PyErr_SetString(PyExc_TypeError, "FlightLog._polled must be a list");
+            Py_XDECREF(ends_append);
+            Py_XDECREF(polled);
+            Py_XDECREF(map);
+            return -1;
+        }
+    }
+    Py_XSETREF(self->map, map);
+    Py_XSETREF(self->ends_append, ends_append);
+    Py_XSETREF(self->polled, polled);
+    return 0;
+}
+
 /* `attach(flight, watch, meter, experts, fast_ok, host_marks, comm_every, host_memory)`: what
    the Monitor watches now */
 static PyObject *steps_attach(Steps *self, PyObject *args) {
@@ -126,28 +150,7 @@ static PyObject *steps_attach(Steps *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "comm_every must be at least 1");
         return NULL;
     }
-    PyObject *ends_append = Py_NewRef(Py_None), *polled = Py_NewRef(Py_None), *map = Py_NewRef(Py_None);
-    if (flight != Py_None) {
-        PyObject *ends = PyObject_GetAttrString(flight, "_ends");
-        if (ends == NULL) return NULL;
-        Py_DECREF(ends_append);
-        ends_append = PyObject_GetAttrString(ends, "append");
-        Py_DECREF(ends);
-        Py_DECREF(polled);
-        polled = PyObject_GetAttr(flight, s_polled);  /* one list for the log's life */
-        Py_DECREF(map);
-        map = PyObject_GetAttr(flight, s_map);  /* one map for the log's life */
-        if (ends_append == NULL || polled == NULL || map == NULL || !PyList_Check(polled)) {
-            if (polled != NULL && !PyList_Check(polled)) PyErr_SetString(PyExc_TypeError, "FlightLog._polled must be a list");
-            Py_XDECREF(ends_append);
-            Py_XDECREF(polled);
-            Py_XDECREF(map);
-            return NULL;
-        }
-    }
-    Py_XSETREF(self->map, map);
-    Py_XSETREF(self->ends_append, ends_append);
-    Py_XSETREF(self->polled, polled);
+    if (attach_flight(self, flight) < 0) return NULL;
     Py_XSETREF(self->flight, Py_NewRef(flight));
     Py_XSETREF(self->watch, Py_NewRef(watch));
     Py_XSETREF(self->meter, Py_NewRef(meter));
@@ -395,23 +398,22 @@ static int steps_set_step(Steps *self, PyObject *value, void *unused) {
 }
 
 /* the step state's fields (`collector.stepstate.StepState`), for the Python path */
-static PyObject *steps_get_memory(Steps *self, void *unused) { return Py_NewRef(self->memory); }
-static int steps_set_memory(Steps *self, PyObject *value, void *unused) {
-    if (value == NULL || !PyDict_Check(value)) {
-        PyErr_SetString(PyExc_TypeError, "memory must be a dict");
+/* a field of the step state set from Python: a `type` only */
+static int set_field(PyObject **field, PyObject *value, PyTypeObject *type, const char *name) {
+    if (value == NULL || !PyObject_TypeCheck(value, type)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %s", name, type->tp_name);
         return -1;
     }
-    Py_SETREF(self->memory, Py_NewRef(value));
+    Py_SETREF(*field, Py_NewRef(value));
     return 0;
 }
+static PyObject *steps_get_memory(Steps *self, void *unused) { return Py_NewRef(self->memory); }
+static int steps_set_memory(Steps *self, PyObject *v, void *unused) {
+    return set_field(&self->memory, v, &PyDict_Type, "memory");
+}
 static PyObject *steps_get_opened(Steps *self, void *unused) { return Py_NewRef(self->opened); }
-static int steps_set_opened(Steps *self, PyObject *value, void *unused) {
-    if (value == NULL || !PyList_Check(value)) {
-        PyErr_SetString(PyExc_TypeError, "opened must be a list");
-        return -1;
-    }
-    Py_SETREF(self->opened, Py_NewRef(value));
-    return 0;
+static int steps_set_opened(Steps *self, PyObject *v, void *unused) {
+    return set_field(&self->opened, v, &PyList_Type, "opened");
 }
 static int set_flag(int *flag, PyObject *value) {
     int t = value == NULL ? -1 : PyObject_IsTrue(value);
@@ -459,7 +461,7 @@ static PyMethodDef steps_methods[] = {
      "watches now."},
     {"__enter__", (PyCFunction)steps_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))steps_exit, METH_FASTCALL, NULL},
-    {"phase", (PyCFunction)steps_phase, METH_O, "phase(name): an untimed step's phase (a no-op context)."},
+    {"phase", (PyCFunction)steps_phase, METH_O, "phase(name): a timed step's phase, an untimed step's no-op context."},
     {"log", (PyCFunction)(void (*)(void))steps_log, METH_VARARGS | METH_KEYWORDS,
      "log(**scalars): kept as references, read by the Monitor's service thread."},
     {NULL}};
