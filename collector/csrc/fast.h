@@ -44,9 +44,11 @@ extern Py_ssize_t header_size, record_size, head_size, written_offset; /* the fl
 /* `meter(True)`: thread CPU time of the C bodies no Python entry point wraps, for the overhead
    account (`benchmarks/overhead.py` meters the Python entry points around C itself) */
 extern int metering;
-extern double metered_seconds, marks_seconds;
-extern long long metered_calls, marks_calls;
+extern double metered_seconds, marks_seconds, probe_seconds;
+extern long long metered_calls, marks_calls, probe_calls;
 #define METER_START() (metering ? clock_seconds(CLOCK_THREAD_CPUTIME_ID) : 0.0)
+/* the meter around nothing, right after a metered body: what C's meter adds to each call */
+#define METER_PROBE "C meter (empty)"
 #define METER_ADD(seconds, calls, started)                                     \
     if (metering) {                                                            \
         seconds += clock_seconds(CLOCK_THREAD_CPUTIME_ID) - (started);         \

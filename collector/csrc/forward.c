@@ -291,6 +291,10 @@ static PyObject *forward_call(Forward *self, PyObject *args, PyObject *kwargs) {
         int done = untimed ? fast_forward(self) : watch_counts(steps);
         if (done == 0 && !untimed) done = timed_forward(self, output);  /* 1: left to Python */
         METER_ADD(metered_seconds, metered_calls, started);
+        if (metering) {  /* the meter's own cost, right after the body's (cold alike) */
+            double probe = METER_START();
+            METER_ADD(probe_seconds, probe_calls, probe);
+        }
         if (done < 0)
             r = NULL;
         else if (done == 0)

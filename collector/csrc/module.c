@@ -7,8 +7,8 @@
 PyObject *tensor_type, *is_grad_enabled, *queue_callback, *work_attribute;
 Py_ssize_t header_size, record_size, head_size, written_offset;
 int metering;
-double metered_seconds, marks_seconds;
-long long metered_calls, marks_calls;
+double metered_seconds, marks_seconds, probe_seconds;
+long long metered_calls, marks_calls, probe_calls;
 PyObject *s_requires_grad, *s_data, *s_begin, *s_polled, *s_settle_polled, *s_written, *s_step, *s_in_flight, *s_layers, *s_every, *s_map, *s_counts, *s_version, *s_seen, *s_noted, *s_record, *s_sync, *s_packed, *s_log, *s_seq, *s_lock, *s_acquire, *s_release, *s_capacity, *s_host_groups, *s_host_slots, *s_idle_work, *s_opens, *s_forward_ended, *s_off_thread, *s_work, *s_handed, *s_append, *s_meter, *s_window, *s_wait, *s_grad_fn, *s_register_prehook, *s_take;
 
 int truthy_attr(PyObject *obj, PyObject *name) {
@@ -65,14 +65,14 @@ static PyObject *meter(PyObject *mod, PyObject *on) {
     int t = PyObject_IsTrue(on);
     if (t < 0) return NULL;
     metering = t;
-    metered_seconds = marks_seconds = 0.0;
-    metered_calls = marks_calls = 0;
+    metered_seconds = marks_seconds = probe_seconds = 0.0;
+    metered_calls = marks_calls = probe_calls = 0;
     Py_RETURN_NONE;
 }
 
 static PyObject *metered(PyObject *mod, PyObject *unused) {
-    return Py_BuildValue("{s(dL)s(dL)}", "Forward (C)", metered_seconds, metered_calls, "Backward marks (C)",
-                         marks_seconds, marks_calls);
+    return Py_BuildValue("{s(dL)s(dL)s(dL)}", "Forward (C)", metered_seconds, metered_calls, "Backward marks (C)",
+                         marks_seconds, marks_calls, METER_PROBE, probe_seconds, probe_calls);
 }
 
 static PyMethodDef module_methods[] = {
