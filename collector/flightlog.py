@@ -130,7 +130,9 @@ class FlightLog(StepMarks):
         self._group_ranks: dict[str, list[int]] = {}
         self._buckets: dict[tuple[int, int, int], tuple] = {}  # (group, index, numel) -> packed
         self.fixed: dict[tuple, Any] = {}  # `flightfixed.start_sum`'s records, packed once
-        self._lock = threading.Lock()
+        # every sequence number is taken under it; C's own where built, which C takes without a
+        # call on the training thread (`collector/csrc/lock.c`)
+        self._lock = _fast.Lock() if _fast is not None else threading.Lock()
         self._step_started, self._step_s = 0.0, 0.0  # the step itself: the header's (`step`)
         # host step ends the training thread queued: (step, took, at, reduced slots, written)
         self._ends: deque[tuple[int, float, float, Any]] = deque()

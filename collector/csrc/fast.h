@@ -18,7 +18,7 @@ this module and every step takes the Python path.
 
 The parts: module.c (configuration, the meter, the module), phases.c (a step's phase
 contexts), steps.c (the step's context), handover.c (what a step's end hands over), flight.c
-(the flight log's fixed records), forward.c (the watch on the model's forward), backward.c (a
+(the flight log's fixed records), lock.c (the flight log's lock), forward.c (the watch on the model's forward), backward.c (a
 timed step's backward marks).
 */
 #ifndef MESHSCOPE_FAST_H
@@ -109,7 +109,7 @@ typedef struct {
     PyObject *on_start, *on_local, *on_graph_done, *on_reduced;
 } Forward;
 
-extern PyTypeObject NoOpType, PhaseType, StepsType, ForwardType;
+extern PyTypeObject NoOpType, PhaseType, StepsType, ForwardType, LockType;
 extern PyObject *the_noop;               /* an untimed step's phase (phases.c) */
 extern PyMethodDef callback_defs[4];     /* a timed step's backward callbacks (backward.c) */
 
@@ -118,6 +118,8 @@ long long rss_bytes(void);                                                    /*
 PyObject *take_open(Steps *self);                                             /* handover.c */
 int flight_end(Steps *self, double end, PyObject *opened);
 int experts_end(Steps *self);
+int lock_take(PyObject *lock);                                                /* lock.c */
+int lock_give(PyObject *lock);
 int take_seq(PyObject *seqs, PyObject *name, long long *seq);                 /* flight.c */
 int release(PyObject *lock);
 PyObject *append_fixed_c(PyObject *log, PyObject *name, PyObject *tail, PyObject *step);

@@ -29,14 +29,12 @@ int take_seq(PyObject *seqs, PyObject *name, long long *seq) {
 int release(PyObject *lock) {
     PyObject *type, *val, *tb;
     PyErr_Fetch(&type, &val, &tb);
-    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
-    if (r == NULL) {
+    if (lock_give(lock) < 0) {
         Py_XDECREF(type);
         Py_XDECREF(val);
         Py_XDECREF(tb);
         return -1;
     }
-    Py_DECREF(r);
     PyErr_Restore(type, val, tb);
     return 0;
 }
@@ -111,12 +109,10 @@ done:
 PyObject *append_fixed_c(PyObject *log, PyObject *name, PyObject *tail, PyObject *step) {
     PyObject *lock = PyObject_GetAttr(log, s_lock);
     if (lock == NULL) return NULL;
-    PyObject *r = PyObject_CallMethodNoArgs(lock, s_acquire);
-    if (r == NULL) {
+    if (lock_take(lock) < 0) {
         Py_DECREF(lock);
         return NULL;
     }
-    Py_DECREF(r);
     long long slot = -1;
     int filled = fill_record(log, name, tail, step, &slot);
     int released = release(lock);

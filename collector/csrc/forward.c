@@ -217,16 +217,14 @@ done:
    into the ring after a forward's compute cost the step ~10 us of cache misses here. Returns
    the entry, which the step's end completes. */
 static PyObject *issue_open(Forward *self, long long step) {
-    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
-    if (r == NULL) return NULL;
-    Py_DECREF(r);
+    if (lock_take(self->lock) < 0) return NULL;
     long long seq = -1;
     int taken = take_seq(self->seqs, self->name, &seq);
     if (release(self->lock) < 0 || taken < 0) return NULL;
     /* (name, seq, tail, step, issued): `FlightLog._opens` */
     PyObject *entry = Py_BuildValue("(OLOLd)", self->name, seq, self->tail, step, clock_seconds(CLOCK_REALTIME));
     if (entry == NULL) return NULL;
-    r = PyObject_CallOneArg(self->opens_append, entry);
+    PyObject *r = PyObject_CallOneArg(self->opens_append, entry);
     if (r == NULL) {
         Py_DECREF(entry);
         return NULL;

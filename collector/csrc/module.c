@@ -135,7 +135,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
     INTERN(s_work, "_work");
     INTERN(s_handed, "_handed");
     if (PyType_Ready(&NoOpType) < 0 || PyType_Ready(&PhaseType) < 0 || PyType_Ready(&StepsType) < 0 ||
-        PyType_Ready(&ForwardType) < 0)
+        PyType_Ready(&ForwardType) < 0 || PyType_Ready(&LockType) < 0)
         return NULL;
     the_noop = PyObject_CallNoArgs((PyObject *)&NoOpType);
     if (the_noop == NULL) return NULL;
@@ -144,7 +144,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
     if (PyModule_AddObjectRef(m, "Steps", (PyObject *)&StepsType) < 0 ||
         PyModule_AddObjectRef(m, "NoOp", (PyObject *)&NoOpType) < 0 ||
         PyModule_AddObjectRef(m, "Forward", (PyObject *)&ForwardType) < 0 ||
-        PyModule_AddObjectRef(m, "Phase", (PyObject *)&PhaseType) < 0) {
+        PyModule_AddObjectRef(m, "Phase", (PyObject *)&PhaseType) < 0 ||
+        PyModule_AddObjectRef(m, "Lock", (PyObject *)&LockType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -207,3 +207,40 @@ def test_the_fixed_record_c_writes_is_the_one_python_writes(tmp_path, monkeypatc
         at = HEADER_SIZE + slot * RECORD.size
         assert raw[True][at : at + 16] == raw[False][at : at + 16]
         assert raw[True][at + 24 : at + RECORD.size] == raw[False][at + 24 : at + RECORD.size]
+
+
+def test_the_flight_logs_lock_is_cs_and_excludes_like_threading_lock(tmp_path):
+    """The flight log's lock (`collector/csrc/lock.c`): C takes it without a call, Python with
+    `with`; it excludes across threads, waits without the GIL, and refuses a release unheld."""
+    import threading
+
+    from meshscope.collector.flightlog import FlightLog
+
+    log = FlightLog(tmp_path, rank=0, world_size=1)
+    lock = log._lock
+    assert type(lock) is fast.Lock
+    counted = [0]
+
+    def count() -> None:
+        for _ in range(5000):
+            with lock:
+                seen = counted[0]
+                counted[0] = seen + 1
+
+    threads = [threading.Thread(target=count) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counted[0] == 20000
+    lock.acquire()
+    waiter = threading.Thread(target=lambda: (lock.acquire(), lock.release()))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and lock.locked()  # it waits, and this thread runs meanwhile
+    lock.release()
+    waiter.join(5)
+    assert not waiter.is_alive() and not lock.locked()
+    with pytest.raises(RuntimeError):
+        lock.release()
+    log.close()
