@@ -500,6 +500,9 @@ def main() -> None:
         bias, calls = meter_bias(entries), sum(n for k, (_, n) in entries.items() if k not in in_c)
         c_bias, c_calls = results[0]["c_meter_bias"], sum(n for k, (_, n) in entries.items() if k in in_c)
         net = results[0]["parts"]["in_step"] - bias * calls - c_bias * c_calls
+        if not bias:  # every step timed (`--set detail_every=1`): no no-op to read the meter on
+            print("    training thread less the meter: unknown (no untimed phase to read the meter on)")
+            continue
         print(
             f"    training thread less the meter: {net * 1e6:.0f} us/step (the meter: {bias * 1e6:.1f} us "
             f"a call, {calls:.1f} calls a step; C's: {c_bias * 1e6:.1f} us a call, {c_calls:.1f} calls; "

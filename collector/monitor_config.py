@@ -11,7 +11,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from meshscope.collector.exporter import valid_host
 
 LOOPBACK = "127.0.0.1"
-# a step timed in full costs the host's training thread ~70 us more (hooks, callbacks, marks):
+# a step timed in full costs the host's training thread ~50 us more (hooks, callbacks, marks):
 # one in 10 saves most of it (`benchmarks/overhead.py --set detail_every=1`)
 HOST_DETAIL_EVERY = 10
 
@@ -67,7 +67,7 @@ class MonitorSettings(BaseModel):
         "steps between record step time, tokens, logged scalars and bytes, with phases NaN. "
         "None: every step on a device (events are cheap) and in meshscope's trainer (its "
         f"detectors judge phases), one step in {HOST_DETAIL_EVERY} in your own loop on the host "
-        "(a timed step costs the host's training thread ~70 us more)",
+        "(a timed step costs the host's training thread ~50 us more)",
     )
     memory_every: int | None = Field(
         None,
@@ -75,7 +75,7 @@ class MonitorSettings(BaseModel):
         le=10**6,
         description="read memory (host RSS, device allocated and reserved) on one step in N; the "
         "steps between carry the last reading. None: on the timed steps (`detail_every`); an RSS "
-        "read costs ~20 us a step on a busy host",
+        "read costs ~12 us a step on a busy host",
     )
     drain_interval_s: float = Field(
         0.2,
