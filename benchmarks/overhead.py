@@ -19,11 +19,11 @@ Printed per configuration:
 - `control`: the second plain block over the first, likewise: the same code, so this is the
   noise floor of this machine, measured in the same invocation;
 - `cost`: CPU time the Monitor itself spent per step on rank 0 (its context managers, hooks,
-  autograd callbacks, its store-writer thread and the flight log's responder thread over the
-  measured steps), and that cost over the plain step time: an account, entry by entry, of
-  where the overhead sits. The entries are metered in watched steps of their own after the
-  timed blocks (`--account-steps`): metering costs ~1 % of a small step, which the ratios
-  must not carry.
+  autograd callbacks, its service thread, its store-writer thread and the flight log's
+  responder thread), and that cost over the plain step time: an account, entry by entry, of
+  where the overhead sits. It is read in watched steps of their own after the timed blocks
+  (`--account-steps`): metering costs ~1 % of a small step, which the ratios must not carry,
+  and the threads beside training run their rounds through plain blocks too.
 
     .venv/bin/python benchmarks/overhead.py [--ranks 2 --models 3 --blocks 40 --block-steps 8 --layers 2]
         [--set KNOB=VALUE: a Monitor setting, e.g. memory_every=10, for what it costs]
@@ -301,11 +301,6 @@ def bench(
     block_means = {m: [] for m in modes}
     block_cpu = {m: [] for m in modes}  # the process's CPU time a step, every thread, per block
     time.sleep(0.5)  # the responder thread's start (an import, once a run) is not a cost per step
-    writer_before = thread_cpu(mon.store._thread)
-    service_thread = mon._service._thread  # the Monitor's drain: records, gauges, rows
-    service_before = thread_cpu(service_thread)
-    responder_thread = mon.flight._responder._thread if mon.flight is not None else None
-    responder_before = thread_cpu(responder_thread) if responder_thread is not None else 0.0
     for _ in range(models):
         model, ddp, opt = make()
         watched = Switch(mon, ddp)
@@ -325,13 +320,16 @@ def bench(
                 times[m].extend(block)
                 block_means[m].append(statistics.fmean(block))
                 block_cpu[m].append((time.process_time() - cpu) / block_steps)
-    steps_on = len(times["on"]) + 3 * models
-    writer = (thread_cpu(mon.store._thread) - writer_before) / steps_on
-    service = (thread_cpu(service_thread) - service_before) / steps_on
-    responder = (thread_cpu(responder_thread) - responder_before) / steps_on if responder_thread else 0.0
     # The account is metered after the timed blocks, in steps of its own: the meter's two
     # thread-clock reads and a wrapper an entry cost ~1 % of a 16 ms step, which the ratio
-    # must not carry.
+    # must not carry. The threads beside training are read over the same watched steps (in
+    # the blocks, their rounds run through the plain steps too).
+    threads = {
+        "monitor_service": mon._service._thread,  # the Monitor's drain: records, gauges, rows
+        "store_writer": mon.store._thread,
+        "responder": mon.flight._responder._thread if mon.flight is not None else None,
+    }
+    before = {k: thread_cpu(t) for k, t in threads.items() if t is not None}
     cost = CostMeter()
     instrument_costs(mon, cost)
     watched.turn(False)
@@ -348,13 +346,10 @@ def bench(
             elif calls:
                 cost.add_metered(name, seconds, calls)
         _fast.meter(False)
+    time.sleep(2 * mon.config.drain_interval_s)  # the last steps' round
+    beside = {k: (thread_cpu(threads[k]) - cpu) / account_steps for k, cpu in before.items()}
     mon.close()
-    parts = {
-        "in_step": cost.seconds / account_steps,
-        "monitor_service": service,
-        "store_writer": writer,
-        "responder": responder,
-    }
+    parts = {"in_step": cost.seconds / account_steps, **{k: beside.get(k, 0.0) for k in threads}}
     return {
         **times,
         "blocks": block_means,

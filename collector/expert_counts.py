@@ -93,7 +93,8 @@ class ExpertCounts:
         self.layers = find_moe_layers(model)
         self._seen = [_stamp(m.expert_token_counts) for m in self.layers]
         self._work = [None] * len(self.layers)
-        self._idle_work = [None] * len(self.layers)  # C's: each layer's empty `expert_work`
+        # C's: each layer's empty `expert_work`, or False where it has none (`collector/csrc/`)
+        self._idle_work = [None] * len(self.layers)
         if hook and self.layers:
             after_forward(model, self._on_forward)
 

@@ -80,17 +80,20 @@ static int forward_init(Forward *self, PyObject *args, PyObject *kwds) {
 /* `ExpertCounts._note_work` where there is work: a layer's `expert_work` that is a tensor with
    elements (`moe.expert_work`). An empty one is remembered per layer (`_idle_work`): a model
    not under expert parallelism keeps one such tensor, so after the first forward this is an
-   identity check, no call into torch. */
+   identity check, no call into torch; a layer with none is remembered as False. */
 static int note_work(Steps *steps, Py_ssize_t layer, PyObject *module) {
+    PyObject *idle = steps->idle, *experts = steps->experts;
+    int known = layer < PyList_GET_SIZE(idle);
+    if (known && PyList_GET_ITEM(idle, layer) == Py_False) return 0;  /* it has none */
     PyObject *work = PyObject_GetAttr(module, work_attribute);
     if (work == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
         PyErr_Clear();
-        return 0;
+        /* a layer without one at a forward's end has none (the protocol sets it at build or in
+           every forward): not asked again, where nn.Module's __getattr__ raises each time */
+        return known ? PyList_SetItem(idle, layer, Py_NewRef(Py_False)) : 0;
     }
-    PyObject *idle = steps->idle, *experts = steps->experts;
     int ok = -1;
-    int known = layer < PyList_GET_SIZE(idle);
     if (work == Py_None || (known && PyList_GET_ITEM(idle, layer) == work)) {
         ok = 0;
         goto done;

@@ -244,3 +244,43 @@ def test_the_flight_logs_lock_is_cs_and_excludes_like_threading_lock(tmp_path):
     with pytest.raises(RuntimeError):
         lock.release()
     log.close()
+
+
+class _CountsOnly(torch.nn.Module):
+    """An MoE layer as the protocol's minimum has it (`collector/moe.py`): its per-expert token
+    counts, no `expert_work` (nn.Module's `__getattr__` raises for it, in Python)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.expert_token_counts = torch.zeros(3, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.expert_token_counts = torch.tensor([x.shape[0], 1, 0])  # new counts each forward
+        return self.proj(x)
+
+
+def _counts_only(rank: int, world_size: int, run_dir: str) -> list:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    mon = Monitor(MonitorConfig(run_dir=run_dir, metrics_port=None, expert_every=5), env=env)
+    torch.manual_seed(0)
+    layer = _CountsOnly()
+    ddp = mon.watch(DDP(layer))
+    for _ in range(10):
+        with mon.step(tokens=6) as s:
+            ddp(torch.randn(6, 4)).sum().backward()
+            s.log(loss=1.0)
+    idle = list(mon.experts._idle_work)
+    mon.close()
+    return idle
+
+
+def test_a_layer_without_expert_work_is_looked_up_once_and_its_counts_still_noted(tmp_path):
+    (idle,) = run_ranks(_counts_only, 1, run_dir=str(tmp_path))
+    assert idle == [False]  # C asked once, and remembers there is none
+    load = load_expert_load(tmp_path)
+    assert sorted(load["step"].unique()) == [4, 9]  # both windows, every step's counts in them
+    per_window = load.groupby(["step", "expert"])["tokens"].sum()
+    assert per_window.loc[(4, 0)] == 5 * 6 and per_window.loc[(9, 1)] == 5
