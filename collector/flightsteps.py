@@ -63,7 +63,7 @@ class StepMarks:
         """Write the step ends the training thread queued (`step_end`), oldest first. A slot
         the ring has given to a newer record since is left alone: its reduction is gone."""
         self.write_opens()
-        ends = self._ends
+        ends, last = self._ends, None
         while ends:
             step, took, at, reduced, written = ends.popleft()
             for item in reduced:
@@ -73,7 +73,10 @@ class StepMarks:
                     slot, issued = item, written - 1 - (written - 1 - item) % self.capacity
                 if self._written - issued <= self.capacity:
                     self.reduction_done(slot, at)
-            self.progressed(step, took, at)
+            self._smooth(took)
+            last = (step, at)
+        if last is not None:  # the header says the latest: one write a round, not one a step
+            self._mark_progress(*last)
 
     def write_opens(self) -> None:
         """Write the records C issued on the training thread and left to the drain, in the
@@ -88,9 +91,15 @@ class StepMarks:
     def progressed(self, step: int, took: float, at: float | None = None) -> None:
         """Step `step` is finished (by the host, or by the device) and took `took` seconds
         (0: unknown, the first step a device reports); `at`: when (default now)."""
+        self._smooth(took)
+        self._mark_progress(step, time.time() if at is None else at)
+
+    def _smooth(self, took: float) -> None:
         # a slow EMA: one slow step (a checkpoint) must not raise the stall threshold much
         if took > 0:
             self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
-        struct.pack_into("<d", self._map, PROGRESS_OFFSET, time.time() if at is None else at)
+
+    def _mark_progress(self, step: int, at: float) -> None:
+        struct.pack_into("<d", self._map, PROGRESS_OFFSET, at)
         struct.pack_into("<d", self._map, STEP_S_OFFSET, self._step_s)
         struct.pack_into("<q", self._map, DEVICE_STEP_OFFSET, step)
