@@ -169,7 +169,7 @@ def empty_bodies() -> None:
         self._step += 1
         detailed = self._step % self._detail_every == 0  # phases timed one step in N, as the Monitor's
         if self._backward is not None:
-            self._counter.timing = detailed
+            self._state.timing = detailed
         return StepScope(self.probe, detailed), time.time(), time.perf_counter()
 
     def _on_forward(self, module, args, output):  # the backward's hook on timed steps only

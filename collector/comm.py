@@ -259,7 +259,7 @@ class BackwardWatch:
         # take), `opened` (records opened at a forward's end on an untimed step)
         self.state = meter.state
         self._token: Any = None
-        # (Steps, this watch, ExpertCounts): the Monitor's untimed steps watch in C
+        # (Steps, this watch, ExpertCounts): the Monitor's host steps watch in C
         # (`collector/csrc/` does what `_on_forward` does on such a step)
         self.fast: tuple[Any, BackwardWatch, Any] | None = None
 

@@ -98,10 +98,10 @@ class Monitor:
             else _fast.Steps(self, self._pending, self._detail_every, self._memory_every, STEP_OFFSET)
         )
         # the step state the entry points share (`collector.stepstate`): C's struct, or Python's
-        self._counter: Any = self._steps if self._steps is not None else StepState()
+        self._state: Any = self._steps if self._steps is not None else StepState()
         if self._steps is not None:
             self.step = self._steps.step  # type: ignore[method-assign]
-        self.meter = CommMeter(self.probe, self._counter)
+        self.meter = CommMeter(self.probe, self._state)
         self._window = ScalarWindow()
         self._window_steps = 0
         self.experts = ExpertCounts(config.expert_every)
@@ -290,11 +290,11 @@ class Monitor:
     @property
     def _step(self) -> int:
         """The latest step begun (kept where the steps run: in C when they do)."""
-        return self._counter.current
+        return self._state.current
 
     @_step.setter
     def _step(self, step: int) -> None:
-        self._counter.current = step
+        self._state.current = step
 
     def _route_steps(self) -> None:
         """Let untimed steps run in C where they can: on the host, with every logged value
@@ -325,7 +325,7 @@ class Monitor:
         detailed = step % self._detail_every == 0
         if detailed:  # communication outside a step (e.g. DDP's init broadcast) is not ours
             self.meter.take(sample_next=step % self._comm_every == 0)
-        self._counter.timing = detailed
+        self._state.timing = detailed
         return StepScope(self.probe, detailed), time.time(), self.probe.mark()
 
     def _end(self, scope: StepScope, tokens: int, wall: float, start: Any) -> None:
@@ -333,12 +333,12 @@ class Monitor:
         # service thread's (`StepDrain`), a window late.
         step, end = self._step, self.probe.mark()
         if step % self._memory_every == 0:  # read where the step ends: a leak shows step by step
-            self._counter.memory = self.probe.memory()
+            self._state.memory = self.probe.memory()
         detailed = scope.detailed
         comm = self._take_comm()
         scalars = scope.scalars
         pending = PendingStep(
-            step, tokens, wall, (start, end), scope.phases, comm, self._counter.memory, detailed, scalars
+            step, tokens, wall, (start, end), scope.phases, comm, self._state.memory, detailed, scalars
         )
         self._take_scalars(pending, scalars)
         self._pending.append(pending)
