@@ -378,7 +378,8 @@ class DDPRuntimeStats(Service):
         super().__init__("meshscope-ddp-stats", interval_s=3600.0, join_s=1.0)  # rounds when asked
         self.ddp = ddp
         self.latest: float | None = None  # seconds: the latest sampled span read, once there is one
-        self._read = threading.Event()
+        self._read = threading.Event()  # the read asked for is done
+        self._asked = False  # a read was asked for
         setter = getattr(ddp, "_set_ddp_runtime_logging_sample_rate", None)
         if setter is not None and every is not None:  # None: DDP's default (1 in 100)
             setter(every)
@@ -392,9 +393,11 @@ class DDPRuntimeStats(Service):
 
     def refresh(self, wait_s: float) -> float | None:
         """DDP's latest figure, read again on this service's thread and waited for at most
-        `wait_s`; a reduction that holds DDP's lock longer leaves the figure read before."""
-        if self.running:
+        `wait_s`. A reduction that holds DDP's lock longer leaves the figure read before, and
+        while that read is still waiting no later call waits again."""
+        if self.running and (self._read.is_set() or not self._asked):
             self._read.clear()
+            self._asked = True
             self.wake()
             self._read.wait(wait_s)
         return self.latest

@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshscope.monitor")
 
-# how long a round waits for DDP's figure; a reduction that holds DDP's lock longer (a hang)
-# leaves the figure read before
-DDP_READ_WAIT_S = 0.05
+# how long a round waits for DDP's figure (a read takes ~50 us; a busy host can delay it). A
+# reduction that holds DDP's lock longer (a hang) leaves the figure read before, and the
+# rounds after do not wait while that read is stuck (`DDPRuntimeStats.refresh`).
+DDP_READ_WAIT_S = 1.0
 
 
 class StepDrain(Service):

@@ -35,6 +35,9 @@ def test_the_figure_is_read_when_asked_and_a_held_lock_stalls_no_one_else():
         started = time.perf_counter()
         assert stats.refresh(0.05) == 0.003  # the figure read before, after the wait asked for
         assert time.perf_counter() - started < 2.0
+        started = time.perf_counter()
+        assert stats.refresh(30.0) == 0.003  # that read still waits: this one does not wait again
+        assert time.perf_counter() - started < 10.0
         logger.lock.release()
         deadline = time.monotonic() + 5.0
         while stats.refresh(0.5) != 0.007 and time.monotonic() < deadline:
