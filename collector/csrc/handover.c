@@ -3,7 +3,7 @@
 
 /* the slots of the records an untimed forward opened (`BackwardWatch.take_open`), or NULL */
 PyObject *take_open(Steps *self) {
-    if (PyList_Check(self->opened) && PyList_GET_SIZE(self->opened) == 0) return Py_NewRef(Py_None);
+    if (PyList_GET_SIZE(self->opened) == 0) return Py_NewRef(Py_None);  /* a list: its setter says so */
     PyObject *fresh = PyList_New(0);
     if (fresh == NULL) return NULL;
     PyObject *opened = self->opened;
@@ -16,8 +16,8 @@ PyObject *take_open(Steps *self) {
 static PyObject *written_for(Steps *self, PyObject *opened) {
     int slots = 0;
     if (opened != Py_None)
-        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(opened); i++)
-            slots |= !PyTuple_Check(PySequence_Fast_GET_ITEM(opened, i));
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(opened); i++)
+            slots |= !PyTuple_Check(PyList_GET_ITEM(opened, i));
     return slots ? PyObject_GetAttr(self->flight, s_written) : PyLong_FromLong(0);
 }
 

@@ -286,17 +286,16 @@ static PyObject *steps_enter(Steps *self, PyObject *unused) {
 
 static int fast_end(Steps *self) {
     double end = clock_seconds(CLOCK_MONOTONIC);
-    PyObject *comm = NULL, *opened = NULL, *memory = NULL, *item = NULL;
+    PyObject *comm = NULL, *opened = NULL, *item = NULL;
     int reduced = 0, ok = -1;
     if (self->memory_due && read_memory(self) < 0) goto done;
     if ((comm = take_comm(self, &reduced)) == NULL) goto done;
     opened = self->watch != Py_None ? take_open(self) : Py_NewRef(Py_None);
     if (opened == NULL) goto done;
-    memory = Py_NewRef(self->memory);  /* this step's reading, or the latest */
     /* the tuple (and its floats) is an untimed step's one allocation */
     item = Py_BuildValue(
         "(LLdddOOOOO)", self->step, self->tokens, self->wall, self->start, end,
-        self->scalars ? self->scalars : Py_None, comm, reduced ? Py_True : Py_False, memory,
+        self->scalars ? self->scalars : Py_None, comm, reduced ? Py_True : Py_False, self->memory,
         self->phases ? self->phases : Py_None);
     if (item == NULL) goto done;
     PyObject *r = PyObject_CallOneArg(self->pending_append, item);
@@ -308,7 +307,6 @@ static int fast_end(Steps *self) {
 done:
     Py_XDECREF(comm);
     Py_XDECREF(opened);
-    Py_XDECREF(memory);
     Py_XDECREF(item);
     Py_CLEAR(self->scalars);
     Py_CLEAR(self->phases);
