@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from meshscope.collector.comm import CommWindow
@@ -32,22 +33,34 @@ DDP_READ_WAIT_S = 1.0
 class StepDrain(Service):
     """The Monitor's service thread (module doc)."""
 
-    def __init__(self, monitor: Monitor, interval_s: float) -> None:
+    def __init__(self, monitor: Monitor, interval_s: float, batch_steps: int, within_s: float) -> None:
         super().__init__("meshscope-monitor", interval_s, join_s=10.0)
         self.monitor = monitor
+        # A round that makes records pays a fixed part each time (the gauges, DDP's figure, the
+        # expert windows, cold after the step's compute): it waits for `batch_steps` finished
+        # steps, or until `within_s` passed. The flight log's step ends are written every round:
+        # the hang watchdog reads them.
+        self.batch_steps, self.within_s = batch_steps, within_s
+        self._recorded_at = time.monotonic()
         self._lock = threading.Lock()  # rounds against flush and close
         self.logged_keys: set[str] = set()  # what the latest step logged
         self._unreadable: set[str] = set()  # logged keys whose value was no number (said once)
         self._loss_was_finite = True
 
     def round(self) -> None:
-        """Drain what has finished."""
-        self.drain(block=False)
+        """Drain what has finished once a batch is due; the flight log's step ends always."""
+        waited = time.monotonic() - self._recorded_at
+        if len(self.monitor._pending) >= self.batch_steps or waited >= self.within_s:
+            self.drain(block=False)
+        elif self.monitor.flight is not None:
+            with self._lock:
+                self.monitor.flight.settle_ends()
 
     def drain(self, block: bool) -> None:
         """Emit finished steps in order; without `block`, stop at the first unfinished one."""
         mon = self.monitor
         with self._lock:
+            self._recorded_at = time.monotonic()
             finished = []
             while mon._pending:
                 p = mon._pending[0]

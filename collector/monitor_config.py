@@ -81,8 +81,17 @@ class MonitorSettings(BaseModel):
         0.2,
         gt=0,
         le=60,
-        description="how often the Monitor's service thread turns finished steps into records, "
-        "gauges and store rows (off the training thread)",
+        description="how often the Monitor's service thread writes the flight log's step ends "
+        "(the hang watchdog reads them) and looks for finished steps, which it turns into records, "
+        "gauges and store rows once `sync_every` are there or `record_within_s` passed",
+    )
+    record_within_s: float = Field(
+        1.0,
+        gt=0,
+        le=600,
+        description="the longest a finished step waits to become a record, gauges and store rows "
+        "when fewer than `sync_every` are waiting (slow steps: a round's fixed part paid once a "
+        "batch, not once a step)",
     )
     flight_log: bool = Field(
         True,
