@@ -6,7 +6,9 @@ store and /metrics families), plain (DDP's built-in C++ all-reduce, no hook), an
 Between blocks the Monitor's forward hook is removed or put back and DDP's timing rate set
 (`Switch`): the watched and the plain steps run the same tensors, so the ratio holds no
 difference of memory layout (two identical models differ by a few percent through it alone).
-Several fresh models are built in turn.
+Several fresh models are built in turn. A block lasts at least `--block-s` (by default the
+Monitor's `record_every_s`): its service thread makes records a batch at a time, and blocks
+shorter than that would hold a batch round in one block of several, which a median leaves out.
 
 Printed per configuration:
 - `on/off`: a watched block's mean step time over the plain block's in the same rotation, the
@@ -25,7 +27,8 @@ Printed per configuration:
   (`--account-steps`): metering costs ~1 % of a small step, which the ratios must not carry,
   and the threads beside training run their rounds through plain blocks too.
 
-    .venv/bin/python benchmarks/overhead.py [--ranks 2 --models 3 --blocks 40 --block-steps 8 --layers 2]
+    .venv/bin/python benchmarks/overhead.py [--ranks 2 --models 3 --blocks 40 --block-steps 8 --block-s 1
+        --layers 2]
         [--set KNOB=VALUE: a Monitor setting, e.g. memory_every=10, for what it costs]
 """
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import math
 import statistics
 import tempfile
 import time
@@ -235,6 +239,7 @@ def bench(
     account_steps: int = 200,
     settings: dict | None = None,
     python_only: bool = False,
+    block_s: float = 0.0,
 ) -> dict:
     import torch
     from prometheus_client import CollectorRegistry
@@ -301,13 +306,19 @@ def bench(
     block_means = {m: [] for m in modes}
     block_cpu = {m: [] for m in modes}  # the process's CPU time a step, every thread, per block
     time.sleep(0.5)  # the responder thread's start (an import, once a run) is not a cost per step
+    plain_s = 0.0
     for _ in range(models):
         model, ddp, opt = make()
         watched = Switch(mon, ddp)
         for i in range(3):  # warm-up both ways
             for m in modes:
                 watched.turn(m == "on")
+                t0 = time.perf_counter()
                 (step_watched if m == "on" else step_plain)(model, ddp, opt, i)
+                if m == "off":
+                    plain_s = time.perf_counter() - t0
+        if block_s:  # once: blocks that hold the Monitor's batch rounds in their share
+            block_steps, block_s = _steps_for(block_s, plain_s, block_steps), 0.0
         for b in range(blocks):
             for m in modes[b % 3 :] + modes[: b % 3]:
                 watched.turn(m == "on")
@@ -328,6 +339,7 @@ def bench(
         "monitor_service": mon._service._thread,  # the Monitor's drain: records, gauges, rows
         "store_writer": mon.store._thread,
         "responder": mon.flight._responder._thread if mon.flight is not None else None,
+        "ddp_stats": mon._ddp_stats._thread if mon._ddp_stats is not None else None,  # DDP's figure
     }
     before = {k: thread_cpu(t) for k, t in threads.items() if t is not None}
     cost = CostMeter()
@@ -359,7 +371,18 @@ def bench(
         "entries": {k: (sec / account_steps, n / account_steps) for k, (sec, n) in cost.by_entry.items()},
         "self_metered": sorted(cost.self_metered),
         "c_meter_bias": c_bias,
+        "block_steps": block_steps,
     }
+
+
+def _steps_for(block_s: float, step_s: float, least: int) -> int:
+    """Steps a block of `block_s` seconds takes (at least `least`), the same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    steps = torch.tensor([max(least, math.ceil(block_s / step_s))])
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    return int(steps)
 
 
 def ratio_interval(
@@ -401,12 +424,26 @@ def _settings(ap: argparse.ArgumentParser, pairs: list[str]) -> dict:
     return out
 
 
+def record_every(settings: dict) -> float:
+    """The Monitor's batch interval under `settings` (its default where not set)."""
+    from meshscope.collector.monitor_config import MonitorSettings
+
+    return MonitorSettings(**settings).record_every_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--models", type=int, default=3, help="fresh models, each switched on and off")
     ap.add_argument("--blocks", type=int, default=40, help="block rotations per model")
-    ap.add_argument("--block-steps", type=int, default=8)
+    ap.add_argument("--block-steps", type=int, default=8, help="steps a block, at least")
+    ap.add_argument(
+        "--block-s",
+        type=float,
+        default=None,
+        help="seconds a block, at least (default: the Monitor's record_every_s, so that every "
+        "block holds its batch rounds in their share; a median over shorter blocks leaves them out)",
+    )
     ap.add_argument(
         "--d-model",
         type=int,
@@ -450,7 +487,7 @@ def main() -> None:
     path = "  Python path only" if args.python_only or _fast is None else ""
     print(f"machine: {machine()}" + (f"  settings: {settings}" if settings else "") + path)
     print(
-        f"ranks={args.ranks} models={args.models} blocks={args.blocks}x{args.block_steps} "
+        f"ranks={args.ranks} models={args.models} blocks={args.blocks} of at least {args.block_steps} "
         "steps per mode per rank"
     )
     for width, bucket_mb in itertools.product(args.d_model, args.bucket_mb):
@@ -470,39 +507,50 @@ def main() -> None:
                 account_steps=args.account_steps,
                 settings=settings,
                 python_only=args.python_only,
+                block_s=args.block_s if args.block_s is not None else record_every(settings),
             )
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
         on, control = ratio_interval(results, "on"), ratio_interval(results, "control")
         cpu_on, cpu_control = (ratio_interval(results, m, figure="cpu") for m in ("on", "control"))
-        cost = results[0]["cost_per_step"]
         parts = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in results[0]["parts"].items())
         print(
             f"d_model={width:4d} layers={args.layers} bucket={bucket_mb:5.2f} MB  "
-            f"step on {med['on'] * 1e3:7.2f} ms  off {med['off'] * 1e3:7.2f} ms\n"
+            f"step on {med['on'] * 1e3:7.2f} ms  off {med['off'] * 1e3:7.2f} ms  "
+            f"blocks of {results[0]['block_steps']} steps\n"
             f"    on/off {on[0]:.4f} [{on[1]:.4f}, {on[2]:.4f}]  control {control[0]:.4f} "
             f"[{control[1]:.4f}, {control[2]:.4f}]  (block means, 95 % interval; target <= 1.01)\n"
             f"    cpu on/off {cpu_on[0]:.4f} [{cpu_on[1]:.4f}, {cpu_on[2]:.4f}]  "
             f"control {cpu_control[0]:.4f} [{cpu_control[1]:.4f}, {cpu_control[2]:.4f}]  "
             "(CPU time a step, every thread of a rank)\n"
-            f"    cost {cost * 1e6:6.0f} us/step = {cost / med['off']:.2%}; account, us/step: {parts}"
+            f"    account, us/step (metered): {parts}"
         )
         entries = sorted(results[0]["entries"].items(), key=lambda kv: -kv[1][0])
         print(
             "    in step by entry, us/step (calls/step): "
             + ", ".join(f"{k} {sec * 1e6:.0f} ({calls:.1f})" for k, (sec, calls) in entries)
         )
-        entries, in_c = results[0]["entries"], set(results[0]["self_metered"])
-        bias, calls = meter_bias(entries), sum(n for k, (_, n) in entries.items() if k not in in_c)
-        c_bias, c_calls = results[0]["c_meter_bias"], sum(n for k, (_, n) in entries.items() if k in in_c)
-        net = results[0]["parts"]["in_step"] - bias * calls - c_bias * c_calls
-        if not bias:  # every step timed (`--set detail_every=1`): no no-op to read the meter on
+        net = training_thread(results[0])
+        if net is None:  # every step timed (`--set detail_every=1`): no no-op to read the meter on
             print("    training thread less the meter: unknown (no untimed phase to read the meter on)")
             continue
+        beside = sum(v for k, v in results[0]["parts"].items() if k != "in_step")
         print(
-            f"    training thread less the meter: {net * 1e6:.0f} us/step (the meter: {bias * 1e6:.1f} us "
-            f"a call, {calls:.1f} calls a step; C's: {c_bias * 1e6:.1f} us a call, {c_calls:.1f} calls; "
-            "budget 30 us)"
+            f"    training thread less the meter: {net * 1e6:.0f} us/step (budget 30 us)\n"
+            f"    cost {(net + beside) * 1e6:6.0f} us/step = {(net + beside) / med['off']:.2%} of the plain "
+            "step: the training thread less the meter and the threads beside it"
         )
+
+
+def training_thread(result: dict) -> float | None:
+    """The training thread's metered seconds a step less what the meters themselves cost
+    (Python's read on an untimed phase's no-op exit, C's on its probe); None where no step
+    was untimed."""
+    entries, in_c = result["entries"], set(result["self_metered"])
+    bias, calls = meter_bias(entries), sum(n for k, (_, n) in entries.items() if k not in in_c)
+    if not bias:
+        return None
+    c_calls = sum(n for k, (_, n) in entries.items() if k in in_c)
+    return result["parts"]["in_step"] - bias * calls - result["c_meter_bias"] * c_calls
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The Monitor's service thread: the steps the training thread finished become records, gauges
-and store rows, in step order, a drain round later (`monitor.drain_interval_s`).
+and store rows, in step order, a batch at a time (`monitor.record_every_s`); between batches
+its rounds (`monitor.drain_interval_s`) write the flight log's step ends, the hang watchdog's
+progress.
 
 The training thread hands over marks and references only: a `PendingStep` from the Python path
 (a device's steps, or where C was not built), or a tuple from C (`collector/csrc/`: host steps).
@@ -33,14 +35,14 @@ DDP_READ_WAIT_S = 1.0
 class StepDrain(Service):
     """The Monitor's service thread (module doc)."""
 
-    def __init__(self, monitor: Monitor, interval_s: float, batch_steps: int, within_s: float) -> None:
+    def __init__(self, monitor: Monitor, interval_s: float, record_every_s: float) -> None:
         super().__init__("meshscope-monitor", interval_s, join_s=10.0)
         self.monitor = monitor
         # A round that makes records pays a fixed part each time (the gauges, DDP's figure, the
-        # expert windows, cold after the step's compute): it waits for `batch_steps` finished
-        # steps, or until `within_s` passed. The flight log's step ends are written every round:
-        # the hang watchdog reads them.
-        self.batch_steps, self.within_s = batch_steps, within_s
+        # expert windows' sums, all cold after the step's compute): records are made once every
+        # `record_every_s`, a batch of steps at a time. The flight log's step ends are written
+        # every round: the hang watchdog reads them as progress.
+        self.record_every_s = record_every_s
         self._recorded_at = time.monotonic()
         self._lock = threading.Lock()  # rounds against flush and close
         self.logged_keys: set[str] = set()  # what the latest step logged
@@ -48,9 +50,8 @@ class StepDrain(Service):
         self._loss_was_finite = True
 
     def round(self) -> None:
-        """Drain what has finished once a batch is due; the flight log's step ends always."""
-        waited = time.monotonic() - self._recorded_at
-        if len(self.monitor._pending) >= self.batch_steps or waited >= self.within_s:
+        """Drain what has finished when records are due; the flight log's step ends always."""
+        if time.monotonic() - self._recorded_at >= self.record_every_s:
             self.drain(block=False)
         elif self.monitor.flight is not None:
             with self._lock:

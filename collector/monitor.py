@@ -122,9 +122,7 @@ class Monitor:
         self.flight = self._open_flight_log() if config.flight_log else None
         if config.metrics_port is not None:
             self._start_exporter()
-        self._service = StepDrain(
-            self, config.drain_interval_s, config.sync_every, config.record_within_s
-        ).start()
+        self._service = StepDrain(self, config.drain_interval_s, config.record_every_s).start()
 
     @classmethod
     def from_env(cls, run_dir: str | Path, **kwargs: Any) -> Monitor:

@@ -82,16 +82,15 @@ class MonitorSettings(BaseModel):
         gt=0,
         le=60,
         description="how often the Monitor's service thread writes the flight log's step ends "
-        "(the hang watchdog reads them) and looks for finished steps, which it turns into records, "
-        "gauges and store rows once `sync_every` are there or `record_within_s` passed",
+        "(the hang watchdog reads them as progress)",
     )
-    record_within_s: float = Field(
+    record_every_s: float = Field(
         1.0,
         gt=0,
         le=600,
-        description="the longest a finished step waits to become a record, gauges and store rows "
-        "when fewer than `sync_every` are waiting (slow steps: a round's fixed part paid once a "
-        "batch, not once a step)",
+        description="how often the service thread turns finished steps into records, gauges and "
+        "store rows, a batch at a time (a round's fixed part, cold after the step's compute, is "
+        "paid once a batch, not once a step); flush() and close() do it at once",
     )
     flight_log: bool = Field(
         True,

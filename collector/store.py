@@ -46,6 +46,7 @@ EVENT_COLUMNS = ("time", "run_id", "kind", "severity", "rank", "step", "detail")
 NUMERIC_STEP_COLUMNS = frozenset(STEP_COLUMNS) - {"run_id", "nonfinite"}
 _STEP_ROW = operator.attrgetter(*STEP_COLUMNS)  # a StepRecord as a row, in one C call
 _STEP_KEY = operator.itemgetter(*(STEP_COLUMNS.index(c) for c in ("rank", "step", "attempt")))
+_ATTEMPT = STEP_COLUMNS.index("attempt")
 
 
 def store_path(run_dir: str | Path) -> Path:
@@ -163,7 +164,9 @@ class RunStore:
             else:
                 rows[kind].extend(_ROWS[kind](payload))
         with self._conn:  # one transaction per batch
-            if rows["step"]:  # a restart's redo keeps the earlier attempt's row, in steps_retried
+            # a restart's redo keeps the earlier attempt's row, in steps_retried (attempt 0
+            # retires nothing: a lookup a row spared)
+            if any(row[_ATTEMPT] for row in rows["step"]):
                 self._conn.executemany(_RETIRE, map(_STEP_KEY, rows["step"]))
             for kind, batch in rows.items():
                 if batch:

@@ -1,4 +1,5 @@
-"""The Monitor's drain: records a batch at a time, the flight log's step ends every round."""
+"""The Monitor's drain: records a batch at a time (`record_every_s`), the flight log's step ends
+every round (`drain_interval_s`)."""
 
 import time
 
@@ -18,11 +19,11 @@ def _wait_for(condition, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def test_records_wait_for_a_batch_while_the_flight_log_shows_progress_every_round(tmp_path):
-    """Fewer steps than a batch (`sync_every`) stay pending until `record_within_s`; the hang
-    watchdog's progress does not wait for them."""
+def test_records_wait_for_their_batch_while_the_flight_log_shows_progress_every_round(tmp_path):
+    """Finished steps wait for the next batch (`record_every_s`); the hang watchdog's progress
+    does not wait for them, and flush() records them at once."""
     config = MonitorConfig(
-        run_dir=tmp_path / "run", metrics_port=None, drain_interval_s=0.02, sync_every=10, record_within_s=60
+        run_dir=tmp_path / "run", metrics_port=None, drain_interval_s=0.02, record_every_s=60
     )
     mon = Monitor(config, registry=CollectorRegistry())
     try:
@@ -32,30 +33,26 @@ def test_records_wait_for_a_batch_while_the_flight_log_shows_progress_every_roun
         flight = mon.flight.path
         assert _wait_for(lambda: read_flight(flight, last=0).device_step == 2), "progress not written"
         assert read_flight(flight, last=0).progress_t > 0
-        time.sleep(0.2)  # rounds went by: the three steps wait for their batch
+        time.sleep(0.2)  # rounds went by: the steps wait for their batch
         assert len(mon._pending) == 3
-        for _ in range(7):  # a batch
-            with mon.step(tokens=8):
-                pass
-        assert _wait_for(lambda: not mon._pending), "a full batch was not recorded"
-        mon.store.flush()
-        assert list(load_steps(config.run_dir)["step"]) == list(range(10))
+        mon.flush()
+        assert not mon._pending
+        assert list(load_steps(config.run_dir)["step"]) == [0, 1, 2]
     finally:
         mon.close()
 
 
-def test_a_short_batch_is_recorded_within_its_bound(tmp_path):
+def test_a_batch_is_recorded_within_record_every_s(tmp_path):
     config = MonitorConfig(
-        run_dir=tmp_path / "run",
-        metrics_port=None,
-        drain_interval_s=0.02,
-        sync_every=1000,
-        record_within_s=0.3,
+        run_dir=tmp_path / "run", metrics_port=None, drain_interval_s=0.02, record_every_s=0.3
     )
     mon = Monitor(config, registry=CollectorRegistry())
     try:
-        with mon.step(tokens=8):
-            pass
+        for _ in range(3):
+            with mon.step(tokens=8):
+                pass
         assert _wait_for(lambda: not mon._pending, timeout_s=5.0)
+        mon.store.flush()
+        assert list(load_steps(config.run_dir)["step"]) == [0, 1, 2]
     finally:
         mon.close()
