@@ -341,6 +341,7 @@ def bench(
         "responder": mon.flight._responder._thread if mon.flight is not None else None,
         "ddp_stats": mon._ddp_stats._thread if mon._ddp_stats is not None else None,  # DDP's figure
     }
+    mon.flush()  # the blocks' steps recorded and committed here, not in the account's rounds
     before = {k: thread_cpu(t) for k, t in threads.items() if t is not None}
     cost = CostMeter()
     instrument_costs(mon, cost)
@@ -358,7 +359,8 @@ def bench(
             elif calls:
                 cost.add_metered(name, seconds, calls)
         _fast.meter(False)
-    time.sleep(2 * mon.config.drain_interval_s)  # the last steps' round
+    # the account's last batch (records every `record_every_s`) and its commit by the writer
+    time.sleep(mon.config.record_every_s + 2 * mon.config.drain_interval_s + mon.store._writer.interval_s)
     beside = {k: (thread_cpu(threads[k]) - cpu) / account_steps for k, cpu in before.items()}
     mon.close()
     parts = {"in_step": cost.seconds / account_steps, **{k: beside.get(k, 0.0) for k in threads}}

@@ -26,6 +26,8 @@ SKEWED = (
     TINY.read_text()
     .replace("top_k = 2", "top_k = 2\nrouter_skew = 3.0\naux_loss_coef = 0.0")
     .replace('device = "cpu"', 'device = "cpu"\ncontrol_every = 5')
+    # its 150 steps take a second or two: the store must show them as they run, to act on them
+    .replace("expert_every = 5", "expert_every = 5\nrecord_every_s = 0.2")
 )
 
 
