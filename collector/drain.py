@@ -51,7 +51,8 @@ class StepDrain(Service):
 
     def round(self) -> None:
         """Drain what has finished when records are due; the flight log's step ends always."""
-        if time.monotonic() - self._recorded_at >= self.record_every_s:
+        # half a round's slack: a round woken a little early is not put off a whole round
+        if time.monotonic() - self._recorded_at + self.interval_s / 2 >= self.record_every_s:
             self.drain(block=False)
         elif self.monitor.flight is not None:
             with self._lock:

@@ -85,12 +85,14 @@ class MonitorSettings(BaseModel):
         "(the hang watchdog reads them as progress)",
     )
     record_every_s: float = Field(
-        1.0,
+        0.2,
         gt=0,
         le=600,
         description="how often the service thread turns finished steps into records, gauges and "
         "store rows, a batch at a time (a round's fixed part, cold after the step's compute, is "
-        "paid once a batch, not once a step); flush() and close() do it at once",
+        "paid once a batch: 1 s costs ~20-40 % less on that thread); flush() and close() do it "
+        "at once. At 0.5 s and more, gauges scraped every second can miss a straggler of a few "
+        "seconds (`benchmarks/alert_latency.py`)",
     )
     flight_log: bool = Field(
         True,
