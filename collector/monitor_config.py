@@ -91,8 +91,8 @@ class MonitorSettings(BaseModel):
         description="how often the service thread turns finished steps into records, gauges and "
         "store rows, a batch at a time (a round's fixed part, cold after the step's compute, is "
         "paid once a batch: 1 s costs ~20-40 % less on that thread); flush() and close() do it "
-        "at once. At 0.5 s and more, gauges scraped every second can miss a straggler of a few "
-        "seconds (`benchmarks/alert_latency.py`)",
+        "at once. At 1 s, gauges scraped every second missed a straggler of a few seconds "
+        "(`benchmarks/alert_latency.py`)",
     )
     flight_log: bool = Field(
         True,
