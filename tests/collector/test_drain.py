@@ -1,6 +1,7 @@
 """The Monitor's drain: records a batch at a time (`record_every_s`), the flight log's step ends
 every round (`drain_interval_s`)."""
 
+import contextlib
 import time
 
 from prometheus_client import CollectorRegistry
@@ -19,17 +20,26 @@ def _wait_for(condition, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def test_records_wait_for_their_batch_while_the_flight_log_shows_progress_every_round(tmp_path):
-    """Finished steps wait for the next batch (`record_every_s`); the hang watchdog's progress
-    does not wait for them, and flush() records them at once."""
+@contextlib.contextmanager
+def _three_steps(tmp_path, record_every_s: float):
+    """A Monitor whose rounds come every 20 ms, after three finished steps; closed after."""
     config = MonitorConfig(
-        run_dir=tmp_path / "run", metrics_port=None, drain_interval_s=0.02, record_every_s=60
+        run_dir=tmp_path / "run", metrics_port=None, drain_interval_s=0.02, record_every_s=record_every_s
     )
     mon = Monitor(config, registry=CollectorRegistry())
     try:
         for _ in range(3):
             with mon.step(tokens=8):
                 pass
+        yield mon
+    finally:
+        mon.close()
+
+
+def test_records_wait_for_their_batch_while_the_flight_log_shows_progress_every_round(tmp_path):
+    """Finished steps wait for the next batch (`record_every_s`); the hang watchdog's progress
+    does not wait for them, and flush() records them at once."""
+    with _three_steps(tmp_path, record_every_s=60) as mon:
         flight = mon.flight.path
         assert _wait_for(lambda: read_flight(flight, last=0).device_step == 2), "progress not written"
         assert read_flight(flight, last=0).progress_t > 0
@@ -37,22 +47,11 @@ def test_records_wait_for_their_batch_while_the_flight_log_shows_progress_every_
         assert len(mon._pending) == 3
         mon.flush()
         assert not mon._pending
-        assert list(load_steps(config.run_dir)["step"]) == [0, 1, 2]
-    finally:
-        mon.close()
+        assert list(load_steps(mon.config.run_dir)["step"]) == [0, 1, 2]
 
 
 def test_a_batch_is_recorded_within_record_every_s(tmp_path):
-    config = MonitorConfig(
-        run_dir=tmp_path / "run", metrics_port=None, drain_interval_s=0.02, record_every_s=0.3
-    )
-    mon = Monitor(config, registry=CollectorRegistry())
-    try:
-        for _ in range(3):
-            with mon.step(tokens=8):
-                pass
+    with _three_steps(tmp_path, record_every_s=0.3) as mon:
         assert _wait_for(lambda: not mon._pending, timeout_s=5.0)
         mon.store.flush()
-        assert list(load_steps(config.run_dir)["step"]) == [0, 1, 2]
-    finally:
-        mon.close()
+        assert list(load_steps(mon.config.run_dir)["step"]) == [0, 1, 2]
