@@ -17,7 +17,11 @@ Printed per configuration:
   writes the window's records counts;
 - `cpu on/off`: the same for the process's CPU time a step (every thread of a rank). Waiting
   and the hypervisor's steal are out of it, so it resolves finer; what the Monitor costs
-  beyond its own entry points (caches it evicts, threads it wakes) is in it;
+  beyond its own entry points (caches it evicts, threads it wakes) is in it. The Monitor's
+  threads (its service thread, the store writer, the responder, DDP's figure) record a
+  watched block's steps up to `record_every_s` later, partly while the next, plain, block
+  runs: what they spend in any block is moved onto the latest watched block, so a plain block
+  never carries the Monitor's work and the ratio is not flattered by it;
 - `control`: the second plain block over the first, likewise: the same code, so this is the
   noise floor of this machine, measured in the same invocation;
 - `cost`: CPU time the Monitor itself spent per step on rank 0 (its context managers, hooks,
@@ -25,7 +29,7 @@ Printed per configuration:
   responder thread), and that cost over the plain step time: an account, entry by entry, of
   where the overhead sits. It is read in watched steps of their own after the timed blocks
   (`--account-steps`): metering costs ~1 % of a small step, which the ratios must not carry,
-  and the threads beside training run their rounds through plain blocks too.
+  and the threads beside training are read over those same steps.
 
     .venv/bin/python benchmarks/overhead.py [--ranks 2 --models 3 --blocks 40 --block-steps 8 --block-s 1
         --layers 2]
@@ -224,6 +228,21 @@ def thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
+def monitor_threads(mon) -> dict:
+    """The Monitor's threads beside training, by what they do (None: not running here)."""
+    return {
+        "monitor_service": mon._service._thread,  # the Monitor's drain: records, gauges, rows
+        "store_writer": mon.store._thread,
+        "responder": mon.flight._responder._thread if mon.flight is not None else None,
+        "ddp_stats": mon._ddp_stats._thread if mon._ddp_stats is not None else None,  # DDP's figure
+    }
+
+
+def threads_cpu(threads: dict) -> float:
+    """CPU seconds the running ones of `threads` have spent."""
+    return sum(thread_cpu(t) for t in threads.values() if t is not None)
+
+
 def bench(
     rank: int,
     world_size: int,
@@ -307,6 +326,7 @@ def bench(
     block_cpu = {m: [] for m in modes}  # the process's CPU time a step, every thread, per block
     time.sleep(0.5)  # the responder thread's start (an import, once a run) is not a cost per step
     plain_s = 0.0
+    owed_to = None  # the watched block the Monitor's threads are working for
     for _ in range(models):
         model, ddp, opt = make()
         watched = Switch(mon, ddp)
@@ -324,23 +344,25 @@ def bench(
                 watched.turn(m == "on")
                 block = []
                 cpu = time.process_time()
+                beside = threads_cpu(monitor_threads(mon))
                 for i in range(block_steps):
                     t0 = time.perf_counter()
                     (step_watched if m == "on" else step_plain)(model, ddp, opt, i)
                     block.append(time.perf_counter() - t0)
                 times[m].extend(block)
                 block_means[m].append(statistics.fmean(block))
-                block_cpu[m].append((time.process_time() - cpu) / block_steps)
+                # the Monitor's threads' CPU in this block is the latest watched block's
+                # (module doc); the rest of the process's is this block's own
+                spent = threads_cpu(monitor_threads(mon)) - beside
+                block_cpu[m].append((time.process_time() - cpu - spent) / block_steps)
+                if m == "on":
+                    owed_to = len(block_cpu["on"]) - 1
+                if owed_to is not None:
+                    block_cpu["on"][owed_to] += spent / block_steps
     # The account is metered after the timed blocks, in steps of its own: the meter's two
     # thread-clock reads and a wrapper an entry cost ~1 % of a 16 ms step, which the ratio
-    # must not carry. The threads beside training are read over the same watched steps (in
-    # the blocks, their rounds run through the plain steps too).
-    threads = {
-        "monitor_service": mon._service._thread,  # the Monitor's drain: records, gauges, rows
-        "store_writer": mon.store._thread,
-        "responder": mon.flight._responder._thread if mon.flight is not None else None,
-        "ddp_stats": mon._ddp_stats._thread if mon._ddp_stats is not None else None,  # DDP's figure
-    }
+    # must not carry. The threads beside training are read over the same watched steps.
+    threads = monitor_threads(mon)
     mon.flush()  # the blocks' steps recorded and committed here, not in the account's rounds
     before = {k: thread_cpu(t) for k, t in threads.items() if t is not None}
     cost = CostMeter()
@@ -360,7 +382,7 @@ def bench(
                 cost.add_metered(name, seconds, calls)
         _fast.meter(False)
     # the account's last batch (records every `record_every_s`) and its commit by the writer
-    time.sleep(mon.config.record_every_s + 2 * mon.config.drain_interval_s + mon.store._writer.interval_s)
+    time.sleep(mon.config.record_every_s + 2 * mon.config.drain_interval_s + mon.store.flush_interval_s)
     beside = {k: (thread_cpu(threads[k]) - cpu) / account_steps for k, cpu in before.items()}
     mon.close()
     parts = {"in_step": cost.seconds / account_steps, **{k: beside.get(k, 0.0) for k in threads}}

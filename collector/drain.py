@@ -1,7 +1,7 @@
 """The Monitor's service thread: the steps the training thread finished become records, gauges
 and store rows, in step order, a batch at a time (`monitor.record_every_s`); between batches
 its rounds (`monitor.drain_interval_s`) write the flight log's step ends, the hang watchdog's
-progress.
+progress. It also commits the store the Monitor built (no writer thread of its own).
 
 The training thread hands over marks and references only: a `PendingStep` from the Python path
 (a device's steps, or where C was not built), or a tuple from C (`collector/csrc/`: host steps).
@@ -57,6 +57,14 @@ class StepDrain(Service):
         elif self.monitor.flight is not None:
             with self._lock:
                 self.monitor.flight.settle_ends()
+        self._commit_store(block=False)
+
+    def _commit_store(self, block: bool) -> None:
+        """Commit the store the Monitor built (it has no writer thread), at the store's own
+        cadence (a commit is a transaction: not one per batch of records); `block`: now."""
+        store = self.monitor.store
+        if store.owner_commits and (block or store.commit_due(self.interval_s / 2)):
+            store.write_queued()
 
     def drain(self, block: bool) -> None:
         """Emit finished steps in order; without `block`, stop at the first unfinished one."""
@@ -77,13 +85,14 @@ class StepDrain(Service):
                 mon.metrics.observe_steps(records, mon._comm_every, self.logged_keys, mon._detail_every)
             for rec in records:
                 self._emit(rec)
-            for step, table in mon.experts.landed(block):
-                self._emit_experts(step, table)
+            self._emit_experts(list(mon.experts.landed(block)))
             for step, tokens in mon.experts.landed_work(block):
                 mon.metrics.observe_expert_work(tokens)
                 mon.store.add_expert_work(step, mon.env.rank, tokens)
             if mon.flight is not None:
                 mon.flight.settle_ends()
+        if block:
+            self._commit_store(block=True)
 
     def _as_pending(self, item: PendingStep | tuple) -> PendingStep:
         """A step C took (on the host) as the Python path keeps one. A timed step's phases
@@ -132,11 +141,12 @@ class StepDrain(Service):
         for m in p.marks():  # type: ignore[union-attr]
             wait_mark(self.monitor.probe, m)  # sync point: flush and close only
 
-    def _emit_experts(self, step: int, table: list[list[float]]) -> None:
+    def _emit_experts(self, windows: list[tuple[int, list[list[float]]]]) -> None:
         mon = self.monitor
-        if mon.env.rank == 0:  # summed over ranks: one rank exports (layer x expert series)
-            mon.metrics.observe_experts(table)
-            mon.store.add_expert_load(step, table)
+        if mon.env.rank == 0 and windows:  # summed over ranks: one rank exports (layer x expert)
+            mon.metrics.observe_experts([table for _, table in windows])
+            for step, table in windows:
+                mon.store.add_expert_load(step, table)
 
     def _record(self, p: PendingStep) -> StepRecord:
         mon = self.monitor

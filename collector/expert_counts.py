@@ -197,7 +197,7 @@ class ExpertCounts:
         if any(w is not None for w in work):  # a per-rank fact: straight to the host, no collective
             zero = next(w for w in work if w is not None)
             self._work_reads.append(
-                (step, Readback(torch.stack([zero * 0 if w is None else w for w in work])))
+                (step, Readback(torch.stack([zero * 0 if w is None else w for w in work]), owned=True))
             )
 
     def _window_acc(self, noted: list[tuple[int, torch.Tensor, int | None]]) -> torch.Tensor | None:
@@ -225,7 +225,7 @@ class ExpertCounts:
         while self._sums and (block or self._sums[0][2].is_completed()):
             step, acc, work = self._sums.popleft()
             work.wait()  # done already (or flush's wait); raises what failed it
-            self._reads.append((step, Readback(acc)))
+            self._reads.append((step, Readback(acc, owned=True)))  # no listener: no one writes it
 
     def settle(self) -> None:
         """The sum in flight is done: hand it to the listeners and start its copy to the host."""

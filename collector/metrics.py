@@ -250,14 +250,18 @@ class MeshscopeMetrics:
         for layer, count in enumerate(tokens):
             self._expert_work.labels(layer=str(layer)).inc(float(count))
 
-    def observe_experts(self, added: Sequence[Sequence[float]]) -> None:
-        """Export one window of expert tokens, `added[layer][expert]`, already summed over ranks."""
-        for layer, row in enumerate(added):
+    def observe_experts(self, windows: Sequence[Sequence[Sequence[float]]]) -> None:
+        """Export windows of expert tokens, each `[layer][expert]` and already summed over
+        ranks, oldest first: the token counters take them all, the load and imbalance gauges
+        the latest (one update a series per batch, not one per window)."""
+        if not windows:
+            return
+        for layer, row in enumerate(windows[-1]):
             total = float(sum(row))
             n = len(row)
             for expert, tokens in enumerate(row):
                 counted, load = self._expert_children(layer, expert)
-                counted.inc(float(tokens))
+                counted.inc(float(sum(window[layer][expert] for window in windows)))
                 load.set((float(tokens) / total * n) if total > 0 else 0.0)
             if total > 0:
                 self.expert_imbalance.labels(layer=str(layer)).set(max(row) / (total / n))

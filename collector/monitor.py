@@ -78,7 +78,7 @@ class Monitor:
         self.probe = probe or HostProbe()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = MeshscopeMetrics(self.registry)
-        self.store = store or RunStore(config.run_dir)
+        self.store = store or RunStore(config.run_dir, writer=False)  # StepDrain commits it
         # steps timed in full (phases, the wait for communication), and memory reads
         self._detail_every = config.detail_period(on_device=self.probe.asynchronous)
         self._memory_every = config.memory_every or self._detail_every

@@ -30,10 +30,11 @@ def device_event(device: torch.device) -> Any:
 class Readback:
     """A device tensor on its way to the host (see the module doc)."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, *, owned: bool = False) -> None:
+        """`owned`: nothing writes `tensor` after this (a host tensor is then kept, not copied)."""
         tensor = tensor.detach()
         if not is_device_tensor(tensor):
-            self._host, self._event = tensor.clone(), None
+            self._host, self._event = (tensor if owned else tensor.clone()), None
             return
         # pinned memory makes the copy truly asynchronous (a CPU tensor gets here only when a
         # test stands in for a device)
@@ -75,7 +76,7 @@ class ScalarWindow:
     def close(self) -> None:
         """One device-side concatenation and one non-blocking copy for the whole window."""
         if self._parts and self.readback is None:
-            self.readback = Readback(torch.cat(self._parts))
+            self.readback = Readback(torch.cat(self._parts), owned=True)
             self._parts = []
 
     def ready(self) -> bool:

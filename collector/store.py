@@ -1,7 +1,8 @@
 """The run store: what every rank writes while readers read, behind one API whatever holds it.
 
 Every rank writes its node's SQLite file (WAL) in the run directory. Writers queue records and
-a background thread commits them in batches, so the training loop never waits on the disk; each
+a background thread commits them in batches (the store's own, or the Monitor's service thread),
+so the training loop never waits on the disk; each
 batch is one transaction: a killed process loses at most the batch in flight, never the file.
 A job on several nodes also has one job store on PostgreSQL, named by the run directory's
 `store.json` (collector/storedb.py) and fed by each node's relay (collector/relay.py); readers
@@ -14,6 +15,7 @@ import json
 import operator
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,21 +90,38 @@ def open_store(run_dir: str | Path) -> sqlite3.Connection:
 
 class RunStore:
     """Batched, thread-backed writer for one process into its node's SQLite file (a job store
-    gets the rows from the node's relay). `close()` flushes everything queued."""
+    gets the rows from the node's relay). `close()` flushes everything queued.
 
-    def __init__(self, run_dir: str | Path, *, flush_interval_s: float = 0.5) -> None:
+    `writer=False`: no thread of its own; its owner commits from a thread it already runs
+    (`commit_due`, `write_queued`: the Monitor's service thread), one thread fewer to wake on
+    a busy host, and `flush()` commits on the caller's thread."""
+
+    def __init__(self, run_dir: str | Path, *, flush_interval_s: float = 0.5, writer: bool = True) -> None:
         self.run_dir = Path(run_dir)
+        self.flush_interval_s = flush_interval_s
         self._conn = open_store(self.run_dir)
         # A plain list, swapped by the writer: adding a record never wakes a thread (a wake-up
         # per step costs a context switch and a GIL hand-off on a busy host).
         self._items: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
-        self._writer = StoreWriter(self, flush_interval_s).start()
+        self._commit_lock = threading.Lock()  # batches commit one at a time, in queue order
+        self._committed_at = time.monotonic()
+        self._writer = StoreWriter(self, flush_interval_s).start() if writer else None
 
     @property
     def _thread(self) -> threading.Thread | None:
-        """The writer's thread (what a benchmark meters)."""
-        return self._writer._thread
+        """The writer's thread (what a benchmark meters); None where the owner commits."""
+        return self._writer._thread if self._writer is not None else None
+
+    @property
+    def owner_commits(self) -> bool:
+        """Whether its owner commits it (`writer=False`), not a thread of its own."""
+        return self._writer is None
+
+    def commit_due(self, slack_s: float = 0.0) -> bool:
+        """Whether `flush_interval_s` has passed since the last commit (less `slack_s`: a
+        round that comes a little early is not put off a whole round)."""
+        return time.monotonic() - self._committed_at + slack_s >= self.flush_interval_s
 
     def _put(self, item: tuple[str, Any]) -> None:
         with self._lock:
@@ -134,6 +153,9 @@ class RunStore:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until everything queued so far is committed (False: `timeout` came first)."""
+        if self._writer is None:  # its owner commits: here, now
+            self.write_queued()
+            return True
         done = threading.Event()
         self._put(("barrier", done))
         self._writer.wake()
@@ -141,7 +163,7 @@ class RunStore:
 
     def close(self) -> None:
         """Write what is queued and close the connection."""
-        if self._writer.running:
+        if self._writer is not None and self._writer.running:
             self._writer.stop()  # its last round writes what is queued
         else:
             self.write_queued()  # no writer (a forked child's copy): write it here
@@ -149,10 +171,12 @@ class RunStore:
 
     def write_queued(self) -> None:
         """Commit what is queued now, in one transaction (the writer's round)."""
-        with self._lock:
-            items, self._items = self._items, []
-        if items:
-            self._commit(items)
+        with self._commit_lock:
+            self._committed_at = time.monotonic()
+            with self._lock:
+                items, self._items = self._items, []
+            if items:
+                self._commit(items)
 
     def _commit(self, items: list[tuple[str, Any]]) -> None:
         """Write one batch in one transaction, then release the flushes waiting on it."""

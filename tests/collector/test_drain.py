@@ -1,5 +1,5 @@
 """The Monitor's drain: records a batch at a time (`record_every_s`), the flight log's step ends
-every round (`drain_interval_s`)."""
+every round (`drain_interval_s`), the store committed by the same thread."""
 
 import contextlib
 import time
@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from meshscope.collector import Monitor, MonitorConfig
 from meshscope.collector.flightread import read_flight
-from meshscope.collector.store import load_steps
+from meshscope.collector.store import load_events, load_steps
 
 
 def _wait_for(condition, timeout_s: float = 10.0) -> bool:
@@ -50,8 +50,11 @@ def test_records_wait_for_their_batch_while_the_flight_log_shows_progress_every_
         assert list(load_steps(mon.config.run_dir)["step"]) == [0, 1, 2]
 
 
-def test_a_batch_is_recorded_within_record_every_s(tmp_path):
+def test_a_batch_is_recorded_and_committed_by_the_service_thread_without_a_flush(tmp_path):
+    """The Monitor's store has no writer thread: its service thread commits what it recorded
+    (and an event queued from another thread), and a reader sees them without a flush."""
     with _three_steps(tmp_path, record_every_s=0.3) as mon:
-        assert _wait_for(lambda: not mon._pending, timeout_s=5.0)
-        mon.store.flush()
-        assert list(load_steps(mon.config.run_dir)["step"]) == [0, 1, 2]
+        assert mon.store._thread is None
+        mon.event("info")
+        assert _wait_for(lambda: list(load_steps(mon.config.run_dir)["step"]) == [0, 1, 2], timeout_s=5.0)
+        assert "info" in list(load_events(mon.config.run_dir)["kind"])

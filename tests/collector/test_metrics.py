@@ -52,12 +52,23 @@ def test_observe_step_updates_every_family():
 def test_expert_load_ratio_and_imbalance():
     reg = CollectorRegistry()
     m = MeshscopeMetrics(reg)
-    m.observe_experts([[30, 10, 0, 0], [10, 10, 10, 10]])
+    m.observe_experts([[[30, 10, 0, 0], [10, 10, 10, 10]]])
     get = reg.get_sample_value
     assert get("meshscope_expert_load_ratio", {"layer": "0", "expert": "0"}) == 3.0
     assert get("meshscope_expert_imbalance_ratio", {"layer": "0"}) == 3.0
     assert get("meshscope_expert_imbalance_ratio", {"layer": "1"}) == 1.0
     assert get("meshscope_expert_tokens_total", {"layer": "0", "expert": "1"}) == 10
+
+
+def test_a_batch_of_expert_windows_counts_them_all_and_gauges_the_latest():
+    reg = CollectorRegistry()
+    m = MeshscopeMetrics(reg)
+    m.observe_experts([[[30, 10], [5, 5]], [[10, 10], [0, 20]]])
+    get = reg.get_sample_value
+    assert get("meshscope_expert_tokens_total", {"layer": "0", "expert": "0"}) == 40
+    assert get("meshscope_expert_tokens_total", {"layer": "1", "expert": "1"}) == 25
+    assert get("meshscope_expert_load_ratio", {"layer": "0", "expert": "0"}) == 1.0  # the latest
+    assert get("meshscope_expert_imbalance_ratio", {"layer": "1"}) == 2.0
 
 
 def test_no_topology_labels_on_metrics():
@@ -73,7 +84,7 @@ def test_promtool_check_metrics_is_clean():
     m = MeshscopeMetrics(reg)
     m.describe_run(device="cpu", backend="gloo", world_size=2, compression="onebit", version="0")
     m.observe_step(record())
-    m.observe_experts([[3, 1], [2, 2]])
+    m.observe_experts([[[3, 1], [2, 2]]])
     m.heartbeat_age.labels(peer="1").set(0.5)
     detector_reg = CollectorRegistry()  # the detector's own endpoint (job meshscope_detector)
     d = DetectorMetrics(detector_reg)

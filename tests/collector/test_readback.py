@@ -115,9 +115,9 @@ def test_one_read_back_per_window(tmp_path, stand_in_device):
     reads = []
     real = readback.Readback.__init__
 
-    def counting(self, tensor):
+    def counting(self, tensor, **kwargs):
         reads.append(tensor.numel())
-        real(self, tensor)
+        real(self, tensor, **kwargs)
 
     readback.Readback.__init__ = counting
     try:
@@ -161,3 +161,13 @@ def test_scalar_window_gathers_and_reads_back():
     assert not w.ready()  # open: nothing copied yet
     w.close()
     assert w.ready() and w.values(a, 2) == [1.0, 2.0] and w.values(b, 1) == [3.0]
+
+
+def test_a_host_tensor_is_copied_unless_its_owner_hands_it_over():
+    """A host value is ready at once; a copy keeps it from later writes, unless the caller
+    says nothing writes it (a window's fresh sum: no copy a window)."""
+    tensor = torch.tensor([1, 2])
+    copied, kept = readback.Readback(tensor), readback.Readback(tensor, owned=True)
+    tensor.add_(10)
+    assert copied.ready() and copied.value().tolist() == [1, 2]
+    assert kept.value().tolist() == [11, 12]  # the same storage, not a copy
