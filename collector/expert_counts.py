@@ -15,6 +15,16 @@ update) get the summed load then, on every rank at the same step, one step after
 closed; the host copy lands a window later still (`Readback`). Waiting for it as the window
 closed, or as the next step began, was the largest single part of the Monitor's own cost
 (ranks waiting for each other and for gloo on shared cores; `benchmarks/overhead.py`).
+
+Off the thread, windows are summed a group at a time, one all-reduce for several: each wakes
+gloo's threads on every rank, and at 16 windows a second that was most of what the Monitor
+cost the process beyond its own threads. The ranks must cut the same groups without a clock:
+each sum carries, after the windows, every rank's proposal for the next group's size (the
+windows handed over between its last two rounds), so every rank reads the same mean off the
+same sum, and one group is in flight at a time. The first group is one window. A group is
+never cut short mid-run, so a `flush()` on one rank alone stays safe (its windows of a group
+still filling wait); the Monitor's `close()`, on every rank after the same steps, sums the
+last one, however short.
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ log = logging.getLogger("meshscope.monitor")
 # reduces it (HCCL has no float64 all-reduce).
 EXPERT_COUNT_DTYPE = torch.int64
 EXPERT_LOAD_SITE = "meshscope expert load (sum over ranks)"  # its flight-log records' call site
+# Windows one sum over ranks may carry on the service thread (module doc): each group size is
+# a shape the flight log keeps a record for
+MAX_GROUP = 16
 Listener = Callable[[int, torch.Tensor], None]
 
 
@@ -83,7 +96,14 @@ class ExpertCounts:
         self.host_counts = False
         self._off_thread: bool | None = None
         self._handed: deque[tuple[int, list[tuple[int, torch.Tensor, int | None]]]] = deque()
-        self._sums: deque[tuple[int, torch.Tensor, Any]] = deque()  # started off the thread
+        # the group of windows summed off the thread, at most one at a time: (their steps, the
+        # window's shape, the sum, its Work); and how many windows the next group takes, which
+        # every rank reads off the sum before it (module doc)
+        self._sums: deque[tuple[list[int], torch.Size, torch.Tensor, Any]] = deque()
+        self._group = 1
+        self._left = 0  # windows left waiting when `serve` last returned
+        self._arrivals = 0  # windows handed over between the last two `serve` calls
+        self.closing = False  # the Monitor's close: the last group may be short (module doc)
 
     def attach(self, model: torch.nn.Module, hook: bool = True) -> None:
         """Count the tokens of every MoE layer of `model` (the `collector.moe` protocol) after
@@ -212,20 +232,47 @@ class ExpertCounts:
         return acc
 
     def serve(self, block: bool) -> None:
-        """The service thread's part (or flush's, under the Monitor's drain lock): sum the
-        windows handed over, in order, on the service group; keep each sum's copy once its
-        all-reduce is done (`block`: wait for it)."""
-        while self._handed:
-            step, noted = self._handed.popleft()
-            acc = self._window_acc(noted)
-            if acc is not None:
-                self._sums.append(
-                    (step, acc, start_sum(self.control.service_group, acc, EXPERT_LOAD_SITE, step))
-                )
-        while self._sums and (block or self._sums[0][2].is_completed()):
-            step, acc, work = self._sums.popleft()
-            work.wait()  # done already (or flush's wait); raises what failed it
-            self._reads.append((step, Readback(acc, owned=True)))  # no listener: no one writes it
+        """The service thread's part (or flush's, under the Monitor's drain lock): land the
+        group of windows in flight once its sum is done (`block`: wait for it), then start the
+        next group's, in window order, on the service group (module doc)."""
+        self._arrivals = len(self._handed) - self._left  # only the training thread appends
+        try:
+            while True:
+                if self._sums:
+                    if not (block or self._sums[0][3].is_completed()):
+                        return
+                    self._land(*self._sums.popleft())
+                size = self._group if len(self._handed) >= self._group else 0
+                if self.closing and self._handed:  # every rank closes after the same windows
+                    size = min(self._group, len(self._handed))
+                if not size:
+                    return
+                self._start_group(size)
+        finally:
+            self._left = len(self._handed)
+
+    def _start_group(self, size: int) -> None:
+        """Sum `size` handed windows over ranks in one all-reduce, with this rank's proposal
+        for the next group's size at its end: the windows handed over since its last round,
+        so a group holds about a round's windows (not its backlog: that is at least a group)."""
+        windows = [self._handed.popleft() for _ in range(size)]
+        accs = [(step, acc) for step, noted in windows if (acc := self._window_acc(noted)) is not None]
+        if not accs:  # no MoE forward yet: on every rank alike (they step together)
+            return
+        proposal = torch.tensor([min(max(self._arrivals, 1), MAX_GROUP)], dtype=EXPERT_COUNT_DTYPE)
+        stacked = torch.cat([acc.reshape(-1) for _, acc in accs] + [proposal])
+        work = start_sum(self.control.service_group, stacked, EXPERT_LOAD_SITE, accs[-1][0])
+        self._sums.append(([step for step, _ in accs], accs[0][1].shape, stacked, work))
+
+    def _land(self, steps: list[int], shape: torch.Size, stacked: torch.Tensor, work: Any) -> None:
+        """A group's sum is done: each window's table to the host reads, and the next group's
+        size, the ranks' mean proposal, read off the same sum on every rank."""
+        work.wait()  # done already (or flush's wait); raises what failed it
+        per = shape.numel()
+        for i, step in enumerate(steps):  # no listener: no one writes the sum after this
+            self._reads.append((step, Readback(stacked[i * per : (i + 1) * per].view(shape), owned=True)))
+        ranks = self.control.service_group.size()
+        self._group = max(1, min(MAX_GROUP, int(stacked[-1]) // ranks))
 
     def settle(self) -> None:
         """The sum in flight is done: hand it to the listeners and start its copy to the host."""

@@ -408,7 +408,9 @@ class Monitor:
             self.flight.note_error(error)
 
     def flush(self) -> None:
-        """Emit every pending step (waits for the device) and commit the store."""
+        """Emit every pending step (waits for the device) and commit the store. Expert-load
+        windows summed off the training thread land a group at a time: those of a group
+        still filling wait for it, or for `close()` (`collector.expert_counts`)."""
         self._close_window()
         self._drain(block=True)
         self.store.flush()
@@ -427,6 +429,7 @@ class Monitor:
         self._route_steps()
         self._service.stop()
         self._close_window()
+        self.experts.closing = True  # every rank ends here after the same steps: the last group
         self._drain(block=True)
         if self._ddp_stats is not None:
             self._ddp_stats.stop()

@@ -8,6 +8,24 @@ from __future__ import annotations
 from fixtures.dist import run_ranks
 
 
+def _routed(rank: int, world_size: int, counts):
+    """A DDP model whose second layer speaks the MoE protocol (4 experts, `counts()` routed
+    per forward), and this rank's DistEnv."""
+    import torch
+
+    from meshscope.collector.env import DistEnv
+
+    class Routed(torch.nn.Linear):
+        def forward(self, x):
+            self.expert_token_counts = torch.tensor(counts(), dtype=torch.int64)
+            return super().forward(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Routed(8, 4))
+    model[1].expert_token_counts = torch.zeros(4, dtype=torch.int64)
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    return torch.nn.parallel.DistributedDataParallel(model), env
+
+
 def _sums(rank: int, world_size: int, run_dir: str, listen: bool) -> dict:
     import threading
     import time
@@ -17,7 +35,6 @@ def _sums(rank: int, world_size: int, run_dir: str, listen: bool) -> dict:
     from prometheus_client import CollectorRegistry
 
     from meshscope.collector import expert_counts
-    from meshscope.collector.env import DistEnv
     from meshscope.collector.monitor import Monitor
     from meshscope.collector.monitor_config import MonitorConfig
     from meshscope.collector.store import load_expert_load
@@ -38,15 +55,7 @@ def _sums(rank: int, world_size: int, run_dir: str, listen: bool) -> dict:
 
     expert_counts.ExpertCounts._start = training_start
 
-    class Routed(torch.nn.Linear):  # speaks the MoE protocol: 4 experts, rank-dependent load
-        def forward(self, x):
-            self.expert_token_counts = torch.tensor([3, 1, 0, rank], dtype=torch.int64)
-            return super().forward(x)
-
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Routed(8, 4))
-    model[1].expert_token_counts = torch.zeros(4, dtype=torch.int64)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    ddp, env = _routed(rank, world_size, lambda: [3, 1, 0, rank])  # rank-dependent load
     config = MonitorConfig(
         run_dir=Path(run_dir) / str(rank), metrics_port=None, expert_every=2, drain_interval_s=0.01
     )
@@ -98,3 +107,66 @@ def test_a_listener_gets_the_sum_on_the_training_thread_a_step_after_the_window(
         assert result["heard"] == [(2, 1, [12, 4, 0, 2]), (3, 3, [12, 4, 0, 2])], result["heard"]
     # the same load reaches the store either way
     assert quiet[0]["load"] == heard[0]["load"] == [12, 4, 0, 2] * 2
+
+
+def _grouped(rank: int, world_size: int, run_dir: str) -> dict:
+    import time
+    from pathlib import Path
+
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from meshscope.collector import expert_counts
+    from meshscope.collector.monitor import Monitor
+    from meshscope.collector.monitor_config import MonitorConfig
+    from meshscope.collector.store import load_expert_load
+
+    sizes: list[int] = []  # elements of every sum the service thread issued
+    real_start = expert_counts.start_sum
+
+    def start_sum(group, tensor, site, step=None):
+        sizes.append(tensor.numel())
+        return real_start(group, tensor, site, step)
+
+    expert_counts.start_sum = start_sum
+
+    forwards = iter(range(10**6))  # one window a step: [its step, 1, 0, rank]
+    ddp, env = _routed(rank, world_size, lambda: [next(forwards), 1, 0, rank])
+    config = MonitorConfig(
+        run_dir=Path(run_dir) / str(rank),
+        metrics_port=None,
+        expert_every=1,
+        drain_interval_s=0.05,
+        record_every_s=0.25,
+    )
+    mon = Monitor(config, env=env, registry=CollectorRegistry())
+    mon.watch(ddp)
+    for step in range(60):
+        with mon.step(tokens=4):
+            ddp(torch.randn(4, 8)).sum().backward()
+        time.sleep(0.01)  # windows come faster than the service thread's batches
+        if step == 30 and rank == 0:
+            mon.flush()  # on one rank alone, mid-run: its peer never flushes
+    mon.close()
+    load = load_expert_load(config.run_dir) if rank == 0 else None
+    return {
+        "sizes": sizes,
+        "load": None
+        if load is None
+        else load.sort_values(["step", "expert"]).groupby("step")["tokens"].apply(list),
+    }
+
+
+def test_windows_are_summed_a_group_at_a_time_and_a_one_rank_flush_keeps_the_ranks_in_step(tmp_path):
+    results = run_ranks(_grouped, 2, run_dir=str(tmp_path))
+    for result in results:
+        # the same groups on both ranks (a window is 4 counts, a group's sum ends with the
+        # proposal): fewer all-reduces than windows, every window in one of them
+        assert result["sizes"] == results[0]["sizes"]
+        assert all(size % 4 == 1 for size in result["sizes"]), result["sizes"]
+        assert sum(size // 4 for size in result["sizes"]) == 60
+        assert len(result["sizes"]) < 30, result["sizes"]
+    # each window's own sum over the two ranks, whatever group carried it
+    load = results[0]["load"]
+    assert list(load.index) == list(range(60))
+    assert all(load[step] == [2 * step, 2, 0, 1] for step in range(60)), load
