@@ -96,10 +96,10 @@ class ExpertCounts:
         self.host_counts = False
         self._off_thread: bool | None = None
         self._handed: deque[tuple[int, list[tuple[int, torch.Tensor, int | None]]]] = deque()
-        # the group of windows summed off the thread, at most one at a time: (their steps, the
-        # window's shape, the sum, its Work); and how many windows the next group takes, which
+        # the group of windows summed off the thread, at most one at a time: ((step, shape) of
+        # each window, the sum, its Work); and how many windows the next group takes, which
         # every rank reads off the sum before it (module doc)
-        self._sums: deque[tuple[list[int], torch.Size, torch.Tensor, Any]] = deque()
+        self._sums: deque[tuple[list[tuple[int, torch.Size]], torch.Tensor, Any]] = deque()
         self._group = 1
         self._left = 0  # windows left waiting when `serve` last returned
         self._arrivals = 0  # windows handed over between the last two `serve` calls
@@ -239,7 +239,7 @@ class ExpertCounts:
         try:
             while True:
                 if self._sums:
-                    if not (block or self._sums[0][3].is_completed()):
+                    if not (block or self._sums[0][2].is_completed()):
                         return
                     self._land(*self._sums.popleft())
                 size = self._group if len(self._handed) >= self._group else 0
@@ -262,15 +262,17 @@ class ExpertCounts:
         proposal = torch.tensor([min(max(self._arrivals, 1), MAX_GROUP)], dtype=EXPERT_COUNT_DTYPE)
         stacked = torch.cat([acc.reshape(-1) for _, acc in accs] + [proposal])
         work = start_sum(self.control.service_group, stacked, EXPERT_LOAD_SITE, accs[-1][0])
-        self._sums.append(([step for step, _ in accs], accs[0][1].shape, stacked, work))
+        self._sums.append(([(step, acc.shape) for step, acc in accs], stacked, work))
 
-    def _land(self, steps: list[int], shape: torch.Size, stacked: torch.Tensor, work: Any) -> None:
+    def _land(self, windows: list[tuple[int, torch.Size]], stacked: torch.Tensor, work: Any) -> None:
         """A group's sum is done: each window's table to the host reads, and the next group's
         size, the ranks' mean proposal, read off the same sum on every rank."""
         work.wait()  # done already (or flush's wait); raises what failed it
-        per = shape.numel()
-        for i, step in enumerate(steps):  # no listener: no one writes the sum after this
-            self._reads.append((step, Readback(stacked[i * per : (i + 1) * per].view(shape), owned=True)))
+        start = 0
+        for step, shape in windows:  # no listener: no one writes the sum after this
+            end = start + shape.numel()
+            self._reads.append((step, Readback(stacked[start:end].view(shape), owned=True)))
+            start = end
         ranks = self.control.service_group.size()
         self._group = max(1, min(MAX_GROUP, int(stacked[-1]) // ranks))
 
