@@ -3,6 +3,7 @@ records, expert load and flight log, from the same DDP MoE loop on two gloo rank
 accumulation under no_sync() and evaluations between steps)."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from fixtures.dist import run_ranks
 from meshscope.collector import Monitor, MonitorConfig
 from meshscope.collector.env import DistEnv
+from meshscope.collector.expert_counts import EXPERT_LOAD_SITE as SUMS
 from meshscope.collector.flightread import latest_logs, read_flight
 from meshscope.collector.native import fast
 from meshscope.collector.store import load_expert_load, load_steps
@@ -123,9 +125,15 @@ def test_c_sums_the_same_expert_load(both_paths):
     )
 
 
+def _summed_counts(records) -> int:
+    """Counts the expert sums carried, less each sum's proposal (`collector.expert_counts`)."""
+    return sum(math.prod(int(d) for d in re.findall(r"\d+", r.shapes)) - 1 for r in records)
+
+
 def test_c_opens_and_completes_the_same_flight_records(both_paths):
     """DDP's reduction: one record a step, in the same sequence, every one completed; the
-    expert sums alike."""
+    expert sums complete alike and carry the same windows (how many windows one sum carries
+    follows the service thread's timing: `collector.expert_counts`)."""
     logs = {
         k: {
             rank: read_flight(head.path)
@@ -136,9 +144,13 @@ def test_c_opens_and_completes_the_same_flight_records(both_paths):
     for rank in (0, 1):
         # by group and sequence: the service thread's expert sums land in the ring when it runs
         native, python = (
-            sorted((r.group, r.seq, r.step, r.op, r.state) for r in logs[k][rank].records) for k in logs
+            sorted((r.group, r.seq, r.step, r.op, r.state) for r in logs[k][rank].records if r.site != SUMS)
+            for k in logs
         )
         assert native == python
+        sums = {k: [r for r in logs[k][rank].records if r.site == SUMS] for k in logs}
+        assert all(r.state == "completed" for k in logs for r in sums[k])
+        assert _summed_counts(sums[True]) == _summed_counts(sums[False]) > 0
         # C leaves the record to the drain: the ring's order may differ, its issue time is the forward's
         records = sorted(logs[True][rank].records, key=lambda r: r.t_issue)
         reductions = [r for r in records if r.op == "all_reduce" and "DDP" in r.site]
