@@ -19,7 +19,7 @@ from meshscope.collector.comm import CommWindow
 from meshscope.collector.probe import mark_ready, wait_mark
 from meshscope.collector.schema import StepRecord
 from meshscope.collector.scope import PendingStep
-from meshscope.collector.service import Service
+from meshscope.collector.service import Service, due
 
 if TYPE_CHECKING:
     from meshscope.collector.monitor import Monitor
@@ -52,18 +52,15 @@ class StepDrain(Service):
     def round(self) -> None:
         """Drain what has finished when records are due; the flight log's step ends always."""
         # half a round's slack: a round woken a little early is not put off a whole round
-        if time.monotonic() - self._recorded_at + self.interval_s / 2 >= self.record_every_s:
+        if due(self._recorded_at, self.record_every_s, slack_s=self.interval_s / 2):
             self.drain(block=False)
         elif self.monitor.flight is not None:
             with self._lock:
                 self.monitor.flight.settle_ends()
-        self._commit_store(block=False)
-
-    def _commit_store(self, block: bool) -> None:
-        """Commit the store the Monitor built (it has no writer thread), at the store's own
-        cadence (a commit is a transaction: not one per batch of records); `block`: now."""
+        # the store the Monitor built has no writer thread: committed here, at the store's own
+        # cadence (a commit is a transaction: not one per batch); flush and close commit it too
         store = self.monitor.store
-        if store.owner_commits and (block or store.commit_due(self.interval_s / 2)):
+        if store.owner_commits and due(store.committed_at, store.flush_interval_s, self.interval_s / 2):
             store.write_queued()
 
     def drain(self, block: bool) -> None:
@@ -91,8 +88,6 @@ class StepDrain(Service):
                 mon.store.add_expert_work(step, mon.env.rank, tokens)
             if mon.flight is not None:
                 mon.flight.settle_ends()
-        if block:
-            self._commit_store(block=True)
 
     def _as_pending(self, item: PendingStep | tuple) -> PendingStep:
         """A step C took (on the host) as the Python path keeps one. A timed step's phases

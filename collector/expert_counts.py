@@ -96,13 +96,12 @@ class ExpertCounts:
         self.host_counts = False
         self._off_thread: bool | None = None
         self._handed: deque[tuple[int, list[tuple[int, torch.Tensor, int | None]]]] = deque()
-        # the group of windows summed off the thread, at most one at a time: ((step, shape) of
-        # each window, the sum, its Work); and how many windows the next group takes, which
-        # every rank reads off the sum before it (module doc)
-        self._sums: deque[tuple[list[tuple[int, torch.Size]], torch.Tensor, Any]] = deque()
+        # the group of windows summed off the thread, one at a time: ((step, shape) of each
+        # window, the sum, its Work); and how many windows the next group takes, which every
+        # rank reads off the sum before it (module doc)
+        self._group_sum: tuple[list[tuple[int, torch.Size]], torch.Tensor, Any] | None = None
         self._group = 1
         self._left = 0  # windows left waiting when `serve` last returned
-        self._arrivals = 0  # windows handed over between the last two `serve` calls
         self.closing = False  # the Monitor's close: the last group may be short (module doc)
 
     def attach(self, model: torch.nn.Module, hook: bool = True) -> None:
@@ -235,23 +234,24 @@ class ExpertCounts:
         """The service thread's part (or flush's, under the Monitor's drain lock): land the
         group of windows in flight once its sum is done (`block`: wait for it), then start the
         next group's, in window order, on the service group (module doc)."""
-        self._arrivals = len(self._handed) - self._left  # only the training thread appends
+        arrivals = len(self._handed) - self._left  # since the last call: only training appends
         try:
             while True:
-                if self._sums:
-                    if not (block or self._sums[0][2].is_completed()):
+                if self._group_sum is not None:
+                    if not (block or self._group_sum[2].is_completed()):
                         return
-                    self._land(*self._sums.popleft())
+                    self._land(*self._group_sum)
+                    self._group_sum = None
                 size = self._group if len(self._handed) >= self._group else 0
                 if self.closing and self._handed:  # every rank closes after the same windows
                     size = min(self._group, len(self._handed))
                 if not size:
                     return
-                self._start_group(size)
+                self._start_group(size, arrivals)
         finally:
             self._left = len(self._handed)
 
-    def _start_group(self, size: int) -> None:
+    def _start_group(self, size: int, arrivals: int) -> None:
         """Sum `size` handed windows over ranks in one all-reduce, with this rank's proposal
         for the next group's size at its end: the windows handed over since its last round,
         so a group holds about a round's windows (not its backlog: that is at least a group)."""
@@ -259,10 +259,10 @@ class ExpertCounts:
         accs = [(step, acc) for step, noted in windows if (acc := self._window_acc(noted)) is not None]
         if not accs:  # no MoE forward yet: on every rank alike (they step together)
             return
-        proposal = torch.tensor([min(max(self._arrivals, 1), MAX_GROUP)], dtype=EXPERT_COUNT_DTYPE)
+        proposal = torch.tensor([min(max(arrivals, 1), MAX_GROUP)], dtype=EXPERT_COUNT_DTYPE)
         stacked = torch.cat([acc.reshape(-1) for _, acc in accs] + [proposal])
         work = start_sum(self.control.service_group, stacked, EXPERT_LOAD_SITE, accs[-1][0])
-        self._sums.append(([(step, acc.shape) for step, acc in accs], stacked, work))
+        self._group_sum = ([(step, acc.shape) for step, acc in accs], stacked, work)
 
     def _land(self, windows: list[tuple[int, torch.Size]], stacked: torch.Tensor, work: Any) -> None:
         """A group's sum is done: each window's table to the host reads, and the next group's

@@ -14,12 +14,19 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 
 log = logging.getLogger("meshscope.service")
 
 _LOGGED_IN_FULL = 3  # failures logged with their traceback before thinning out
 _ALL: weakref.WeakSet[Service] = weakref.WeakSet()
+
+
+def due(since: float, every_s: float, slack_s: float = 0.0) -> bool:
+    """Whether `every_s` has passed since the monotonic time `since`, less `slack_s` (a round
+    woken a little early is not put off a whole round)."""
+    return time.monotonic() - since + slack_s >= every_s
 
 
 class Service:

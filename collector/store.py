@@ -93,7 +93,7 @@ class RunStore:
     gets the rows from the node's relay). `close()` flushes everything queued.
 
     `writer=False`: no thread of its own; its owner commits from a thread it already runs
-    (`commit_due`, `write_queued`: the Monitor's service thread), one thread fewer to wake on
+    (`write_queued`: the Monitor's service thread), one thread fewer to wake on
     a busy host, and `flush()` commits on the caller's thread."""
 
     def __init__(self, run_dir: str | Path, *, flush_interval_s: float = 0.5, writer: bool = True) -> None:
@@ -105,7 +105,7 @@ class RunStore:
         self._items: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
         self._commit_lock = threading.Lock()  # batches commit one at a time, in queue order
-        self._committed_at = time.monotonic()
+        self.committed_at = time.monotonic()  # the latest commit (an owner's cadence: `service.due`)
         self._writer = StoreWriter(self, flush_interval_s).start() if writer else None
 
     @property
@@ -117,11 +117,6 @@ class RunStore:
     def owner_commits(self) -> bool:
         """Whether its owner commits it (`writer=False`), not a thread of its own."""
         return self._writer is None
-
-    def commit_due(self, slack_s: float = 0.0) -> bool:
-        """Whether `flush_interval_s` has passed since the last commit (less `slack_s`: a
-        round that comes a little early is not put off a whole round)."""
-        return time.monotonic() - self._committed_at + slack_s >= self.flush_interval_s
 
     def _put(self, item: tuple[str, Any]) -> None:
         with self._lock:
@@ -172,7 +167,7 @@ class RunStore:
     def write_queued(self) -> None:
         """Commit what is queued now, in one transaction (the writer's round)."""
         with self._commit_lock:
-            self._committed_at = time.monotonic()
+            self.committed_at = time.monotonic()
             with self._lock:
                 items, self._items = self._items, []
             if items:

@@ -70,7 +70,7 @@ def _sums(rank: int, world_size: int, run_dir: str, listen: bool) -> dict:
             ddp(torch.randn(4, 8)).sum().backward()
         handed.append(len(mon.experts._handed))
         deadline = time.monotonic() + 30
-        while (mon.experts._handed or mon.experts._sums) and time.monotonic() < deadline:
+        while (mon.experts._handed or mon.experts._group_sum is not None) and time.monotonic() < deadline:
             time.sleep(0.005)  # the service thread's round, not close(), sums the window
     mon.close()
     load = load_expert_load(config.run_dir) if rank == 0 else None
