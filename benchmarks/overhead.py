@@ -22,6 +22,9 @@ Printed per configuration:
   watched block's steps up to `record_every_s` later, partly while the next, plain, block
   runs: what they spend in any block is moved onto the latest watched block, so a plain block
   never carries the Monitor's work and the ratio is not flattered by it;
+- `cpu on-off`: where the CPU difference sits, µs a step with 95 % intervals: the training
+  thread's own clock, and the threads that are neither it nor the Monitor's (gloo's,
+  autograd's), which no account meters;
 - `control`: the second plain block over the first, likewise: the same code, so this is the
   noise floor of this machine, measured in the same invocation;
 - `cost`: CPU time the Monitor itself spent per step on rank 0 (its context managers, hooks,
@@ -186,7 +189,7 @@ def empty_bodies() -> None:
 
     monitor.Monitor._begin = begin
     monitor.Monitor._end = lambda self, scope, tokens, wall, start: None
-    expert_counts.ExpertCounts.forward_done = lambda self: None
+    expert_counts.ExpertCounts.forward_done = lambda self, start=0: None
     comm.BackwardWatch._on_forward = _on_forward
     comm.BackwardWatch._on_backward_start = lambda self, grads: queue(self._on_graph_done)
     comm.BackwardWatch._on_graph_done = lambda self: queue(self._on_reduced)
@@ -324,6 +327,10 @@ def bench(
     # median leaves out.
     block_means = {m: [] for m in modes}
     block_cpu = {m: [] for m in modes}  # the process's CPU time a step, every thread, per block
+    # where a block's CPU went: the training thread, and the threads neither it nor the
+    # Monitor's (gloo's, autograd's): what the account cannot meter
+    block_train = {m: [] for m in modes}
+    block_other = {m: [] for m in modes}
     time.sleep(0.5)  # the responder thread's start (an import, once a run) is not a cost per step
     plain_s = 0.0
     owed_to = None  # the watched block the Monitor's threads are working for
@@ -343,7 +350,7 @@ def bench(
             for m in modes[b % 3 :] + modes[: b % 3]:
                 watched.turn(m == "on")
                 block = []
-                cpu = time.process_time()
+                cpu, train = time.process_time(), time.thread_time()
                 beside = threads_cpu(monitor_threads(mon))
                 for i in range(block_steps):
                     t0 = time.perf_counter()
@@ -354,7 +361,10 @@ def bench(
                 # the Monitor's threads' CPU in this block is the latest watched block's
                 # (module doc); the rest of the process's is this block's own
                 spent = threads_cpu(monitor_threads(mon)) - beside
+                train = time.thread_time() - train
                 block_cpu[m].append((time.process_time() - cpu - spent) / block_steps)
+                block_train[m].append(train / block_steps)
+                block_other[m].append(block_cpu[m][-1] - train / block_steps)
                 if m == "on":
                     owed_to = len(block_cpu["on"]) - 1
                 if owed_to is not None:
@@ -390,6 +400,8 @@ def bench(
         **times,
         "blocks": block_means,
         "cpu": block_cpu,
+        "train": block_train,
+        "other": block_other,
         "cost_per_step": sum(parts.values()),
         "parts": parts,
         "entries": {k: (sec / account_steps, n / account_steps) for k, (sec, n) in cost.by_entry.items()},
@@ -422,6 +434,18 @@ def ratio_interval(
     medians = np.median(rng.choice(ratios, size=(draws, ratios.size)), axis=1)
     low, high = np.percentile(medians, [2.5, 97.5])
     return float(np.median(ratios)), float(low), float(high)
+
+
+def difference_interval(results: list[dict], figure: str, draws: int = 4000) -> tuple[float, float, float]:
+    """The median over blocks of a watched block's `figure` less the plain block's in the same
+    rotation (seconds a step, ranks averaged), with a 95 % bootstrap interval."""
+    import numpy as np
+
+    diffs = np.mean([np.subtract(r[figure]["on"], r[figure]["off"]) for r in results], axis=0)
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(diffs, size=(draws, diffs.size)), axis=1)
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return float(np.median(diffs)), float(low), float(high)
 
 
 def _settings(ap: argparse.ArgumentParser, pairs: list[str]) -> dict:
@@ -546,6 +570,8 @@ def main() -> None:
             f"    cpu on/off {cpu_on[0]:.4f} [{cpu_on[1]:.4f}, {cpu_on[2]:.4f}]  "
             f"control {cpu_control[0]:.4f} [{cpu_control[1]:.4f}, {cpu_control[2]:.4f}]  "
             "(CPU time a step, every thread of a rank)\n"
+            f"    cpu on-off, us/step: training thread {_us(difference_interval(results, 'train'))}, "
+            f"other threads (gloo's, autograd's) {_us(difference_interval(results, 'other'))}\n"
             f"    account, us/step (metered): {parts}"
         )
         entries = sorted(results[0]["entries"].items(), key=lambda kv: -kv[1][0])
@@ -563,6 +589,10 @@ def main() -> None:
             f"    cost {(net + beside) * 1e6:6.0f} us/step = {(net + beside) / med['off']:.2%} of the plain "
             "step: the training thread less the meter and the threads beside it"
         )
+
+
+def _us(figure: tuple[float, float, float]) -> str:
+    return f"{figure[0] * 1e6:.0f} [{figure[1] * 1e6:.0f}, {figure[2] * 1e6:.0f}]"
 
 
 def training_thread(result: dict) -> float | None:

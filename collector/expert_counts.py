@@ -20,16 +20,17 @@ Off the thread, windows are summed a group at a time, one all-reduce for several
 gloo's threads on every rank, and at 16 windows a second that was most of what the Monitor
 cost the process beyond its own threads. The ranks must cut the same groups without a clock:
 each sum carries, after the windows, every rank's proposal for the next group's size (the
-windows handed over between its last two rounds), so every rank reads the same mean off the
-same sum, and one group is in flight at a time. The first group is one window. A group is
-never cut short mid-run, so a `flush()` on one rank alone stays safe (its windows of a group
-still filling wait); the Monitor's `close()`, on every rank after the same steps, sums the
-last one, however short.
+windows `GROUP_S` seconds hold at the pace its training thread handed them over lately),
+so every rank reads the same mean off the same sum, and one group is in flight at a time.
+The first group is one window. A group is never cut short mid-run, so a `flush()` on one
+rank alone stays safe (its windows of a group still filling wait); the Monitor's `close()`,
+on every rank after the same steps, sums the last one, however short.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,7 +50,11 @@ EXPERT_COUNT_DTYPE = torch.int64
 EXPERT_LOAD_SITE = "meshscope expert load (sum over ranks)"  # its flight-log records' call site
 # Windows one sum over ranks may carry on the service thread (module doc): each group size is
 # a shape the flight log keeps a record for
-MAX_GROUP = 16
+MAX_GROUP = 64
+# Seconds of windows a group carries: one all-reduce in that time wakes gloo's threads once
+# (each cost more than the sum itself on a busy host), and the expert series lag the steps by
+# about that much more (an imbalance alert waits minutes; a heatmap scrapes every few seconds)
+GROUP_S = 2.0
 Listener = Callable[[int, torch.Tensor], None]
 
 
@@ -102,6 +107,10 @@ class ExpertCounts:
         self._group_sum: tuple[list[tuple[int, torch.Size]], torch.Tensor, Any] | None = None
         self._group = 1
         self._left = 0  # windows left waiting when `serve` last returned
+        # (when, windows handed over by then) at `serve`'s calls over the last GROUP_S seconds
+        # and one before: the pace of this rank's windows (`_propose`)
+        self._arrived = 0
+        self._pace: deque[tuple[float, int]] = deque([(time.monotonic(), 0)])
         self.closing = False  # the Monitor's close: the last group may be short (module doc)
 
     def attach(self, model: torch.nn.Module, hook: bool = True) -> None:
@@ -235,6 +244,7 @@ class ExpertCounts:
         group of windows in flight once its sum is done (`block`: wait for it), then start the
         next group's, in window order, on the service group (module doc)."""
         arrivals = len(self._handed) - self._left  # since the last call: only training appends
+        proposal = self._propose(arrivals)
         try:
             while True:
                 if self._group_sum is not None:
@@ -247,20 +257,34 @@ class ExpertCounts:
                     size = min(self._group, len(self._handed))
                 if not size:
                     return
-                self._start_group(size, arrivals)
+                self._start_group(size, proposal)
         finally:
             self._left = len(self._handed)
 
-    def _start_group(self, size: int, arrivals: int) -> None:
+    def _propose(self, arrivals: int) -> int:
+        """This rank's proposal for the next group's size, with `arrivals` windows handed over
+        since the last call: the windows `GROUP_S` seconds hold at the pace of the last
+        `GROUP_S` seconds (not its backlog: that is at least a group already), 1 to
+        `MAX_GROUP`."""
+        self._arrived += arrivals
+        now, pace = time.monotonic(), self._pace
+        pace.append((now, self._arrived))
+        while len(pace) > 2 and now - pace[1][0] >= GROUP_S:
+            pace.popleft()
+        since, before = pace[0]
+        rate = (self._arrived - before) / (now - since) if now > since else 0.0
+        return min(max(round(rate * GROUP_S), 1), MAX_GROUP)
+
+    def _start_group(self, size: int, proposal: int) -> None:
         """Sum `size` handed windows over ranks in one all-reduce, with this rank's proposal
-        for the next group's size at its end: the windows handed over since its last round,
-        so a group holds about a round's windows (not its backlog: that is at least a group)."""
+        for the next group's size at its end (`_propose`)."""
         windows = [self._handed.popleft() for _ in range(size)]
         accs = [(step, acc) for step, noted in windows if (acc := self._window_acc(noted)) is not None]
         if not accs:  # no MoE forward yet: on every rank alike (they step together)
             return
-        proposal = torch.tensor([min(max(arrivals, 1), MAX_GROUP)], dtype=EXPERT_COUNT_DTYPE)
-        stacked = torch.cat([acc.reshape(-1) for _, acc in accs] + [proposal])
+        stacked = torch.cat(
+            [acc.reshape(-1) for _, acc in accs] + [torch.tensor([proposal], dtype=EXPERT_COUNT_DTYPE)]
+        )
         work = start_sum(self.control.service_group, stacked, EXPERT_LOAD_SITE, accs[-1][0])
         self._group_sum = ([(step, acc.shape) for step, acc in accs], stacked, work)
 

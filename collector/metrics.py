@@ -6,11 +6,17 @@ labels here are intrinsic and bounded (phase, kind, layer, expert, detector, typ
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Collection, Sequence
+import threading
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from meshscope.collector.schema import HOP_KINDS, StepRecord
 
@@ -90,7 +96,6 @@ class MeshscopeMetrics:
         # loss and grad norm exist once a step logged them: absent, not NaN, when a loop never does
         self._scalars: dict[str, Gauge] = {}
         self._expert_work: Counter | None = None  # registered by the first expert-parallel window
-        self._experts: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.memory = Gauge(
             "meshscope_memory_bytes",
             "Memory; kind=allocated|reserved (device), rss (host).",
@@ -113,21 +118,8 @@ class MeshscopeMetrics:
             ["module"],
             registry=r,
         )
-        self.expert_tokens = Counter(
-            "meshscope_expert_tokens_total",
-            "Tokens routed to an expert, summed over ranks.",
-            ["layer", "expert"],
-            registry=r,
-        )
-        self.expert_load = Gauge(
-            "meshscope_expert_load_ratio",
-            "Expert's share of the layer's tokens times the number of experts (1 = balanced).",
-            ["layer", "expert"],
-            registry=r,
-        )
-        self.expert_imbalance = Gauge(
-            "meshscope_expert_imbalance_ratio", "Max / mean expert load of a layer.", ["layer"], registry=r
-        )
+        # rank 0's expert families, made from two tables at scrape time (`ExpertTable`)
+        self.experts = ExpertTable(r)
 
     def _fault_families(self, r: CollectorRegistry) -> None:
         """Liveness, faults, restarts and what the run is."""
@@ -253,30 +245,79 @@ class MeshscopeMetrics:
     def observe_experts(self, windows: Sequence[Sequence[Sequence[float]]]) -> None:
         """Export windows of expert tokens, each `[layer][expert]` and already summed over
         ranks, oldest first: the token counters take them all, the load and imbalance gauges
-        the latest (one update a series per batch, not one per window)."""
+        the latest (`ExpertTable`)."""
+        self.experts.add(windows)
+
+
+class ExpertTable(Collector):
+    """Rank 0's expert families (tokens, load ratio, imbalance), made at scrape time from the
+    tokens counted so far and the latest window. A batch of windows costs a few array sums on
+    the service thread, whatever the model's size: as labelled series, each batch updated two
+    a (layer, expert), 5.6 ms a batch at 48 layers x 64 experts."""
+
+    TOKENS = ("meshscope_expert_tokens", "Tokens routed to an expert, summed over ranks.")
+    LOAD = (
+        "meshscope_expert_load_ratio",
+        "Expert's share of the layer's tokens times the number of experts (1 = balanced).",
+    )
+    IMBALANCE = ("meshscope_expert_imbalance_ratio", "Max / mean expert load of a layer.")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._lock = threading.Lock()
+        self._totals: np.ndarray | None = None  # tokens so far, [layer, expert]
+        self._latest: np.ndarray | None = None  # the latest window's
+        registry.register(self)
+
+    def add(self, windows: Sequence[Sequence[Sequence[float]]]) -> None:
+        """Count a batch of windows, oldest first; the latest becomes the gauges'."""
         if not windows:
             return
-        for layer, row in enumerate(windows[-1]):
-            total = float(sum(row))
-            n = len(row)
-            for expert, tokens in enumerate(row):
-                counted, load = self._expert_children(layer, expert)
-                counted.inc(float(sum(window[layer][expert] for window in windows)))
-                load.set((float(tokens) / total * n) if total > 0 else 0.0)
-            if total > 0:
-                self.expert_imbalance.labels(layer=str(layer)).set(max(row) / (total / n))
+        tables = [np.asarray(w, dtype=float) for w in windows]
+        batch = functools.reduce(_added, tables)
+        with self._lock:  # new arrays, never changed after: a scrape reads a consistent pair
+            self._totals = batch if self._totals is None else _added(self._totals, batch)
+            self._latest = tables[-1]
 
-    def _expert_children(self, layer: int, expert: int) -> tuple[Any, Any]:
-        """An expert's (tokens, load) series, resolved once (a label lookup costs more than
-        the update, and every window updates layers x experts of them)."""
-        key = (layer, expert)
-        if (known := self._experts.get(key)) is None:
-            labels = {"layer": str(layer), "expert": str(expert)}
-            known = self._experts[key] = (
-                self.expert_tokens.labels(**labels),
-                self.expert_load.labels(**labels),
-            )
-        return known
+    def describe(self) -> Iterator[Metric]:
+        """The families, without samples (what registering checks names against)."""
+        return iter(self._families()[:3])
+
+    def collect(self) -> Iterator[Metric]:
+        """The families with a sample a (layer, expert) seen so far."""
+        tokens, load, imbalance, totals, latest = self._families()
+        if totals is not None and latest is not None:
+            for (layer, expert), count in np.ndenumerate(totals):
+                tokens.add_metric([str(layer), str(expert)], float(count))
+            row_totals = latest.sum(axis=1)
+            experts = latest.shape[1]
+            for layer, row in enumerate(latest):
+                total = float(row_totals[layer])
+                ratios = row / total * experts if total > 0 else np.zeros_like(row)
+                for expert, ratio in enumerate(ratios):
+                    load.add_metric([str(layer), str(expert)], float(ratio))
+                if total > 0:
+                    imbalance.add_metric([str(layer)], float(row.max() / (total / experts)))
+        yield from (tokens, load, imbalance)
+
+    def _families(self) -> tuple[Any, Any, Any, np.ndarray | None, np.ndarray | None]:
+        with self._lock:
+            totals, latest = self._totals, self._latest
+        return (
+            CounterMetricFamily(*self.TOKENS, labels=["layer", "expert"]),
+            GaugeMetricFamily(*self.LOAD, labels=["layer", "expert"]),
+            GaugeMetricFamily(*self.IMBALANCE, labels=["layer"]),
+            totals,
+            latest,
+        )
+
+
+def _added(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b, the smaller padded with zeros where their shapes differ (a model whose layers
+    change size between windows)."""
+    if a.shape == b.shape:
+        return a + b
+    shape = np.maximum(a.shape, b.shape)
+    return sum(np.pad(t, [(0, want - have) for have, want in zip(t.shape, shape)]) for t in (a, b))
 
 
 class DetectorMetrics:

@@ -54,6 +54,7 @@ def _sums(rank: int, world_size: int, run_dir: str, listen: bool) -> dict:
         return plane_start(self, step)
 
     expert_counts.ExpertCounts._start = training_start
+    expert_counts.GROUP_S = 1e-9  # a group a window: each one summed by a round, none by close()
 
     ddp, env = _routed(rank, world_size, lambda: [3, 1, 0, rank])  # rank-dependent load
     config = MonitorConfig(

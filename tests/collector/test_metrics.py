@@ -95,3 +95,39 @@ def test_promtool_check_metrics_is_clean():
             [promtool, "check", "metrics"], input=generate_latest(registry), capture_output=True, timeout=30
         )
         assert out.returncode == 0 and out.stdout + out.stderr == b"", out.stdout + out.stderr
+
+
+def test_expert_windows_of_a_larger_model_grow_the_table_and_keep_what_was_counted():
+    reg = CollectorRegistry()
+    m = MeshscopeMetrics(reg)
+    m.observe_experts([[[4, 4]]])
+    m.observe_experts([[[1, 1, 2]], [[2, 2, 0], [6, 2, 0]]])
+    get = reg.get_sample_value
+    assert get("meshscope_expert_tokens_total", {"layer": "0", "expert": "0"}) == 7
+    assert get("meshscope_expert_tokens_total", {"layer": "0", "expert": "2"}) == 2
+    assert get("meshscope_expert_tokens_total", {"layer": "1", "expert": "0"}) == 6
+    assert get("meshscope_expert_imbalance_ratio", {"layer": "1"}) == 2.25  # the latest window's
+    assert get("meshscope_expert_load_ratio", {"layer": "0", "expert": "2"}) == 0.0
+
+
+class _Counting:
+    """A lock that counts its holds."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def __enter__(self) -> None:
+        self.calls.append(1)
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def test_a_batch_of_windows_costs_the_service_thread_the_same_at_any_model_size():
+    """A scrape makes the expert series; a batch is array sums (as labelled series it cost
+    two series updates a (layer, expert), 5.6 ms a batch at 48 layers x 64 experts)."""
+    m = MeshscopeMetrics(CollectorRegistry())
+    calls = []
+    m.experts._lock = _Counting(calls)
+    m.observe_experts([[[1.0] * 64] * 48] * 3)
+    assert len(calls) == 1  # one lock for the batch, not one a series
