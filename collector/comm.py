@@ -17,8 +17,9 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ from meshscope.collector.probe import DeviceProbe
 from meshscope.collector.schema import HOP_KINDS
 from meshscope.collector.service import Service
 from meshscope.collector.stepstate import StepState
+
+# A step no hook timed hops of (most steps): every kind NaN
+NO_HOPS: Mapping[str, float] = MappingProxyType(dict.fromkeys(HOP_KINDS, math.nan))
 
 Hook = Callable[[Any, "dist.GradBucket"], torch.futures.Future]
 WireBytes = Callable[[Any, "dist.GradBucket", int], int]
@@ -87,8 +91,10 @@ class CommWindow:
     hops: list[tuple[str, Any, Any]] = field(default_factory=list)
     """(kind, start, end) of each hop a hook timed: intra- or inter-node (`HOP_KINDS`)."""
 
-    def hop_seconds(self, probe: Any) -> dict[str, float]:
+    def hop_seconds(self, probe: Any) -> Mapping[str, float]:
         """Seconds per hop kind over the step; NaN for a kind nothing timed."""
+        if not self.hops:  # most steps: one shared answer, read only
+            return NO_HOPS
         out = dict.fromkeys(HOP_KINDS, math.nan)
         for kind, a, b in self.hops:
             seconds = probe.seconds(a, b)

@@ -48,6 +48,7 @@ class StepDrain(Service):
         self.logged_keys: set[str] = set()  # what the latest step logged
         self._unreadable: set[str] = set()  # logged keys whose value was no number (said once)
         self._loss_was_finite = True
+        self._plain_windows: dict[tuple[int, int, int], CommWindow] = {}  # `_plain_window`
 
     def round(self) -> None:
         """Drain what has finished when records are due; the flight log's step ends always."""
@@ -97,12 +98,23 @@ class StepDrain(Service):
             return item  # type: ignore[return-value]
         step, tokens, wall, start, end, scalars, comm, reduced, memory, phases = item  # type: ignore[misc]
         mon = self.monitor
-        if comm is None:
-            comm = CommWindow(sampled=False)
-        if reduced and mon._ddp_stats is not None:  # a backward ran: DDP reduced every gradient once
+        counted = reduced and mon._ddp_stats is not None  # a backward ran: DDP reduced every gradient once
+        if comm is None:  # no hook counted: one window per figure, shared by the steps it fits
+            comm = self._plain_window(mon._ddp_bytes if counted else (0, 0, 0))
+        elif counted:
             comm.bytes_raw, comm.bytes_wire, comm.bytes_inter = mon._ddp_bytes
         timed = phases is not None
         return PendingStep(step, tokens, wall, (start, end), phases or {}, comm, memory, timed, scalars or {})
+
+    def _plain_window(self, sent: tuple[int, int, int]) -> CommWindow:
+        """The untimed communication window of a step no hook counted in, carrying DDP's bytes
+        `sent` (raw, wire, inter-node): shared, never changed after (records read it; a
+        sampled window alone takes DDP's timing)."""
+        window = self._plain_windows.get(sent)
+        if window is None:
+            window = self._plain_windows[sent] = CommWindow(sampled=False)
+            window.bytes_raw, window.bytes_wire, window.bytes_inter = sent
+        return window
 
     def _measure_ddp(self, steps: list[PendingStep]) -> None:
         """DDP's sampled communication time (a model it reduces in C++) onto this round's

@@ -8,7 +8,6 @@ needs none of this: it is ready at once.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -94,11 +93,3 @@ class ScalarWindow:
         if self._host is None:
             self._host = self.readback.value().tolist()  # host memory: already landed
         return self._host[offset : offset + count]
-
-
-def is_nonfinite(value: Any) -> bool:
-    """A logged scalar (already on the host) that is NaN or Inf."""
-    try:
-        return not math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False

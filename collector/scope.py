@@ -15,7 +15,7 @@ import torch
 from meshscope.collector.comm import CommWindow, step_comm_seconds
 from meshscope.collector.native import fast as _fast
 from meshscope.collector.probe import DeviceProbe
-from meshscope.collector.readback import ScalarWindow, is_nonfinite
+from meshscope.collector.readback import ScalarWindow
 from meshscope.collector.schema import StepRecord
 
 
@@ -59,7 +59,7 @@ class PendingStep:
         a2a = hops["expert_all_to_all"]
         if math.isfinite(a2a):  # the step waited for its expert all-to-all: communication too
             comm_total, comm_exposed = comm_total + a2a, comm_exposed + a2a
-        nonfinite = ",".join(sorted(k for k, v in scalars.items() if is_nonfinite(v)))
+        nonfinite = ",".join(sorted(k for k, v in scalars.items() if not math.isfinite(v)))
         mem = p.memory
         return StepRecord(
             run_id=run_id,
