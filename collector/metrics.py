@@ -252,8 +252,8 @@ class MeshscopeMetrics:
 class ExpertTable(Collector):
     """Rank 0's expert families (tokens, load ratio, imbalance), made at scrape time from the
     tokens counted so far and the latest window. A batch of windows costs a few array sums on
-    the service thread, whatever the model's size: as labelled series, each batch updated two
-    a (layer, expert), 5.6 ms a batch at 48 layers x 64 experts."""
+    the service thread, whatever the model's size: as labelled series, a batch updated two
+    series per (layer, expert), 5.6 ms a batch at 48 layers x 64 experts."""
 
     TOKENS = ("meshscope_expert_tokens", "Tokens routed to an expert, summed over ranks.")
     LOAD = (

@@ -171,3 +171,26 @@ def test_windows_are_summed_a_group_at_a_time_and_a_one_rank_flush_keeps_the_ran
     load = results[0]["load"]
     assert list(load.index) == list(range(60))
     assert all(load[step] == [2 * step, 2, 0, 1] for step in range(60)), load
+
+
+def test_a_rank_proposes_the_windows_two_seconds_hold_at_its_recent_pace(monkeypatch):
+    """A group carries about GROUP_S of windows (one all-reduce wakes gloo's threads once in
+    that time), at the pace of the last GROUP_S seconds: not a round's worth, not a backlog."""
+    from meshscope.collector import expert_counts
+
+    now = [100.0]
+    monkeypatch.setattr(expert_counts.time, "monotonic", lambda: now[0])
+    counts = expert_counts.ExpertCounts(every=5)
+    proposals = []
+    for _ in range(20):  # 16 windows a second, a round every 0.5 s
+        now[0] += 0.5
+        proposals.append(counts._propose(8))
+    assert proposals[-1] == 32 == expert_counts.GROUP_S * 16
+    for _ in range(8):  # the pace drops to 1 window a second: so does the proposal, within ~2 s
+        now[0] += 0.5
+        proposals.append(counts._propose(1 if len(proposals) % 2 else 0))
+    assert proposals[-1] == 2, proposals
+    now[0] += 60.0  # a long stall: at least one window
+    assert counts._propose(0) == 1
+    now[0] += 0.5
+    assert counts._propose(10**6) == expert_counts.MAX_GROUP  # a burst is clamped
