@@ -42,8 +42,9 @@ class MonitorSettings(BaseModel):
         5,
         gt=0,
         le=10**6,
-        description="sum expert load over ranks every N steps, one small all-reduce (an expert "
-        "alarm can come up to N-1 steps after the fault)",
+        description="steps per expert-load window, summed over ranks in one small all-reduce (an "
+        "expert alarm can come up to N-1 steps after the fault; on the host, where nothing in the "
+        "loop listens, the service thread sums about 2 s of windows at once: up to ~2 s more)",
     )
     sync_every: int = Field(
         10,
