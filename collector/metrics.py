@@ -10,7 +10,6 @@ import functools
 import math
 import threading
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any
 
 import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -280,11 +279,13 @@ class ExpertTable(Collector):
 
     def describe(self) -> Iterator[Metric]:
         """The families, without samples (what registering checks names against)."""
-        return iter(self._families()[:3])
+        return iter(self._families())
 
     def collect(self) -> Iterator[Metric]:
         """The families with a sample a (layer, expert) seen so far."""
-        tokens, load, imbalance, totals, latest = self._families()
+        tokens, load, imbalance = self._families()
+        with self._lock:
+            totals, latest = self._totals, self._latest
         if totals is not None and latest is not None:
             for (layer, expert), count in np.ndenumerate(totals):
                 tokens.add_metric([str(layer), str(expert)], float(count))
@@ -299,15 +300,12 @@ class ExpertTable(Collector):
                     imbalance.add_metric([str(layer)], float(row.max() / (total / experts)))
         yield from (tokens, load, imbalance)
 
-    def _families(self) -> tuple[Any, Any, Any, np.ndarray | None, np.ndarray | None]:
-        with self._lock:
-            totals, latest = self._totals, self._latest
+    def _families(self) -> tuple[CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        """The three families, empty."""
         return (
             CounterMetricFamily(*self.TOKENS, labels=["layer", "expert"]),
             GaugeMetricFamily(*self.LOAD, labels=["layer", "expert"]),
             GaugeMetricFamily(*self.IMBALANCE, labels=["layer"]),
-            totals,
-            latest,
         )
 
 
