@@ -11,18 +11,21 @@ Monitor's `record_every_s`): its service thread makes records a batch at a time,
 shorter than that would hold a batch round in one block of several, which a median leaves out.
 
 Printed per configuration:
-- `on/off`: a watched block's mean step time over the plain block's in the same rotation, the
-  median over blocks, with a 95 % bootstrap interval over blocks (target <= 1.01; the interval
-  says whether this many alternations resolve 1 %). The mean, so the one step in ten that
-  writes the window's records counts;
-- `cpu on/off`: the same for the process's CPU time a step (every thread of a rank). Waiting
+- `on/plain`: a watched block's mean step time over the mean of the two plain blocks in the
+  same rotation, the median over blocks, with a 95 % bootstrap interval over blocks (target
+  <= 1.01; the interval says whether this many alternations resolve 1 %). Both plain blocks
+  run the same plain code, so their mean halves the baseline's share of the noise (the
+  interval narrows by about a quarter); `on/off`, over the first plain block alone, is how
+  earlier runs read it. The mean step, so the one step in ten that writes the window's
+  records counts;
+- `cpu on/plain`: the same for the process's CPU time a step (every thread of a rank). Waiting
   and the hypervisor's steal are out of it, so it resolves finer; what the Monitor costs
   beyond its own entry points (caches it evicts, threads it wakes) is in it. The Monitor's
   threads (its service thread, the store writer, the responder, DDP's figure) record a
   watched block's steps up to `record_every_s` later, partly while the next, plain, block
   runs: what they spend in any block is moved onto the latest watched block, so a plain block
   never carries the Monitor's work and the ratio is not flattered by it;
-- `cpu on-off`: where the CPU difference sits, µs a step with 95 % intervals: the training
+- `cpu on-plain`: where the CPU difference sits, µs a step with 95 % intervals: the training
   thread's own clock, and the threads that are neither it nor the Monitor's (gloo's,
   autograd's), which no account meters;
 - `control`: the second plain block over the first, likewise: the same code, so this is the
@@ -44,10 +47,12 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
 import math
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from _common import machine, run_ranks
 
@@ -196,6 +201,7 @@ def empty_bodies() -> None:
     comm.BackwardWatch._on_reduced = lambda self: None
 
 
+PAIRS = (("on", "plain"), ("control", "off"))  # what each printed ratio reads against (module doc)
 DDP_SAMPLE_RATE = 100  # DDP's own rate of timed iterations (kDDPRuntimeLoggingSampleRate)
 
 
@@ -422,14 +428,15 @@ def _steps_for(block_s: float, step_s: float, least: int) -> int:
 
 
 def ratio_interval(
-    results: list[dict], mode: str, draws: int = 4000, figure: str = "blocks"
+    results: list[dict], mode: str, draws: int = 4000, figure: str = "blocks", over: str = "plain"
 ) -> tuple[float, float, float]:
-    """The median over blocks of `mode`'s figure over the plain block's in the same rotation
-    (`blocks`: the mean step time; `cpu`: the CPU time a step; ranks averaged, they step in
-    lockstep), with a 95 % bootstrap interval: whether the alternations resolve 1 %."""
+    """The median over blocks of `mode`'s figure over `over`'s in the same rotation (`blocks`:
+    the mean step time; `cpu`: the CPU time a step; ranks averaged, they step in lockstep),
+    with a 95 % bootstrap interval: whether the alternations resolve 1 %. `over="plain"`: the
+    mean of the rotation's two plain blocks (module doc)."""
     import numpy as np
 
-    ratios = np.mean([np.divide(r[figure][mode], r[figure]["off"]) for r in results], axis=0)
+    ratios = np.mean([np.divide(r[figure][mode], _baseline(r[figure], over)) for r in results], axis=0)
     rng = np.random.default_rng(0)
     medians = np.median(rng.choice(ratios, size=(draws, ratios.size)), axis=1)
     low, high = np.percentile(medians, [2.5, 97.5])
@@ -437,21 +444,30 @@ def ratio_interval(
 
 
 def difference_interval(results: list[dict], figure: str, draws: int = 4000) -> tuple[float, float, float]:
-    """The median over blocks of a watched block's `figure` less the plain block's in the same
-    rotation (seconds a step, ranks averaged), with a 95 % bootstrap interval."""
+    """The median over blocks of a watched block's `figure` less the mean of the two plain
+    blocks' in the same rotation (seconds a step, ranks averaged), with a 95 % bootstrap
+    interval."""
     import numpy as np
 
-    diffs = np.mean([np.subtract(r[figure]["on"], r[figure]["off"]) for r in results], axis=0)
+    diffs = np.mean([np.subtract(r[figure]["on"], _baseline(r[figure], "plain")) for r in results], axis=0)
     rng = np.random.default_rng(0)
     medians = np.median(rng.choice(diffs, size=(draws, diffs.size)), axis=1)
     low, high = np.percentile(medians, [2.5, 97.5])
     return float(np.median(diffs)), float(low), float(high)
 
 
+def _baseline(blocks: dict, over: str):
+    """Per rotation, what a figure is read against: one block's (`off`), or the mean of the two
+    plain blocks (`plain`)."""
+    import numpy as np
+
+    if over == "plain":
+        return (np.asarray(blocks["off"]) + np.asarray(blocks["control"])) / 2
+    return np.asarray(blocks[over])
+
+
 def _settings(ap: argparse.ArgumentParser, pairs: list[str]) -> dict:
     """`--set` pairs as Monitor settings, refused by name before anything starts."""
-    import json
-
     from pydantic import ValidationError
 
     from meshscope.collector.monitor_config import MonitorSettings
@@ -528,6 +544,9 @@ def main() -> None:
         metavar="KNOB=VALUE",
         help="a Monitor setting (`meshscope config`: monitor.*), e.g. memory_every=10: what it costs",
     )
+    ap.add_argument(
+        "--dump", metavar="PATH", help="write each rank's per-block figures as JSON (d_model -> ranks)"
+    )
     args = ap.parse_args()
     if args.account_steps < 1:
         ap.error("--account-steps must be at least 1")
@@ -538,6 +557,7 @@ def main() -> None:
         f"ranks={args.ranks} models={args.models} blocks={args.blocks} of at least {args.block_steps} "
         "steps per mode per rank"
     )
+    dumped: dict[str, list[dict]] = {}
     for width, bucket_mb in itertools.product(args.d_model, args.bucket_mb):
         with tempfile.TemporaryDirectory() as d:
             results = run_ranks(
@@ -557,20 +577,24 @@ def main() -> None:
                 python_only=args.python_only,
                 block_s=args.block_s if args.block_s is not None else record_every(settings),
             )
+        if args.dump:
+            figures = ("blocks", "cpu", "train", "other")
+            dumped[f"{width}/{bucket_mb}"] = [{k: r[k] for k in figures} for r in results]
+            Path(args.dump).write_text(json.dumps(dumped))
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
-        on, control = ratio_interval(results, "on"), ratio_interval(results, "control")
-        cpu_on, cpu_control = (ratio_interval(results, m, figure="cpu") for m in ("on", "control"))
+        on, control = ratio_interval(results, "on"), ratio_interval(results, "control", over="off")
+        cpu_on, cpu_control = (ratio_interval(results, m, figure="cpu", over=o) for m, o in PAIRS)
+        on_off, cpu_on_off = (ratio_interval(results, "on", figure=f, over="off") for f in ("blocks", "cpu"))
         parts = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in results[0]["parts"].items())
         print(
             f"d_model={width:4d} layers={args.layers} bucket={bucket_mb:5.2f} MB  "
             f"step on {med['on'] * 1e3:7.2f} ms  off {med['off'] * 1e3:7.2f} ms  "
             f"blocks of {results[0]['block_steps']} steps\n"
-            f"    on/off {on[0]:.4f} [{on[1]:.4f}, {on[2]:.4f}]  control {control[0]:.4f} "
-            f"[{control[1]:.4f}, {control[2]:.4f}]  (block means, 95 % interval; target <= 1.01)\n"
-            f"    cpu on/off {cpu_on[0]:.4f} [{cpu_on[1]:.4f}, {cpu_on[2]:.4f}]  "
-            f"control {cpu_control[0]:.4f} [{cpu_control[1]:.4f}, {cpu_control[2]:.4f}]  "
-            "(CPU time a step, every thread of a rank)\n"
-            f"    cpu on-off, us/step: training thread {_us(difference_interval(results, 'train'))}, "
+            f"    on/plain {_ratio(on)}  control {_ratio(control)}  (block means, 95 % interval; "
+            f"target <= 1.01)  on/off {_ratio(on_off)}\n"
+            f"    cpu on/plain {_ratio(cpu_on)}  control {_ratio(cpu_control)}  "
+            f"(CPU time a step, every thread of a rank)  cpu on/off {_ratio(cpu_on_off)}\n"
+            f"    cpu on-plain, us/step: training thread {_us(difference_interval(results, 'train'))}, "
             f"other threads (gloo's, autograd's) {_us(difference_interval(results, 'other'))}\n"
             f"    account, us/step (metered): {parts}"
         )
@@ -589,6 +613,10 @@ def main() -> None:
             f"    cost {(net + beside) * 1e6:6.0f} us/step = {(net + beside) / med['off']:.2%} of the plain "
             "step: the training thread less the meter and the threads beside it"
         )
+
+
+def _ratio(figure: tuple[float, float, float]) -> str:
+    return f"{figure[0]:.4f} [{figure[1]:.4f}, {figure[2]:.4f}]"
 
 
 def _us(figure: tuple[float, float, float]) -> str:

@@ -168,14 +168,7 @@ class ExpertCounts:
         forward). One stack and one sum when every forward ran every layer."""
         if not noted:
             return None
-        changed = [layer for layer, counts, seen in noted if seen is not None and counts._version != seen]
-        if changed and not self._warned:
-            self._warned = True
-            log.warning(
-                "meshscope: MoE layer %d changed expert_token_counts in place after handing them "
-                "out as new; its window's load is read as it is now",
-                changed[0],
-            )
+        self._warn_changed(noted)
         parts = [_whole(counts) for _, counts, _ in noted]
         layers = len(self.layers)
         if len(noted) % layers == 0 and all(n[0] == i % layers for i, n in enumerate(noted)):
@@ -184,6 +177,17 @@ class ExpertCounts:
         for layer in {n[0] for n in noted}:
             acc[layer] = torch.stack([p for p, n in zip(parts, noted) if n[0] == layer]).sum(0)
         return acc
+
+    def _warn_changed(self, noted: list[tuple[int, torch.Tensor, int | None]]) -> None:
+        """Say once that a layer changed counts in place after handing them out as new."""
+        changed = [layer for layer, counts, seen in noted if seen is not None and counts._version != seen]
+        if changed and not self._warned:
+            self._warned = True
+            log.warning(
+                "meshscope: MoE layer %d changed expert_token_counts in place after handing them "
+                "out as new; its window's load is read as it is now",
+                changed[0],
+            )
 
     def step_ended(self, step: int) -> None:
         """Settle the sum started a step ago; start this window's when `step` closes one."""
@@ -278,15 +282,44 @@ class ExpertCounts:
     def _start_group(self, size: int, proposal: int) -> None:
         """Sum `size` handed windows over ranks in one all-reduce, with this rank's proposal
         for the next group's size at its end (`_propose`)."""
-        windows = [self._handed.popleft() for _ in range(size)]
-        accs = [(step, acc) for step, noted in windows if (acc := self._window_acc(noted)) is not None]
-        if not accs:  # no MoE forward yet: on every rank alike (they step together)
+        summed = self._group_tables([self._handed.popleft() for _ in range(size)], proposal)
+        if summed is None:  # no MoE forward yet: on every rank alike (they step together)
             return
-        stacked = torch.cat(
-            [acc.reshape(-1) for _, acc in accs] + [torch.tensor([proposal], dtype=EXPERT_COUNT_DTYPE)]
-        )
-        work = start_sum(self.control.service_group, stacked, EXPERT_LOAD_SITE, accs[-1][0])
-        self._group_sum = ([(step, acc.shape) for step, acc in accs], stacked, work)
+        steps, stacked = summed
+        work = start_sum(self.control.service_group, stacked, EXPERT_LOAD_SITE, steps[-1])
+        shape = self._like.shape  # type: ignore[union-attr]  (set by `_group_tables`)
+        self._group_sum = ([(step, shape) for step in steps], stacked, work)
+
+    def _group_tables(
+        self, windows: list[tuple[int, list[tuple[int, torch.Tensor, int | None]]]], proposal: int
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The windows' tables ([layer, expert] each, one after another) and `proposal` after
+        them, flat, with the steps that closed them: one stack and one indexed add for the
+        whole group (a stack and a sum a window cost the service thread ~35 us each on a busy
+        host). As `_window_acc`: a window without a MoE forward joins with zeros once one came
+        before; None when none has yet."""
+        layers = len(self.layers)
+        steps: list[int] = []
+        parts: list[torch.Tensor] = []
+        rows: list[int] = []
+        for step, noted in windows:
+            if not noted and not parts and self._like is None:
+                continue
+            self._warn_changed(noted)
+            rows.extend(len(steps) * layers + layer for layer, _, _ in noted)
+            parts.extend(_whole(counts) for _, counts, _ in noted)
+            steps.append(step)
+        if not steps:
+            return None
+        experts = parts[0].numel() if parts else self._like.shape[-1]  # type: ignore[union-attr]
+        flat = torch.zeros(len(steps) * layers * experts + 1, dtype=EXPERT_COUNT_DTYPE)
+        tables = flat[:-1].view(len(steps), layers, experts)
+        if parts:  # every forward's counts into its window's row of its layer
+            counts = torch.stack(parts).view(len(parts), -1)
+            tables.view(-1, experts).index_add_(0, torch.tensor(rows), counts)
+        flat[-1] = proposal
+        self._like = tables[-1]
+        return steps, flat
 
     def _land(self, windows: list[tuple[int, torch.Size]], stacked: torch.Tensor, work: Any) -> None:
         """A group's sum is done: each window's table to the host reads, and the next group's

@@ -194,3 +194,48 @@ def test_a_rank_proposes_the_windows_two_seconds_hold_at_its_recent_pace(monkeyp
     assert counts._propose(0) == 1
     now[0] += 0.5
     assert counts._propose(10**6) == expert_counts.MAX_GROUP  # a burst is clamped
+
+
+def test_a_groups_tables_are_each_windows_own_sum_whichever_layers_ran():
+    """The service thread sums a group in one stack and one indexed add (`_group_tables`): each
+    window's table equals the window's own sum (`_window_acc`, the training thread's path), for
+    windows before any MoE forward (left out), windows where a layer did not run, float counts,
+    and empty windows after a forward (zeros), with the proposal after the tables."""
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from meshscope.collector.expert_counts import EXPERT_COUNT_DTYPE, ExpertCounts
+
+    layers, experts = 3, 4
+    forward = st.lists(st.integers(0, layers - 1), unique=True).map(sorted)  # the layers that ran
+    window = st.lists(st.tuples(forward, st.booleans()), max_size=3)  # (layers, counts as float)
+
+    def noted(spec, rng):
+        return [
+            (layer, torch.tensor(rng.integers(0, 50, experts), dtype=torch.float32 if f else torch.int64), 7)
+            for ran, f in spec
+            for layer in ran
+        ]
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(window, min_size=1, max_size=6), st.integers(1, 64), st.integers(0, 2**31))
+    def check(specs, proposal, seed):
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        windows = [(step, noted(spec, rng)) for step, spec in enumerate(specs)]
+        fused, alone = ExpertCounts(every=1), ExpertCounts(every=1)
+        fused.layers = alone.layers = [torch.nn.Identity()] * layers
+        expected = [(step, acc) for step, n in windows if (acc := alone._window_acc(n)) is not None]
+        got = fused._group_tables(windows, proposal)
+        if not expected:
+            assert got is None
+            return
+        steps, flat = got
+        assert steps == [step for step, _ in expected]
+        assert flat.dtype == EXPERT_COUNT_DTYPE and int(flat[-1]) == proposal
+        assert torch.equal(flat[:-1], torch.cat([acc.reshape(-1) for _, acc in expected]))
+        assert fused._like.shape == (layers, experts)
+
+    check()
