@@ -86,14 +86,15 @@ class MonitorSettings(BaseModel):
         "(the hang watchdog reads them as progress)",
     )
     record_every_s: float = Field(
-        0.5,
+        1.0,
         gt=0,
         le=600,
         description="how often the service thread turns finished steps into records, gauges and "
         "store rows, a batch at a time (a round's fixed part, cold after the step's compute, is "
-        "paid once a batch: 0.5 s costs ~25 % less on that thread than every 0.2 s); flush() and "
-        "close() do it at once. Alerts wait for it: a 1 s scrape paged a 4x straggler 5.2 s "
-        "after it began at 0.2 s, 6.4 s at 0.5 s and at 1 s (`benchmarks/alert_latency.py`)",
+        "paid once a batch: 1 s costs that thread ~15 % less than 0.5 s at d_model 64 and ~10 % "
+        "at 256); flush() and close() do it at once. Alerts wait for it: a 1 s scrape paged a 4x "
+        "straggler 5.2 s after it began at 0.2 s, 6.4 s at 0.5 s and at 1 s "
+        "(`benchmarks/alert_latency.py`)",
     )
     flight_log: bool = Field(
         True,
