@@ -1,7 +1,8 @@
 """The Monitor's service thread: the steps the training thread finished become records, gauges
 and store rows, in step order, a batch at a time (`monitor.record_every_s`); between batches
-its rounds (`monitor.drain_interval_s`) write the flight log's step ends, the hang watchdog's
-progress. It also commits the store the Monitor built (no writer thread of its own).
+its rounds (`monitor.drain_interval_s`) write the flight log's step ends (the reductions each
+completed, the typical step time; a step's progress is written as it ends). It also commits
+the store the Monitor built (no writer thread of its own).
 
 The training thread hands over marks and references only: a `PendingStep` from the Python path
 (a device's steps, or where C was not built), or a tuple from C (`collector/csrc/`: host steps).
@@ -41,7 +42,7 @@ class StepDrain(Service):
         # A round that makes records pays a fixed part each time (the gauges, DDP's figure, the
         # expert windows' sums, all cold after the step's compute): records are made once every
         # `record_every_s`, a batch of steps at a time. The flight log's step ends are written
-        # every round: the hang watchdog reads them as progress.
+        # every round: the records of the reductions they completed.
         self.record_every_s = record_every_s
         self._recorded_at = time.monotonic()
         self._lock = threading.Lock()  # rounds against flush and close

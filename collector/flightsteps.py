@@ -1,8 +1,10 @@
 """The flight log's step marks: the step a rank is in, its progress and typical step time
 (what the hang watchdog scales its patience by), and the records of DDP's reduction that each
-step completes. On the host the training thread queues these, and the Monitor's drain writes
-them within its round (`defer_ends`); C's untimed steps leave their reduction's record itself
-to the drain (`write_opens`)."""
+step completes. On the host a step's end writes its progress at once (two numbers in the
+header, in C or here: the watchdog's progress is as fresh as the step whatever the drain's
+cadence) and queues the rest, which the Monitor's drain writes within its round
+(`defer_ends`); C's untimed steps leave their reduction's record itself to the drain
+(`write_opens`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 from meshscope.collector.flightread import DEVICE_STEP_OFFSET, PROGRESS_OFFSET, STEP_OFFSET, STEP_S_OFFSET
 
 _STEP = struct.Struct("<q")
+_TIME = struct.Struct("<d")
 
 
 class StepMarks:
@@ -45,8 +48,9 @@ class StepMarks:
     def step_end(self, mark: Any = None, reduced: Any = ()) -> None:
         """A step ended: progress, the typical step time the watchdog scales by, and the
         reductions it finished (`reduced`: their slots). On a device, `mark` (the step's end
-        event) says when the device ended it. On the host the times are taken now and, where
-        a service writes them (`defer_ends`: the Monitor's drain, within its round), queued."""
+        event) says when the device ended it. On the host the times are taken now, progress
+        written at once, and the rest queued where a service writes it (`defer_ends`: the
+        Monitor's drain, within its round)."""
         if self._polled:
             self.settle_polled()
         if self._device is not None and mark is not None:
@@ -54,8 +58,9 @@ class StepMarks:
                 self.reduction_done(slot)
             self._device.step_ended(self.step, mark)
             return
-        took = time.perf_counter() - self._step_started
-        self._ends.append((self.step, took, time.time(), reduced, self._written))
+        took, at = time.perf_counter() - self._step_started, time.time()
+        self._ends.append((self.step, took, at, reduced, self._written))
+        self.reached(self.step, at)
         if not self.defer_ends:
             self.settle_ends()
 
@@ -63,9 +68,11 @@ class StepMarks:
         """Write the step ends the training thread queued (`step_end`), oldest first. A slot
         the ring has given to a newer record since is left alone: its reduction is gone."""
         self.write_opens()
-        ends, last = self._ends, None
+        ends = self._ends
+        if not ends:
+            return
         while ends:
-            step, took, at, reduced, written = ends.popleft()
+            _, took, at, reduced, written = ends.popleft()
             for item in reduced:
                 if item.__class__ is tuple:  # an open C left to the drain: written above
                     slot, issued = self._opened.pop(item[:2], (-1, -self.capacity - 1))
@@ -74,9 +81,7 @@ class StepMarks:
                 if self._written - issued <= self.capacity:
                     self.reduction_done(slot, at)
             self._smooth(took)
-            last = (step, at)
-        if last is not None:  # the header says the latest: one write a round, not one a step
-            self._mark_progress(*last)
+        self._write_step_s()  # the header says the latest: one write a round, not one a step
 
     def write_opens(self) -> None:
         """Write the records C issued on the training thread and left to the drain, in the
@@ -99,7 +104,15 @@ class StepMarks:
         if took > 0:
             self._step_s = took if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * took
 
+    def reached(self, step: int, at: float) -> None:
+        """Step `step` ended at `at`: the watchdog's progress (C writes the same as its steps
+        end, `collector/csrc/`)."""
+        _TIME.pack_into(self._map, PROGRESS_OFFSET, at)
+        _STEP.pack_into(self._map, DEVICE_STEP_OFFSET, step)
+
+    def _write_step_s(self) -> None:
+        _TIME.pack_into(self._map, STEP_S_OFFSET, self._step_s)
+
     def _mark_progress(self, step: int, at: float) -> None:
-        struct.pack_into("<d", self._map, PROGRESS_OFFSET, at)
-        struct.pack_into("<d", self._map, STEP_S_OFFSET, self._step_s)
-        struct.pack_into("<q", self._map, DEVICE_STEP_OFFSET, step)
+        self.reached(step, at)
+        self._write_step_s()

@@ -42,7 +42,7 @@ from meshscope.collector.expert_counts import ExpertCounts
 from meshscope.collector.exporter import RANK_JOB, PortInUseError, port_for, serve_metrics, write_targets
 from meshscope.collector.flightfixed import ReductionRecord
 from meshscope.collector.flightlog import FlightLog
-from meshscope.collector.flightread import STEP_OFFSET
+from meshscope.collector.flightread import DEVICE_STEP_OFFSET, PROGRESS_OFFSET, STEP_OFFSET
 from meshscope.collector.metrics import MeshscopeMetrics
 from meshscope.collector.monitor_config import MonitorConfig
 from meshscope.collector.native import fast as _fast
@@ -95,7 +95,15 @@ class Monitor:
         self._steps = (
             None
             if _fast is None
-            else _fast.Steps(self, self._pending, self._detail_every, self._memory_every, STEP_OFFSET)
+            else _fast.Steps(
+                self,
+                self._pending,
+                self._detail_every,
+                self._memory_every,
+                STEP_OFFSET,
+                progress_offset=PROGRESS_OFFSET,  # a step's end writes its progress (`StepMarks.reached`)
+                reached_offset=DEVICE_STEP_OFFSET,
+            )
         )
         # the step state the entry points share (`collector.stepstate`): C's struct, or Python's
         self._state: Any = self._steps if self._steps is not None else StepState()

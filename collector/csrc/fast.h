@@ -85,6 +85,9 @@ typedef struct {
     long long step, tokens, next_tokens, detail_every, memory_every, comm_every;
     long long expert_layers, expert_every; /* the watched model's MoE layers, steps per window */
     Py_ssize_t step_offset;   /* where the flight log's header keeps the current step */
+    /* where it keeps the time and the step of the latest end (the watchdog's progress); -1:
+       the drain writes them */
+    Py_ssize_t progress_offset, reached_offset;
     double wall, start;
     int fast_ok;              /* the Monitor allows host steps in C (set by it) */
     int host_marks;           /* the Monitor's marks are perf_counter's: timed steps in C */
@@ -116,6 +119,7 @@ extern PyMethodDef callback_defs[4];     /* a timed step's backward callbacks (b
 int truthy_attr(PyObject *obj, PyObject *name);                               /* module.c */
 long long rss_bytes(void);                                                    /* module.c */
 PyObject *take_open(Steps *self);                                             /* handover.c */
+int set_flight_progress(Steps *self, long long step, double at);
 int flight_end(Steps *self, double end, PyObject *opened);
 int experts_end(Steps *self);
 int lock_take(PyObject *lock);                                                /* lock.c */

@@ -35,14 +35,14 @@ int flight_end(Steps *self, double end, PyObject *opened) {
         return -1;
     }
     /* (step, took, at, reduced slots, written): what `FlightLog.step_end` queues */
-    PyObject *entry = Py_BuildValue(
-        "(LddNN)", self->step, end - self->start, clock_seconds(CLOCK_REALTIME), slots, written);
+    double at = clock_seconds(CLOCK_REALTIME);
+    PyObject *entry = Py_BuildValue("(LddNN)", self->step, end - self->start, at, slots, written);
     if (entry == NULL) return -1;
     PyObject *r = PyObject_CallOneArg(self->ends_append, entry);
     Py_DECREF(entry);
     if (r == NULL) return -1;
     Py_DECREF(r);
-    return 0;
+    return set_flight_progress(self, self->step, at);
 }
 
 /* A window the service thread sums (`ExpertCounts._off_thread`, decided at the first window in

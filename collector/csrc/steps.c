@@ -56,12 +56,18 @@ static void steps_dealloc(Steps *self) {
 }
 
 static int steps_init(Steps *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"monitor", "pending", "detail_every", "memory_every", "step_offset", NULL};
+    static char *kwlist[] = {"monitor",     "pending",         "detail_every",   "memory_every",
+                             "step_offset", "progress_offset", "reached_offset", NULL};
     PyObject *mon, *pending;
     long long detail, memory;
-    Py_ssize_t offset;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLLn", kwlist, &mon, &pending, &detail, &memory, &offset))
+    Py_ssize_t offset, progress = -1, reached = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLLn|nn", kwlist, &mon, &pending, &detail, &memory, &offset,
+                                     &progress, &reached))
         return -1;
+    if ((progress < 0) != (reached < 0)) {
+        PyErr_SetString(PyExc_ValueError, "progress_offset and reached_offset come together");
+        return -1;
+    }
     if (detail < 1 || memory < 1) {
         PyErr_SetString(PyExc_ValueError, "detail_every and memory_every must be at least 1");
         return -1;
@@ -79,6 +85,8 @@ static int steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     self->detail_every = detail;
     self->memory_every = memory;
     self->step_offset = offset;
+    self->progress_offset = progress;
+    self->reached_offset = reached;
     self->step = -1;
     self->timing = 1;
     self->expert_sum_due = 1;
@@ -206,6 +214,24 @@ static int set_flight_step(Steps *self, long long step) {
     if (view.len >= self->step_offset + 8) {
         int64_t s = step;
         memcpy((char *)view.buf + self->step_offset, &s, 8);  /* little-endian hosts only (x86, arm) */
+    }
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+/* The step that ended and when, into the flight log's header at once (`StepMarks.reached`):
+   the hang watchdog's progress, as fresh as the step whatever the drain's cadence */
+int set_flight_progress(Steps *self, long long step, double at) {
+    Py_buffer view;
+    if (self->progress_offset < 0) return 0;
+    if (PyObject_GetBuffer(self->map, &view, PyBUF_WRITABLE) < 0) {  /* a closed log: nothing to tell */
+        PyErr_Clear();
+        return 0;
+    }
+    if (view.len >= self->progress_offset + 8 && view.len >= self->reached_offset + 8) {
+        int64_t s = step;
+        memcpy((char *)view.buf + self->progress_offset, &at, 8);  /* little-endian hosts only */
+        memcpy((char *)view.buf + self->reached_offset, &s, 8);
     }
     PyBuffer_Release(&view);
     return 0;

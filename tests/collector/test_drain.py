@@ -4,6 +4,8 @@ every round (`drain_interval_s`), the store committed by the same thread."""
 import contextlib
 import time
 
+import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from meshscope.collector import Monitor, MonitorConfig
@@ -43,6 +45,7 @@ def test_records_wait_for_their_batch_while_the_flight_log_shows_progress_every_
         flight = mon.flight.path
         assert _wait_for(lambda: read_flight(flight, last=0).device_step == 2), "progress not written"
         assert read_flight(flight, last=0).progress_t > 0
+        assert _wait_for(lambda: read_flight(flight, last=0).step_s > 0), "the typical step not written"
         time.sleep(0.2)  # rounds went by: the steps wait for their batch
         assert len(mon._pending) == 3
         mon.flush()
@@ -58,3 +61,32 @@ def test_a_batch_is_recorded_and_committed_by_the_service_thread_without_a_flush
         mon.event("info")
         assert _wait_for(lambda: list(load_steps(mon.config.run_dir)["step"]) == [0, 1, 2], timeout_s=5.0)
         assert "info" in list(load_events(mon.config.run_dir)["kind"])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C", "Python"])
+def test_a_steps_end_writes_its_progress_without_waiting_for_a_round(tmp_path, monkeypatch, native):
+    """The hang watchdog's progress is written as a step ends, in C and in Python, not by the
+    drain's next round (`drain_interval_s`): a watchdog reads it as fresh as the step."""
+    from meshscope.collector import comm, flightlog, monitor
+
+    if not native:
+        for module in (comm, flightlog, monitor):
+            monkeypatch.setattr(module, "_fast", None)
+    rounds = {"drain_interval_s": 60, "record_every_s": 60}  # no round comes in this test
+    config = MonitorConfig(run_dir=tmp_path / "run", metrics_port=None, **rounds)
+    mon = Monitor(config, registry=CollectorRegistry())
+    try:
+        model = mon.watch(torch.nn.Linear(2, 2))  # a host model: C may take its steps
+        kinds = []
+        for i in range(3):  # the first step describes the run in Python: C takes the next
+            before = time.time()
+            with mon.step(tokens=8) as scope:
+                kinds.append(type(scope).__name__)
+                model(torch.ones(1, 2))
+            head = read_flight(mon.flight.path, last=0)
+            assert head.device_step == i
+            assert before <= head.progress_t <= time.time()
+        assert ("Steps" in kinds) is native, kinds
+        assert head.step_s == 0.0  # the typical step time is the drain's: no round came
+    finally:
+        mon.close()
