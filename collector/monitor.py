@@ -92,19 +92,7 @@ class Monitor:
         # steps the training thread finished, oldest first: it appends, the drain pops
         self._pending: deque[PendingStep | tuple] = deque()  # a tuple: a step C took
         # Host steps run in C (`_route_steps`): `mon.step` is then its context
-        self._steps = (
-            None
-            if _fast is None
-            else _fast.Steps(
-                self,
-                self._pending,
-                self._detail_every,
-                self._memory_every,
-                STEP_OFFSET,
-                progress_offset=PROGRESS_OFFSET,  # a step's end writes its progress (`StepMarks.reached`)
-                reached_offset=DEVICE_STEP_OFFSET,
-            )
-        )
+        self._steps = self._c_steps() if _fast is not None else None
         # the step state the entry points share (`collector.stepstate`): C's struct, or Python's
         self._state: Any = self._steps if self._steps is not None else StepState()
         if self._steps is not None:
@@ -303,6 +291,13 @@ class Monitor:
     @_step.setter
     def _step(self, step: int) -> None:
         self._state.current = step
+
+    def _c_steps(self) -> Any:
+        """C's steps (`collector/csrc/`), writing the step and, as one ends, its progress into
+        the flight log's header (`StepMarks.reached`)."""
+        every = (self._detail_every, self._memory_every)
+        offsets = {"progress_offset": PROGRESS_OFFSET, "reached_offset": DEVICE_STEP_OFFSET}
+        return _fast.Steps(self, self._pending, *every, STEP_OFFSET, **offsets)
 
     def _route_steps(self) -> None:
         """Let untimed steps run in C where they can: on the host, with every logged value

@@ -15,6 +15,8 @@ from fixtures.runs import REPO, meshscope
 from meshscope.collector.store import load_events, load_steps
 from tests.conftest import require_binary
 
+README_STEPS = 2000  # ~2 ms a step here: several of the Monitor's batches (`record_every_s`)
+
 
 def readme_script() -> str:
     """The first python block under "Your own training loop"."""
@@ -42,7 +44,8 @@ def test_the_readme_loop_runs_and_meshscope_reads_it(tmp_path):
     script.write_text(readme_script())
     port = free_port_range(2)
     run = tmp_path / "my-run"
-    env = dict(os.environ, RUN_DIR=str(run), METRICS_PORT=str(port), STEPS="400")
+    # long enough that /metrics is read while it runs: records come a batch a second
+    env = dict(os.environ, RUN_DIR=str(run), METRICS_PORT=str(port), STEPS=str(README_STEPS))
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
         cwd=tmp_path,
@@ -66,11 +69,11 @@ def test_the_readme_loop_runs_and_meshscope_reads_it(tmp_path):
     assert re.search(r"^meshscope_loss \d", body, re.M), "the loop logs its loss"
     assert "meshscope_grad_norm" not in body  # never logged: absent, not NaN
     # the store: every step of both ranks, and a run that started and ended
-    assert load_steps(run).groupby("rank")["step"].max().tolist() == [399, 399]
+    assert load_steps(run).groupby("rank")["step"].max().tolist() == [README_STEPS - 1] * 2
     events = load_events(run)
     start, end = (events[events["kind"] == k] for k in ("run_start", "run_end"))
     assert len(start) == 1 and start.iloc[0]["detail"]["backend"] == "gloo"
-    assert len(end) == 1 and end.iloc[0]["detail"]["steps"] == 400
+    assert len(end) == 1 and end.iloc[0]["detail"]["steps"] == README_STEPS
     # a clean run has no hang, and the summary reads it as finished
     report = meshscope("hang-report", "--run", str(run), "--json")
     assert report.returncode == 0 and '"type": "none"' in report.stdout, report.stdout + report.stderr
