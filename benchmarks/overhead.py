@@ -582,8 +582,9 @@ def main() -> None:
             dumped[f"{width}/{bucket_mb}"] = [{k: r[k] for k in figures} for r in results]
             Path(args.dump).write_text(json.dumps(dumped))
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
-        on, control = ratio_interval(results, "on"), ratio_interval(results, "control", over="off")
-        cpu_on, cpu_control = (ratio_interval(results, m, figure="cpu", over=o) for m, o in PAIRS)
+        (on, control), (cpu_on, cpu_control) = (
+            [ratio_interval(results, m, figure=f, over=o) for m, o in PAIRS] for f in ("blocks", "cpu")
+        )
         on_off, cpu_on_off = (ratio_interval(results, "on", figure=f, over="off") for f in ("blocks", "cpu"))
         parts = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in results[0]["parts"].items())
         print(

@@ -97,7 +97,8 @@ class StepMarks:
         """Step `step` is finished (by the host, or by the device) and took `took` seconds
         (0: unknown, the first step a device reports); `at`: when (default now)."""
         self._smooth(took)
-        self._mark_progress(step, time.time() if at is None else at)
+        self.reached(step, time.time() if at is None else at)
+        self._write_step_s()
 
     def _smooth(self, took: float) -> None:
         # a slow EMA: one slow step (a checkpoint) must not raise the stall threshold much
@@ -112,7 +113,3 @@ class StepMarks:
 
     def _write_step_s(self) -> None:
         _TIME.pack_into(self._map, STEP_S_OFFSET, self._step_s)
-
-    def _mark_progress(self, step: int, at: float) -> None:
-        self.reached(step, at)
-        self._write_step_s()
