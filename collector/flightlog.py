@@ -139,6 +139,9 @@ class FlightLog(StepMarks):
         # records C issued on the training thread for the drain to write (`StepMarks.write_opens`)
         self._opens: deque[tuple[str, int, bytes, int, float]] = deque()
         self._opened: dict[tuple[str, int], tuple[int, int]] = {}  # (name, seq) -> (slot, index)
+        # one writer of what was queued at a time, in queue order: the drain's round, or a
+        # stacks request that must not wait for it (`settle_ends`)
+        self._settling = threading.Lock()
         self.defer_ends = False  # True: a service calls `settle_ends` (the Monitor's drain)
         self._crash_file = None
         self._responder: StackResponder | None = None
@@ -384,7 +387,10 @@ class FlightLog(StepMarks):
 
     def write_stacks(self, request_id: str = "") -> Path:
         """Every thread's Python stack, the main thread first, for the watchdog; and the
-        backend's Flight Recorder where it keeps one."""
+        backend's Flight Recorder where it keeps one. The records and step ends the training
+        thread queued are written first: the tails the watchdog reads after its request are
+        as fresh as the request, whatever the drain's cadence."""
+        self.settle_ends()
         if self._recorder is not None:
             write_recorder_dump(self.path, request_id, self._recorder)
         return write_stacks(self.path, request_id, self.step)

@@ -31,6 +31,7 @@ class StepMarks:
     _opened: dict
     _written: int
     _lock: Any
+    _settling: Any
     capacity: int
     defer_ends: bool
 
@@ -67,10 +68,13 @@ class StepMarks:
     def settle_ends(self) -> None:
         """Write the step ends the training thread queued (`step_end`), oldest first. A slot
         the ring has given to a newer record since is left alone: its reduction is gone."""
-        self.write_opens()
+        with self._settling:
+            self.write_opens()
+            if self._ends:
+                self._write_ends()
+
+    def _write_ends(self) -> None:
         ends = self._ends
-        if not ends:
-            return
         while ends:
             _, took, at, reduced, written = ends.popleft()
             for item in reduced:
@@ -85,9 +89,10 @@ class StepMarks:
 
     def write_opens(self) -> None:
         """Write the records C issued on the training thread and left to the drain, in the
-        order issued (`collector/csrc/`: DDP's reduction opened by an untimed step's
-        forward, its sequence number taken then): each one's slot and index are kept for its
-        step's end. A rank stuck in that reduction has it written by the next round."""
+        order issued (`collector/csrc/`: DDP's reduction opened by an untimed step's forward,
+        its sequence number taken then): each one's slot and index are kept for its step's
+        end. A rank stuck in that reduction has it written by the next round, or by the
+        watchdog's stacks request. Under `_settling`."""
         while self._opens:
             name, seq, tail, step, issued = entry = self._opens.popleft()
             with self._lock:

@@ -90,3 +90,39 @@ def test_a_steps_end_writes_its_progress_without_waiting_for_a_round(tmp_path, m
         assert head.step_s == 0.0  # the typical step time is the drain's: no round came
     finally:
         mon.close()
+
+
+def _ddp_steps_then_stacks(rank: int, world_size: int, run_dir: str) -> tuple[list, list]:
+    """Three DDP steps with no round to come, then the watchdog's stacks request: the flight
+    log's DDP reductions before and after it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from meshscope.collector.env import DistEnv
+
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    rounds = {"drain_interval_s": 60, "record_every_s": 60}
+    mon = Monitor(MonitorConfig(run_dir=run_dir, metrics_port=None, **rounds), env=env)
+    ddp = mon.watch(DDP(torch.nn.Linear(2, 2)))
+    for _ in range(3):  # the first step describes the run in Python: C takes the next two
+        with mon.step(tokens=2):
+            ddp(torch.ones(1, 2)).sum().backward()
+
+    def reductions() -> list:
+        return [(r.step, r.state) for r in read_flight(mon.flight.path).records if "DDP" in r.site]
+
+    before = reductions()
+    mon.flight.write_stacks("probe")
+    after = reductions()
+    mon.close()
+    return before, after
+
+
+def test_a_stacks_request_writes_the_records_and_step_ends_queued_for_the_next_round(tmp_path):
+    """C leaves DDP's reduction record and the step's end to the drain's round; a watchdog that
+    asks for stacks reads them after its request, so they are written for it then, not a
+    round later (`drain_interval_s`)."""
+    from fixtures.dist import run_ranks
+
+    ((before, after),) = run_ranks(_ddp_steps_then_stacks, 1, run_dir=str(tmp_path))
+    assert len(before) < 3, before  # C's records wait for a round: none came
+    assert after == [(0, "completed"), (1, "completed"), (2, "completed")]
