@@ -40,6 +40,8 @@ Printed per configuration:
     .venv/bin/python benchmarks/overhead.py [--ranks 2 --models 3 --blocks 40 --block-steps 8 --block-s 1
         --layers 2]
         [--set KNOB=VALUE: a Monitor setting, e.g. memory_every=10, for what it costs]
+        [--dump PATH: every block's figures, as JSON]
+    .venv/bin/python benchmarks/overhead.py --pool A.json B.json   (dumps of one command, as one run)
 """
 
 from __future__ import annotations
@@ -547,7 +549,16 @@ def main() -> None:
     ap.add_argument(
         "--dump", metavar="PATH", help="write each rank's per-block figures as JSON (d_model -> ranks)"
     )
+    ap.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="PATH",
+        help="run nothing: read these --dump files of one command, run back to back, as one run "
+        "(more rotations, a narrower interval) and print its ratios",
+    )
     args = ap.parse_args()
+    if args.pool:
+        return pool(args.pool)
     if args.account_steps < 1:
         ap.error("--account-steps must be at least 1")
     settings = _settings(ap, args.set)
@@ -582,21 +593,11 @@ def main() -> None:
             dumped[f"{width}/{bucket_mb}"] = [{k: r[k] for k in figures} for r in results]
             Path(args.dump).write_text(json.dumps(dumped))
         med = {m: statistics.median(t for r in results for t in r[m]) for m in ("on", "off", "control")}
-        (on, control), (cpu_on, cpu_control) = (
-            [ratio_interval(results, m, figure=f, over=o) for m, o in PAIRS] for f in ("blocks", "cpu")
-        )
-        on_off, cpu_on_off = (ratio_interval(results, "on", figure=f, over="off") for f in ("blocks", "cpu"))
         parts = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in results[0]["parts"].items())
         print(
             f"d_model={width:4d} layers={args.layers} bucket={bucket_mb:5.2f} MB  "
             f"step on {med['on'] * 1e3:7.2f} ms  off {med['off'] * 1e3:7.2f} ms  "
-            f"blocks of {results[0]['block_steps']} steps\n"
-            f"    on/plain {_ratio(on)}  control {_ratio(control)}  (block means, 95 % interval; "
-            f"target <= 1.01)  on/off {_ratio(on_off)}\n"
-            f"    cpu on/plain {_ratio(cpu_on)}  control {_ratio(cpu_control)}  "
-            f"(CPU time a step, every thread of a rank)  cpu on/off {_ratio(cpu_on_off)}\n"
-            f"    cpu on-plain, us/step: training thread {_us(difference_interval(results, 'train'))}, "
-            f"other threads (gloo's, autograd's) {_us(difference_interval(results, 'other'))}\n"
+            f"blocks of {results[0]['block_steps']} steps\n{ratio_lines(results)}\n"
             f"    account, us/step (metered): {parts}"
         )
         entries = sorted(results[0]["entries"].items(), key=lambda kv: -kv[1][0])
@@ -614,6 +615,38 @@ def main() -> None:
             f"    cost {(net + beside) * 1e6:6.0f} us/step = {(net + beside) / med['off']:.2%} of the plain "
             "step: the training thread less the meter and the threads beside it"
         )
+
+
+def ratio_lines(results: list[dict]) -> str:
+    """The ratios and differences of a run's blocks, as printed (module doc)."""
+    (on, control), (cpu_on, cpu_control) = (
+        [ratio_interval(results, m, figure=f, over=o) for m, o in PAIRS] for f in ("blocks", "cpu")
+    )
+    on_off, cpu_on_off = (ratio_interval(results, "on", figure=f, over="off") for f in ("blocks", "cpu"))
+    return (
+        f"    on/plain {_ratio(on)}  control {_ratio(control)}  (block means, 95 % interval; "
+        f"target <= 1.01)  on/off {_ratio(on_off)}\n"
+        f"    cpu on/plain {_ratio(cpu_on)}  control {_ratio(cpu_control)}  "
+        f"(CPU time a step, every thread of a rank)  cpu on/off {_ratio(cpu_on_off)}\n"
+        f"    cpu on-plain, us/step: training thread {_us(difference_interval(results, 'train'))}, "
+        f"other threads (gloo's, autograd's) {_us(difference_interval(results, 'other'))}"
+    )
+
+
+def pool(paths: list[str]) -> None:
+    """`--pool`: several `--dump` files of one command read as one run, rank by rank: each
+    rank's blocks of every file, in order (a rotation's blocks stay together)."""
+    dumps = [json.loads(Path(p).read_text()) for p in paths]
+    print(f"pooled: {', '.join(paths)}")
+    for key in dumps[0]:
+        missing = [p for p, d in zip(paths, dumps) if key not in d or len(d[key]) != len(dumps[0][key])]
+        if missing:
+            raise SystemExit(f"--pool: {key} (d_model/bucket MB) is not in {missing} as in {paths[0]}")
+        pooled = [
+            {f: {m: [x for r in ranks for x in r[f][m]] for m in ranks[0][f]} for f in ranks[0]}
+            for ranks in zip(*(d[key] for d in dumps))
+        ]
+        print(f"d_model/bucket MB {key}: {len(pooled[0]['cpu']['on'])} rotations\n{ratio_lines(pooled)}")
 
 
 def _ratio(figure: tuple[float, float, float]) -> str:
