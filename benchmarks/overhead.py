@@ -558,7 +558,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.pool:
-        return pool(args.pool)
+        return pool(ap, args.pool)
     if args.account_steps < 1:
         ap.error("--account-steps must be at least 1")
     settings = _settings(ap, args.set)
@@ -633,15 +633,22 @@ def ratio_lines(results: list[dict]) -> str:
     )
 
 
-def pool(paths: list[str]) -> None:
+def pool(ap: argparse.ArgumentParser, paths: list[str]) -> None:
     """`--pool`: several `--dump` files of one command read as one run, rank by rank: each
-    rank's blocks of every file, in order (a rotation's blocks stay together)."""
-    dumps = [json.loads(Path(p).read_text()) for p in paths]
+    rank's blocks of every file, in order (a rotation's blocks stay together). A file that is
+    no dump, or lacks a configuration of the first, is refused (exit 2) before any is read."""
+    try:
+        dumps = [json.loads(Path(p).read_text()) for p in paths]
+    except (OSError, ValueError) as err:
+        ap.error(f"--pool: {err}")
+    if not all(isinstance(d, dict) and d for d in dumps):
+        ap.error(f"--pool: not every file of {paths} is a --dump of overhead.py")
+    for key in dumps[0]:
+        missing = [p for p, d in zip(paths, dumps) if len(d.get(key, ())) != len(dumps[0][key])]
+        if missing:
+            ap.error(f"--pool: {key} (d_model/bucket MB) is not in {missing} as in {paths[0]}")
     print(f"pooled: {', '.join(paths)}")
     for key in dumps[0]:
-        missing = [p for p, d in zip(paths, dumps) if key not in d or len(d[key]) != len(dumps[0][key])]
-        if missing:
-            raise SystemExit(f"--pool: {key} (d_model/bucket MB) is not in {missing} as in {paths[0]}")
         pooled = [
             {f: {m: [x for r in ranks for x in r[f][m]] for m in ranks[0][f]} for f in ranks[0]}
             for ranks in zip(*(d[key] for d in dumps))
